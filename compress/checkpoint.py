@@ -1,0 +1,118 @@
+"""Write and read HoloServe checkpoints from PyTorch/transformers models (the artifact contract's torch side)."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from holoserve.artifact import Artifact, ArtifactError, load_artifact, new_manifest, write_artifact
+from holoserve.tasks import Task
+
+# Tokenizer files copied from the base model folder when present; tokenizer.json is required.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+def task_manifest(task: Task) -> dict[str, Any]:
+    return {
+        "name": task.name,
+        "labels": list(task.labels),
+        "pair": task.is_pair,
+        "num_labels": task.num_labels,
+        "regression": task.is_regression,
+        "metrics": list(task.metrics),
+    }
+
+
+def set_label_config(model: nn.Module, task: Task) -> None:
+    cfg = model.config
+    if task.is_regression:
+        cfg.problem_type = "regression"
+        cfg.id2label, cfg.label2id = {0: "score"}, {"score": 0}
+    else:
+        cfg.problem_type = "single_label_classification"
+        cfg.id2label = dict(enumerate(task.labels))
+        cfg.label2id = {lab: i for i, lab in enumerate(task.labels)}
+
+
+def save_checkpoint(
+    model: nn.Module,
+    tokenizer_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    task: Task,
+    base_model: str,
+    max_seq_length: int,
+    sparse_layers: list[str] | None,
+    nm: tuple[int, int] = (2, 4),
+    weight_scales: Mapping[str, torch.Tensor] | None = None,
+    act_amax: Mapping[str, float] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    training: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Artifact:
+    """Save `model` (plain HF modules, weights already projected) as a validated checkpoint.
+
+    The writer re-reads the saved safetensors and proves every sparse layer is N:M and on its
+    INT8 grid before the folder appears at `out`.
+    """
+    tokenizer_dir = Path(tokenizer_dir)
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise ArtifactError(f"{tokenizer_dir} has no tokenizer.json (a fast tokenizer is required)")
+    set_label_config(model, task)
+    sparsity = None
+    if sparse_layers:
+        sparsity = {"pattern": f"{nm[0]}:{nm[1]}", "n": nm[0], "m": nm[1], "axis": "input", "layers": list(sparse_layers)}
+    quantization = None
+    if weight_scales:
+        quantization = {
+            "weights": {
+                "dtype": "int8",
+                "scheme": "symmetric",
+                "granularity": "per_output_channel",
+                "qmax": 127,
+                "scales": {k: [float(x) for x in v.detach().float().cpu().tolist()] for k, v in weight_scales.items()},
+            },
+            "activations": None
+            if act_amax is None
+            else {
+                "dtype": "int8",
+                "scheme": "symmetric",
+                "granularity": "per_tensor",
+                "qmin": -128,
+                "qmax": 127,
+                "scale": "amax / 127",
+                "amax": {k: float(v) for k, v in act_amax.items()},
+            },
+        }
+    manifest = new_manifest(
+        base_model=base_model,
+        task=task_manifest(task),
+        max_seq_length=max_seq_length,
+        sparsity=sparsity,
+        quantization=quantization,
+        metrics=metrics,
+        training=training,
+    )
+    with tempfile.TemporaryDirectory(prefix="holoserve-save-") as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        files: dict[str, Any] = {"config.json": Path(tmp) / "config.json", "model.safetensors": Path(tmp) / "model.safetensors"}
+        if not files["model.safetensors"].is_file():
+            raise ArtifactError("save_pretrained did not write a single model.safetensors (sharded models are not supported)")
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                files[name] = tokenizer_dir / name
+        return write_artifact(out, manifest, files, overwrite=overwrite)
+
+
+def load_model(path: str | os.PathLike | Artifact, *, verify: bool = True):
+    """Load a checkpoint into a transformers model (eval mode). Returns (model, artifact)."""
+    from transformers import AutoModelForSequenceClassification
+
+    art = path if isinstance(path, Artifact) else load_artifact(path, verify=verify)
+    model = AutoModelForSequenceClassification.from_pretrained(str(art.path), local_files_only=True)
+    model.eval()
+    return model, art

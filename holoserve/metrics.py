@@ -1,0 +1,56 @@
+"""GLUE metrics as pure numpy functions (no sklearn/scipy needed at serving time)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def accuracy(pred, gold) -> float:
+    pred, gold = np.asarray(pred), np.asarray(gold)
+    return float((pred == gold).mean())
+
+
+def f1(pred, gold, positive: int = 1) -> float:
+    pred, gold = np.asarray(pred) == positive, np.asarray(gold) == positive
+    tp = float(np.sum(pred & gold))
+    denom = float(np.sum(pred) + np.sum(gold))
+    return 0.0 if denom == 0 else 2 * tp / denom
+
+
+def mcc(pred, gold) -> float:
+    """Matthews correlation for binary labels; 0 when a row or column of the confusion matrix is empty."""
+    pred, gold = np.asarray(pred).astype(bool), np.asarray(gold).astype(bool)
+    tp = float(np.sum(pred & gold))
+    tn = float(np.sum(~pred & ~gold))
+    fp = float(np.sum(pred & ~gold))
+    fn = float(np.sum(~pred & gold))
+    denom = np.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    return 0.0 if denom == 0 else float((tp * tn - fp * fn) / denom)
+
+
+def pearson(pred, gold) -> float:
+    pred, gold = np.asarray(pred, dtype=np.float64), np.asarray(gold, dtype=np.float64)
+    if pred.std() == 0 or gold.std() == 0:
+        return 0.0
+    return float(np.corrcoef(pred, gold)[0, 1])
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Average ranks for ties, as Spearman requires."""
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x), dtype=np.float64)
+    ranks[order] = np.arange(len(x), dtype=np.float64)
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=ranks)
+    return sums[inverse] / counts[inverse]
+
+
+def spearman(pred, gold) -> float:
+    pred, gold = np.asarray(pred, dtype=np.float64), np.asarray(gold, dtype=np.float64)
+    return pearson(_ranks(pred), _ranks(gold))
+
+
+METRICS = {"accuracy": accuracy, "f1": f1, "mcc": mcc, "pearson": pearson, "spearman": spearman}
+
+
+def compute(names, pred, gold) -> dict[str, float]:
+    return {name: METRICS[name](pred, gold) for name in names}

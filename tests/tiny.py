@@ -1,0 +1,43 @@
+"""Tiny random BERT models and tokenizers built on the fly, for fast tests (no downloads)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+WORDS = (
+    "the a an and or but not no very too so is was are be good bad great awful fine movie film story "
+    "plot actor actors acting fun boring dull love loved hate hated best worst funny sad it this that "
+    "i you he she they we of to in on with for at by from as his her their its one two man woman "
+    "child dog cat horse car plane is playing riding taking off said company year new"
+).split()
+
+
+def make_tokenizer_dir(path: Path) -> Path:
+    """A WordPiece tokenizer.json + vocab.txt over a small vocabulary (uncased, BERT special tokens)."""
+    from tokenizers import BertWordPieceTokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789.,!?'\"-")
+    vocab = specials + sorted(set(WORDS)) + chars + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tok = BertWordPieceTokenizer(str(path / "vocab.txt"), lowercase=True)
+    tok.enable_truncation(max_length=512)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def make_tiny_bert(path: Path, num_labels: int = 2, hidden: int = 32, layers: int = 2, heads: int = 2,
+                   intermediate: int = 64, seed: int = 0) -> Path:
+    """A random BertForSequenceClassification folder (config.json, model.safetensors, tokenizer files)."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    make_tokenizer_dir(path)
+    vocab_size = len((path / "vocab.txt").read_text().split())
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=intermediate, max_position_embeddings=128, num_labels=num_labels,
+    )
+    BertForSequenceClassification(cfg).save_pretrained(str(path), safe_serialization=True)
+    return path
