@@ -1,0 +1,232 @@
+"""The torch-cuda backend: exact quantized math on CPU, and the real 2:4 INT8 path where CUDA is."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from compress.checkpoint import load_model, save_checkpoint  # noqa: E402
+from compress.layers import encoder_linear_names  # noqa: E402
+from compress.project import project  # noqa: E402
+from compress.quant import calibrate_amax, fake_quant_act, input_quantizers  # noqa: E402
+from holoserve.artifact import load_artifact  # noqa: E402
+from holoserve.backends import BackendUnavailable, load_backend  # noqa: E402
+from holoserve.backends import torch_cuda as tc  # noqa: E402
+from holoserve.tasks import get_task  # noqa: E402
+from tests.tiny import make_tiny_bert  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU with cuSPARSELt (none on this machine)")
+
+
+def _batches(vocab: int, n: int = 3, b: int = 4, s: int = 12, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(5, vocab, (b, s), generator=g)
+        mask = torch.ones(b, s, dtype=torch.long)
+        mask[1, s // 2:] = 0  # one padded row, like a real batch
+        ids[1, s // 2:] = 0
+        tt = torch.zeros(b, s, dtype=torch.long)
+        tt[:, s // 2:] = 1
+        out.append({"input_ids": ids, "attention_mask": mask, "token_type_ids": tt})
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny BERT projected onto 2:4 ∩ INT8, calibrated, saved as a real checkpoint."""
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("tc")
+    src = make_tiny_bert(root / "base", hidden=32, layers=2, heads=2, intermediate=64)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
+    layers = encoder_linear_names(model)
+    scales = {}
+    with torch.no_grad():
+        for name in layers:
+            mod = model.get_submodule(name)
+            p = project(mod.weight.data)
+            mod.weight.data.copy_(p.z)
+            scales[name] = p.scales
+    vocab = model.config.vocab_size
+    amax = calibrate_amax(model, layers, _batches(vocab, seed=1))
+    art = save_checkpoint(
+        model, src, root / "ckpt", task=get_task("sst2"), base_model="tiny", max_seq_length=32,
+        sparse_layers=layers, weight_scales=scales, act_amax=amax,
+    )
+    return art, vocab
+
+
+def test_quantize_activation_matches_fake_quant():
+    x = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 300.0, -300.0, 0.49, 126.6]) * 0.1
+    s = torch.tensor(0.1)
+    codes = tc.quantize_activation(x, s)
+    assert codes.dtype == torch.int8
+    # half to even, saturation to [-128, 127]
+    assert codes.tolist() == [0, 2, 2, 0, -2, 127, -128, 0, 127]
+    assert torch.equal(codes.float() * s, fake_quant_act(x, s))
+
+
+def test_weight_codes_recover_grid_exactly():
+    w = torch.randn(64, 32)
+    p = project(w)
+    codes = tc.weight_codes(p.z, p.scales)
+    assert codes.dtype == torch.int8 and int(codes.abs().max()) <= 127
+    assert torch.equal(codes.float() * p.scales.reshape(-1, 1), p.z)
+    # 2:4 survives: every group of 4 codes holds at least two zeros
+    assert int((codes.reshape(64, 8, 4) != 0).sum(-1).max()) <= 2
+
+
+def test_int8_linear_reference_is_integer_exact():
+    g = torch.Generator().manual_seed(0)
+    w = project(torch.randn(48, 64, generator=g)).z
+    scales = tc.weight_codes(w, torch.ones(48))  # dummy to exercise dtype
+    assert scales.dtype == torch.int8
+    p = project(torch.randn(48, 64, generator=g))
+    codes = tc.weight_codes(p.z, p.scales)
+    x = torch.randn(5, 7, 64, generator=g)
+    act = torch.tensor(3.0 / 127)
+    bias = torch.randn(48, generator=g)
+    y = tc.int8_linear_reference(x, codes, p.scales, act, bias)
+    assert y.shape == (5, 7, 48)
+    # integer accumulation checked against int64 arithmetic
+    xq = tc.quantize_activation(x.reshape(-1, 64), act).long()
+    acc = xq @ codes.long().t()
+    want = acc.float() * (p.scales * act) + bias
+    assert torch.allclose(y.reshape(-1, 48), want, rtol=1e-6, atol=1e-6)
+    # and it equals the fake-quant formulation up to float32 rounding
+    fq = torch.nn.functional.linear(fake_quant_act(x, act), p.z, bias)
+    assert torch.allclose(y, fq, rtol=1e-4, atol=1e-4)
+
+
+def test_dense_encoder_matches_transformers(tiny_checkpoint):
+    """The graph-capturable encoder is BERT: float path equals the transformers model."""
+    art, vocab = tiny_checkpoint
+    ref, _ = load_model(art.path)
+    enc = tc.encoder_from_artifact(art, kernel="dense", dtype=torch.float32)
+    for batch in _batches(vocab, n=2, seed=5):
+        with torch.no_grad():
+            want = ref(**batch).logits
+            got = enc(**batch)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("kernel", ["reference", "fakequant"])
+def test_quantized_encoder_matches_checkpoint_fake_quant(tiny_checkpoint, kernel):
+    """Int8 codes + integer accumulation + dequant == the checkpoint's fake-quant model."""
+    art, vocab = tiny_checkpoint
+    ref, _ = load_model(art.path)
+    layers = art.sparse_layers
+    enc = tc.encoder_from_artifact(art, kernel=kernel, dtype=torch.float32)
+    n_q = sum(isinstance(m, tc.QuantLinear) for m in enc.modules())
+    assert n_q == 2 * 4  # fused QKV + attention out + FFN in + FFN out, per layer
+    agree = total = 0
+    for batch in _batches(vocab, n=4, seed=7):
+        with torch.no_grad(), input_quantizers(ref, art.activation_amax(), layers):
+            want = ref(**batch).logits
+        with torch.no_grad():
+            got = enc(**batch)
+        assert torch.allclose(got, want, atol=2e-3, rtol=1e-3), (got - want).abs().max()
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += got.shape[0]
+    assert agree == total
+
+
+def test_qkv_not_fused_when_ranges_differ(tiny_checkpoint):
+    art, _ = tiny_checkpoint
+    config, state = tc.checkpoint_tensors(art)
+    amax = dict(art.activation_amax())
+    key = next(k for k in amax if k.endswith("attention.self.key.input"))
+    amax[key] *= 2
+    q = art.manifest["quantization"]["weights"]["scales"]
+    enc = tc.build_encoder(config, state, weight_scales=q, act_amax=amax, sparse_layers=art.sparse_layers,
+                           kernel="reference", dtype=torch.float32)
+    assert len(enc.layers[0]["qkv"].parts) == 3 or len(enc.layers[1]["qkv"].parts) == 3
+    ids = torch.randint(5, 50, (2, 8))
+    out = enc(ids, torch.ones_like(ids), torch.zeros_like(ids))
+    assert out.shape == (2, 2) and torch.isfinite(out).all()
+
+
+def test_unsupported_model_type_is_a_clear_error():
+    from holoserve import HoloServeError
+
+    with pytest.raises(HoloServeError, match="BERT models only"):
+        tc.BertShape.from_config({"model_type": "roberta"})
+
+
+def test_cuda_report_never_raises():
+    rep = tc.cuda_report()
+    assert "cuda" in rep and "torch" in rep
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message given when CUDA is absent")
+def test_backend_says_clearly_that_cuda_is_absent(tiny_checkpoint):
+    art, _ = tiny_checkpoint
+    with pytest.raises(BackendUnavailable, match="needs an NVIDIA GPU"):
+        load_backend("torch-cuda", load_artifact(art.path))
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@gpu
+def test_gpu_epilogue_probe_finds_a_working_mode():
+    tc.require_cuda()
+    e, tried = tc.choose_epilogue("cuda")
+    assert tried[-1]["ok"] and e.name == tried[-1]["epilogue"]
+
+
+@gpu
+@pytest.mark.parametrize("m", [16, 48, 200])
+def test_gpu_cslt_linear_matches_reference(m):
+    tc.require_cuda()
+    g = torch.Generator().manual_seed(m)
+    p = project(torch.randn(96, 128, generator=g))
+    codes = tc.weight_codes(p.z, p.scales)
+    bias = torch.randn(96, generator=g)
+    act = torch.tensor(4.0 / 127)
+    x = torch.randn(m, 128, generator=g)
+    want = tc.int8_linear_reference(x.half().float(), codes, p.scales, act, bias)
+    e, _ = tc.choose_epilogue("cuda")
+    for kernel in ("cslt", "int_mm"):
+        lin = tc.QuantLinear(codes.cuda(), p.scales.cuda(), act, bias, kernel=kernel, dtype=torch.float16, epilogue=e)
+        got = lin(x.cuda().half()).float().cpu()
+        assert got.shape == (m, 96)
+        assert torch.allclose(got, want, atol=2e-2 * float(want.abs().max()), rtol=1e-2), kernel
+
+
+@gpu
+def test_gpu_backend_matches_fake_quant_and_graphs(tmp_path):
+    """Real load path on a 64-wide tiny model (cuSPARSELt INT8 needs multiples of 32)."""
+    tc.require_cuda()
+    src = make_tiny_bert(tmp_path / "base", hidden=64, layers=2, heads=2, intermediate=128)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
+    layers = encoder_linear_names(model)
+    scales = {}
+    with torch.no_grad():
+        for name in layers:
+            mod = model.get_submodule(name)
+            p = project(mod.weight.data)
+            mod.weight.data.copy_(p.z)
+            scales[name] = p.scales
+    vocab = model.config.vocab_size
+    amax = calibrate_amax(model, layers, _batches(vocab, seed=1))
+    art = save_checkpoint(model, src, tmp_path / "ckpt", task=get_task("sst2"), base_model="tiny",
+                          max_seq_length=64, sparse_layers=layers, weight_scales=scales, act_amax=amax)
+    backend = load_backend("torch-cuda", load_artifact(art.path))
+    info = backend.info()
+    assert info["gemm_kernels"].get("cslt", 0) == 2 * 4, info
+    for batch in _batches(vocab, n=3, b=5, s=20, seed=3):
+        with torch.no_grad(), input_quantizers(model, amax, layers):
+            want = model(**batch).logits.numpy()
+        got = backend.infer(*(batch[k].numpy() for k in ("input_ids", "attention_mask", "token_type_ids")))
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert np.abs(got - want).max() < 5e-2 * max(1.0, np.abs(want).max())
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+    assert backend.info()["captured_buckets"] == ["8x32"]
