@@ -1,0 +1,72 @@
+"""`--backend auto`: the fastest backend this machine can run, and why it was picked.
+
+Order: TensorRT (an engine built for this GPU and TensorRT version) > torch-cuda (2:4
+semi-structured kernels on a CUDA GPU) > ONNX Runtime (CPU, or its CUDA EP where present).
+Cheap checks come first so that a CPU-only machine never imports torch or TensorRT.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..artifact import Artifact
+from .base import Backend, BackendUnavailable, load_backend
+
+log = logging.getLogger("holoserve.backends")
+
+ORDER = ("tensorrt", "torch-cuda", "onnxruntime")
+
+
+def nvidia_gpu_visible() -> bool:
+    """Whether an NVIDIA GPU looks usable, without importing any CUDA library."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1", "none", "NoDevFiles"):
+        return False
+    return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/version").exists() or bool(
+        shutil.which("nvidia-smi"))
+
+
+def _precheck(name: str, artifact: Artifact, gpu: bool) -> str | None:
+    """A reason to skip `name` without importing anything heavy, or None to try loading it."""
+    exports = artifact.manifest.get("exports") or {}
+    if name == "tensorrt":
+        if "tensorrt" not in exports:
+            return "the checkpoint has no TensorRT engine (holoserve build-engine)"
+        if not gpu:
+            return "no NVIDIA GPU visible"
+    if name == "torch-cuda":
+        if not gpu:
+            return "no NVIDIA GPU visible"
+        if importlib.util.find_spec("torch") is None:
+            return "torch is not installed"
+    if name == "onnxruntime" and "onnxruntime" not in exports:
+        return "the checkpoint has no ONNX export (holoserve export)"
+    return None
+
+
+def select_backend(artifact: Artifact, *, order: tuple[str, ...] = ORDER, **options: Any) -> tuple[Backend, dict[str, Any]]:
+    """Load the first backend in `order` that works here. Returns (backend, decision)."""
+    gpu = nvidia_gpu_visible()
+    skipped: dict[str, str] = {}
+    for name in order:
+        reason = _precheck(name, artifact, gpu)
+        if reason is None:
+            try:
+                backend = load_backend(name, artifact, **options)
+            except (BackendUnavailable, ImportError) as e:
+                reason = str(e)
+        if reason is not None:
+            skipped[name] = reason
+            log.info("backend auto: skipping %s: %s", name, reason)
+            continue
+        why = f"first usable of {' > '.join(order)}" + (
+            f" (skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())})" if skipped else "")
+        log.info("backend auto: picked %s, %s", name, why)
+        return backend, {"picked": name, "reason": why, "skipped": skipped}
+    raise BackendUnavailable(
+        f"no backend can serve {artifact.path} on this machine: "
+        + "; ".join(f"{k}: {v}" for k, v in skipped.items())
+    )

@@ -1,0 +1,101 @@
+"""ONNX Runtime backend: the checkpoint's ONNX export on the CPU EP (CUDA EP where present)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..artifact import Artifact
+from .base import BackendUnavailable
+
+EXPORT_KEY = "onnxruntime"
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def onnx_path(artifact: Artifact) -> Path:
+    """The ONNX file recorded under exports["onnxruntime"], or a clear error saying how to make it."""
+    entry = (artifact.manifest.get("exports") or {}).get(EXPORT_KEY)
+    if not entry or not entry.get("file"):
+        raise BackendUnavailable(
+            f"{artifact.path} has no ONNX Runtime export (manifest exports['{EXPORT_KEY}'] is missing): "
+            f"run `holoserve export {artifact.path}` first"
+        )
+    path = artifact.path / entry["file"]
+    if not path.is_file():
+        raise BackendUnavailable(
+            f"{artifact.path}: the manifest lists ONNX export {entry['file']!r} but the file is missing; "
+            f"re-run `holoserve export {artifact.path}`"
+        )
+    return path
+
+
+def choose_providers(available: list[str], device: str = "auto") -> list[str]:
+    """CPU always; CUDA first when ONNX Runtime was built with it and the caller did not ask for CPU."""
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if device == "cuda" and "CUDAExecutionProvider" not in available:
+        raise BackendUnavailable(
+            "the CUDA execution provider is not available in this ONNX Runtime build "
+            "(install onnxruntime-gpu, or use --backend onnxruntime on the CPU)"
+        )
+    if "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+class OrtBackend:
+    name = "onnxruntime"
+
+    def __init__(self, artifact: Artifact, *, device: str = "auto", threads: int | None = None):
+        try:
+            import onnxruntime as ort
+        except ImportError as e:  # pragma: no cover - part of the base install
+            raise BackendUnavailable(f"onnxruntime is not installed ({e}): pip install onnxruntime") from None
+        self.path = onnx_path(artifact)
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        threads = threads if threads is not None else int(os.environ.get("HOLOSERVE_ORT_THREADS", "0") or 0)
+        if threads > 0:
+            opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        providers = choose_providers(ort.get_available_providers(), device)
+        try:
+            self.session = ort.InferenceSession(str(self.path), sess_options=opts, providers=providers)
+        except Exception as e:  # ORT raises its own exception types
+            raise BackendUnavailable(f"ONNX Runtime cannot load {self.path}: {e}") from None
+        self.providers = self.session.get_providers()
+        names = [i.name for i in self.session.get_inputs()]
+        unknown = [n for n in names if n not in INPUTS]
+        if unknown or "input_ids" not in names:
+            raise BackendUnavailable(
+                f"{self.path} has inputs {names}; expected a subset of {list(INPUTS)} including input_ids. "
+                f"Re-export with `holoserve export {artifact.path}`"
+            )
+        # An export may drop an input the graph never uses (e.g. token_type_ids); feed only what it has.
+        self.input_names = names
+        self.output_name = self.session.get_outputs()[0].name
+        self.threads = threads
+
+    def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray) -> np.ndarray:
+        arrays = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+        feed = {n: np.ascontiguousarray(arrays[n], dtype=np.int64) for n in self.input_names}
+        (logits,) = self.session.run([self.output_name], feed)
+        return np.asarray(logits, dtype=np.float32)
+
+    def info(self) -> dict[str, Any]:
+        import onnxruntime as ort
+
+        return {
+            "backend": self.name,
+            "file": self.path.name,
+            "providers": list(self.providers),
+            "device": "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu",
+            "onnxruntime_version": ort.__version__,
+            "intra_op_threads": self.threads or "default",
+        }
+
+
+def load(artifact: Artifact, **options: Any) -> OrtBackend:
+    return OrtBackend(artifact, device=options.get("device", "auto"), threads=options.get("threads"))

@@ -1,0 +1,371 @@
+"""TensorRT backend: deserialize the checkpoint's engine (model.plan) and run it on a CUDA stream.
+
+The library is imported only when this backend is loaded. Engines are specific to the TensorRT
+version and the GPU they were built for, so before deserializing anything the engine's JSON
+sidecar (written by `holoserve build-engine`) is checked against this machine and a plan built
+elsewhere is refused with a message that says how to rebuild it. The sidecar's `library` names
+the runtime that must load it: "tensorrt" (datacenter TensorRT, libnvinfer) or "tensorrt_rtx".
+
+Device memory comes from cuda-python (`cuda.bindings.runtime`, or the older `cuda.cudart`) or, if
+that is absent, from torch; buffers are sized for the engine profile's maximum shape once.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..artifact import Artifact
+from .base import BackendUnavailable
+
+EXPORT_KEY = "tensorrt"
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+OUTPUT = "logits"
+LIBRARIES = ("tensorrt", "tensorrt_rtx")
+
+
+# --------------------------------------------------------------------------- sidecar checks (no library needed)
+
+
+def engine_files(artifact: Artifact) -> tuple[Path, Path]:
+    entry = (artifact.manifest.get("exports") or {}).get(EXPORT_KEY)
+    if not entry or not entry.get("file"):
+        raise BackendUnavailable(
+            f"{artifact.path} has no TensorRT engine (manifest exports['{EXPORT_KEY}'] is missing): "
+            f"build one on the serving GPU with `holoserve build-engine {artifact.path}`"
+        )
+    plan = artifact.path / entry["file"]
+    sidecar = artifact.path / entry.get("sidecar", entry["file"] + ".json")
+    for p in (plan, sidecar):
+        if not p.is_file():
+            raise BackendUnavailable(
+                f"{artifact.path}: the manifest lists {p.name} but the file is missing; "
+                f"rebuild with `holoserve build-engine {artifact.path}`"
+            )
+    return plan, sidecar
+
+
+def read_sidecar(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BackendUnavailable(f"{path} is not a readable engine sidecar JSON ({e}); rebuild the engine") from None
+    if not isinstance(data, dict):
+        raise BackendUnavailable(f"{path} is not a JSON object; rebuild the engine")
+    return data
+
+
+def _first(d: Mapping[str, Any], *keys: str) -> Any:
+    for k in keys:
+        cur: Any = d
+        for part in k.split("."):
+            cur = cur.get(part) if isinstance(cur, Mapping) else None
+        if cur is not None:
+            return cur
+    return None
+
+
+def _cc(value: Any) -> str | None:
+    """Normalise a compute capability given as "8.6", "sm_86", "86", 8.6 or [8, 6] to "8.6"."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(x, int) for x in value):
+        return f"{value[0]}.{value[1]}"
+    s = str(value).lower().removeprefix("sm_").removeprefix("sm")
+    if "." in s:
+        major, minor = s.split(".", 1)
+        return f"{int(major)}.{int(minor)}"
+    if s.isdigit() and len(s) >= 2:
+        return f"{int(s[:-1])}.{int(s[-1])}"
+    return s
+
+
+def sidecar_requirements(sidecar: Mapping[str, Any]) -> dict[str, Any]:
+    """What the sidecar says the plan needs: library, TensorRT version, GPU compute capabilities."""
+    library = str(_first(sidecar, "library", "tensorrt.library", "runtime") or "tensorrt").replace("-", "_")
+    version = _first(sidecar, "tensorrt_version", "trt_version", "tensorrt.version", "library_version", "version")
+    ccs = _first(sidecar, "compute_capabilities", "gpu.compute_capabilities", "target_compute_capabilities")
+    if ccs is None:
+        one = _first(sidecar, "compute_capability", "gpu.compute_capability", "sm")
+        ccs = [] if one is None else [one]
+    elif not isinstance(ccs, (list, tuple)):
+        ccs = [ccs]
+    return {
+        "library": library,
+        "version": None if version is None else str(version),
+        "compute_capabilities": [c for c in (_cc(x) for x in ccs) if c],
+        "version_compatible": bool(_first(sidecar, "version_compatible", "flags.version_compatible")),
+        "hardware_compatibility": _first(sidecar, "hardware_compatibility_level", "hardware_compatibility"),
+    }
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    parts = []
+    for p in str(v).split("."):
+        digits = "".join(ch for ch in p if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_engine_compat(
+    sidecar: Mapping[str, Any], *, library: str, version: str, compute_capability: str | None, where: str = "engine"
+) -> None:
+    """Refuse a plan this runtime cannot load, saying why and how to rebuild it."""
+    req = sidecar_requirements(sidecar)
+    rebuild = "rebuild it on this machine with `holoserve build-engine CHECKPOINT`"
+    if req["library"] not in LIBRARIES:
+        raise BackendUnavailable(f"{where}: built by unknown library {req['library']!r}; {rebuild}")
+    if req["library"] != library:
+        raise BackendUnavailable(
+            f"{where}: built with {req['library']} but this runtime is {library}; engines do not cross between them; {rebuild}"
+        )
+    if not req["version"]:
+        raise BackendUnavailable(f"{where}: the sidecar does not record the TensorRT version it was built with; {rebuild}")
+    want, have = _version_tuple(req["version"]), _version_tuple(version)
+    if req["version_compatible"]:
+        ok = bool(want) and bool(have) and want[0] == have[0] and have >= want
+    else:
+        ok = want[:3] == have[:3]
+    if not ok:
+        raise BackendUnavailable(
+            f"{where}: built with {req['library']} {req['version']} but this machine has {version}; "
+            f"a serialized engine only loads with the exact version that built it; {rebuild}"
+        )
+    if compute_capability is None:
+        raise BackendUnavailable(f"{where}: no CUDA GPU found on this machine; TensorRT engines need one")
+    targets = req["compute_capabilities"]
+    if not targets:
+        raise BackendUnavailable(f"{where}: the sidecar does not record the GPU compute capability; {rebuild}")
+    have_cc = _cc(compute_capability)
+    if have_cc not in targets and not req["hardware_compatibility"]:
+        raise BackendUnavailable(
+            f"{where}: built for compute capability {', '.join(targets)} but this GPU is {have_cc}; {rebuild}"
+        )
+
+
+# --------------------------------------------------------------------------- machine probes
+
+
+def gpu_compute_capability() -> str | None:
+    """The first visible GPU's compute capability ("8.6"), via cuda-python or nvidia-smi; None if no GPU."""
+    cudart = _cudart()
+    if cudart is not None:
+        try:
+            err, major = cudart.cudaDeviceGetAttribute(cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor, 0)
+            err2, minor = cudart.cudaDeviceGetAttribute(cudart.cudaDeviceAttr.cudaDevAttrComputeCapabilityMinor, 0)
+            if int(err) == 0 and int(err2) == 0:
+                return f"{major}.{minor}"
+        except Exception:
+            pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=10, check=True).stdout.split()
+            return _cc(out[0]) if out else None
+        except (subprocess.SubprocessError, OSError, ValueError):
+            return None
+    return None
+
+
+def _cudart():
+    for mod in ("cuda.bindings.runtime", "cuda.cudart"):
+        try:
+            return importlib.import_module(mod)
+        except ImportError:
+            continue
+    return None
+
+
+def import_library(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        pkg = "tensorrt" if name == "tensorrt" else "tensorrt-rtx-cu13"
+        raise BackendUnavailable(
+            f"the {name} Python package is not installed ({e}); use the GPU image (docker/Dockerfile.gpu) "
+            f"or pip install {pkg}"
+        ) from None
+
+
+# --------------------------------------------------------------------------- device memory
+
+
+class _CudaMem:
+    """Minimal device memory + stream via cuda-python's runtime API, or torch as a fallback."""
+
+    def __init__(self) -> None:
+        self.cudart = _cudart()
+        self.torch = None
+        if self.cudart is None:
+            try:
+                import torch  # only on GPU machines that have torch but not cuda-python
+            except ImportError:
+                raise BackendUnavailable(
+                    "TensorRT needs CUDA memory: install cuda-python (pip install cuda-python) or torch with CUDA"
+                ) from None
+            if not torch.cuda.is_available():
+                raise BackendUnavailable("torch cannot see a CUDA GPU; TensorRT engines need one")
+            self.torch = torch
+            self._stream = torch.cuda.Stream()
+            self._buffers: dict[int, Any] = {}
+        else:
+            self._stream = self._check(self.cudart.cudaStreamCreate())
+
+    def _check(self, result):
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if int(err) != 0:
+            raise RuntimeError(f"CUDA runtime error {err}")
+        return rest[0] if len(rest) == 1 else (rest or None)
+
+    @property
+    def stream_handle(self) -> int:
+        return int(self._stream.cuda_stream) if self.torch is not None else int(self._stream)
+
+    def malloc(self, nbytes: int) -> int:
+        if self.torch is not None:
+            buf = self.torch.empty(max(nbytes, 1), dtype=self.torch.uint8, device="cuda")
+            ptr = int(buf.data_ptr())
+            self._buffers[ptr] = buf
+            return ptr
+        return int(self._check(self.cudart.cudaMalloc(max(nbytes, 1))))
+
+    def htod(self, dst: int, src: np.ndarray) -> None:
+        src = np.ascontiguousarray(src)
+        if self.torch is not None:
+            t = self.torch.from_numpy(src.view(np.uint8).reshape(-1))
+            with self.torch.cuda.stream(self._stream):
+                self._view(dst, src.nbytes).copy_(t, non_blocking=False)
+            return
+        kind = self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+        self._check(self.cudart.cudaMemcpyAsync(dst, src.ctypes.data, src.nbytes, kind, self._stream))
+
+    def dtoh(self, dst: np.ndarray, src: int) -> None:
+        if self.torch is not None:
+            with self.torch.cuda.stream(self._stream):
+                host = self._view(src, dst.nbytes).cpu()
+            dst.reshape(-1).view(np.uint8)[:] = host.numpy()
+            return
+        kind = self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        self._check(self.cudart.cudaMemcpyAsync(dst.ctypes.data, src, dst.nbytes, kind, self._stream))
+
+    def _view(self, ptr: int, nbytes: int):
+        for base, buf in self._buffers.items():
+            if base <= ptr < base + buf.numel():
+                return buf[ptr - base: ptr - base + nbytes]
+        raise KeyError(ptr)
+
+    def synchronize(self) -> None:
+        if self.torch is not None:
+            self._stream.synchronize()
+        else:
+            self._check(self.cudart.cudaStreamSynchronize(self._stream))
+
+    def free_all(self, ptrs: list[int]) -> None:
+        if self.torch is not None:
+            self._buffers.clear()
+            return
+        for p in ptrs:
+            self.cudart.cudaFree(p)
+
+
+# --------------------------------------------------------------------------- backend
+
+
+class TensorRTBackend:
+    name = "tensorrt"
+
+    def __init__(self, artifact: Artifact, *, library: str | None = None):
+        plan_path, sidecar_path = engine_files(artifact)
+        sidecar = read_sidecar(sidecar_path)
+        req = sidecar_requirements(sidecar)
+        lib_name = (library or req["library"]).replace("-", "_")
+        if lib_name not in LIBRARIES:
+            raise BackendUnavailable(f"unknown TensorRT library {lib_name!r}: use one of {', '.join(LIBRARIES)}")
+        trt = import_library(lib_name)
+        cc = gpu_compute_capability()
+        check_engine_compat(sidecar, library=lib_name, version=trt.__version__, compute_capability=cc,
+                            where=str(plan_path))
+        self.trt, self.library, self.compute_capability = trt, lib_name, cc
+        self.plan_path, self.sidecar = plan_path, sidecar
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        self.runtime = trt.Runtime(self.logger)
+        self.engine = self.runtime.deserialize_cuda_engine(plan_path.read_bytes())
+        if self.engine is None:
+            raise BackendUnavailable(f"{plan_path}: TensorRT could not deserialize the engine (see its log above); "
+                                     "rebuild it with `holoserve build-engine`")
+        self.context = self.engine.create_execution_context()
+        self.mem = _CudaMem()
+        self._lock = threading.Lock()  # one execution context: one inference at a time
+
+        self.inputs: dict[str, Any] = {}
+        self.max_shape: dict[str, tuple[int, ...]] = {}
+        self.output: str | None = None
+        for i in range(self.engine.num_io_tensors):
+            name = self.engine.get_tensor_name(i)
+            dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype(name)))
+            if self.engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
+                if name not in INPUTS:
+                    raise BackendUnavailable(f"{plan_path}: unexpected engine input {name!r}; expected {list(INPUTS)}")
+                _, _, max_shape = self.engine.get_tensor_profile_shape(name, 0)
+                self.inputs[name] = dtype
+                self.max_shape[name] = tuple(int(x) for x in max_shape)
+            else:
+                self.output, self.output_dtype = name, dtype
+        if "input_ids" not in self.inputs or self.output is None:
+            raise BackendUnavailable(f"{plan_path}: the engine needs an input_ids input and a logits output")
+        self.max_batch, self.max_seq = self.max_shape["input_ids"][:2]
+        self.num_labels = int(artifact.manifest["task"].get("num_labels") or max(1, len(artifact.labels)))
+        self.ptrs = {name: self.mem.malloc(int(np.prod(self.max_shape[name])) * dt.itemsize)
+                     for name, dt in self.inputs.items()}
+        self.ptrs[self.output] = self.mem.malloc(self.max_batch * self.num_labels * self.output_dtype.itemsize)
+        for name, ptr in self.ptrs.items():
+            self.context.set_tensor_address(name, ptr)
+
+    def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray) -> np.ndarray:
+        batch, seq = input_ids.shape
+        if batch > self.max_batch or seq > self.max_seq:
+            # Larger than the engine's profile: split the batch (sequence length is capped by the manifest).
+            if seq > self.max_seq:
+                raise ValueError(f"sequence length {seq} exceeds the engine profile's maximum {self.max_seq}")
+            parts = [self.infer(input_ids[i:i + self.max_batch], attention_mask[i:i + self.max_batch],
+                                token_type_ids[i:i + self.max_batch]) for i in range(0, batch, self.max_batch)]
+            return np.concatenate(parts, axis=0)
+        arrays = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+        with self._lock:
+            for name, dtype in self.inputs.items():
+                host = np.ascontiguousarray(arrays[name], dtype=dtype)
+                self.context.set_input_shape(name, tuple(host.shape))
+                self.mem.htod(self.ptrs[name], host)
+            out_shape = tuple(self.context.get_tensor_shape(self.output))
+            out = np.empty(out_shape, dtype=self.output_dtype)
+            if not self.context.execute_async_v3(self.mem.stream_handle):
+                raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log)")
+            self.mem.dtoh(out, self.ptrs[self.output])
+            self.mem.synchronize()
+        return out.astype(np.float32, copy=False)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "backend": self.name,
+            "library": self.library,
+            "tensorrt_version": self.trt.__version__,
+            "file": self.plan_path.name,
+            "device": "cuda",
+            "compute_capability": self.compute_capability,
+            "max_batch": int(self.max_batch),
+            "max_sequence": int(self.max_seq),
+            "sparse_layers": self.sidecar.get("sparse_layers", self.sidecar.get("sparse")),
+        }
+
+
+def load(artifact: Artifact, **options: Any) -> TensorRTBackend:
+    return TensorRTBackend(artifact, library=options.get("library"))

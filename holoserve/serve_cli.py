@@ -1,0 +1,95 @@
+"""`holoserve serve ARTIFACT_DIR`: serve a checkpoint over HTTP. Every flag has a HOLOSERVE_* variable.
+
+Light at import time (the CLI imports every stage's argument module): fastapi/uvicorn load in run().
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+
+from . import HoloServeError
+from .server.config import TOKEN_ENV, ServerConfig, env_name
+
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch-cuda", "torch")
+
+HELP = {
+    "backend": "inference backend; auto = tensorrt > torch-cuda > onnxruntime, whichever this machine can run",
+    "host": "bind address (127.0.0.1: this machine only; 0.0.0.0: all interfaces, as in the container)",
+    "port": "TCP port",
+    "workers": "server processes (each loads the model; metrics are per process)",
+    "max_batch_size": "largest batch the dynamic batcher forms; 1 turns batching off",
+    "max_queue_delay_ms": "how long a non-full batch waits for more requests",
+    "max_queue_size": "sequences allowed to wait for inference; beyond it requests get 503 + Retry-After",
+    "max_items": "texts or pairs per request",
+    "max_text_bytes": "UTF-8 bytes per text",
+    "max_body_bytes": "request body bytes (413 beyond)",
+    "max_seq_length": "tokens per sequence after truncation; 0 = the checkpoint's manifest value",
+    "threads": "backend intra-op threads; 0 = the library default",
+    "model_name": "name reported by the API and metrics; default: the checkpoint folder's name",
+    "warmup": "run the model once before reporting ready",
+    "verify": "check the sha256 of every checkpoint file at start-up",
+    "graceful_timeout_s": "seconds to drain in-flight requests on SIGTERM/SIGINT",
+    "log_level": "log level (debug, info, warning, error)",
+    "access_log": "write one JSON access-log line per request",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("artifact_dir", nargs="?", metavar="ARTIFACT_DIR",
+                        help=f"checkpoint folder (env {env_name('artifact_dir')})")
+    defaults = ServerConfig()
+    for f in fields(ServerConfig):
+        if f.name in ("artifact_dir", "api_token"):
+            continue
+        flag = "--" + f.name.replace("_", "-").removesuffix("-s")
+        default = getattr(defaults, f.name)
+        text = f"{HELP.get(f.name, '')} (env {env_name(f.name)}; default {default})"
+        if isinstance(default, bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            kw = {"choices": BACKENDS} if f.name == "backend" else {}
+            parser.add_argument(flag, dest=f.name, type=type(default), default=None, help=text, **kw)
+    parser.epilog = f"Bearer-token auth: set {TOKEN_ENV} (never a flag, so it does not show in `ps`)."
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    cfg = ServerConfig.from_env()
+    for f in fields(ServerConfig):
+        v = getattr(args, f.name, None)
+        if v is not None and f.name != "api_token":
+            setattr(cfg, f.name, v)
+    if not cfg.artifact_dir:
+        raise HoloServeError(f"give the checkpoint folder: holoserve serve ARTIFACT_DIR (or set {env_name('artifact_dir')})")
+    if cfg.backend not in BACKENDS:
+        raise HoloServeError(f"unknown backend {cfg.backend!r}: choose one of {', '.join(BACKENDS)}")
+    return cfg.validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .artifact import load_artifact
+    from .server.app import create_app, open_backend
+    from .server.logs import setup_logging
+
+    cfg = config_from_args(args)
+    setup_logging(cfg.log_level)
+    common = dict(host=cfg.host, port=cfg.port, log_config=None, access_log=False,
+                  timeout_graceful_shutdown=cfg.graceful_timeout_s, server_header=False)
+    if cfg.workers > 1:
+        # Each worker builds its own app from the environment (uvicorn forks fresh processes).
+        load_artifact(cfg.artifact_dir, verify=cfg.verify, check_weights=False)  # fail fast, clearly
+        os.environ.update(cfg.to_env())
+        uvicorn.run("holoserve.server.factory:app_from_env", factory=True, workers=cfg.workers, **common)
+        return 0
+    # One process: load here so a bad checkpoint or backend is a clear error, not a traceback.
+    artifact = load_artifact(cfg.artifact_dir, verify=cfg.verify, check_weights=False)
+    backend, decision = open_backend(cfg, artifact)
+    holder: dict[str, uvicorn.Server] = {}
+    app = create_app(cfg, artifact=artifact, backend=backend, decision=decision,
+                     shutdown_flag=lambda: bool(holder and holder["server"].should_exit))
+    server = uvicorn.Server(uvicorn.Config(app, **common))
+    holder["server"] = server
+    server.run()
+    return 0

@@ -1,0 +1,186 @@
+"""Dynamic batching: merge sequences from concurrent requests into one backend call.
+
+One asyncio task owns the queue. It takes the oldest waiting sequence, waits until the batch is
+full or that sequence has waited `max_queue_delay` (Triton's rule), pads the batch to its
+longest member and runs the backend in a worker thread so the event loop keeps accepting
+requests. Each sequence carries its own future, so results go back to exactly the caller that
+sent it. The queue is bounded in sequences: a request that does not fit is refused at once
+(`QueueFull` -> 503 + Retry-After) instead of growing an unbounded backlog.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..tokenization import Encoded, pad_batch
+from .metrics import ServerMetrics
+
+InferFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after_s: int):
+        super().__init__(f"the inference queue is full; retry in {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Result:
+    logits: np.ndarray  # [num_labels]
+    queue_s: float
+    infer_s: float
+    batch_id: int
+    batch_size: int
+
+
+class _Item:
+    __slots__ = ("enc", "future", "t_enqueue")
+
+    def __init__(self, enc: Encoded, future: asyncio.Future, t: float):
+        self.enc, self.future, self.t_enqueue = enc, future, t
+
+
+class DynamicBatcher:
+    def __init__(self, infer: InferFn, *, max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int,
+                 pad_id: int = 0, metrics: ServerMetrics | None = None):
+        self._infer = infer
+        self.max_batch_size = max_batch_size
+        self.max_delay = max_queue_delay_ms / 1000.0
+        self.max_queue_size = max_queue_size
+        self.pad_id = pad_id
+        self.metrics = metrics
+        self._queue: deque[_Item] = deque()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self._busy = False
+        self._batch_ids = itertools.count(1)
+        self._avg_batch_s = 0.01
+        # One inference at a time: backends parallelise inside a call (intra-op threads).
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="holoserve-infer")
+
+    # ---- lifecycle
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="holoserve-batcher")
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Refuse new work, finish what is queued (up to `timeout_s`), then stop the loop."""
+        self._closing = True
+        self._wakeup.set()
+        deadline = time.monotonic() + timeout_s
+        while (self._queue or self._busy) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for item in self._queue:
+            if not item.future.done():
+                item.future.set_exception(ShuttingDown("the server is shutting down"))
+        self._queue.clear()
+        self._executor.shutdown(wait=True)
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def retry_after_s(self) -> int:
+        batches_ahead = math.ceil(max(1, len(self._queue)) / self.max_batch_size) + 1
+        return max(1, math.ceil(batches_ahead * self._avg_batch_s))
+
+    # ---- producer side
+    async def submit(self, encs: Sequence[Encoded]) -> list[Result]:
+        if self._closing:
+            raise ShuttingDown("the server is shutting down")
+        if len(self._queue) + len(encs) > self.max_queue_size:
+            raise QueueFull(self.retry_after_s())
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()
+        futures = []
+        for enc in encs:
+            fut = loop.create_future()
+            self._queue.append(_Item(enc, fut, now))
+            futures.append(fut)
+        if self.metrics:
+            self.metrics.pending_l.set(len(self._queue))
+        self._wakeup.set()
+        try:
+            return list(await asyncio.gather(*futures))
+        except BaseException:
+            for f in futures:  # a client that went away: its queued sequences are skipped
+                f.cancel()
+            raise
+
+    # ---- consumer side
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            # Wait for company until the batch is full or the oldest sequence has waited long enough.
+            deadline = self._queue[0].t_enqueue + self.max_delay
+            while len(self._queue) < self.max_batch_size and not self._closing:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            batch: list[_Item] = []
+            while self._queue and len(batch) < self.max_batch_size:
+                item = self._queue.popleft()
+                if not item.future.done():  # cancelled by a departed client
+                    batch.append(item)
+            if self.metrics:
+                self.metrics.pending_l.set(len(self._queue))
+            if not batch:
+                continue
+            self._busy = True
+            t_start = time.perf_counter()
+            try:
+                logits = await loop.run_in_executor(self._executor, self._run_batch, [it.enc for it in batch])
+            except Exception as e:  # a backend failure fails this batch's requests, not the server
+                for it in batch:
+                    if not it.future.done():
+                        it.future.set_exception(e)
+                continue
+            finally:
+                self._busy = False
+            infer_s = time.perf_counter() - t_start
+            self._avg_batch_s = 0.9 * self._avg_batch_s + 0.1 * infer_s
+            bid = next(self._batch_ids)
+            if self.metrics:
+                self.metrics.exec_count_l.inc()
+                self.metrics.count_l.inc(len(batch))
+                self.metrics.batch_size_l.observe(len(batch))
+                self.metrics.infer_duration_l.observe(infer_s)
+            for i, it in enumerate(batch):
+                if not it.future.done():
+                    it.future.set_result(Result(logits[i], t_start - it.t_enqueue, infer_s, bid, len(batch)))
+
+    def _run_batch(self, encs: list[Encoded]) -> np.ndarray:
+        ids, mask, types = pad_batch(encs, self.pad_id)
+        logits = np.asarray(self._infer(ids, mask, types), dtype=np.float32)
+        if logits.ndim != 2 or logits.shape[0] != len(encs):
+            raise RuntimeError(f"backend returned logits of shape {logits.shape} for a batch of {len(encs)}")
+        return logits

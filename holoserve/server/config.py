@@ -1,0 +1,97 @@
+"""Server settings: one dataclass, every field settable by a CLI flag or a HOLOSERVE_* variable."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .. import HoloServeError
+
+TOKEN_ENV = "HOLOSERVE_API_TOKEN"
+
+
+@dataclass
+class ServerConfig:
+    artifact_dir: str = ""
+    backend: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1
+    max_batch_size: int = 32  # 1 turns dynamic batching off
+    max_queue_delay_ms: float = 2.0  # how long a non-full batch waits for company
+    max_queue_size: int = 256  # sequences waiting for inference; beyond this: 503 + Retry-After
+    max_items: int = 64  # texts (or pairs) per request
+    max_text_bytes: int = 10_000  # UTF-8 bytes per text
+    max_body_bytes: int = 1_000_000  # whole request body; beyond this: 413
+    max_seq_length: int = 0  # 0: the checkpoint's manifest value
+    threads: int = 0  # backend intra-op threads; 0: the library's default
+    model_name: str = ""  # default: the checkpoint folder's name
+    warmup: bool = True
+    verify: bool = True  # check sha256 of every checkpoint file at start-up
+    graceful_timeout_s: float = 30.0
+    log_level: str = "info"
+    access_log: bool = True
+    api_token: str = ""  # bearer token; from HOLOSERVE_API_TOKEN only (never a flag: flags show in `ps`)
+
+    def validate(self) -> "ServerConfig":
+        problems = []
+        if self.max_batch_size < 1:
+            problems.append("max batch size must be >= 1")
+        if self.max_queue_delay_ms < 0:
+            problems.append("max queue delay must be >= 0 ms")
+        if self.max_items < 1:
+            problems.append("max items must be >= 1")
+        if self.max_queue_size < self.max_items:
+            problems.append(f"max queue size ({self.max_queue_size}) must be >= max items per request ({self.max_items})")
+        if self.max_text_bytes < 1 or self.max_body_bytes < 64:
+            problems.append("byte limits must be positive (body limit >= 64)")
+        if self.workers < 1:
+            problems.append("workers must be >= 1")
+        if not (0 <= self.port < 65536):
+            problems.append(f"port {self.port} is out of range")
+        if self.max_seq_length < 0:
+            problems.append("max sequence length must be >= 0 (0 = from the manifest)")
+        if problems:
+            raise HoloServeError("invalid server settings: " + "; ".join(problems))
+        return self
+
+    # ---- environment round trip (used by --workers > 1, where each worker builds its own app)
+    def to_env(self) -> dict[str, str]:
+        env = {}
+        for f in fields(self):
+            if f.name == "api_token":
+                continue
+            v = getattr(self, f.name)
+            env[env_name(f.name)] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+        return env
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "ServerConfig":
+        environ = os.environ if environ is None else environ
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(env_name(f.name))
+            if raw is None or f.name == "api_token":
+                continue
+            kwargs[f.name] = parse_value(f.name, raw, type(getattr(cls(), f.name)))
+        cfg = cls(**kwargs)
+        cfg.api_token = environ.get(TOKEN_ENV, "")
+        return cfg
+
+
+def env_name(field: str) -> str:
+    return "HOLOSERVE_" + ("MODEL_DIR" if field == "artifact_dir" else field.upper())
+
+
+def parse_value(name: str, raw: str, typ: type) -> Any:
+    try:
+        if typ is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        return typ(raw)
+    except ValueError:
+        raise HoloServeError(f"{env_name(name)}={raw!r} is not a valid {typ.__name__}") from None

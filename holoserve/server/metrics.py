@@ -1,0 +1,73 @@
+"""Prometheus metrics, named after Triton's `nv_inference_*` family so dashboards port.
+
+Triton                                  HoloServe
+nv_inference_request_success            holoserve_inference_request_success_total
+nv_inference_request_failure            holoserve_inference_request_failure_total{reason}
+nv_inference_count / _exec_count        holoserve_inference_count_total / holoserve_inference_exec_count_total
+nv_inference_request_duration_us        holoserve_inference_request_duration_seconds (histogram)
+nv_inference_queue_duration_us          holoserve_inference_queue_duration_seconds (histogram)
+nv_inference_compute_input_duration_us  holoserve_inference_compute_input_duration_seconds (tokenization)
+nv_inference_compute_infer_duration_us  holoserve_inference_compute_infer_duration_seconds (per batch)
+nv_inference_pending_request_count      holoserve_inference_pending_request_count (queue depth, sequences)
+(batch-size histogram)                  holoserve_inference_batch_size
+(HTTP)                                  holoserve_http_request_duration_seconds{route,method,status},
+                                        holoserve_http_requests_in_flight
+Each app owns its registry, so several apps (tests) can live in one process.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, model: str, version: str) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        lab = ("model", "version")
+        self.labels = {"model": model, "version": version}
+        self.success = Counter("holoserve_inference_request_success", "Successful /predict requests", lab, registry=r)
+        self.failure = Counter("holoserve_inference_request_failure", "Failed /predict requests by reason",
+                               (*lab, "reason"), registry=r)
+        self.count = Counter("holoserve_inference_count", "Sequences inferred (one per text or pair)", lab, registry=r)
+        self.exec_count = Counter("holoserve_inference_exec_count", "Batched backend executions", lab, registry=r)
+        self.request_duration = Histogram("holoserve_inference_request_duration_seconds",
+                                          "End-to-end /predict handling time inside the server", lab,
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_duration = Histogram("holoserve_inference_queue_duration_seconds",
+                                        "Time a request waited in the batching queue", lab, buckets=LATENCY_BUCKETS,
+                                        registry=r)
+        self.input_duration = Histogram("holoserve_inference_compute_input_duration_seconds",
+                                        "Tokenization time per request", lab, buckets=LATENCY_BUCKETS, registry=r)
+        self.infer_duration = Histogram("holoserve_inference_compute_infer_duration_seconds",
+                                        "Backend time per batch execution (padding included)", lab,
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("holoserve_inference_batch_size", "Sequences per backend execution", lab,
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.pending = Gauge("holoserve_inference_pending_request_count",
+                             "Sequences waiting for inference (queue depth)", lab, registry=r)
+        self.ready = Gauge("holoserve_model_ready", "1 when the model is loaded and warmed up", lab, registry=r)
+        self.http_duration = Histogram("holoserve_http_request_duration_seconds", "HTTP request latency",
+                                       ("route", "method", "status"), buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("holoserve_http_requests_in_flight", "HTTP requests being handled", registry=r)
+        # Bound children once: label lookups are the costly part of an observation.
+        self.success_l = self.success.labels(**self.labels)
+        self.count_l = self.count.labels(**self.labels)
+        self.exec_count_l = self.exec_count.labels(**self.labels)
+        self.request_duration_l = self.request_duration.labels(**self.labels)
+        self.queue_duration_l = self.queue_duration.labels(**self.labels)
+        self.input_duration_l = self.input_duration.labels(**self.labels)
+        self.infer_duration_l = self.infer_duration.labels(**self.labels)
+        self.batch_size_l = self.batch_size.labels(**self.labels)
+        self.pending_l = self.pending.labels(**self.labels)
+        self.ready_l = self.ready.labels(**self.labels)
+
+    def fail(self, reason: str) -> None:
+        self.failure.labels(**self.labels, reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

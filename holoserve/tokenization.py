@@ -1,0 +1,78 @@
+"""Serving-time tokenization from a checkpoint's tokenizer.json (the `tokenizers` library only).
+
+No transformers here: the server image has no torch. Each text (or text pair) becomes one
+unpadded sequence of ids; the batcher pads a whole batch to its longest member, so padding costs
+are paid once per batch rather than once per request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from . import HoloServeError
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: np.ndarray  # int64 [seq]
+    token_type_ids: np.ndarray  # int64 [seq]
+    truncated: bool
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class TextEncoder:
+    """Encode texts or pairs to unpadded id sequences, truncated to `max_length` tokens."""
+
+    def __init__(self, tokenizer_json: str | Path, max_length: int, *, pair: bool = False):
+        from tokenizers import Tokenizer
+
+        path = Path(tokenizer_json)
+        if not path.is_file():
+            raise HoloServeError(f"{path} does not exist: the checkpoint needs a fast tokenizer (tokenizer.json)")
+        if max_length < 4:
+            raise HoloServeError(f"max sequence length must be at least 4 tokens, got {max_length}")
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises plain Exceptions
+            raise HoloServeError(f"{path} cannot be read as a tokenizers JSON file ({e})") from None
+        # The file may carry its own truncation/padding settings; the server owns both.
+        tok.no_padding()
+        tok.enable_truncation(max_length=max_length, strategy="longest_first")
+        self._tok = tok
+        self.max_length = int(max_length)
+        self.pair = pair
+        pad = tok.token_to_id("[PAD]")
+        self.pad_id = 0 if pad is None else int(pad)
+
+    def encode(self, inputs: Sequence[str] | Sequence[tuple[str, str]]) -> list[Encoded]:
+        encs = self._tok.encode_batch(list(inputs))
+        out = []
+        for e in encs:
+            ids = np.asarray(e.ids, dtype=np.int64)
+            types = np.asarray(e.type_ids, dtype=np.int64)
+            # With stride 0 the tokenizer keeps what it cut off in `overflowing`.
+            out.append(Encoded(ids, types, truncated=bool(e.overflowing)))
+        return out
+
+
+def pad_batch(items: Sequence[Encoded], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Stack sequences into [batch, longest] int64 arrays: input_ids, attention_mask, token_type_ids."""
+    if not items:
+        raise ValueError("cannot pad an empty batch")
+    seq = max(it.length for it in items)
+    n = len(items)
+    ids = np.full((n, seq), pad_id, dtype=np.int64)
+    mask = np.zeros((n, seq), dtype=np.int64)
+    types = np.zeros((n, seq), dtype=np.int64)
+    for i, it in enumerate(items):
+        L = it.length
+        ids[i, :L] = it.input_ids
+        mask[i, :L] = 1
+        types[i, :L] = it.token_type_ids
+    return ids, mask, types

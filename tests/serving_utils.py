@@ -1,0 +1,123 @@
+"""Helpers for the server tests: a tiny exported checkpoint and a real uvicorn server on loopback."""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def export_onnx(model, out: Path, opset: int = 17) -> Path:
+    """Plain torch.onnx.export with the contract's inputs/outputs and dynamic axes."""
+    import torch
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            return self.m(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
+
+    ids = torch.ones(2, 8, dtype=torch.long)
+    axes = {0: "batch", 1: "sequence"}
+    with torch.no_grad():
+        torch.onnx.export(
+            Wrap(model.eval()), (ids, torch.ones_like(ids), torch.zeros_like(ids)), str(out),
+            input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=["logits"],
+            dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes, "logits": {0: "batch"}},
+            opset_version=opset, dynamo=False,
+        )
+    return out
+
+
+def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: int = 32, onnx: bool = True) -> Path:
+    """A tiny random BERT, projected to 2:4 + INT8 grid, saved as a checkpoint and exported to ONNX."""
+    import torch
+    from compress.checkpoint import save_checkpoint
+    from compress.layers import encoder_linear_names, get_linear
+    from compress.project import project
+    from holoserve.artifact import add_files
+    from holoserve.tasks import get_task
+    from tests.tiny import make_tiny_bert
+    from transformers import AutoModelForSequenceClassification
+
+    task = get_task(task_name)
+    src = make_tiny_bert(root / f"src-{task_name}", num_labels=task.num_labels)
+    model = AutoModelForSequenceClassification.from_pretrained(str(src), local_files_only=True)
+    scales = {}
+    names = encoder_linear_names(model)
+    with torch.no_grad():
+        for name in names:
+            lin = get_linear(model, name)
+            p = project(lin.weight.data)
+            lin.weight.data.copy_(p.z)
+            scales[name] = p.scales
+    out = root / f"ckpt-{task_name}"
+    art = save_checkpoint(model, src, out, task=task, base_model="tiny-random-bert", max_seq_length=max_seq_length,
+                          sparse_layers=names, weight_scales=scales,
+                          metrics={"primary": task.primary_metric, "dense": {}, "compressed": {}})
+    if onnx:
+        tmp = out / "model.onnx.partial"
+        export_onnx(model, tmp)
+        add_files(art, {"model.onnx": tmp}, exports={"onnxruntime": {"file": "model.onnx", "opset": 17}})
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout: float = 60.0, path: str = "/readyz", proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read().decode() if proc.stderr else ''}")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url}{path} not ready after {timeout}s")
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOLOSERVE_")}
+    env.update({"OMP_NUM_THREADS": "1", "HOLOSERVE_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+@contextlib.contextmanager
+def serve_subprocess(args: list[str], env: dict[str, str] | None = None, timeout: float = 60.0, cmd=None):
+    """`holoserve serve ...` in a child process on a free loopback port; yields (url, proc)."""
+    port = free_port()
+    env = server_env(**(env or {}))
+    env.setdefault("HOLOSERVE_PORT", str(port))
+    port = int(env["HOLOSERVE_PORT"])
+    cmd = cmd or [sys.executable, "-m", "holoserve", "serve"]
+    proc = subprocess.Popen([*cmd, *args], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, timeout, proc=proc)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
