@@ -28,7 +28,10 @@ def export_onnx(model, out: Path, opset: int = 17) -> Path:
 
     ids = torch.ones(2, 8, dtype=torch.long)
     axes = {0: "batch", 1: "sequence"}
-    with torch.no_grad():
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         torch.onnx.export(
             Wrap(model.eval()), (ids, torch.ones_like(ids), torch.zeros_like(ids)), str(out),
             input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=["logits"],
@@ -121,3 +124,48 @@ def serve_subprocess(args: list[str], env: dict[str, str] | None = None, timeout
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+_CACHE: dict[tuple[str, bool], Path] = {}
+_ROOT: list[Path] = []
+
+
+def tiny_checkpoint(task_name: str = "sst2", onnx: bool = True) -> Path:
+    """Build (once per test process) a tiny exported checkpoint; removed when the process exits."""
+    import atexit
+    import shutil
+    import tempfile
+
+    key = (task_name, onnx)
+    if key not in _CACHE:
+        if not _ROOT:
+            _ROOT.append(Path(tempfile.mkdtemp(prefix="holoserve-serve-tests-")))
+            atexit.register(shutil.rmtree, _ROOT[0], True)
+        root = _ROOT[0] / f"{task_name}-{'onnx' if onnx else 'plain'}"
+        root.mkdir()
+        _CACHE[key] = make_tiny_checkpoint(root, task_name, onnx=onnx)
+    return _CACHE[key]
+
+
+class ThreadServer:
+    """uvicorn serving an app object on a loopback port from a background thread."""
+
+    def __init__(self, app, port: int | None = None):
+        import threading
+
+        import uvicorn
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None,
+                                                    access_log=False, timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        wait_ready(self.url, 60)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

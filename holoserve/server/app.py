@@ -309,7 +309,7 @@ def create_app(config: ServerConfig, *, artifact: Artifact | None = None, backen
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        type_ = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return err(request, exc.status_code, type_, str(exc.detail), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
