@@ -1,0 +1,87 @@
+"""`holoserve export CHECKPOINT`: ONNX with QDQ nodes for ONNX Runtime and/or TensorRT, verified.
+
+Light module: heavy imports (torch, onnx) happen inside run().
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+TARGETS = ("onnxruntime", "tensorrt", "all")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint folder written by `holoserve compress`")
+    p.add_argument("--target", choices=TARGETS, default="all",
+                   help="onnxruntime: model.onnx (MatMul-only QDQ, uint8 activations, fused by ORT on CPU); "
+                        "tensorrt: model.trt.onnx (QDQBERT placement for TensorRT); all: both (default)")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="write the files and export_report.json here instead of into the checkpoint "
+                        "(default: into the checkpoint folder, recorded in its manifest)")
+    p.add_argument("--data-dir", default=None,
+                   help="GLUE data dir (or $HOLOSERVE_DATA_DIR): dev rows for the parity check, train rows for "
+                        "calibrating the TensorRT-only ranges; without it built-in sentences are used and no "
+                        "dev metric is checked")
+    p.add_argument("--dev-rows", type=int, default=None, help="limit the parity check to the first N dev rows")
+    p.add_argument("--calib-rows", type=int, default=256,
+                   help="training rows used to calibrate the TensorRT-only tensor ranges (default 256)")
+    p.add_argument("--max-metric-diff", type=float, default=0.2,
+                   help="fail if the ORT dev metric differs from the PyTorch fake-quant model by more than this "
+                        "many points (default 0.2)")
+    p.add_argument("--fp32-embeddings", action="store_true",
+                   help="keep the word-embedding table fp32 (default: int8 + per-row scale)")
+    p.add_argument("--no-verify", action="store_true", help="skip checker/parity/fusion/Polygraphy checks")
+    p.add_argument("--no-polygraphy", action="store_true", help="skip `polygraphy inspect sparsity`")
+    p.add_argument("--keep-float", action="store_true",
+                   help="also keep model.float.onnx (fp32 weights; what Polygraphy inspects)")
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the checks")
+    p.add_argument("--json", action="store_true", help="print the full export report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .onnx_export import MANIFEST_KEYS, export_checkpoint
+
+    targets = ["onnxruntime", "tensorrt"] if args.target == "all" else [args.target]
+    res = export_checkpoint(
+        args.checkpoint,
+        targets,
+        out_dir=args.out,
+        data_dir=args.data_dir,
+        dev_rows=args.dev_rows,
+        calib_rows=args.calib_rows,
+        verify_exports=not args.no_verify,
+        polygraphy=not args.no_polygraphy,
+        keep_float=args.keep_float,
+        threads=args.threads,
+        max_metric_diff=args.max_metric_diff,
+        int8_embeddings=not args.fp32_embeddings,
+    )
+    if args.json:
+        print(json.dumps(res.report, indent=2))
+        return 0
+    print(f"fp32 ONNX export: {res.report['fp32_bytes'] / 1e6:.1f} MB, {res.report['linears']} encoder Linears")
+    for t in targets:
+        e = res.entries[MANIFEST_KEYS[t]]
+        print(f"{t}: {res.out_dir / e['file']}  {e['bytes'] / 1e6:.1f} MB ({e['size_ratio_vs_fp32']}x smaller than fp32), "
+              f"{e['activation_qdq_pairs']} activation Q/DQ, {e['weight_dequantize']} int8 weights")
+        v = e.get("verification")
+        if not v:
+            continue
+        par = v["parity_vs_pytorch_fakequant"]
+        line = f"  onnx.checker (full): {v['onnx_checker_full']}; vs PyTorch fake-quant on {par['rows_source']}: " \
+               f"max |dlogit| {par['max_abs_diff']:.4g}"
+        if "argmax_agreement" in par:
+            line += f", argmax agreement {100 * par['argmax_agreement']:.2f}%"
+        print(line)
+        if "dev_metric_ort" in v:
+            print(f"  dev metric ORT {v['dev_metric_ort']} vs PyTorch fake-quant {v['dev_metric_pytorch_fakequant']}")
+        if "ort_fusion" in v:
+            f = v["ort_fusion"]
+            print(f"  ORT fused {f['fused_integer_matmuls']} QDQ MatMuls into integer kernels {f['fused_by_op']}")
+        if "polygraphy_sparsity" in v:
+            ps = v["polygraphy_sparsity"]
+            print(f"  Polygraphy: {ps['encoder_weights_2of4']}/{ps['encoder_weights']} encoder weights 2:4 "
+                  f"({ps['tensors_checked']} tensors checked)")
+    if not args.out:
+        print(f"recorded in {res.checkpoint / 'manifest.json'}")
+    return 0

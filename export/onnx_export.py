@@ -1,0 +1,443 @@
+"""Export a HoloServe checkpoint to ONNX with QDQ nodes, verify it, and record it in the manifest.
+
+Route: torch.onnx.export of the fp32 Hugging Face model (eager attention, so the attention
+MatMuls are explicit nodes) -> locate the encoder Linears' weights by value -> rewrite with the
+onnx library (export/qdq.py): int8 weight initializers + per-channel DequantizeLinear, Q/DQ on
+activations with the manifest's calibrated ranges -> verify (export/verify.py).
+
+Ranges of the tensors only the TensorRT placement quantizes (attention MatMul inputs, residual
+Add inputs) are not in the manifest: they are calibrated here by running the ONNX Runtime
+placement — which reproduces the checkpoint's fake-quant numerics — on rows of the task's
+training split (max |x| over `calib_rows` rows), or on built-in sentences when no data dir is
+given; the source is recorded in the manifest's export entry.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from holoserve import HoloServeError
+from holoserve.artifact import Artifact, ArtifactError, add_files, atomic_copy, atomic_write_json, load_artifact
+
+from . import qdq, verify
+
+OPSET = 17
+TARGET_FILES = {"onnxruntime": "model.onnx", "tensorrt": "model.trt.onnx"}
+MANIFEST_KEYS = {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt-onnx"}
+FLOAT_FILE = "model.float.onnx"  # optional, with keep_float: fp32 export Polygraphy checks
+
+# Used for TensorRT-placement calibration when no GLUE data dir is available (documented fallback).
+BUILTIN_SENTENCES = (
+    "the movie was a delight from start to finish .",
+    "a dull , lifeless and overlong film that never finds its footing .",
+    "it 's not a great story , but the actors make it worth watching .",
+    "i hated every minute of it .",
+    "an honest , funny and surprisingly moving portrait of a family .",
+    "the plot is thin and the acting is worse .",
+    "one of the best films of the year .",
+    "a man is playing a guitar on the street while a dog watches .",
+    "the company said its profit rose in the third quarter .",
+    "she was not sure whether the plane had taken off .",
+    "this is the kind of film that gives the genre a bad name , and it knows it .",
+    "great fun .",
+    "they said the new car was too expensive for a family of four .",
+    "the story is sad but never sentimental , and the ending is earned .",
+    "awful .",
+    "two children are riding a horse near the river .",
+)
+
+
+@dataclass
+class ExportResult:
+    checkpoint: Path
+    out_dir: Path
+    files: dict[str, Path] = field(default_factory=dict)  # target -> written file
+    entries: dict[str, dict] = field(default_factory=dict)  # manifest key -> export entry
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+
+def make_tokenizer(art: Artifact, max_length: int | None = None):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(art.path / "tokenizer.json"))
+    tok.enable_truncation(max_length=max_length or art.max_seq_length)
+    pad_id = tok.token_to_id("[PAD]")
+    tok.enable_padding(pad_id=0 if pad_id is None else pad_id, pad_token="[PAD]")
+    return tok
+
+
+def encode_batches(tok, texts: Sequence[str], pairs: Sequence[str] | None = None, batch_size: int = 32):
+    """Yield (indices, {input_ids, attention_mask, token_type_ids} int64) batches, grouped by length."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]) + (len(pairs[i]) if pairs else 0))
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        if pairs:
+            encs = tok.encode_batch([(texts[i], pairs[i]) for i in idx])
+        else:
+            encs = tok.encode_batch([texts[i] for i in idx])
+        yield idx, {
+            "input_ids": np.asarray([e.ids for e in encs], dtype=np.int64),
+            "attention_mask": np.asarray([e.attention_mask for e in encs], dtype=np.int64),
+            "token_type_ids": np.asarray([e.type_ids for e in encs], dtype=np.int64),
+        }
+
+
+def _rows(art: Artifact, split: str, data_dir, limit: int | None):
+    from holoserve.glue import read_split
+    from holoserve.tasks import get_task
+
+    task = get_task(art.task_name)
+    ex = read_split(task, split, data_dir, limit=limit)
+    return task, [e.text for e in ex], ([e.text_pair for e in ex] if task.is_pair else None), [e.label for e in ex]
+
+
+def data_available(data_dir) -> bool:
+    from holoserve.glue import resolve_data_dir
+
+    try:
+        resolve_data_dir(data_dir)
+        return True
+    except HoloServeError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------- torch side
+
+
+def load_torch_model(art: Artifact):
+    """The checkpoint as an fp32 HF model with eager attention (explicit attention MatMuls)."""
+    try:
+        from transformers import AutoModelForSequenceClassification
+    except ImportError as e:
+        raise HoloServeError(f"export needs torch and transformers ({e}): pip install 'holoserve[export]'") from None
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(art.path), local_files_only=True, attn_implementation="eager"
+    )
+    model.eval()
+    return model
+
+
+def quantized_layers(art: Artifact) -> list[str]:
+    q = art.manifest.get("quantization")
+    if not q:
+        raise ArtifactError(
+            f"{art.path}: the manifest has no INT8 quantization section; only compressed (INT8) checkpoints "
+            "can be exported with QDQ nodes — run `holoserve compress` first"
+        )
+    if not (q.get("activations") or {}).get("amax"):
+        raise ArtifactError(
+            f"{art.path}: the manifest has no calibrated activation ranges (quantization.activations.amax); "
+            "re-run `holoserve compress` (calibration) before exporting"
+        )
+    return list(q["weights"]["scales"])
+
+
+def torch_export_fp32(model, path: Path, opset: int = OPSET) -> None:
+    """fp32 ONNX with dynamic batch/sequence axes (TorchScript-based exporter: fast and name-stable)."""
+    import torch
+
+    class _Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            return self.m(
+                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, return_dict=False
+            )[0]
+
+    ids = torch.ones(2, 16, dtype=torch.long)
+    names = list(verify.INPUT_NAMES)
+    axes = {k: {0: "batch", 1: "sequence"} for k in names} | {verify.OUTPUT_NAME: {0: "batch"}}
+    import warnings
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            _Logits(model), (ids, torch.ones_like(ids), torch.zeros_like(ids)), str(path),
+            input_names=names, output_names=[verify.OUTPUT_NAME], dynamic_axes=axes,
+            opset_version=opset, do_constant_folding=True, dynamo=False,
+        )
+
+
+def reference_logits(model, art: Artifact, batches) -> np.ndarray:
+    """The checkpoint's fake-quant numerics in PyTorch (what `holoserve eval` computes)."""
+    import torch
+
+    from compress.quant import input_quantizers
+
+    layers = quantized_layers(art)
+    out = []
+    with torch.no_grad(), input_quantizers(model, art.activation_amax(), layers):
+        for b in batches:
+            out.append(model(**{k: torch.from_numpy(v) for k, v in b.items()}).logits.float().numpy())
+    return np.concatenate(out, axis=0)
+
+
+# ------------------------------------------------------------------------------------------- pipeline
+
+
+def _calibrate_extra(ort_onnx: Path, tensors: list[str], batches) -> dict[str, float]:
+    """max |x| of `tensors` when running the ORT-placement model (exact checkpoint numerics)."""
+    import onnx
+
+    m = onnx.load(str(ort_onnx))
+    have = {o.name for o in m.graph.output}
+    for t in tensors:
+        if t not in have:
+            m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+    tmp = ort_onnx.with_suffix(".calib.onnx")
+    onnx.save(m, str(tmp))
+    try:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = max(1, min(2, os.cpu_count() or 1))
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        sess = ort.InferenceSession(str(tmp), so, providers=["CPUExecutionProvider"])
+        amax = {t: 0.0 for t in tensors}
+        for b in batches:
+            vals = sess.run(tensors, b)
+            for t, v in zip(tensors, vals):
+                amax[t] = max(amax[t], float(np.abs(v).max()))
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {t: max(v, 1e-6) for t, v in amax.items()}
+
+
+def _metric(task, logits: np.ndarray, labels) -> dict[str, float]:
+    from holoserve.metrics import compute
+
+    pred = logits[:, 0] if task.is_regression else logits.argmax(1)
+    return compute(task.metrics, pred, np.asarray(labels))
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike,
+    targets: Sequence[str] = ("onnxruntime",),
+    *,
+    out_dir: str | os.PathLike | None = None,
+    data_dir: str | os.PathLike | None = None,
+    dev_rows: int | None = None,
+    calib_rows: int = 256,
+    verify_exports: bool = True,
+    polygraphy: bool = True,
+    keep_float: bool = False,
+    threads: int = 1,
+    progress: bool = True,
+    max_metric_diff: float | None = 0.2,
+    int8_embeddings: bool = True,
+) -> ExportResult:
+    """Export `targets` ("onnxruntime", "tensorrt"), verify, and record them in the checkpoint.
+
+    With out_dir, files go there (plus export_report.json) and the checkpoint is left untouched.
+    int8_embeddings stores the word-embedding table as int8 + per-row scale (the only numeric
+    change beyond the checkpoint's own quantization; the dev-metric check covers it).
+    """
+    from tqdm import tqdm
+
+    for t in targets:
+        if t not in TARGET_FILES:
+            raise HoloServeError(f"unknown export target {t!r}: choose onnxruntime, tensorrt or all")
+    # load_artifact proves the weights are N:M and on the INT8 grid the manifest claims (ArtifactError)
+    art = load_artifact(checkpoint)
+    layers = quantized_layers(art)
+    sparse = set(art.sparse_layers)
+    weight_scales = {k: art.weight_scales(k) for k in layers}
+    act_amax = art.activation_amax()
+    have_data = data_available(data_dir)
+    steps = ["export fp32"] + [f"build {t}" for t in targets] + (["verify"] if verify_exports else [])
+    bar = tqdm(total=len(steps), desc="export", disable=not progress, unit="step")
+    result = ExportResult(Path(art.path), Path(out_dir) if out_dir else Path(art.path))
+    report: dict[str, Any] = {"checkpoint": art.path.name, "targets": list(targets), "opset": OPSET}
+    t0 = time.time()
+
+    import onnx
+
+    with tempfile.TemporaryDirectory(prefix=".holoserve-export-", dir=art.path) as tmpd:
+        tmp = Path(tmpd)
+        model = load_torch_model(art)
+        float_path = tmp / FLOAT_FILE
+        bar.set_postfix_str("torch.onnx.export")
+        torch_export_fp32(model, float_path)
+        fp32 = onnx.load(str(float_path))
+        state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+        weights = {k: state[f"{k}.weight"] for k in layers}
+        try:
+            sites = qdq.find_linears(fp32, weights)
+        except ValueError as e:
+            raise HoloServeError(f"cannot export {art.path}: {e}") from None
+        onnx.save(fp32, str(float_path))  # renamed weights: "<layer>.weight_t"
+        report["fp32_bytes"] = float_path.stat().st_size
+        report["linears"] = len(sites)
+        bar.update(1)
+
+        # calibration/validation inputs
+        tok = make_tokenizer(art)
+        calib_source = "builtin sentences"
+        if have_data:
+            _, ctexts, cpairs, _ = _rows(art, "train", data_dir, calib_rows) if "train" in _splits(art) else \
+                _rows(art, "dev", data_dir, calib_rows)
+            calib_source = f"{art.task_name} {'train' if 'train' in _splits(art) else 'dev'} split, first {len(ctexts)} rows"
+        else:
+            ctexts, cpairs = list(BUILTIN_SENTENCES), (list(BUILTIN_SENTENCES[::-1]) if art.is_pair else None)
+        calib_batches = [b for _, b in encode_batches(tok, ctexts, cpairs, batch_size=32)]
+
+        built: dict[str, Path] = {}
+        for target in ("onnxruntime", "tensorrt"):
+            if target not in targets and not (target == "onnxruntime" and "tensorrt" in targets):
+                continue  # the TensorRT placement is calibrated through the ORT placement
+            bar.set_postfix_str(f"QDQ {target}")
+            m = onnx.load(str(float_path))
+            sites_t = qdq.find_linears(m, weights, rename=False)
+            extra = None
+            if target == "tensorrt":
+                pts = qdq.tensorrt_extra_tensors(m, sites_t)
+                tensors = sorted({p[0] for p in pts})
+                extra = _calibrate_extra(built["onnxruntime"], tensors, calib_batches)
+            rep = qdq.apply_placement(m, sites_t, weight_scales, act_amax, target, extra)
+            emb = None
+            if int8_embeddings:
+                emb = qdq.quantize_embedding(m, model.get_input_embeddings().weight.detach().numpy())
+            m.producer_name, m.producer_version = "holoserve", _version()
+            path = tmp / TARGET_FILES[target]
+            onnx.save(m, str(path))
+            built[target] = path
+            entry = {
+                "file": TARGET_FILES[target],
+                "format": "onnx",
+                "opset": OPSET,
+                "placement": target,
+                "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in verify.INPUT_NAMES},
+                "outputs": {verify.OUTPUT_NAME: {"dtype": "float32", "shape": ["batch", art.manifest["task"].get("num_labels", len(art.labels) or 1)]}},
+                "weights": "int8 initializers, per-output-channel scales, DequantizeLinear zero-point 0",
+                "activations": "uint8 zero-point 128 (MatMul inputs only)" if target == "onnxruntime"
+                else "int8 zero-point 0 (Linear inputs, attention MatMul inputs, residual Add inputs)",
+                "quantized_linears": len(rep.linears),
+                "activation_qdq_pairs": rep.activation_qdq,
+                "weight_dequantize": rep.weight_dq,
+                "bytes": path.stat().st_size,
+                "size_ratio_vs_fp32": round(report["fp32_bytes"] / path.stat().st_size, 3),
+                "ops": qdq.count_ops(m),
+                "word_embeddings": emb or "float32 (as in the checkpoint)",
+            }
+            if target == "tensorrt":
+                entry["extra_ranges"] = {
+                    "source": f"max |x| from the onnxruntime placement (checkpoint numerics) on {calib_source}",
+                    "amax": {k: round(v, 6) for k, v in extra.items()},
+                }
+            if target in targets:
+                result.entries[MANIFEST_KEYS[target]] = entry
+            if target == "tensorrt" or "tensorrt" not in targets or target in targets:
+                bar.update(1) if target in targets else None
+
+        if verify_exports:
+            bar.set_postfix_str("verify")
+            report["verification"] = _verify(
+                art, model, built, targets, float_path, sites, sparse, tok, data_dir, have_data, dev_rows, threads, tmp,
+                polygraphy, max_metric_diff,
+            )
+            for t in targets:
+                result.entries[MANIFEST_KEYS[t]]["verification"] = report["verification"][t]
+            bar.update(1)
+        bar.close()
+
+        # move into place
+        files = {TARGET_FILES[t]: built[t] for t in targets}
+        if keep_float:
+            files[FLOAT_FILE] = float_path
+        report["seconds"] = round(time.time() - t0, 1)
+        report["exports"] = result.entries
+        if out_dir:
+            od = Path(out_dir)
+            od.mkdir(parents=True, exist_ok=True)
+            for name, src in files.items():
+                atomic_copy(src, od / name)
+                result.files[name] = od / name
+            atomic_write_json(od / "export_report.json", report)
+        else:
+            add_files(art, files, exports=result.entries)
+            result.files = {name: art.path / name for name in files}
+    result.report = report
+    return result
+
+
+def _splits(art: Artifact):
+    from holoserve.tasks import get_task
+
+    return get_task(art.task_name).splits
+
+
+def _version() -> str:
+    from holoserve import __version__
+
+    return __version__
+
+
+def _verify(art, model, built, targets, float_path, sites, sparse, tok, data_dir, have_data, dev_rows, threads, tmp,
+            polygraphy, max_metric_diff) -> dict:
+    out: dict[str, dict] = {}
+    # Polygraphy on the float-weight export: every sparse encoder weight must be 2:4 along K.
+    poly = None
+    if polygraphy and art.nm == (2, 4):
+        expected = [s.weight for s in sites if s.layer in sparse]
+        poly = verify.polygraphy_sparsity(float_path, expected)
+        if not poly["all_encoder_weights_2of4"]:
+            raise verify.ExportVerificationError(
+                f"Polygraphy found encoder weights that are not 2:4 although the manifest says so: "
+                f"{poly['encoder_weights_not_2of4'] or poly['encoder_weights_not_reported']}"
+            )
+    # rows for parity
+    if have_data:
+        task, texts, pairs, labels = _rows(art, "dev", data_dir, dev_rows)
+        rows_source = f"{task.name} dev, {len(texts)} rows"
+    else:
+        task, texts, pairs, labels = None, list(BUILTIN_SENTENCES), (list(BUILTIN_SENTENCES[::-1]) if art.is_pair else None), None
+        rows_source = "builtin sentences (no GLUE data dir given)"
+    idx_batches = list(encode_batches(tok, texts, pairs, batch_size=32))
+    order = np.concatenate([np.asarray(i) for i, _ in idx_batches])
+    batches = [b for _, b in idx_batches]
+    ref = reference_logits(model, art, batches)
+    ref_metric = _metric(task, ref, np.asarray(labels)[order]) if labels is not None else None
+    for t in targets:
+        path = built[t]
+        v: dict[str, Any] = {}
+        v.update(verify.check_onnx(path))
+        sess = verify.ort_session(path, threads=threads)
+        got = verify.ort_logits(sess, batches)
+        v["parity_vs_pytorch_fakequant"] = verify.parity(got, ref) | {"rows_source": rows_source}
+        if labels is not None:
+            v["dev_metric_ort"] = _metric(task, got, np.asarray(labels)[order])
+            v["dev_metric_pytorch_fakequant"] = ref_metric
+        if t == "onnxruntime":
+            fused = verify.fused_matmuls(path, tmp)
+            v["ort_fusion"] = fused
+            if fused["fused_integer_matmuls"] < len(sites):
+                raise verify.ExportVerificationError(
+                    f"ONNX Runtime fused only {fused['fused_integer_matmuls']} of {len(sites)} QDQ MatMuls into "
+                    "integer kernels; the export would run in float"
+                )
+            if labels is not None and max_metric_diff is not None:
+                key = task.primary_metric
+                diff = 100.0 * abs(v["dev_metric_ort"][key] - ref_metric[key])
+                v["dev_metric_diff_points"] = round(diff, 4)
+                if diff > max_metric_diff:
+                    raise verify.ExportVerificationError(
+                        f"dev {key} through ONNX Runtime ({100 * v['dev_metric_ort'][key]:.2f}) differs from the "
+                        f"PyTorch fake-quant model ({100 * ref_metric[key]:.2f}) by {diff:.2f} points "
+                        f"(allowed {max_metric_diff}); the export does not reproduce the checkpoint"
+                    )
+        if poly is not None:
+            v["polygraphy_sparsity"] = poly
+        out[t] = v
+    return out

@@ -1,0 +1,387 @@
+"""Rewrite an fp32 ONNX export of a BERT classifier into a QDQ graph (onnx + numpy only).
+
+Two placements, because the runtimes fuse different patterns:
+
+* ``onnxruntime`` — Q/DQ only in front of the encoder Linears' MatMuls, activations as uint8 with
+  zero-point 128 (a symmetric int8 range maps exactly onto it: q_u8 = q_i8 + 128), weights as
+  int8 initializers + per-output-channel DequantizeLinear. ONNX Runtime's CPU QDQ transformer
+  turns every such MatMul into MatMulIntegerToFloat/QLinearMatMul. These are exactly the
+  checkpoint's fake-quant numerics (compress/quant.py), so ORT reproduces `holoserve eval`.
+* ``tensorrt`` — the QDQBERT placement: int8 Q/DQ (zero-point 0) on every Linear input and
+  weight, on both inputs of the two attention MatMuls and on both inputs of the residual Adds,
+  so that every GEMM is INT8-in/INT8-out, which TensorRT needs before it picks sparse INT8
+  tactics. The extra tensors' ranges are calibrated separately (see export/onnx_export.py).
+
+Encoder Linear weights are found by value: the exporter stores W^T as the MatMul's B
+initializer, so matching the checkpoint's weights needs no knowledge of the exporter's names.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import numpy as np
+
+PLACEMENTS = ("onnxruntime", "tensorrt")
+ACT_SCALE_DIV = 127.0  # scale = amax / 127, as in compress/quant.py
+
+
+@dataclass
+class LinearSite:
+    """Where one encoder Linear lives in the graph."""
+
+    layer: str  # module name, e.g. bert.encoder.layer.0.attention.self.query
+    node: str  # MatMul (or Gemm) node name
+    weight: str  # initializer name of its weight (after renaming: "<layer>.weight_t")
+    activation: str  # tensor name of the MatMul's activation input
+    transposed: bool  # True: B is W^T [in, out] (MatMul); False: Gemm with transB=1, B is W [out, in]
+    bias_add: str | None = None  # node name of the Add that adds the bias, if any
+
+
+@dataclass
+class QdqReport:
+    placement: str
+    linears: list[str] = field(default_factory=list)
+    activation_qdq: int = 0
+    weight_dq: int = 0
+    extra_tensors: list[str] = field(default_factory=list)  # attention/residual tensors (tensorrt only)
+
+
+def _digest(a: np.ndarray) -> str:
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return hashlib.sha1(a.tobytes() + str(a.shape).encode()).hexdigest()
+
+
+def _producers(graph) -> dict[str, object]:
+    return {o: n for n in graph.node for o in n.output}
+
+
+def _consumers(graph) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for n in graph.node:
+        for i in n.input:
+            out.setdefault(i, []).append(n)
+    return out
+
+
+def ensure_node_names(model) -> None:
+    seen = set()
+    for i, n in enumerate(model.graph.node):
+        if not n.name or n.name in seen:
+            n.name = f"{n.op_type}_{i}"
+        seen.add(n.name)
+
+
+def find_linears(model, weights: Mapping[str, np.ndarray], *, rename: bool = True) -> list[LinearSite]:
+    """Locate each named Linear (weights: layer -> W [out, in]) by its weight's value.
+
+    Raises ValueError naming the layers that could not be found (e.g. an exporter that folded
+    the weight into something else), because quantizing a guessed tensor would be silent damage.
+    """
+    from onnx import numpy_helper
+
+    g = model.graph
+    ensure_node_names(model)
+    inits = {i.name: i for i in g.initializer}
+    by_digest: dict[str, str] = {}
+    for layer, w in weights.items():
+        w = np.asarray(w, dtype=np.float32)
+        by_digest[_digest(w.T)] = layer + "|T"
+        by_digest.setdefault(_digest(w), layer + "|N")
+    consumers = _consumers(g)
+    sites: dict[str, LinearSite] = {}
+    renames: dict[str, str] = {}
+    for n in g.node:
+        if n.op_type == "MatMul" and len(n.input) == 2 and n.input[1] in inits:
+            arr = numpy_helper.to_array(inits[n.input[1]])
+            hit = by_digest.get(_digest(arr)) if arr.ndim == 2 else None
+            if hit and hit.endswith("|T"):
+                layer = hit[:-2]
+                if layer in sites:
+                    continue
+                sites[layer] = LinearSite(layer, n.name, n.input[1], n.input[0], True)
+        elif n.op_type == "Gemm" and len(n.input) >= 2 and n.input[1] in inits:
+            attrs = {a.name: a for a in n.attribute}
+            trans_b = attrs["transB"].i if "transB" in attrs else 0
+            arr = numpy_helper.to_array(inits[n.input[1]])
+            hit = by_digest.get(_digest(arr)) if arr.ndim == 2 else None
+            if hit and ((trans_b and hit.endswith("|N")) or (not trans_b and hit.endswith("|T"))):
+                layer = hit[:-2]
+                if layer not in sites:
+                    sites[layer] = LinearSite(layer, n.name, n.input[1], n.input[0], not trans_b)
+    missing = [k for k in weights if k not in sites]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} encoder Linear weights were not found as MatMul/Gemm initializers in the ONNX graph "
+            f"(first: {missing[0]}); the exporter may have folded or shared them"
+        )
+    # bias Add: MatMul -> Add(initializer)
+    for s in sites.values():
+        for c in consumers.get(_node_output(g, s.node), []):
+            if c.op_type == "Add" and any(i in inits for i in c.input):
+                s.bias_add = c.name
+                break
+    if rename:
+        used = {i.name for i in g.initializer}
+        for s in sites.values():
+            new = f"{s.layer}.weight_t" if s.transposed else f"{s.layer}.weight"
+            if new != s.weight and new not in used:
+                renames[s.weight] = new
+                s.weight = new
+        _rename_tensors(model, renames)
+    return [sites[k] for k in weights]
+
+
+def _node_output(graph, name: str) -> str:
+    for n in graph.node:
+        if n.name == name:
+            return n.output[0]
+    raise KeyError(name)
+
+
+def _rename_tensors(model, renames: Mapping[str, str]) -> None:
+    if not renames:
+        return
+    g = model.graph
+    for i in g.initializer:
+        if i.name in renames:
+            i.name = renames[i.name]
+    for n in g.node:
+        for k, x in enumerate(n.input):
+            if x in renames:
+                n.input[k] = renames[x]
+    for vi in list(g.value_info) + list(g.input):
+        if vi.name in renames:
+            vi.name = renames[vi.name]
+
+
+def weight_codes(w: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """int8 codes of a weight that is already on its per-channel grid (W == q * s exactly)."""
+    from holoserve.sparsity import int8_codes
+
+    q = int8_codes(np.asarray(w, np.float32), np.asarray(scales, np.float32))
+    if q is None:
+        raise ValueError("weight is not exactly int8 x per-channel scale; the checkpoint is not on its INT8 grid")
+    return q
+
+
+def quantize_weight(model, site: LinearSite, scales: np.ndarray) -> None:
+    """Replace the fp32 weight initializer by int8 codes + scale + DequantizeLinear (zero-point 0).
+
+    For a MatMul, B is W^T with shape [in, out]: the output channel is axis 1.
+    """
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    init = next(i for i in g.initializer if i.name == site.weight)
+    b = numpy_helper.to_array(init).astype(np.float32)
+    w = b.T if site.transposed else b  # [out, in]
+    q = weight_codes(w, scales)
+    qb = q.T if site.transposed else q
+    base = site.layer
+    qname, sname, zname, dq_out = f"{base}.weight_int8", f"{base}.weight_scale", f"{base}.weight_zero_point", f"{base}.weight_dq"
+    g.initializer.remove(init)
+    g.initializer.extend(
+        [
+            numpy_helper.from_array(np.ascontiguousarray(qb), qname),
+            numpy_helper.from_array(np.asarray(scales, np.float32), sname),
+            numpy_helper.from_array(np.zeros(len(scales), np.int8), zname),
+        ]
+    )
+    dq = helper.make_node(
+        "DequantizeLinear", [qname, sname, zname], [dq_out], name=f"{base}/weight/DequantizeLinear",
+        axis=1 if site.transposed else 0,
+    )
+    node = next(n for n in g.node if n.name == site.node)
+    for k, x in enumerate(node.input):
+        if x == site.weight:
+            node.input[k] = dq_out
+    _insert_before(g, node, [dq])
+
+
+def _insert_before(graph, node, new_nodes) -> None:
+    idx = list(graph.node).index(node)
+    for k, n in enumerate(new_nodes):
+        graph.node.insert(idx + k, n)
+
+
+def insert_qdq(model, tensor: str, amax: float, consumer_inputs: Iterable[tuple[object, int]], *, name: str,
+               unsigned: bool) -> None:
+    """Insert QuantizeLinear -> DequantizeLinear on `tensor` for the given (node, input index) uses.
+
+    Symmetric per-tensor scale amax/127; int8 with zero-point 0, or uint8 with zero-point 128
+    (the same codes shifted), saturating and rounding half to even as QuantizeLinear does.
+    """
+    from onnx import helper, numpy_helper
+
+    if not (amax > 0 and np.isfinite(amax)):
+        raise ValueError(f"activation range for {tensor!r} must be a positive number, got {amax}")
+    g = model.graph
+    scale = np.asarray(np.float32(amax) / np.float32(ACT_SCALE_DIV), dtype=np.float32)
+    zp = np.asarray(128, np.uint8) if unsigned else np.asarray(0, np.int8)
+    s_name, z_name = f"{name}.scale", f"{name}.zero_point"
+    q_out, dq_out = f"{name}.quantized", f"{name}.dequantized"
+    g.initializer.extend([numpy_helper.from_array(scale, s_name), numpy_helper.from_array(zp, z_name)])
+    qn = helper.make_node("QuantizeLinear", [tensor, s_name, z_name], [q_out], name=f"{name}/QuantizeLinear")
+    dqn = helper.make_node("DequantizeLinear", [q_out, s_name, z_name], [dq_out], name=f"{name}/DequantizeLinear")
+    uses = list(consumer_inputs)
+    first = min(uses, key=lambda u: list(g.node).index(u[0]))[0]
+    for node, k in uses:
+        node.input[k] = dq_out
+    _insert_before(g, first, [qn, dqn])
+
+
+def attention_matmuls(model, sites: list[LinearSite]) -> list:
+    """MatMuls with two activation inputs (Q·K^T and P·V) in the encoder."""
+    g = model.graph
+    inits = {i.name for i in g.initializer}
+    linear_nodes = {s.node for s in sites}
+    return [
+        n for n in g.node
+        if n.op_type == "MatMul" and n.name not in linear_nodes and not any(i in inits for i in n.input)
+    ]
+
+
+def residual_adds(model, sites: list[LinearSite]) -> list:
+    """Adds of two activations where one side is a Linear's bias-add output (the residual connections)."""
+    g = model.graph
+    inits = {i.name for i in g.initializer}
+    prod = _producers(g)
+    bias_outputs = set()
+    for s in sites:
+        if s.bias_add:
+            bias_outputs.add(next(n.output[0] for n in g.node if n.name == s.bias_add))
+    out = []
+    for n in g.node:
+        if n.op_type == "Add" and len(n.input) == 2 and not any(i in inits for i in n.input):
+            if any(i in bias_outputs for i in n.input) and all(i in prod for i in n.input):
+                out.append(n)
+    return out
+
+
+def tensorrt_extra_tensors(model, sites: list[LinearSite]) -> list[tuple[str, str, int]]:
+    """(tensor, consumer node name, input index) for each extra QDQBERT quantization point."""
+    pts = []
+    for n in attention_matmuls(model, sites) + residual_adds(model, sites):
+        for k, t in enumerate(n.input):
+            pts.append((t, n.name, k))
+    return pts
+
+
+def _safe(name: str) -> str:
+    return name.strip("/").replace("/", ".").replace(":", "_")
+
+
+def apply_placement(
+    model,
+    sites: list[LinearSite],
+    weight_scales: Mapping[str, np.ndarray],
+    act_amax: Mapping[str, float],
+    placement: str,
+    extra_amax: Mapping[str, float] | None = None,
+) -> QdqReport:
+    """Quantize `model` in place for one placement. act_amax is keyed "<layer>.input" (manifest).
+
+    For "tensorrt", extra_amax maps each tensor of `tensorrt_extra_tensors` to its range.
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown QDQ placement {placement!r}: choose one of {', '.join(PLACEMENTS)}")
+    g = model.graph
+    rep = QdqReport(placement)
+    extra_pts = tensorrt_extra_tensors(model, sites) if placement == "tensorrt" else []
+    nodes = {n.name: n for n in g.node}
+    unsigned = placement == "onnxruntime"
+    for s in sites:
+        key = f"{s.layer}.input"
+        if key not in act_amax:
+            raise ValueError(f"the manifest has no activation range {key!r}; re-run calibration in `holoserve compress`")
+        node = nodes[s.node]
+        k = list(node.input).index(s.activation)
+        insert_qdq(model, s.activation, float(act_amax[key]), [(node, k)], name=f"{s.layer}.input", unsigned=unsigned)
+        rep.activation_qdq += 1
+        quantize_weight(model, s, weight_scales[s.layer])
+        rep.weight_dq += 1
+        rep.linears.append(s.layer)
+    if placement == "tensorrt":
+        extra_amax = dict(extra_amax or {})
+        nodes = {n.name: n for n in g.node}
+        # group uses of the same tensor so one Q/DQ pair feeds them all
+        groups: dict[str, list[tuple[str, int]]] = {}
+        for t, nn, k in extra_pts:
+            groups.setdefault(t, []).append((nn, k))
+        for t, uses in groups.items():
+            if t not in extra_amax:
+                raise ValueError(f"no calibrated range for tensor {t!r} (TensorRT placement)")
+            insert_qdq(model, t, float(extra_amax[t]), [(nodes[nn], k) for nn, k in uses], name=_safe(t) + ".qdq",
+                       unsigned=False)
+            rep.activation_qdq += 1
+            rep.extra_tensors.append(t)
+    return rep
+
+
+def count_ops(model) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in model.graph.node:
+        out[n.op_type] = out.get(n.op_type, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings") -> dict:
+    """Store an embedding table (found by value) as int8 codes + per-row scales.
+
+    The table is the largest tensor of a BERT model (vocab x hidden) and stays fp32 in the
+    checkpoint; keeping it fp32 here would cap the file at ~1.5x smaller than fp32. Lookup
+    becomes Gather(int8) -> Cast -> Mul(Gather(row scale)): weight-only, symmetric, so the error
+    per element is at most half a step (amax_row / 254). Returns what was done, for the manifest.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = model.graph
+    table = np.asarray(table, np.float32)
+    want = _digest(table)
+    inits = {i.name: i for i in g.initializer}
+    hit = None
+    for n in g.node:
+        if n.op_type == "Gather" and n.input[0] in inits:
+            arr = numpy_helper.to_array(inits[n.input[0]])
+            if arr.shape == table.shape and _digest(arr) == want:
+                hit = n
+                break
+    if hit is None:
+        raise ValueError("the word embedding table was not found as a Gather initializer in the ONNX graph")
+    amax = np.abs(table).max(axis=1)
+    scales = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    codes = np.clip(np.rint(table / scales[:, None]), -127, 127).astype(np.int8)
+    init = inits[hit.input[0]]
+    ids = hit.input[1]
+    axis = next((a.i for a in hit.attribute if a.name == "axis"), 0)
+    if axis != 0:
+        raise ValueError("embedding Gather with axis != 0 is not supported")
+    out = hit.output[0]
+    c_name, s_name, ax_name = f"{name}.int8", f"{name}.row_scale", f"{name}.unsqueeze_axes"
+    g.initializer.remove(init)
+    g.initializer.extend([
+        numpy_helper.from_array(codes, c_name),
+        numpy_helper.from_array(scales, s_name),
+        numpy_helper.from_array(np.asarray([-1], np.int64), ax_name),
+    ])
+    new = [
+        helper.make_node("Gather", [c_name, ids], [f"{name}.codes"], name=f"{name}/GatherCodes", axis=0),
+        helper.make_node("Cast", [f"{name}.codes"], [f"{name}.codes_f"], name=f"{name}/Cast", to=TensorProto.FLOAT),
+        helper.make_node("Gather", [s_name, ids], [f"{name}.scales"], name=f"{name}/GatherScales", axis=0),
+        helper.make_node("Unsqueeze", [f"{name}.scales", ax_name], [f"{name}.scales_u"], name=f"{name}/Unsqueeze"),
+        helper.make_node("Mul", [f"{name}.codes_f", f"{name}.scales_u"], [out], name=f"{name}/Dequantize"),
+    ]
+    idx = list(g.node).index(hit)
+    g.node.remove(hit)
+    for k, n in enumerate(new):
+        g.node.insert(idx + k, n)
+    dq = codes.astype(np.float32) * scales[:, None]
+    return {
+        "tensor": name,
+        "shape": list(table.shape),
+        "storage": "int8 codes + per-row float32 scale (weight-only)",
+        "max_abs_error": float(np.abs(dq - table).max()),
+        "max_rel_error": float((np.abs(dq - table).max(axis=1) / np.maximum(amax, 1e-12)).max()),
+    }
