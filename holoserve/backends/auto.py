@@ -58,6 +58,8 @@ def select_backend(artifact: Artifact, *, order: tuple[str, ...] = ORDER, **opti
                 backend = load_backend(name, artifact, **options)
             except (BackendUnavailable, ImportError) as e:
                 reason = str(e)
+            except Exception as e:  # a broken optional backend must not stop auto from falling back
+                reason = f"failed to load: {type(e).__name__}: {e}"
         if reason is not None:
             skipped[name] = reason
             log.info("backend auto: skipping %s: %s", name, reason)
