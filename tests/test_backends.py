@@ -1,0 +1,209 @@
+"""Backends, tokenization and `--backend auto`, without a GPU: everything that needs no CUDA library."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from holoserve.artifact import add_files, load_artifact
+from holoserve.backends import BackendUnavailable, load_backend
+from holoserve.backends import tensorrt as trt_backend
+from holoserve.backends.auto import select_backend
+from holoserve.backends.onnxruntime import choose_providers
+from holoserve.tokenization import TextEncoder, pad_batch
+from tests.serving_utils import REPO, server_env, tiny_checkpoint
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="module")
+def sst2():
+    return tiny_checkpoint("sst2")
+
+
+# --------------------------------------------------------------------------- tokenization
+
+
+def test_tokenizer_truncates_reports_and_pads(sst2):
+    enc = TextEncoder(sst2 / "tokenizer.json", 8)
+    short, long = enc.encode(["good movie", "the movie was very very very good and fun"])
+    assert short.length == 4 and not short.truncated  # [CLS] good movie [SEP]
+    assert long.length == 8 and long.truncated
+    ids, mask, types = pad_batch([short, long], enc.pad_id)
+    assert ids.shape == mask.shape == types.shape == (2, 8) and ids.dtype == np.int64
+    assert mask[0].tolist() == [1, 1, 1, 1, 0, 0, 0, 0] and (ids[0, 4:] == enc.pad_id).all()
+    pair_enc = TextEncoder(sst2 / "tokenizer.json", 8, pair=True)
+    (p,) = pair_enc.encode([("the movie", "a dog is playing with the cat")])
+    assert p.length == 8 and p.truncated and p.token_type_ids.tolist().count(1) > 0
+
+
+def test_tokenizer_errors(tmp_path):
+    from holoserve import HoloServeError
+
+    with pytest.raises(HoloServeError, match="tokenizer.json"):
+        TextEncoder(tmp_path / "tokenizer.json", 32)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(HoloServeError, match="cannot be read"):
+        TextEncoder(tmp_path / "tokenizer.json", 32)
+
+
+# --------------------------------------------------------------------------- ONNX Runtime and torch
+
+
+def test_onnxruntime_matches_torch_reference(sst2):
+    art = load_artifact(sst2)
+    ort_be = load_backend("onnxruntime", art, threads=1)
+    torch_be = load_backend("torch", art, device="cpu", threads=1)
+    enc = TextEncoder(sst2 / "tokenizer.json", art.max_seq_length)
+    batch = pad_batch(enc.encode(["good", "the movie was awful and boring", "i loved it"]))
+    a, b = ort_be.infer(*batch), torch_be.infer(*batch)
+    assert a.shape == (3, 2) and a.dtype == np.float32
+    np.testing.assert_allclose(a, b, atol=1e-4)
+    info = ort_be.info()
+    assert info["providers"] == ["CPUExecutionProvider"] and info["file"] == "model.onnx"
+    assert torch_be.info()["device"] == "cpu"
+
+
+def test_onnxruntime_without_export_says_how_to_make_one():
+    art = load_artifact(tiny_checkpoint("sst2", onnx=False))
+    with pytest.raises(BackendUnavailable, match="holoserve export"):
+        load_backend("onnxruntime", art)
+
+
+def test_choose_providers():
+    assert choose_providers(["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    both = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert choose_providers(both) == both
+    assert choose_providers(both, "cpu") == ["CPUExecutionProvider"]
+    with pytest.raises(BackendUnavailable, match="onnxruntime-gpu"):
+        choose_providers(["CPUExecutionProvider"], "cuda")
+
+
+def test_unknown_backend():
+    from holoserve import HoloServeError
+
+    with pytest.raises(HoloServeError, match="unknown backend"):
+        load_backend("nope", load_artifact(tiny_checkpoint("sst2")))
+
+
+# --------------------------------------------------------------------------- auto
+
+
+def test_auto_picks_onnxruntime_on_a_cpu_machine_without_importing_torch(sst2):
+    code = (
+        "import sys, json\n"
+        "from holoserve.artifact import load_artifact\n"
+        "from holoserve.backends.auto import select_backend\n"
+        f"b, d = select_backend(load_artifact({str(sst2)!r}))\n"
+        "print(json.dumps({'name': b.name, 'd': d, 'torch': 'torch' in sys.modules, 'trt': any(m.startswith('tensorrt') for m in sys.modules)}))\n"
+    )
+    env = server_env(CUDA_VISIBLE_DEVICES="")  # as on a CPU-only machine, even if a GPU were present
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["name"] == "onnxruntime" and not out["torch"] and not out["trt"]
+    assert set(out["d"]["skipped"]) == {"tensorrt", "torch-cuda"}
+    assert "no NVIDIA GPU" in out["d"]["skipped"]["torch-cuda"] and "onnxruntime" in out["d"]["reason"]
+
+
+def test_auto_explains_when_nothing_can_serve(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    art = load_artifact(tiny_checkpoint("sst2", onnx=False))
+    with pytest.raises(BackendUnavailable, match="no backend can serve") as e:
+        select_backend(art)
+    assert "holoserve export" in str(e.value) and "build-engine" in str(e.value)
+
+
+def test_auto_falls_back_when_a_backend_breaks(sst2, monkeypatch):
+    import holoserve.backends.auto as auto
+
+    monkeypatch.setattr(auto, "nvidia_gpu_visible", lambda: True)
+    monkeypatch.setattr(auto.importlib.util, "find_spec", lambda name: object())
+
+    def fake_load(name, artifact, **kw):
+        if name == "torch-cuda":
+            raise RuntimeError("CUDA driver too old")
+        return load_backend(name, artifact, **kw)
+
+    monkeypatch.setattr(auto, "load_backend", fake_load)
+    b, d = select_backend(load_artifact(sst2), threads=1)
+    assert b.name == "onnxruntime" and "CUDA driver too old" in d["skipped"]["torch-cuda"]
+
+
+# --------------------------------------------------------------------------- TensorRT (no library needed)
+
+
+SIDECAR = {"library": "tensorrt", "tensorrt_version": "10.5.0.18", "compute_capability": "8.6"}
+
+
+@pytest.mark.parametrize("sidecar,kw,ok,match", [
+    (SIDECAR, dict(library="tensorrt", version="10.5.0.18", compute_capability="8.6"), True, None),
+    (SIDECAR, dict(library="tensorrt", version="10.5.0.99", compute_capability="8.6"), True, None),  # patch build
+    (SIDECAR, dict(library="tensorrt", version="10.6.0", compute_capability="8.6"), False, "exact version"),
+    (SIDECAR, dict(library="tensorrt", version="10.5.0", compute_capability="8.9"), False, "compute capability 8.6"),
+    (SIDECAR, dict(library="tensorrt", version="10.5.0", compute_capability=None), False, "no CUDA GPU"),
+    (SIDECAR, dict(library="tensorrt_rtx", version="1.7.1", compute_capability="8.6"), False, "do not cross"),
+    ({**SIDECAR, "compute_capability": [8, 6]}, dict(library="tensorrt", version="10.5.0", compute_capability="sm_86"),
+     True, None),
+    ({"library": "tensorrt_rtx", "tensorrt_version": "1.7.1.116", "compute_capabilities": ["7.5", "8.6", "12.0"]},
+     dict(library="tensorrt_rtx", version="1.7.1.116", compute_capability="12.0"), True, None),
+    ({**SIDECAR, "version_compatible": True}, dict(library="tensorrt", version="10.8.0", compute_capability="8.6"),
+     True, None),
+    ({**SIDECAR, "version_compatible": True}, dict(library="tensorrt", version="11.0.0", compute_capability="8.6"),
+     False, "exact version"),
+    ({**SIDECAR, "hardware_compatibility_level": "ampere+"},
+     dict(library="tensorrt", version="10.5.0", compute_capability="9.0"), True, None),
+    ({"library": "tensorrt"}, dict(library="tensorrt", version="10.5.0", compute_capability="8.6"), False,
+     "does not record the TensorRT version"),
+    ({"tensorrt_version": "10.5.0"}, dict(library="tensorrt", version="10.5.0", compute_capability="8.6"), False,
+     "does not record the GPU"),
+])
+def test_engine_compat(sidecar, kw, ok, match):
+    if ok:
+        trt_backend.check_engine_compat(sidecar, **kw)
+    else:
+        with pytest.raises(BackendUnavailable, match=match) as e:
+            trt_backend.check_engine_compat(sidecar, **kw)
+        assert "build-engine" in str(e.value) or "GPU" in str(e.value)
+
+
+def test_tensorrt_backend_refuses_missing_or_foreign_engines(sst2, tmp_path, monkeypatch):
+    import shutil
+
+    art = load_artifact(sst2)
+    with pytest.raises(BackendUnavailable, match="holoserve build-engine"):
+        load_backend("tensorrt", art)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sst2, ckpt)
+    (tmp_path / "model.plan").write_bytes(b"not really an engine")
+    (tmp_path / "model.plan.json").write_text(json.dumps({"library": "tensorrt_rtx", "tensorrt_version": "0.0.1",
+                                                          "compute_capabilities": ["8.6"]}))
+    art = add_files(ckpt, {"model.plan": tmp_path / "model.plan", "model.plan.json": tmp_path / "model.plan.json"},
+                    exports={"tensorrt": {"file": "model.plan", "sidecar": "model.plan.json"}}, move=False)
+    monkeypatch.setattr(trt_backend, "gpu_compute_capability", lambda: "8.6")
+    try:
+        import tensorrt_rtx  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendUnavailable, match="not installed"):
+            load_backend("tensorrt", art)
+        return
+    # The library is here but the plan was built by another version: refused before deserializing.
+    with pytest.raises(BackendUnavailable, match="exact version"):
+        load_backend("tensorrt", art)
+
+
+def test_tensorrt_api_used_by_the_backend_exists():
+    """The names the backend calls exist in the TensorRT Python API (checked on TensorRT-RTX, same API)."""
+    trt = pytest.importorskip("tensorrt_rtx", reason="no TensorRT Python package installed")
+    for cls, names in [
+        (trt.Runtime, ["deserialize_cuda_engine"]),
+        (trt.ICudaEngine, ["num_io_tensors", "get_tensor_name", "get_tensor_mode", "get_tensor_dtype",
+                           "get_tensor_profile_shape", "create_execution_context"]),
+        (trt.IExecutionContext, ["set_input_shape", "set_tensor_address", "get_tensor_shape", "execute_async_v3"]),
+    ]:
+        assert [n for n in names if not hasattr(cls, n)] == []
+    assert trt.TensorIOMode.INPUT is not None and np.dtype(trt.nptype(trt.DataType.INT64)) == np.int64
