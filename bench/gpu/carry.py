@@ -1,0 +1,120 @@
+"""Pack a checkpoint small enough to travel to an offline GPU machine, and unpack it there.
+
+The fp32 checkpoint of MiniLM is ~90 MB; the GPU machine takes 64 MiB per call. Packed:
+  - every INT8 layer as its int8 codes (exact: the contract says weight == codes x per-channel scale,
+    and unpacking recomputes codes x scale in float32, which is bit-identical to the saved weight);
+  - large float tensors (the embedding tables) as fp16;
+  - everything else (biases, LayerNorm, pooler, classifier) as fp32.
+Unpacking writes a real checkpoint with holoserve.artifact.write_artifact, so the GPU run loads it
+through the same validated path as the server. Only the embedding tables differ from the original
+(fp16 rounding, recorded in pack.json); the parity check on the GPU compares both sides on the
+unpacked weights.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PACK = "pack.json"
+WEIGHTS = "weights.packed.safetensors"
+CODES_SUFFIX = ".weight.int8"
+FP16_MIN_ELEMENTS = 1_000_000  # float tensors at least this large travel as fp16
+SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+def _codes(w: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    s = scales.astype(np.float32).reshape(-1, 1)
+    return np.clip(np.rint(w.astype(np.float32) / s), -127, 127).astype(np.int8)
+
+
+def pack(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
+    """Write `out/` (config, tokenizer, manifest, packed weights, pack.json). Returns pack.json's content."""
+    from safetensors.numpy import load_file, save_file
+
+    from holoserve.artifact import atomic_write_json, load_artifact
+
+    art = load_artifact(checkpoint)
+    q = art.manifest.get("quantization") or {}
+    scales = (q.get("weights") or {}).get("scales") or {}
+    tensors = load_file(str(art.path / "model.safetensors"))
+    packed: dict[str, np.ndarray] = {}
+    kinds: dict[str, str] = {}
+    fp16_err: dict[str, float] = {}
+    for key, w in tensors.items():
+        layer = key[: -len(".weight")] if key.endswith(".weight") else None
+        if layer in scales:
+            s = np.asarray(scales[layer], dtype=np.float32)
+            codes = _codes(w, s)
+            if not np.array_equal(codes.astype(np.float32) * s.reshape(-1, 1), w.astype(np.float32)):
+                raise ValueError(f"{key} is not exactly int8 codes x scale; the checkpoint breaks the contract")
+            packed[layer + CODES_SUFFIX] = codes
+            kinds[key] = "int8"
+        elif w.dtype == np.float32 and w.size >= FP16_MIN_ELEMENTS:
+            h = w.astype(np.float16)
+            fp16_err[key] = float(np.abs(h.astype(np.float32) - w).max())
+            packed[key] = h
+            kinds[key] = "fp16"
+        else:
+            packed[key] = w
+            kinds[key] = str(w.dtype)
+    out = Path(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if out.parent.exists() else None))
+    try:
+        save_file(packed, str(tmp / WEIGHTS))
+        for name in SIDE_FILES:
+            if (art.path / name).is_file():
+                shutil.copy2(art.path / name, tmp / name)
+        manifest = dict(art.manifest)
+        manifest["exports"] = {}  # exported files do not travel
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        info = {
+            "source": art.path.name,
+            "source_sha256": art.manifest["files"]["model.safetensors"]["sha256"],
+            "kinds": kinds,
+            "fp16_max_abs_error": fp16_err,
+            "bytes": (tmp / WEIGHTS).stat().st_size,
+        }
+        atomic_write_json(tmp / PACK, info)
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.replace(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return info
+
+
+def unpack(packed_dir: str | Path, dest: str | Path):
+    """Rebuild a valid checkpoint folder at `dest` from a packed folder; returns its Artifact."""
+    from safetensors.numpy import load_file, save_file
+
+    from holoserve.artifact import write_artifact
+
+    src = Path(packed_dir)
+    manifest = json.loads((src / "manifest.json").read_text())
+    scales = ((manifest.get("quantization") or {}).get("weights") or {}).get("scales") or {}
+    packed = load_file(str(src / WEIGHTS))
+    tensors: dict[str, np.ndarray] = {}
+    for key, v in packed.items():
+        if key.endswith(CODES_SUFFIX):
+            layer = key[: -len(CODES_SUFFIX)]
+            s = np.asarray(scales[layer], dtype=np.float32).reshape(-1, 1)
+            tensors[layer + ".weight"] = v.astype(np.float32) * s
+        elif v.dtype == np.float16:
+            tensors[key] = v.astype(np.float32)
+        else:
+            tensors[key] = v
+    with tempfile.TemporaryDirectory(prefix="holoserve-unpack-") as tmp:
+        weights = Path(tmp) / "model.safetensors"
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        files: dict[str, Any] = {"model.safetensors": weights}
+        for name in SIDE_FILES:
+            if (src / name).is_file():
+                files[name] = src / name
+        return write_artifact(dest, manifest, files, overwrite=True)

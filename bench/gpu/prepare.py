@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Prepare what the offline GPU benchmark needs, in git-ignored folders at the project root.
+
+    python bench/gpu/prepare.py CHECKPOINT [--data-dir GLUE_DIR] [--wheel-script PATH]
+
+writes
+    .carry/checkpoint/   the checkpoint packed for travel (int8 codes + fp16 embeddings; see carry.py)
+    .carry/glue/<TASK>/dev.tsv   the task's dev split, for the parity check on the GPU
+    .carry/carry.json    what is inside and how big
+    .whl/                wheels the GPU image lacks (torchao 0.16.0: the last release with
+                         int8_dynamic_activation_int8_semi_sparse_weight; pure Python, no deps)
+
+and checks that the packed checkpoint unpacks to the same INT8 weights, and that the tree plus
+these folders fit the 64 MiB a GPU call can carry.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import carry  # noqa: E402
+
+DEFAULT_WHEELS = ["torchao==0.16.0"]
+CARRY_LIMIT = 64 * 2**20
+
+
+def fetch_wheels(specs: list[str], dest: Path, script: str | None) -> list[str]:
+    """Download py3.12 manylinux wheels (no deps) into dest, one version per package."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for spec in specs:  # keep a single version of each package: two stop the install there
+        name = spec.split("==")[0].replace("-", "_").lower()
+        for old in dest.glob("*.whl"):
+            if old.name.lower().startswith(name + "-"):
+                old.unlink()
+    if script:
+        subprocess.run(["bash", script, *specs], check=True, cwd=ROOT)
+    else:
+        plats = []
+        for n in (17, 24, 27, 28, 31, 34, 35):
+            plats += ["--platform", f"manylinux_2_{n}_x86_64"]
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.12", "--implementation", "cp", *plats,
+                        "--platform", "manylinux2014_x86_64", "--platform", "any", "-d", str(dest), *specs],
+                       check=True)
+    return sorted(p.name for p in dest.glob("*.whl"))
+
+
+def tree_bytes() -> int:
+    """Bytes of the files a GPU call sends: tracked and untracked-but-not-ignored."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return 0
+    total = 0
+    for rel in out.decode().split("\0"):
+        p = ROOT / rel
+        if rel and p.is_file():
+            total += p.stat().st_size
+    return total
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", help="compressed checkpoint folder (e.g. runs/minilm-sst2-quick)")
+    ap.add_argument("--carry", default=str(ROOT / ".carry"), help="output folder (default .carry, git-ignored)")
+    ap.add_argument("--wheels", default=str(ROOT / ".whl"), help="wheel folder (default .whl, git-ignored)")
+    ap.add_argument("--wheel", action="append", default=None, help="NAME==VERSION to fetch (default torchao==0.16.0)")
+    ap.add_argument("--wheel-script", default=os.environ.get("HOLOSERVE_GPU_WHEELS"),
+                    help="script that downloads GPU wheels into .whl/ (default: pip download with the same flags)")
+    ap.add_argument("--no-wheels", action="store_true", help="skip downloading wheels")
+    ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"),
+                    help="GLUE folder (default $HOLOSERVE_DATA_DIR); its dev split travels for the parity check")
+    args = ap.parse_args(argv)
+
+    from holoserve.artifact import atomic_write_json, load_artifact
+    from holoserve.tasks import get_task
+
+    art = load_artifact(args.checkpoint)
+    out = Path(args.carry)
+    out.mkdir(parents=True, exist_ok=True)
+    info = carry.pack(art.path, out / "checkpoint")
+    print(f"packed {art.path} -> {out / 'checkpoint'} ({info['bytes'] / 2**20:.1f} MiB of weights)")
+
+    # prove the round trip: same INT8 weights, same sparsity, a loadable checkpoint
+    with tempfile.TemporaryDirectory() as tmp:
+        back = carry.unpack(out / "checkpoint", Path(tmp) / "ckpt")
+        from safetensors.numpy import load_file
+
+        a = load_file(str(art.path / "model.safetensors"))
+        b = load_file(str(back.path / "model.safetensors"))
+        for key, kind in info["kinds"].items():
+            if kind == "int8" and not (a[key] == b[key]).all():
+                raise SystemExit(f"round trip changed INT8 layer {key}")
+        print(f"round trip ok: {sum(k == 'int8' for k in info['kinds'].values())} INT8 layers bit-identical; "
+              f"fp16 max abs error {max(info['fp16_max_abs_error'].values(), default=0):.2e}")
+
+    task = get_task(art.task_name)
+    dev_copied = None
+    if args.data_dir:
+        src = Path(args.data_dir) / task.folder / "dev.tsv"
+        if src.is_file():
+            dst = out / "glue" / task.folder / "dev.tsv"
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+            dev_copied = str(dst.relative_to(out))
+            print(f"copied {task.folder} dev split ({src.stat().st_size / 1024:.0f} KiB)")
+    if not dev_copied:
+        print("no GLUE dev split copied (give --data-dir or set HOLOSERVE_DATA_DIR): the GPU run will skip parity")
+
+    wheels: list[str] = []
+    if not args.no_wheels:
+        wheels = fetch_wheels(args.wheel or DEFAULT_WHEELS, Path(args.wheels), args.wheel_script)
+        print(f"wheels: {', '.join(wheels)}")
+
+    sizes = {"carry": folder_bytes(out), "wheels": folder_bytes(Path(args.wheels)), "tree": tree_bytes()}
+    total = sum(sizes.values())
+    atomic_write_json(out / "carry.json", {"checkpoint": art.path.name, "task": task.name, "dev": dev_copied,
+                                           "wheels": wheels, "bytes": sizes, "pack": {k: v for k, v in info.items()
+                                                                                     if k != "kinds"}})
+    print(json.dumps({k: f"{v / 2**20:.1f} MiB" for k, v in sizes.items()}))
+    if total > CARRY_LIMIT:
+        print(f"WARNING: {total / 2**20:.1f} MiB exceeds the {CARRY_LIMIT / 2**20:.0f} MiB a GPU call carries")
+        return 1
+    print(f"total {total / 2**20:.1f} MiB of {CARRY_LIMIT / 2**20:.0f} MiB: ready")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1020 @@
+#!/usr/bin/env python3
+"""All-in-one GPU benchmark of 2:4 sparse INT8 (cuSPARSELt through PyTorch) for HoloServe.
+
+One run on an H100/H200 (< 10 minutes) writes to --out:
+  results.json  everything measured, with the GPU, driver, torch / CUDA / cuSPARSELt versions
+  results.md    the tables (per-GEMM, whole encoder, parity, targets) and the TensorRT check
+  gemm.png      2:4 speed-ups per GEMM shape over M
+  encoder.png   whole-encoder throughput per variant over batch size
+
+Sections
+  env      GPU, driver, versions; `python3 -c "import tensorrt"` and `ldconfig -p | grep nvinfer`
+  peak     measured dense peaks: FP16 cuBLAS and INT8 torch._int_mm at 8192^3
+  gemm     K, N in {384, 768, 1536, 3072}, M = tokens 128..16384: dense FP16 (cuBLAS), dense INT8
+           (torch._int_mm), 2:4 FP16 and 2:4 INT8 (torch._cslt_sparse_mm); TFLOP/s / TOPS counted
+           as dense-equivalent 2*M*N*K, against the measured dense peak of the same precision
+  encoder  MiniLM (the carried real checkpoint) and a BERT-base-shaped model with RANDOM weights:
+           FP16 eager (transformers), FP16 + CUDA graphs, dense INT8 + graphs, ours (2:4 INT8 eager
+           and + graphs), torchao int8_dynamic_activation_int8_semi_sparse_weight (eager, + graphs),
+           and the torch-cuda backend end to end (host arrays in, logits out); batch 1/8/32/128, seq 128
+  parity   ours vs the checkpoint's fake-quant model (fp32) on the carried dev split: logit
+           differences, argmax agreement, accuracy
+
+Method: CUDA events around each call, warm-up calls first, medians over timed calls, fresh random
+inputs every call (token ids drawn away from special tokens; GEMM operands random and non-zero).
+Every measurement is guarded: a failure is recorded with its message and the run goes on, and the
+JSON is rewritten after each section, so a run cut short still leaves its results.
+
+`--cpu-smoke` runs the same pipeline on tiny shapes on the CPU with no CUDA call at all (reference
+INT8 math instead of the GPU kernels), to test the argument handling and the report writers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+for p in (str(ROOT), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+KN_DEFAULT = [384, 768, 1536, 3072]
+M_DEFAULT = [128, 512, 1024, 2048, 4096, 8192, 16384]
+BATCHES_DEFAULT = [1, 8, 32, 128]
+GEMM_KERNELS = ("dense_fp16", "dense_int8", "sparse_fp16", "sparse_int8")
+KERNEL_TITLES = {
+    "dense_fp16": "dense FP16 (cuBLAS)", "dense_int8": "dense INT8 (_int_mm)",
+    "sparse_fp16": "2:4 FP16 (cuSPARSELt)", "sparse_int8": "2:4 INT8 (cuSPARSELt, dequant epilogue)",
+    "dense_fp32_cpu": "dense FP32 (CPU)", "int8_reference_cpu": "INT8 reference (CPU)",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results" / "gpu"),
+                    help="output folder (default $OUT, else bench/results/gpu)")
+    ap.add_argument("--carry", default=str(ROOT / ".carry"), help="folder written by prepare.py (default .carry)")
+    ap.add_argument("--sections", default="env,peak,gemm,encoder,parity",
+                    help="comma-separated subset of env,peak,gemm,encoder,parity")
+    ap.add_argument("--kn", default=",".join(map(str, KN_DEFAULT)), help="GEMM K and N values")
+    ap.add_argument("--m", default=",".join(map(str, M_DEFAULT)), help="GEMM M values (tokens)")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES_DEFAULT)), help="encoder batch sizes")
+    ap.add_argument("--seq", type=int, default=128, help="encoder sequence length")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--gemm-inner", type=int, default=8, help="distinct input buffers per GEMM timing (graph of N calls)")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining work after this many seconds")
+    ap.add_argument("--no-torchao", action="store_true", help="leave out the torchao variants")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no CUDA calls (tests the pipeline)")
+    args = ap.parse_args(argv)
+    args.kn_list = [int(x) for x in args.kn.split(",") if x]
+    args.m_list = [int(x) for x in args.m.split(",") if x]
+    args.batch_list = [int(x) for x in args.batches.split(",") if x]
+    args.section_list = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = set(args.section_list) - {"env", "peak", "gemm", "encoder", "parity"}
+    if bad:
+        ap.error(f"unknown sections: {', '.join(sorted(bad))}")
+    if args.cpu_smoke:
+        if args.kn == ",".join(map(str, KN_DEFAULT)):
+            args.kn_list = [32, 64]
+        if args.m == ",".join(map(str, M_DEFAULT)):
+            args.m_list = [16, 32]
+        if args.batches == ",".join(map(str, BATCHES_DEFAULT)):
+            args.batch_list = [1, 2]
+        args.seq = min(args.seq, 16)
+        args.warmup, args.iters = min(args.warmup, 1), min(args.iters, 3)
+        args.gemm_inner = min(args.gemm_inner, 2)
+    return args
+
+
+class Run:
+    """Shared state: mode, clock, output, and the report being built."""
+
+    def __init__(self, args):
+        self.args = args
+        self.smoke = args.cpu_smoke
+        self.t0 = time.perf_counter()
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.report: dict[str, Any] = {
+            "kind": "holoserve-gpu-bench",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "mode": "cpu-smoke" if self.smoke else "gpu",
+            "args": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
+            "method": {
+                "timer": "perf_counter (cpu-smoke)" if self.smoke else "CUDA events around each call",
+                "warmup": args.warmup, "iters": args.iters, "statistic": "median",
+                "inputs": "fresh random inputs every call; token ids in [1000, vocab); GEMM operands random, non-zero",
+                "ops_convention": "2*M*N*K dense-equivalent operations for dense and 2:4 kernels alike",
+            },
+            "sections": {},
+        }
+        self.device = "cpu" if self.smoke else "cuda"
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def over_budget(self) -> bool:
+        return self.elapsed() > self.args.budget_s
+
+    def save(self) -> None:
+        self.report["elapsed_s"] = round(self.elapsed(), 1)
+        tmp = self.out / ".results.json.tmp"
+        tmp.write_text(json.dumps(self.report, indent=2, default=str) + "\n")
+        os.replace(tmp, self.out / "results.json")
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def measure(run: Run, fn: Callable[[int], Any], *, warmup: int | None = None, iters: int | None = None,
+            per_call: int = 1, host_timer: bool = False) -> dict[str, Any]:
+    """Median time of fn(i) (i = call index, for picking fresh inputs); per_call divides the result."""
+    warmup = run.args.warmup if warmup is None else warmup
+    iters = run.args.iters if iters is None else iters
+    for i in range(warmup):
+        fn(i)
+    times: list[float] = []
+    if run.smoke or host_timer:
+        if not run.smoke:
+            import torch
+
+            torch.cuda.synchronize()
+        for i in range(iters):
+            t = time.perf_counter()
+            fn(warmup + i)
+            if not run.smoke:
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+    else:
+        import torch
+
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        torch.cuda.synchronize()
+        for i, (s, e) in enumerate(events):
+            s.record()
+            fn(warmup + i)
+            e.record()
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in events]
+    times = [t / per_call for t in times]
+    q = sorted(times)
+    return {"median_ms": statistics.median(times), "p10_ms": q[len(q) // 10], "p90_ms": q[min(len(q) - 1, (9 * len(q)) // 10)],
+            "n": len(times)}
+
+
+def guarded(label: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - every measurement is optional; record why it failed
+        log(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        return {"error": f"{type(e).__name__}: {str(e)[:500]}", "trace": traceback.format_exc(limit=3)[-1500:]}
+
+
+def graph_of(fn: Callable[[], Any]):
+    """Capture fn() (a fixed sequence of GPU work) in a CUDA graph after warm-up; returns replay."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+# --------------------------------------------------------------------------- env
+
+
+def sh(cmd: str, timeout: float = 30) -> dict[str, Any]:
+    try:
+        p = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=timeout)
+        return {"cmd": cmd, "rc": p.returncode, "out": (p.stdout + p.stderr).strip()[-2000:]}
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"cmd": cmd, "rc": None, "out": str(e)}
+
+
+def section_env(run: Run) -> dict[str, Any]:
+    env: dict[str, Any] = {"python": platform.python_version(), "cpu": f"{os.cpu_count()}-core {platform.machine()} CPU",
+                           "platform": platform.platform()}
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["torch_cuda"] = torch.version.cuda
+    except ImportError as e:
+        env["torch"] = f"missing: {e}"
+    for mod in ("transformers", "torchao", "onnxruntime", "safetensors", "tokenizers"):
+        try:
+            m = __import__(mod)
+            env[mod] = getattr(m, "__version__", "?")
+        except Exception as e:  # noqa: BLE001
+            env[mod] = f"missing: {type(e).__name__}: {str(e)[:120]}"
+    # TensorRT: the export path needs it; record whether it is here after all
+    env["tensorrt_import"] = sh(f'{sys.executable} -c "import tensorrt; print(tensorrt.__version__)"')
+    env["nvinfer_libs"] = sh("ldconfig -p | grep nvinfer")
+    env["trtexec"] = shutil.which("trtexec")
+    env["tensorrt_present"] = env["tensorrt_import"]["rc"] == 0 or bool(env["nvinfer_libs"]["out"])
+    if run.smoke:
+        env["gpu"] = None
+        env["note"] = "cpu-smoke: no CUDA calls"
+        env["machine"] = env["cpu"]
+        return env
+    import torch
+
+    from holoserve.backends.torch_cuda import cuda_report
+
+    env.update({f"cuda_{k}" if k in ("torch",) else k: v for k, v in cuda_report().items() if k != "torch"})
+    env["cudnn"] = torch.backends.cudnn.version()
+    env["nvidia_smi"] = sh("nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,"
+                           "power.limit,pstate --format=csv")
+    env["nvidia_smi_version"] = sh("nvidia-smi | head -4")
+    q = sh("nvidia-smi --query-gpu=driver_version --format=csv,noheader")
+    env["driver"] = q["out"].splitlines()[0] if q["rc"] == 0 and q["out"] else None
+    env["machine"] = f"{env.get('gpu')} + {env['cpu']}"
+    if env["tensorrt_present"]:
+        env["tensorrt_engine"] = ("TensorRT found: build and time the engine with `holoserve build-engine` on the "
+                                  "checkpoint's model.trt.onnx, with and without sparsity (not run by this script)")
+    return env
+
+
+# --------------------------------------------------------------------------- peak + GEMM
+
+
+def _rand_nonzero_int8(shape, device, gen=None):
+    import torch
+
+    x = torch.randint(1, 128, shape, device=device, dtype=torch.int16, generator=gen)
+    sign = torch.randint(0, 2, shape, device=device, dtype=torch.int16, generator=gen) * 2 - 1
+    return (x * sign).clamp_(-128, 127).to(torch.int8)
+
+
+def _prune_24(w):
+    """Keep the 2 largest |w| of every 4 along the input dimension (same rule as compress.project)."""
+    from compress.project import nm_mask
+
+    return w * nm_mask(w.float(), 2, 4).to(w.dtype)
+
+
+def section_peak(run: Run) -> dict[str, Any]:
+    import torch
+
+    if run.smoke:
+        n = 64
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        t = measure(run, lambda i: a @ b)
+        return {"size": n, "fp32_cpu_tflops": 2 * n**3 / (t["median_ms"] * 1e-3) / 1e12}
+    n = 8192
+    a16 = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b16 = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    a8 = _rand_nonzero_int8((n, n), "cuda")
+    b8 = _rand_nonzero_int8((n, n), "cuda")
+    out: dict[str, Any] = {"size": n}
+    r = guarded("peak fp16", lambda: measure(run, lambda i: a16 @ b16, warmup=5, iters=20))
+    out["fp16"] = r
+    if "median_ms" in r:
+        out["fp16_tflops"] = 2 * n**3 / (r["median_ms"] * 1e-3) / 1e12
+    r = guarded("peak int8", lambda: measure(run, lambda i: torch._int_mm(a8, b8), warmup=5, iters=20))
+    out["int8"] = r
+    if "median_ms" in r:
+        out["int8_tops"] = 2 * n**3 / (r["median_ms"] * 1e-3) / 1e12
+    del a16, b16, a8, b8
+    torch.cuda.empty_cache()
+    log(f"peak: fp16 {out.get('fp16_tflops', float('nan')):.0f} TFLOP/s, int8 {out.get('int8_tops', float('nan')):.0f} TOPS")
+    return out
+
+
+def section_gemm(run: Run) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from holoserve.backends import torch_cuda as tc
+
+    args = run.args
+    inner = max(1, args.gemm_inner)
+    rows: list[dict[str, Any]] = []
+    res: dict[str, Any] = {"rows": rows, "inner_calls": inner}
+    epilogue = None
+    if not run.smoke:
+        epilogue, tried = tc.choose_epilogue("cuda")
+        res["epilogue"] = epilogue.name
+        res["epilogue_probe"] = tried
+    gen = torch.Generator(device=run.device).manual_seed(0)
+    for K in args.kn_list:
+        for N in args.kn_list:
+            if run.over_budget():
+                res["truncated"] = f"time budget reached at K={K}, N={N}"
+                return res
+            w = torch.randn(N, K, device=run.device, generator=gen) * 0.05
+            w24 = _prune_24(w)
+            scales = w24.abs().amax(1).float() / 127
+            codes = tc.weight_codes(w24, scales)
+            alpha = (scales * 0.01).float().contiguous()
+            kern: dict[str, Any] = {}
+            if run.smoke:
+                kern["dense_fp32_cpu"] = ("fp32", lambda x, w=w: F.linear(x, w))
+                kern["int8_reference_cpu"] = ("int8", lambda x, c=codes, s=scales: tc.int8_linear_reference(
+                    x, c, s, torch.tensor(0.01)))
+            else:
+                w16 = w.half().contiguous()
+                w8t = _rand_nonzero_int8((K, N), "cuda", gen)
+                p16 = torch._cslt_compress(w24.half().contiguous())
+                p8 = torch._cslt_compress(codes.contiguous())
+                kern["dense_fp16"] = ("fp16", lambda x, w16=w16: F.linear(x, w16))
+                kern["dense_int8"] = ("int8", lambda x, w8t=w8t: torch._int_mm(x, w8t))
+                kern["sparse_fp16"] = ("fp16", lambda x, p=p16: torch._cslt_sparse_mm(p, x.t(), transpose_result=True))
+                if epilogue.alpha:
+                    kern["sparse_int8"] = ("int8", lambda x, p=p8, a=alpha, e=epilogue: torch._cslt_sparse_mm(
+                        p, x.t(), alpha=a, out_dtype=torch.float16, transpose_result=e.transpose))
+                else:
+                    kern["sparse_int8"] = ("int8", lambda x, p=p8, e=epilogue: torch._cslt_sparse_mm(
+                        p, x.t(), out_dtype=torch.int32, transpose_result=e.transpose))
+            for M in args.m_list:
+                row: dict[str, Any] = {"K": K, "N": N, "M": M}
+                xs = {
+                    "fp16": None if run.smoke else [torch.randn(M, K, device="cuda", generator=gen).half() for _ in range(inner)],
+                    "int8": None if run.smoke else [_rand_nonzero_int8((M, K), "cuda", gen) for _ in range(inner)],
+                    "fp32": [torch.randn(M, K, generator=gen) for _ in range(inner)] if run.smoke else None,
+                }
+                if run.smoke:
+                    xs["int8"] = xs["fp32"]  # the reference quantizes float input itself
+                for name, (kind, op) in kern.items():
+                    row[name] = guarded(f"gemm {name} K={K} N={N} M={M}",
+                                        lambda op=op, kind=kind: _time_gemm(run, op, xs[kind], inner, M, N, K))
+                _gemm_ratios(row)
+                rows.append(row)
+                log(f"gemm K={K:5d} N={N:5d} M={M:6d}: " + ", ".join(
+                    f"{n} {row[n]['tflops']:.3g}" for n in kern if "tflops" in row.get(n, {}))
+                    + (f" | 2:4 INT8 / dense INT8 = {row['sparse_int8_over_dense_int8']:.2f}x"
+                       if row.get("sparse_int8_over_dense_int8") else ""))
+            del kern
+            if not run.smoke:
+                torch.cuda.empty_cache()
+            run.save()
+    return res
+
+
+def _time_gemm(run: Run, op, xs, inner: int, M: int, N: int, K: int) -> dict[str, Any]:
+    if run.smoke:
+        r = measure(run, lambda i: op(xs[i % inner]))
+    else:
+        def body():
+            for x in xs:
+                op(x)
+
+        try:
+            graph, _ = graph_of(body)
+            r = measure(run, lambda i: graph.replay(), per_call=inner, warmup=3, iters=max(10, run.args.iters // 3))
+            r["graph"] = True
+        except Exception as e:  # noqa: BLE001 - fall back to eager timing, and say so
+            r = measure(run, lambda i: op(xs[i % inner]))
+            r["graph"] = False
+            r["graph_error"] = str(e)[:200]
+    r["tflops"] = 2 * M * N * K / (r["median_ms"] * 1e-3) / 1e12
+    return r
+
+
+def _gemm_ratios(row: dict[str, Any]) -> None:
+    def t(name):
+        return row.get(name, {}).get("median_ms")
+
+    for a, b in (("sparse_int8", "dense_int8"), ("sparse_fp16", "dense_fp16"), ("sparse_int8", "dense_fp16"),
+                 ("dense_int8", "dense_fp16"), ("int8_reference_cpu", "dense_fp32_cpu")):
+        if t(a) and t(b):
+            row[f"{a}_over_{b}"] = t(b) / t(a)
+
+
+# --------------------------------------------------------------------------- encoder models
+
+
+def _load_carried_checkpoint(run: Run):
+    """The carried checkpoint unpacked into a temp folder (cpu-smoke: a tiny one built here)."""
+    import carry
+
+    from holoserve.artifact import load_artifact
+
+    tmp = Path(tempfile.mkdtemp(prefix="holoserve-gpu-bench-"))
+    if run.smoke:
+        packed = tmp / "packed"
+        carry.pack(_tiny_checkpoint(tmp), packed)
+    else:
+        packed = Path(run.args.carry) / "checkpoint"
+        if not (packed / carry.WEIGHTS).is_file():
+            raise FileNotFoundError(f"{packed} has no packed checkpoint: run bench/gpu/prepare.py CHECKPOINT first "
+                                    "and carry .carry")
+    art = carry.unpack(packed, tmp / "ckpt")
+    return load_artifact(art.path), packed
+
+
+def _tiny_checkpoint(tmp: Path) -> Path:
+    """cpu-smoke: a tiny BERT projected to 2:4 INT8, calibrated and saved like a real checkpoint."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from compress.checkpoint import save_checkpoint
+    from compress.layers import encoder_linear_names
+    from compress.project import project
+    from compress.quant import calibrate_amax
+    from holoserve.tasks import get_task
+    from tests.tiny import make_tiny_bert
+
+    src = make_tiny_bert(tmp / "base", hidden=64, layers=2, heads=2, intermediate=128)
+    model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
+    layers = encoder_linear_names(model)
+    scales = {}
+    with torch.no_grad():
+        for name in layers:
+            p = project(model.get_submodule(name).weight.data)
+            model.get_submodule(name).weight.data.copy_(p.z)
+            scales[name] = p.scales
+    vocab = model.config.vocab_size
+    batches = [_token_batch(torch, 4, 16, vocab, "cpu", seed=s) for s in range(2)]
+    amax = calibrate_amax(model, layers, batches)
+    save_checkpoint(model, src, tmp / "tiny", task=get_task("sst2"), base_model="tiny-random-bert", max_seq_length=64,
+                    sparse_layers=layers, weight_scales=scales, act_amax=amax)
+    return tmp / "tiny"
+
+
+def _token_batch(torch, b: int, n: int, vocab: int, device, seed: int | None = None, gen=None):
+    if gen is None:
+        gen = torch.Generator(device=device).manual_seed(seed or 0)
+    lo = min(1000, max(5, vocab // 2))
+    ids = torch.randint(lo, vocab, (b, n), device=device, generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+
+
+def _bert_base_random(run: Run):
+    """BERT-base shapes (12 x 768, FFN 3072) with random weights: dense state, and a 2:4 INT8 version."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from compress.layers import encoder_linear_names
+    from compress.project import project
+    from compress.quant import calibrate_amax
+
+    if run.smoke:
+        cfg = BertConfig(vocab_size=2000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=128, max_position_embeddings=128, num_labels=2)
+    else:
+        cfg = BertConfig(num_labels=2)  # bert-base-uncased shapes
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(cfg).eval()
+    dense_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    layers = encoder_linear_names(model)
+    scales = {}
+    with torch.no_grad():
+        for name in layers:
+            p = project(model.get_submodule(name).weight.data)
+            model.get_submodule(name).weight.data.copy_(p.z)
+            scales[name] = p.scales
+    model.to(run.device)
+    batches = [_token_batch(torch, 8, run.args.seq, cfg.vocab_size, run.device, seed=s) for s in range(4)]
+    amax = calibrate_amax(model, layers, batches)
+    sparse_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    del model
+    return cfg.to_dict(), dense_state, sparse_state, {"scales": scales, "amax": amax, "layers": layers}
+
+
+def _hf_model(config: dict, state: dict, dtype, device):
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(**{k: v for k, v in config.items() if k not in ("architectures", "transformers_version")})
+    try:
+        cfg._attn_implementation = "sdpa"
+    except Exception:  # noqa: BLE001 - older/newer transformers choose their own default
+        pass
+    model = BertForSequenceClassification(cfg)
+    missing, unexpected = model.load_state_dict(dict(state), strict=False)
+    missing = [k for k in missing if not k.endswith("position_ids")]
+    if missing or unexpected:
+        raise RuntimeError(f"state dict does not fit BertForSequenceClassification: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: dict, quant: dict):
+    """(name, builder) pairs; each builder returns (call(inputs) -> logits, graphable: bool)."""
+    import torch
+
+    from holoserve.backends import torch_cuda as tc
+
+    dt = torch.float32 if run.smoke else torch.float16
+    dev = run.device
+    epilogue = None if run.smoke else tc.choose_epilogue("cuda")[0]
+
+    def hf_dense():
+        m = _hf_model(config, dense_state, dt, dev)
+        return lambda inp: m(**inp).logits
+
+    def ours(kernel, state, sparse=True):
+        def build():
+            enc = tc.build_encoder(config, state, weight_scales=quant["scales"], act_amax=quant["amax"],
+                                   sparse_layers=quant["layers"] if sparse else (), kernel=kernel, dtype=dt,
+                                   device=dev, epilogue=epilogue)
+            return lambda inp: enc(**inp)
+        return build
+
+    def torchao_semi_sparse():
+        from torchao.quantization import quantize_
+        from torchao.sparsity import int8_dynamic_activation_int8_semi_sparse_weight
+
+        m = _hf_model(config, sparse_state, dt, dev)
+        layers = set(quant["layers"])
+        quantize_(m, int8_dynamic_activation_int8_semi_sparse_weight(),
+                  filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear) and fqn in layers)
+        return lambda inp: m(**inp).logits
+
+    prefix = "FP32" if run.smoke else "FP16"
+    v: list[tuple[str, Callable, bool]] = [
+        (f"{prefix} eager (transformers)", hf_dense, False),
+        (f"{prefix} + CUDA graphs (transformers)", hf_dense, True),
+        (f"{prefix} + CUDA graphs (holoserve encoder)", ours("dense", dense_state), True),
+    ]
+    if run.smoke:
+        v += [("INT8 reference (ours, CPU)", ours("reference", sparse_state), False),
+              ("INT8 fake-quant (ours, CPU)", ours("fakequant", sparse_state), False)]
+    else:
+        v += [("dense INT8 + CUDA graphs (_int_mm)", ours("cslt", sparse_state, sparse=False), True),
+              ("2:4 INT8 eager (ours)", ours("cslt", sparse_state), False),
+              ("2:4 INT8 + CUDA graphs (ours)", ours("cslt", sparse_state), True)]
+        if not run.args.no_torchao:
+            v += [("torchao 2:4 INT8 eager", torchao_semi_sparse, False),
+                  ("torchao 2:4 INT8 + CUDA graphs", torchao_semi_sparse, True)]
+    return v
+
+
+def _bench_variant(run: Run, build, graphs: bool, vocab: int) -> dict[str, Any]:
+    import torch
+
+    if graphs and run.smoke:
+        return {"skipped": "cpu-smoke: CUDA graphs need a GPU"}
+    call = build()
+    out: dict[str, Any] = {}
+    pool_n = 4
+    for b in run.args.batch_list:
+        if run.over_budget():
+            out[str(b)] = {"error": "skipped: time budget reached"}
+            continue
+
+        def one(b=b):
+            gen = torch.Generator(device=run.device).manual_seed(1000 + b)
+            pool = [_token_batch(torch, b, run.args.seq, vocab, run.device, gen=gen) for _ in range(pool_n)]
+            if graphs:
+                static = {k: v.clone() for k, v in pool[0].items()}
+                graph, _ = graph_of(lambda: call(static))
+
+                def fn(i):
+                    for k, v in pool[i % pool_n].items():
+                        static[k].copy_(v)
+                    graph.replay()
+            else:
+                def fn(i):
+                    with torch.inference_mode():
+                        call(pool[i % pool_n])
+            r = measure(run, fn)
+            r["seq_per_s"] = b / (r["median_ms"] * 1e-3)
+            return r
+
+        out[str(b)] = guarded(f"batch {b}", one)
+    del call
+    if not run.smoke:
+        torch.cuda.empty_cache()
+    return out
+
+
+def _bench_backend_end_to_end(run: Run, art, vocab: int) -> dict[str, Any]:
+    """The torch-cuda backend as the server calls it: numpy in, numpy logits out (host timer)."""
+    import numpy as np
+
+    from holoserve.backends import load_backend
+
+    backend = load_backend("torch-cuda", art, max_batch=max(run.args.batch_list))
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {"info": backend.info()}
+    lo = min(1000, vocab // 2)
+    for b in run.args.batch_list:
+        pool = [rng.integers(lo, vocab, size=(b, run.args.seq), dtype=np.int64) for _ in range(4)]
+
+        def fn(i, pool=pool):
+            ids = pool[i % len(pool)]
+            backend.infer(ids, np.ones_like(ids), np.zeros_like(ids))
+
+        r = guarded(f"backend batch {b}", lambda fn=fn: measure(run, fn, host_timer=True))
+        if "median_ms" in r:
+            r["seq_per_s"] = b / (r["median_ms"] * 1e-3)
+        out[str(b)] = r
+    out["info"] = backend.info()
+    return out
+
+
+def section_encoder(run: Run) -> dict[str, Any]:
+    res: dict[str, Any] = {"seq": run.args.seq, "batches": run.args.batch_list, "models": {}}
+    # 1) the carried real checkpoint (MiniLM SST-2)
+    try:
+        art, packed = _load_carried_checkpoint(run)
+        from holoserve.backends.torch_cuda import checkpoint_tensors
+
+        config, state = checkpoint_tensors(art)
+        q = art.manifest["quantization"]
+        quant = {"scales": q["weights"]["scales"], "amax": art.activation_amax(), "layers": art.sparse_layers}
+        label = f"{art.manifest.get('base_model')} · {art.task_name} checkpoint (carried, " + (
+            "tiny random stand-in)" if run.smoke else "real weights)")
+        models = [(label, config, state, state, quant, art)]
+    except Exception as e:  # noqa: BLE001
+        log(f"carried checkpoint unavailable: {e}")
+        res["models"]["checkpoint"] = {"error": str(e)}
+        models = []
+    res["_art"] = None
+    # 2) BERT-base shapes, random weights
+    try:
+        cfg, dense, sparse, quant_b = _bert_base_random(run)
+        models.append(("BERT-base shapes (RANDOM weights, 2:4-projected for the sparse variants)", cfg, dense, sparse,
+                       quant_b, None))
+    except Exception as e:  # noqa: BLE001
+        log(f"BERT-base model failed: {e}")
+        res["models"]["bert-base"] = {"error": str(e)}
+    for label, config, dense_state, sparse_state, quant, art in models:
+        log(f"encoder: {label}")
+        vocab = int(config["vocab_size"])
+        entry: dict[str, Any] = {"config": {k: config.get(k) for k in ("hidden_size", "num_hidden_layers",
+                                                                       "intermediate_size", "num_attention_heads")},
+                                 "variants": {}}
+        res["models"][label] = entry
+        for name, build, graphs in _encoder_variants(run, config, dense_state, sparse_state, quant):
+            if run.over_budget():
+                entry["variants"][name] = {"error": "skipped: time budget reached"}
+                continue
+            r = guarded(name, lambda build=build, graphs=graphs: _bench_variant(run, build, graphs, vocab))
+            entry["variants"][name] = r
+            log(f"  {name}: " + ", ".join(
+                f"b{b} {r[b]['median_ms']:.3f} ms" for b in map(str, run.args.batch_list) if "median_ms" in r.get(b, {})))
+            run.save()
+        if art is not None and not run.smoke:
+            entry["variants"]["torch-cuda backend end to end (host arrays, perf_counter)"] = guarded(
+                "backend", lambda art=art, vocab=vocab: _bench_backend_end_to_end(run, art, vocab))
+        _encoder_ratios(run, entry)
+    res.pop("_art", None)
+    return res
+
+
+def _encoder_ratios(run: Run, entry: dict[str, Any]) -> None:
+    variants = entry["variants"]
+    base_name = next((n for n in variants if "eager (transformers)" in n), None)
+    for name, r in variants.items():
+        for b in map(str, run.args.batch_list):
+            cell = r.get(b) if isinstance(r, dict) else None
+            base = variants.get(base_name, {}).get(b) if base_name else None
+            if isinstance(cell, dict) and "median_ms" in cell and isinstance(base, dict) and "median_ms" in base:
+                cell["speedup_vs_eager"] = base["median_ms"] / cell["median_ms"]
+
+
+# --------------------------------------------------------------------------- parity
+
+
+def section_parity(run: Run) -> dict[str, Any]:
+    """Ours (the torch-cuda path; CPU reference kernel in cpu-smoke) vs the fake-quant model in fp32."""
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
+
+    from compress.checkpoint import load_model
+    from compress.quant import input_quantizers
+    from holoserve.backends import torch_cuda as tc
+    from holoserve.glue import read_split
+    from holoserve.tasks import get_task
+
+    art, _ = _load_carried_checkpoint(run)
+    task = get_task(art.task_name)
+    glue = Path(run.args.carry) / "glue"
+    if (glue / task.folder / "dev.tsv").is_file():
+        examples = read_split(task, "dev", glue)
+        source = f"{task.folder} dev ({len(examples)} rows)"
+    elif run.smoke:
+        from tests.tiny import WORDS
+
+        rng = np.random.default_rng(0)
+        examples = [type("E", (), {"text": " ".join(rng.choice(WORDS, 8)), "text_pair": None, "label": int(i % 2)})()
+                    for i in range(24)]
+        source = "24 synthetic sentences (cpu-smoke)"
+    else:
+        return {"error": f"no dev split carried under {glue}: run prepare.py with --data-dir"}
+    tok = Tokenizer.from_file(str(art.path / "tokenizer.json"))
+    tok.enable_truncation(max_length=art.max_seq_length)
+    ref, _ = load_model(art.path)
+    ref.to(run.device)
+    if run.smoke:
+        ours = tc.encoder_from_artifact(art, kernel="reference", dtype=torch.float32)
+
+        def infer(ids, mask, tt):
+            with torch.no_grad():
+                return ours(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(tt)).numpy()
+        ours_name = "INT8 reference kernel (CPU)"
+    else:
+        from holoserve.backends import load_backend
+
+        backend = load_backend("torch-cuda", art)
+        infer = backend.infer
+        ours_name = "torch-cuda backend (2:4 INT8 cuSPARSELt + CUDA graphs, FP16 elsewhere)"
+    got, want, labels = [], [], []
+    bs = 64
+    for i in range(0, len(examples), bs):
+        chunk = examples[i:i + bs]
+        enc = tok.encode_batch([(e.text, e.text_pair) if e.text_pair is not None else e.text for e in chunk])
+        n = max(len(e.ids) for e in enc)
+        ids = np.zeros((len(enc), n), dtype=np.int64)
+        mask = np.zeros_like(ids)
+        tt = np.zeros_like(ids)
+        for j, e in enumerate(enc):
+            ids[j, :len(e.ids)] = e.ids
+            mask[j, :len(e.ids)] = e.attention_mask
+            tt[j, :len(e.ids)] = e.type_ids
+        got.append(np.asarray(infer(ids, mask, tt), dtype=np.float32))
+        t = {k: torch.from_numpy(v).to(run.device) for k, v in
+             (("input_ids", ids), ("attention_mask", mask), ("token_type_ids", tt))}
+        with torch.no_grad(), input_quantizers(ref, art.activation_amax(), art.sparse_layers):
+            want.append(ref(**t).logits.float().cpu().numpy())
+        labels += [e.label for e in chunk]
+    g, w, y = np.concatenate(got), np.concatenate(want), np.asarray(labels)
+    diff = np.abs(g - w)
+    res = {
+        "data": source, "ours": ours_name, "reference": "checkpoint fake-quant model, FP32 (compress.quant.input_quantizers)",
+        "rows": int(len(y)), "max_abs_logit_diff": float(diff.max()), "mean_abs_logit_diff": float(diff.mean()),
+        "argmax_agreement": float((g.argmax(-1) == w.argmax(-1)).mean()),
+        "accuracy_ours": float((g.argmax(-1) == y).mean()), "accuracy_reference": float((w.argmax(-1) == y).mean()),
+        "manifest_metrics": art.manifest.get("metrics", {}).get("compressed"),
+        "target_argmax_agreement": 0.995,
+    }
+    res["meets_target"] = res["argmax_agreement"] >= 0.995
+    log(f"parity: agreement {res['argmax_agreement']:.4f}, max |Δlogit| {res['max_abs_logit_diff']:.4f}, "
+        f"acc ours {res['accuracy_ours']:.4f} vs ref {res['accuracy_reference']:.4f}")
+    return res
+
+
+# --------------------------------------------------------------------------- report
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, evaluated on what was measured (None where not measured)."""
+    out = []
+    enc = report["sections"].get("encoder", {}).get("models", {})
+    bert = next((v for k, v in enc.items() if k.startswith("BERT-base") and isinstance(v, dict) and "variants" in v), None)
+
+    def cell(variant, b="128"):
+        if not bert:
+            return None
+        r = bert["variants"].get(variant, {})
+        c = r.get(b) if isinstance(r, dict) else None
+        return c.get("median_ms") if isinstance(c, dict) else None
+
+    ours, eager, ao = (cell("2:4 INT8 + CUDA graphs (ours)"), cell("FP16 eager (transformers)"),
+                       cell("torchao 2:4 INT8 + CUDA graphs") or cell("torchao 2:4 INT8 eager"))
+    ao_best = min([x for x in (cell("torchao 2:4 INT8 + CUDA graphs"), cell("torchao 2:4 INT8 eager")) if x],
+                  default=None)
+    out.append({"target": "ours >= 2x FP16 eager throughput, BERT-base batch 128 seq 128",
+                "value": eager / ours if ours and eager else None, "threshold": 2.0})
+    out.append({"target": "ours faster than torchao 2:4 INT8 (its best of eager / graphs), BERT-base batch 128",
+                "value": ao_best / ours if ours and ao_best else None, "threshold": 1.0})
+    del ao
+    gemm = report["sections"].get("gemm", {}).get("rows", [])
+    if gemm:
+        big = max(r["M"] for r in gemm)
+        ratios = [r.get("sparse_int8_over_dense_int8") for r in gemm if r["M"] == big and r.get("sparse_int8_over_dense_int8")]
+        out.append({"target": f"per-GEMM 2:4 INT8 >= 1.5x dense INT8 at M={big} (median over K,N)",
+                    "value": statistics.median(ratios) if ratios else None, "threshold": 1.5})
+    par = report["sections"].get("parity", {})
+    out.append({"target": "argmax agreement with the fake-quant model >= 99.5%",
+                "value": par.get("argmax_agreement"), "threshold": 0.995})
+    for t in out:
+        t["met"] = None if t["value"] is None else bool(t["value"] >= t["threshold"])
+    return out
+
+
+def fmt(v, digits=3):
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def _last_line(text) -> str:
+    lines = [x for x in str(text or "").splitlines() if x.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    s = report["sections"]
+    env = s.get("env", {})
+    L = [f"# HoloServe 2:4 sparse INT8 on GPU — {report['date'][:10]}", "",
+         f"Machine: {env.get('machine', '?')} · driver {env.get('driver', '—')} · torch {env.get('torch', '?')} "
+         f"(CUDA {env.get('torch_cuda', '—')}) · cuSPARSELt {env.get('cusparselt', '—')} · "
+         f"transformers {env.get('transformers', '—')} · torchao {env.get('torchao', '—')}", "",
+         f"Mode: {report['mode']}. Method: {report['method']['timer']}; {report['method']['warmup']} warm-up, "
+         f"{report['method']['iters']} timed calls, median; {report['method']['inputs']}.", ""]
+    if "targets" in report:
+        L += ["## Targets", "", "| target | measured | threshold | met |", "| --- | --- | --- | --- |"]
+        for t in report["targets"]:
+            L.append(f"| {t['target']} | {fmt(t['value'])} | {t['threshold']} | "
+                     f"{'—' if t['met'] is None else ('yes' if t['met'] else 'NO')} |")
+        L.append("")
+    pk = s.get("peak", {})
+    if pk:
+        L += ["## Measured dense peak", "",
+              f"FP16 cuBLAS {fmt(pk.get('fp16_tflops'))} TFLOP/s, INT8 _int_mm {fmt(pk.get('int8_tops'))} TOPS "
+              f"({pk.get('size')}³)" if not report["mode"] == "cpu-smoke" else
+              f"FP32 CPU {fmt(pk.get('fp32_cpu_tflops'))} TFLOP/s ({pk.get('size')}³)", ""]
+    gm = s.get("gemm", {})
+    if gm.get("rows"):
+        names = [n for n in (*GEMM_KERNELS, "dense_fp32_cpu", "int8_reference_cpu") if any(n in r for r in gm["rows"])]
+        L += ["## Per-GEMM (TFLOP/s or TOPS, dense-equivalent 2·M·N·K)", "",
+              f"2:4 INT8 epilogue: {gm.get('epilogue', '—')}. Percent of the measured dense peak of the same precision "
+              "in parentheses.", "",
+              "| K | N | M | " + " | ".join(KERNEL_TITLES.get(n, n) for n in names)
+              + " | 2:4 INT8 / dense INT8 | 2:4 FP16 / dense FP16 | 2:4 INT8 / dense FP16 |",
+              "| " + " | ".join("---" for _ in range(3 + len(names) + 3)) + " |"]
+        for r in gm["rows"]:
+            cells = []
+            for n in names:
+                c = r.get(n, {})
+                if "tflops" in c:
+                    peak = pk.get("int8_tops") if "int8" in n else pk.get("fp16_tflops")
+                    pct = f" ({100 * c['tflops'] / peak:.0f}%)" if peak and not report["mode"] == "cpu-smoke" else ""
+                    cells.append(f"{fmt(c['tflops'])}{pct}")
+                else:
+                    cells.append("err" if "error" in c else "—")
+            L.append(f"| {r['K']} | {r['N']} | {r['M']} | " + " | ".join(cells) + " | "
+                     + " | ".join(fmt(r.get(k)) for k in ("sparse_int8_over_dense_int8", "sparse_fp16_over_dense_fp16",
+                                                           "sparse_int8_over_dense_fp16")) + " |")
+        L.append("")
+    en = s.get("encoder", {})
+    for label, m in (en.get("models") or {}).items():
+        if not isinstance(m, dict) or "variants" not in m:
+            L += [f"## Encoder: {label}", "", f"not measured: {m.get('error') if isinstance(m, dict) else m}", ""]
+            continue
+        bs = [str(b) for b in en.get("batches", [])]
+        L += [f"## Whole encoder: {label}, seq {en.get('seq')}", "",
+              f"Shape: {m['config']}. Cells: median latency ms / sequences per s / speed-up over FP eager (transformers).",
+              "", "| variant | " + " | ".join(f"batch {b}" for b in bs) + " |", "| --- |" + " --- |" * len(bs)]
+        for name, r in m["variants"].items():
+            cells = []
+            for b in bs:
+                c = r.get(b, {}) if isinstance(r, dict) else {}
+                if isinstance(c, dict) and "median_ms" in c:
+                    cells.append(f"{c['median_ms']:.3f} ms / {c['seq_per_s']:.0f} / {fmt(c.get('speedup_vs_eager'))}×")
+                else:
+                    err = (c or {}).get("error") if isinstance(c, dict) else None
+                    err = err or (r.get("error") if isinstance(r, dict) else None)
+                    skipped = r.get("skipped") if isinstance(r, dict) else None
+                    cells.append(f"err: {str(err)[:60]}" if err else (f"skipped ({skipped})" if skipped else "—"))
+            L.append(f"| {name} | " + " | ".join(cells) + " |")
+        L.append("")
+    par = s.get("parity")
+    if par:
+        L += ["## Parity with the checkpoint's fake-quant model", ""]
+        if "error" in par:
+            L.append(f"not measured: {par['error']}")
+        else:
+            L += [f"{par['ours']} vs {par['reference']} on {par['data']}: argmax agreement "
+                  f"{100 * par['argmax_agreement']:.2f}% (target 99.5%), max |Δlogit| {par['max_abs_logit_diff']:.4f}, "
+                  f"mean {par['mean_abs_logit_diff']:.5f}; accuracy {100 * par['accuracy_ours']:.2f}% (ours) vs "
+                  f"{100 * par['accuracy_reference']:.2f}% (fake-quant)."]
+        L.append("")
+    L += ["## TensorRT on this machine", "",
+          f"- `python3 -c \"import tensorrt\"`: rc {env.get('tensorrt_import', {}).get('rc')} — "
+          f"{_last_line(env.get('tensorrt_import', {}).get('out'))}",
+          f"- `ldconfig -p | grep nvinfer`: {_last_line(env.get('nvinfer_libs', {}).get('out')) or '(nothing)'}"
+          + (f" ({len(env['nvinfer_libs']['out'].splitlines())} lines)" if env.get('nvinfer_libs', {}).get('out') else ""),
+          f"- trtexec: {env.get('trtexec') or '(not on PATH)'}", ""]
+    if env.get("tensorrt_engine"):
+        L.append(env["tensorrt_engine"])
+    errors = report.get("errors") or []
+    if errors:
+        L += ["## Errors", ""] + [f"- {e}" for e in errors]
+    return "\n".join(L) + "\n"
+
+
+def write_plots(report: dict[str, Any], out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    gm = report["sections"].get("gemm", {}).get("rows", [])
+    if gm:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        pairs = [("sparse_int8_over_dense_int8", "2:4 INT8 / dense INT8"), ("sparse_fp16_over_dense_fp16", "2:4 FP16 / dense FP16")]
+        if report["mode"] == "cpu-smoke":
+            pairs = [("int8_reference_cpu_over_dense_fp32_cpu", "INT8 reference / FP32 (CPU)")] * 2
+        for ax, (key, title) in zip(axes, pairs):
+            for (k, n) in sorted({(r["K"], r["N"]) for r in gm}):
+                pts = [(r["M"], r[key]) for r in gm if r["K"] == k and r["N"] == n and r.get(key)]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"K={k} N={n}")
+            ax.axhline(1.0, color="grey", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("M (tokens)")
+            ax.set_ylabel("speed-up")
+            ax.set_title(title)
+            ax.grid(True, alpha=0.3)
+        axes[0].legend(fontsize=6, ncol=2)
+        fig.suptitle(f"per-GEMM speed-ups · {report['sections'].get('env', {}).get('machine', '')}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out / "gemm.png", dpi=110)
+        plt.close(fig)
+        written.append("gemm.png")
+    models = {k: v for k, v in (report["sections"].get("encoder", {}).get("models") or {}).items()
+              if isinstance(v, dict) and "variants" in v}
+    if models:
+        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+        for ax, (label, m) in zip(axes[0], models.items()):
+            for name, r in m["variants"].items():
+                if not isinstance(r, dict):
+                    continue
+                pts = [(int(b), c["seq_per_s"]) for b, c in r.items() if b.isdigit() and isinstance(c, dict) and "seq_per_s" in c]
+                if pts:
+                    pts.sort()
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("batch size")
+            ax.set_ylabel("sequences / s")
+            ax.set_title(label[:70], fontsize=8)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / "encoder.png", dpi=110)
+        plt.close(fig)
+        written.append("encoder.png")
+    return written
+
+
+def finish(run: Run) -> None:
+    run.report["targets"] = targets(run.report)
+    run.save()
+    (run.out / "results.md").write_text(render_markdown(run.report))
+    plots = guarded("plots", lambda: {"files": write_plots(run.report, run.out)})
+    run.report["plots"] = plots
+    run.save()
+    log(f"wrote {run.out}/results.json, results.md, {', '.join(plots.get('files', []))} in {run.elapsed():.0f} s")
+
+
+SECTIONS = {"env": section_env, "peak": section_peak, "gemm": section_gemm, "encoder": section_encoder,
+            "parity": section_parity}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run = Run(args)
+    if not run.smoke:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device: run this on a GPU machine, or use --cpu-smoke", file=sys.stderr)
+            return 2
+        torch.backends.cuda.matmul.allow_tf32 = False
+    run.report["errors"] = []
+    order = [s for s in ("env", "peak", "gemm", "encoder", "parity") if s in args.section_list or s == "env"]
+    for name in order:
+        if run.over_budget() and name != "env":
+            run.report["sections"][name] = {"error": "skipped: time budget reached"}
+            continue
+        log(f"section {name}")
+        t = time.perf_counter()
+        r = guarded(name, lambda name=name: SECTIONS[name](run))
+        if "error" in r and len(r) <= 2:
+            run.report["errors"].append(f"{name}: {r['error']}")
+        r["seconds"] = round(time.perf_counter() - t, 1)
+        run.report["sections"][name] = r
+        run.save()
+    finish(run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
