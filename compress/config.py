@@ -1,0 +1,95 @@
+"""Compression settings as dataclasses, with named presets (`quick`, `full`).
+
+A preset fixes everything that changes accuracy or run time; the CLI may override a few knobs
+(--max-steps, --train-limit, --seed). The numbers for `quick` are sized for minutes on a 2-core
+CPU with MiniLM + SST-2; `full` is the best-accuracy recipe (hours on CPU, minutes on a GPU).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PhaseConfig:
+    steps: int  # optimizer steps (0 skips the phase)
+    lr: float
+    warmup: float = 0.06  # share of steps with linear warm-up; then linear decay to 0
+    weight_decay: float = 0.01
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    enabled: bool = True
+    task_weight: float = 1.0  # cross-entropy (or MSE) on the labels
+    logits_weight: float = 1.0  # KL(teacher || student) at temperature T, scaled by T^2
+    temperature: float = 2.0
+    hidden_weight: float = 1.0  # MSE between student and teacher hidden states (non-padding tokens)
+
+
+@dataclass(frozen=True)
+class AdmmConfig:
+    interval: int = 20  # W-steps between Z/U updates
+    rho_start: float = 1e-3  # rho rises geometrically from rho_start to rho_end over the phase
+    rho_end: float = 0.2
+    # The proximal term rho/2 ||W - Z + U||^2 is minimised by a plain gradient step after the AdamW
+    # step on the task/KD loss (decoupled, like AdamW's weight decay): W -= penalty_lr * rho * (W - Z + U).
+    # Adam would normalise the penalty away and move each weight by at most ~lr per step.
+    penalty_lr: float = 1.0
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    batch_size: int = 32
+    eval_batch_size: int = 128
+    max_seq_length: int = 64
+    dense: PhaseConfig = PhaseConfig(steps=500, lr=1e-4)
+    admm: PhaseConfig = PhaseConfig(steps=300, lr=5e-5)
+    qat: PhaseConfig = PhaseConfig(steps=200, lr=2e-5)
+    admm_cfg: AdmmConfig = AdmmConfig()
+    distill: DistillConfig = DistillConfig()
+    calib_batches: int = 16  # training batches used to calibrate activation ranges
+    calib_percentile: float | None = 99.99  # None = plain max
+    # The word-embedding table (30k x hidden) dominates the optimizer's memory traffic on CPU and is
+    # neither pruned nor quantized; freezing it speeds each step with little accuracy cost.
+    freeze_word_embeddings: bool = True
+    group_size: int = 50  # batches per length-sorted mega-batch (length grouping)
+    save_every: int = 200  # steps between mid-phase state saves
+    notes: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_max_steps(self, n: int | None) -> "Preset":
+        if not n:
+            return self
+        cap = lambda p: replace(p, steps=min(p.steps, n))  # noqa: E731
+        return replace(self, dense=cap(self.dense), admm=cap(self.admm), qat=cap(self.qat))
+
+
+PRESETS: dict[str, Preset] = {
+    "quick": Preset(
+        name="quick",
+        notes="minutes on a 2-core CPU (MiniLM + SST-2): short dense fine-tune, ADMM and QAT",
+    ),
+    "full": Preset(
+        name="full",
+        max_seq_length=128,
+        dense=PhaseConfig(steps=6000, lr=5e-5),
+        admm=PhaseConfig(steps=6000, lr=3e-5),
+        qat=PhaseConfig(steps=3000, lr=1e-5),
+        admm_cfg=AdmmConfig(interval=50, rho_start=1e-3, rho_end=0.2),
+        calib_batches=64,
+        save_every=500,
+        notes="best accuracy: ~3 epochs of SST-2 per phase at batch 32; hours on CPU, minutes on a GPU",
+    ),
+}
+
+
+def get_preset(name: str):
+    from holoserve import HoloServeError
+
+    if name not in PRESETS:
+        raise HoloServeError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,57 @@
+"""Dev-set evaluation, optionally with the activation fake-quant that the exported model reproduces."""
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from holoserve.metrics import compute
+from holoserve.tasks import Task
+
+from .data import Encoded, eval_batches
+from .quant import input_quantizers
+
+
+def predict(model: nn.Module, data: Encoded, batch_size: int = 128) -> np.ndarray:
+    """Logits for every row of `data`, in row order."""
+    was_training = model.training
+    model.eval()
+    out: np.ndarray | None = None
+    with torch.inference_mode():
+        for idx, batch in eval_batches(data, batch_size):
+            batch.pop("labels")
+            logits = model(**batch).logits.float().numpy()
+            if out is None:
+                out = np.zeros((len(data), logits.shape[1]), dtype=np.float32)
+            out[idx] = logits
+    model.train(was_training)
+    assert out is not None
+    return out
+
+
+def score(task: Task, logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    pred = logits[:, 0] if task.is_regression else logits.argmax(axis=1)
+    return compute(task.metrics, pred, labels)
+
+
+def evaluate(
+    model: nn.Module,
+    task: Task,
+    data: Encoded,
+    *,
+    batch_size: int = 128,
+    act_amax: Mapping[str, float] | None = None,
+    quant_layers: list[str] | None = None,
+) -> dict[str, float]:
+    """Task metrics on `data`; with `act_amax` the named Linears see fake-quantized inputs."""
+    ctx = (
+        input_quantizers(model, act_amax, quant_layers or [])
+        if act_amax is not None
+        else contextlib.nullcontext()
+    )
+    with ctx:
+        logits = predict(model, data, batch_size)
+    return score(task, logits, data.labels)

@@ -1,0 +1,70 @@
+"""`holoserve eval CHECKPOINT --task T --data-dir DIR`: dev metrics with the numerics the export reproduces.
+
+Weights are used exactly as stored (int8 × per-channel scale); with INT8 activations in the
+manifest, every encoder Linear input is fake-quantized per tensor with the manifest's amax.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", type=Path, help="HoloServe checkpoint folder")
+    p.add_argument("--task", help="GLUE task (default: the checkpoint's task)")
+    p.add_argument("--data-dir", help="GLUE folder (default: $HOLOSERVE_DATA_DIR)")
+    p.add_argument("--split", default="dev", help="split to score (default: dev)")
+    p.add_argument("--limit", type=int, help="score only the first N rows")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--fp32", action="store_true", help="skip activation fake-quant (weights still as stored)")
+
+
+def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None, batch_size=128, fp32=False) -> dict:
+    import time
+
+    from holoserve import HoloServeError
+    from holoserve.glue import read_split
+    from holoserve.tasks import get_task
+
+    from .checkpoint import load_model
+    from .data import encode, load_tokenizer
+    from .evaluate import evaluate
+    from .quant import act_key
+
+    model, art = load_model(path)
+    task_obj = get_task(task or art.task_name)
+    if task_obj.name != art.task_name:
+        raise HoloServeError(f"{path} was trained for {art.task_name!r}, not {task_obj.name!r}")
+    tok = load_tokenizer(art.path, art.max_seq_length)
+    data = encode(tok, read_split(task_obj, split, data_dir, limit=limit), task_obj.is_regression)
+    amax = art.activation_amax()
+    layers = [k[: -len(".input")] for k in amax if k.endswith(".input")]
+    use_quant = bool(amax) and not fp32
+    t0 = time.perf_counter()
+    metrics = evaluate(model, task_obj, data, batch_size=batch_size,
+                       act_amax=amax if use_quant else None, quant_layers=layers if use_quant else None)
+    assert all(act_key(n) in amax for n in layers)
+    return {
+        "checkpoint": str(art.path),
+        "task": task_obj.name,
+        "split": split,
+        "rows": len(data),
+        "numerics": "int8 weights + int8 activations (fake-quant)" if use_quant
+        else ("int8 weights, fp32 activations" if art.quantized else "fp32"),
+        "metrics": metrics,
+        "primary": task_obj.primary_metric,
+        "manifest_metrics": art.manifest.get("metrics", {}),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit <= 0:
+        from holoserve import HoloServeError
+
+        raise HoloServeError("--limit must be a positive number")
+    out = evaluate_checkpoint(args.checkpoint, args.task, args.data_dir, args.split, args.limit, args.batch_size,
+                              args.fp32)
+    print(json.dumps(out, indent=2))
+    return 0

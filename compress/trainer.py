@@ -1,0 +1,135 @@
+"""One training loop for every phase (dense, ADMM, masked/QAT fine-tune), resumable mid-phase."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Mapping
+
+import torch
+from torch import nn
+
+from .config import DistillConfig, PhaseConfig, Preset
+from .data import Encoded, train_batches
+from .distill import combined_loss
+from .sparsify import Admm, reapply_masks
+from .state import load_optimizer, load_state, optimizer_tensors, restore_rng, rng_tensors, save_state
+
+log = logging.getLogger("holoserve.compress")
+
+
+def make_optimizer(model: nn.Module, cfg: PhaseConfig) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.dim() < 2 or "LayerNorm" in name else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    try:  # fused AdamW runs on CPU in recent torch and is ~20% faster per step here
+        return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, lr=cfg.lr)
+
+
+def lr_at(cfg: PhaseConfig, step: int) -> float:
+    warm = max(1, int(cfg.warmup * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    return cfg.lr * max(0.0, (cfg.steps - step) / max(1, cfg.steps - warm))
+
+
+@dataclass
+class PhaseResult:
+    steps: int
+    seconds: float
+    loss: float  # mean training loss over the last 50 steps
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def train_phase(
+    name: str,
+    model: nn.Module,
+    cfg: PhaseConfig,
+    data: Encoded,
+    preset: Preset,
+    seed: int,
+    state_dir: Path | None,
+    *,
+    regression: bool = False,
+    teacher: nn.Module | None = None,
+    distill: DistillConfig | None = None,
+    admm: Admm | None = None,
+    masks: Mapping[str, torch.Tensor] | None = None,
+    context: Callable[[], ContextManager] | None = None,
+    progress: bool = True,
+) -> PhaseResult:
+    """Run `cfg.steps` optimizer steps of phase `name`, resuming from `state_dir/<name>-progress` if present."""
+    from tqdm.auto import tqdm
+
+    opt = make_optimizer(model, cfg)
+    start, elapsed, losses = 0, 0.0, []
+    if state_dir is not None and (saved := load_state(state_dir, f"{name}-progress")) is not None:
+        tensors, meta = saved
+        model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+        load_optimizer(opt, tensors)
+        restore_rng(tensors)
+        if admm is not None:
+            admm.load_state(tensors, meta["admm"])
+        start, elapsed, losses = int(meta["step"]), float(meta["seconds"]), list(meta.get("losses", []))
+        log.info("[%s] resuming at step %d/%d", name, start, cfg.steps)
+
+    def checkpoint(step: int, seconds: float) -> None:
+        if state_dir is None:
+            return
+        tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+        tensors.update(optimizer_tensors(opt))
+        tensors.update(rng_tensors())
+        meta: dict[str, Any] = {"phase": name, "step": step, "seconds": seconds, "losses": losses[-50:]}
+        if admm is not None:
+            tensors.update(admm.state_tensors())
+            meta["admm"] = admm.state_meta()
+        save_state(state_dir, f"{name}-progress", tensors, meta)
+
+    want_hidden = bool(teacher is not None and distill and distill.enabled and distill.hidden_weight)
+    if teacher is not None:
+        teacher.eval()
+    model.train()
+    stream = train_batches(data, preset.batch_size, seed, preset.group_size, start_step=start)
+    t0 = time.perf_counter() - elapsed
+    bar = tqdm(total=cfg.steps, initial=start, desc=name, disable=not progress, dynamic_ncols=True, leave=False)
+    ctx = context() if context is not None else contextlib.nullcontext()
+    with ctx:
+        for step in range(start, cfg.steps):
+            batch = next(stream)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(cfg, step)
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            t_out = None
+            if teacher is not None:
+                with torch.no_grad():
+                    t_out = teacher(**inputs, output_hidden_states=want_hidden)
+            out = model(**inputs, output_hidden_states=want_hidden)
+            loss, parts = combined_loss(out, batch, t_out, distill or DistillConfig(enabled=False), regression)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if admm is not None:
+                admm.penalty_step()
+                if (step + 1) % admm.cfg.interval == 0:
+                    admm.update()
+            if masks is not None:
+                reapply_masks(model, masks)
+            losses.append(float(loss.detach()))
+            post = {"loss": f"{sum(losses[-50:]) / len(losses[-50:]):.4f}"}
+            if admm is not None:
+                post["rho"] = f"{admm.rho:.2g}"
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+            if state_dir is not None and preset.save_every and (step + 1) % preset.save_every == 0 and step + 1 < cfg.steps:
+                checkpoint(step + 1, time.perf_counter() - t0)
+    bar.close()
+    tail = losses[-50:] or [float("nan")]
+    return PhaseResult(steps=cfg.steps, seconds=time.perf_counter() - t0, loss=sum(tail) / len(tail))
