@@ -308,7 +308,8 @@ def export_checkpoint(
             rep = qdq.apply_placement(m, sites_t, weight_scales, act_amax, target, extra)
             emb = None
             if int8_embeddings:
-                emb = qdq.quantize_embedding(m, model.get_input_embeddings().weight.detach().numpy())
+                emb = qdq.quantize_embedding(m, model.get_input_embeddings().weight.detach().numpy(),
+                                             lookup_first=target == "onnxruntime")
             m.producer_name, m.producer_version = "holoserve", _version()
             path = tmp / TARGET_FILES[target]
             onnx.save(m, str(path))

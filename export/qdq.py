@@ -327,13 +327,17 @@ def count_ops(model) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings") -> dict:
+def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings", *, lookup_first: bool = True) -> dict:
     """Store an embedding table (found by value) as int8 codes + per-row scales.
 
     The table is the largest tensor of a BERT model (vocab x hidden) and stays fp32 in the
     checkpoint; keeping it fp32 here would cap the file at ~1.5x smaller than fp32. Lookup
     becomes Gather(int8) -> Cast -> Mul(Gather(row scale)): weight-only, symmetric, so the error
     per element is at most half a step (amax_row / 254). Returns what was done, for the manifest.
+
+    lookup_first=False instead dequantizes the table with DequantizeLinear(axis=0) and gathers
+    from it: TensorRT only accepts an int8 constant that feeds a DequantizeLinear (it folds the
+    table at build time), while ONNX Runtime would dequantize the whole table on every run.
     """
     from onnx import TensorProto, helper, numpy_helper
 
@@ -366,13 +370,22 @@ def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings") 
         numpy_helper.from_array(scales, s_name),
         numpy_helper.from_array(np.asarray([-1], np.int64), ax_name),
     ])
-    new = [
+    if not lookup_first:
+        z_name = f"{name}.zero_point"
+        g.initializer.append(numpy_helper.from_array(np.zeros(len(scales), np.int8), z_name))
+        new = [
+            helper.make_node("DequantizeLinear", [c_name, s_name, z_name], [f"{name}.table"], name=f"{name}/Dequantize",
+                             axis=0),
+            helper.make_node("Gather", [f"{name}.table", ids], [out], name=f"{name}/Gather", axis=0),
+        ]
+    else:
+        new = [
         helper.make_node("Gather", [c_name, ids], [f"{name}.codes"], name=f"{name}/GatherCodes", axis=0),
         helper.make_node("Cast", [f"{name}.codes"], [f"{name}.codes_f"], name=f"{name}/Cast", to=TensorProto.FLOAT),
         helper.make_node("Gather", [s_name, ids], [f"{name}.scales"], name=f"{name}/GatherScales", axis=0),
         helper.make_node("Unsqueeze", [f"{name}.scales", ax_name], [f"{name}.scales_u"], name=f"{name}/Unsqueeze"),
         helper.make_node("Mul", [f"{name}.codes_f", f"{name}.scales_u"], [out], name=f"{name}/Dequantize"),
-    ]
+        ]
     idx = list(g.node).index(hit)
     g.node.remove(hit)
     for k, n in enumerate(new):
@@ -382,6 +395,7 @@ def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings") 
         "tensor": name,
         "shape": list(table.shape),
         "storage": "int8 codes + per-row float32 scale (weight-only)",
+        "lookup": "Gather int8 rows, then scale" if lookup_first else "DequantizeLinear(axis=0), then Gather",
         "max_abs_error": float(np.abs(dq - table).max()),
         "max_rel_error": float((np.abs(dq - table).max(axis=1) / np.maximum(amax, 1e-12)).max()),
     }
