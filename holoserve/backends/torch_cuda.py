@@ -155,6 +155,11 @@ class QuantLinear(torch.nn.Module if torch is not None else object):  # type: ig
         self.register_buffer("act_scale", torch.as_tensor(act_scale, dtype=torch.float32, device=dev).reshape(()))
         self.register_buffer("alpha", (self.w_scales * self.act_scale).float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dev, dtype))
+        # The bias handed to cuSPARSELt lives in a buffer twice as long as needed: if a library
+        # build read it as float32 instead of the output type, the probe in choose_epilogue sees
+        # wrong numbers instead of the GEMM reading past the end of an allocation.
+        self.register_buffer("bias_gemm", None if bias is None else
+                             torch.cat([self.bias, torch.zeros_like(self.bias)]))
         self.register_buffer("bias32", None if bias is None else bias.to(dev, torch.float32))
         if kernel == "cslt":
             self.register_buffer("packed", torch._cslt_compress(w_codes.contiguous()))
@@ -190,7 +195,7 @@ class QuantLinear(torch.nn.Module if torch is not None else object):  # type: ig
         e = self.epilogue
         if e.alpha:
             y = torch._cslt_sparse_mm(
-                self.packed, xq.t(), bias=self.bias if (e.bias and self.bias is not None) else None,
+                self.packed, xq.t(), bias=self.bias_gemm[: self.out_features] if (e.bias and self.bias is not None) else None,
                 alpha=self.alpha, out_dtype=self.dtype, transpose_result=e.transpose,
             )
             y = y if e.transpose else y.t()
@@ -519,6 +524,7 @@ class GraphRunner:
         self._pool = None
         self._lock = threading.Lock()
         self.capture_seconds: dict[str, float] = {}
+        self.graph_error: str | None = None
 
     @property
     def max_batch(self) -> int:
@@ -564,7 +570,13 @@ class GraphRunner:
         with self._lock:
             entry = self._graphs.get((bb, nb))
             if entry is None:
-                entry = self._graphs[(bb, nb)] = self._capture(bb, nb)
+                try:
+                    entry = self._graphs[(bb, nb)] = self._capture(bb, nb)
+                except Exception as e:  # noqa: BLE001 - a capture failure must not take the backend down
+                    self.graphs = False
+                    self.graph_error = f"{type(e).__name__}: {e}"
+                    torch.cuda.synchronize(self.device)
+                    return self.run_bucket(input_ids, attention_mask, token_type_ids)
             graph, static, out = entry
             self._fill(static, input_ids, attention_mask, token_type_ids)
             graph.replay()
@@ -620,6 +632,8 @@ class TorchCudaBackend:
             "backend": self.name,
             "checkpoint": str(self.artifact.path),
             "graphs": self.runner.graphs,
+            "graph_error": self.runner.graph_error,
+            "capture_seconds": dict(self.runner.capture_seconds),
             "captured_buckets": sorted(f"{b}x{n}" for b, n in self.runner._graphs),
             "batch_buckets": list(self.runner.batch_buckets),
             "seq_buckets": list(self.runner.seq_buckets),

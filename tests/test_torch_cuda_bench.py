@@ -1,0 +1,134 @@
+"""bench/gpu: the CPU smoke run of the all-in-one GPU benchmark, the carry packing, the report logic."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_DIR = ROOT / "bench" / "gpu"
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_gpu_{name}", GPU_DIR / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(GPU_DIR))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(GPU_DIR))
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    run = _module("run")
+    return run._tiny_checkpoint(tmp_path_factory.mktemp("gpub"))
+
+
+def test_cpu_smoke_run_writes_every_report(tmp_path):
+    """The whole pipeline on tiny shapes with no CUDA call: tables, JSON, Markdown and plots."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(GPU_DIR / "run.py"), "--cpu-smoke", "--out", str(out), "--carry", str(tmp_path / "none")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    assert report["mode"] == "cpu-smoke" and not report["errors"]
+    s = report["sections"]
+    assert set(s) == {"env", "peak", "parity", "gemm", "encoder"}
+    assert len(s["gemm"]["rows"]) == 2 * 2 * 2  # K, N in {32, 64}, M in {16, 32}
+    assert all("tflops" in r["dense_fp32_cpu"] and "tflops" in r["int8_reference_cpu"] for r in s["gemm"]["rows"])
+    models = s["encoder"]["models"]
+    assert len(models) == 2
+    for m in models.values():
+        eager = m["variants"]["FP32 eager (transformers)"]
+        assert set(eager) >= {"1", "2"} and eager["1"]["median_ms"] > 0
+        assert "skipped" in m["variants"]["FP32 + CUDA graphs (holoserve encoder)"]
+    # parity of the exact INT8 reference with the checkpoint's fake-quant model
+    assert s["parity"]["argmax_agreement"] == 1.0
+    assert s["parity"]["max_abs_logit_diff"] < 1e-3
+    md = (out / "results.md").read_text()
+    for heading in ("## Targets", "## Per-GEMM", "## Whole encoder", "## Parity", "## TensorRT on this machine"):
+        assert heading in md
+    assert (out / "gemm.png").stat().st_size > 1000 and (out / "encoder.png").stat().st_size > 1000
+
+
+def test_unknown_section_is_rejected():
+    run = _module("run")
+    with pytest.raises(SystemExit):
+        run.parse_args(["--sections", "gemm,bogus"])
+
+
+def test_pack_round_trip_is_exact_and_smaller(tiny_ckpt, tmp_path):
+    carry = _module("carry")
+    from safetensors.numpy import load_file
+
+    from holoserve.artifact import load_artifact
+
+    info = carry.pack(tiny_ckpt, tmp_path / "packed")
+    kinds = info["kinds"]
+    assert sum(k == "int8" for k in kinds.values()) == 2 * 6
+    art = carry.unpack(tmp_path / "packed", tmp_path / "back")
+    load_artifact(art.path)  # a valid checkpoint: checksums, 2:4 and INT8 grid verified
+    a = load_file(str(Path(tiny_ckpt) / "model.safetensors"))
+    b = load_file(str(art.path / "model.safetensors"))
+    assert set(a) == set(b)
+    for key in a:  # the tiny model has no tensor large enough for fp16: everything is exact
+        assert np.array_equal(a[key], b[key]), key
+    assert (tmp_path / "packed" / carry.WEIGHTS).stat().st_size < (Path(tiny_ckpt) / "model.safetensors").stat().st_size
+
+
+def test_pack_stores_large_tables_as_fp16(tiny_ckpt, tmp_path, monkeypatch):
+    carry = _module("carry")
+    monkeypatch.setattr(carry, "FP16_MIN_ELEMENTS", 1000)
+    info = carry.pack(tiny_ckpt, tmp_path / "packed")
+    assert info["kinds"]["bert.embeddings.word_embeddings.weight"] == "fp16"
+    assert 0 < info["fp16_max_abs_error"]["bert.embeddings.word_embeddings.weight"] < 1e-3
+
+
+def test_prepare_builds_carry_folder(tiny_ckpt, tmp_path):
+    prepare = _module("prepare")
+    glue = tmp_path / "glue" / "SST-2"
+    glue.mkdir(parents=True)
+    (glue / "dev.tsv").write_text("sentence\tlabel\na fine film\t1\n")
+    rc = prepare.main([str(tiny_ckpt), "--carry", str(tmp_path / "carry"), "--no-wheels",
+                       "--data-dir", str(tmp_path / "glue")])
+    assert rc == 0
+    meta = json.loads((tmp_path / "carry" / "carry.json").read_text())
+    assert meta["dev"] == "glue/SST-2/dev.tsv" and meta["task"] == "sst2"
+    assert (tmp_path / "carry" / "checkpoint" / "weights.packed.safetensors").is_file()
+
+
+def _report(ours_ms, eager_ms, ao_ms, ratio, agree):
+    variants = {"FP16 eager (transformers)": {"128": {"median_ms": eager_ms}},
+                "2:4 INT8 + CUDA graphs (ours)": {"128": {"median_ms": ours_ms}},
+                "torchao 2:4 INT8 eager": {"128": {"median_ms": ao_ms}}}
+    return {"sections": {
+        "encoder": {"models": {"BERT-base shapes (RANDOM weights)": {"variants": variants}}},
+        "gemm": {"rows": [{"K": 768, "N": 768, "M": 16384, "sparse_int8_over_dense_int8": ratio},
+                          {"K": 768, "N": 768, "M": 128, "sparse_int8_over_dense_int8": 0.5}]},
+        "parity": {"argmax_agreement": agree},
+    }}
+
+
+def test_targets_pass_and_fail():
+    run = _module("run")
+    good = run.targets(_report(ours_ms=4.0, eager_ms=10.0, ao_ms=5.0, ratio=1.6, agree=0.997))
+    assert [t["met"] for t in good] == [True, True, True, True]
+    bad = run.targets(_report(ours_ms=6.0, eager_ms=10.0, ao_ms=5.0, ratio=1.2, agree=0.99))
+    assert [t["met"] for t in bad] == [False, False, False, False]
+    assert bad[0]["value"] == pytest.approx(10 / 6)
+    missing = run.targets({"sections": {}})
+    assert all(t["met"] is None for t in missing)
