@@ -418,14 +418,15 @@ def build_engine(
 
     cache_note = None
     cache_obj = None
-    if timing_cache:
+    if timing_cache and flv.aot:
+        # TensorRT-RTX picks kernels on the device at run time; its timing-cache calls are no-ops.
+        cache_note = "not used: TensorRT-RTX has no build-time timing cache"
+    elif timing_cache:
         tc_path = Path(timing_cache)
         blob = tc_path.read_bytes() if tc_path.is_file() else b""
         cache_obj = config.create_timing_cache(blob)
-        config.set_timing_cache(cache_obj, False)
-        cache_note = f"{'loaded' if blob else 'created'} {tc_path.name}"
-        if flv.aot:
-            cache_note += " (TensorRT-RTX treats timing caches as no-ops)"
+        config.set_timing_cache(cache_obj, False)  # False: refuse a cache from another device/version
+        cache_note = f"{'reused' if blob else 'created'} {tc_path.name}"
 
     t0 = time.time()
     serialized = builder.build_serialized_network(network, config)
