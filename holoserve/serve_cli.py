@@ -20,6 +20,8 @@ HELP = {
     "workers": "server processes (each loads the model; metrics are per process)",
     "max_batch_size": "largest batch the dynamic batcher forms; 1 turns batching off",
     "max_queue_delay_ms": "how long a non-full batch waits for more requests",
+    "max_padding_waste": "split a merged batch into length groups when padding would exceed this share of its "
+                         "tokens (negative: always pad the whole batch to its longest)",
     "max_queue_size": "sequences allowed to wait for inference; beyond it requests get 503 + Retry-After",
     "max_items": "texts or pairs per request",
     "max_text_bytes": "UTF-8 bytes per text",

@@ -402,3 +402,16 @@ def test_openapi_fuzz_has_no_server_errors(server, tmp_path):
     assert r.returncode == 0, tail
     assert "No issues found" in r.stdout
     wait_ready(server.url)  # the server survived the fuzzing
+
+
+def test_split_by_length_bounds_padding():
+    from holoserve.server.batcher import split_by_length
+
+    lengths = [5, 30, 6, 31, 55, 7, 29, 5]
+    groups = split_by_length(lengths, 0.25)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        real = sum(lengths[i] for i in g)
+        assert len(g) * max(lengths[i] for i in g) <= 1.25 * real or len(g) == 1
+    assert split_by_length(lengths, -1) == [list(range(len(lengths)))]  # plain pad-to-longest
+    assert split_by_length([9] * 4, 0.0) == [[0, 1, 2, 3]]

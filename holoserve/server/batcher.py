@@ -54,12 +54,13 @@ class _Item:
 
 class DynamicBatcher:
     def __init__(self, infer: InferFn, *, max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int,
-                 pad_id: int = 0, metrics: ServerMetrics | None = None):
+                 pad_id: int = 0, max_padding_waste: float = 0.25, metrics: ServerMetrics | None = None):
         self._infer = infer
         self.max_batch_size = max_batch_size
         self.max_delay = max_queue_delay_ms / 1000.0
         self.max_queue_size = max_queue_size
         self.pad_id = pad_id
+        self.max_padding_waste = max_padding_waste
         self.metrics = metrics
         self._queue: deque[_Item] = deque()
         self._wakeup = asyncio.Event()
@@ -158,7 +159,7 @@ class DynamicBatcher:
             self._busy = True
             t_start = time.perf_counter()
             try:
-                logits = await loop.run_in_executor(self._executor, self._run_batch, [it.enc for it in batch])
+                logits, calls = await loop.run_in_executor(self._executor, self._run_batch, [it.enc for it in batch])
             except Exception as e:  # a backend failure fails this batch's requests, not the server
                 for it in batch:
                     if not it.future.done():
@@ -170,7 +171,7 @@ class DynamicBatcher:
             self._avg_batch_s = 0.9 * self._avg_batch_s + 0.1 * infer_s
             bid = next(self._batch_ids)
             if self.metrics:
-                self.metrics.exec_count_l.inc()
+                self.metrics.exec_count_l.inc(calls)
                 self.metrics.count_l.inc(len(batch))
                 self.metrics.batch_size_l.observe(len(batch))
                 self.metrics.infer_duration_l.observe(infer_s)
@@ -178,9 +179,44 @@ class DynamicBatcher:
                 if not it.future.done():
                     it.future.set_result(Result(logits[i], t_start - it.t_enqueue, infer_s, bid, len(batch)))
 
-    def _run_batch(self, encs: list[Encoded]) -> np.ndarray:
-        ids, mask, types = pad_batch(encs, self.pad_id)
-        logits = np.asarray(self._infer(ids, mask, types), dtype=np.float32)
-        if logits.ndim != 2 or logits.shape[0] != len(encs):
-            raise RuntimeError(f"backend returned logits of shape {logits.shape} for a batch of {len(encs)}")
-        return logits
+    def _run_batch(self, encs: list[Encoded]) -> tuple[np.ndarray, int]:
+        """Run one merged batch; returns logits in input order and the number of backend calls.
+
+        Sequences are sorted by length and cut into sub-batches, each padded to its own longest
+        member, whenever one padded batch would waste more than `max_padding_waste` of its
+        tokens on padding: on a CPU a batch of mixed lengths padded to the longest can cost more
+        than running the short and the long ones apart.
+        """
+        groups = split_by_length([e.length for e in encs], self.max_padding_waste)
+        out: np.ndarray | None = None
+        for idx in groups:
+            ids, mask, types = pad_batch([encs[i] for i in idx], self.pad_id)
+            logits = np.asarray(self._infer(ids, mask, types), dtype=np.float32)
+            if logits.ndim != 2 or logits.shape[0] != len(idx):
+                raise RuntimeError(f"backend returned logits of shape {logits.shape} for a batch of {len(idx)}")
+            if out is None:
+                out = np.empty((len(encs), logits.shape[1]), dtype=np.float32)
+            out[idx] = logits
+        return out, len(groups)
+
+
+def split_by_length(lengths: Sequence[int], max_waste: float) -> list[list[int]]:
+    """Indices grouped so each group, padded to its longest, wastes at most `max_waste` of its tokens.
+
+    A negative `max_waste` keeps everything in one group (plain pad-to-longest).
+    """
+    if max_waste < 0 or len(lengths) <= 1:
+        return [list(range(len(lengths)))]
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = [[order[0]]]
+    real = lengths[order[0]]
+    for i in order[1:]:
+        L = lengths[i]
+        g = groups[-1]
+        if (len(g) + 1) * L > (1.0 + max_waste) * (real + L):
+            groups.append([i])
+            real = L
+        else:
+            g.append(i)
+            real += L
+    return groups

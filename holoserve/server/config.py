@@ -19,6 +19,7 @@ class ServerConfig:
     workers: int = 1
     max_batch_size: int = 32  # 1 turns dynamic batching off
     max_queue_delay_ms: float = 2.0  # how long a non-full batch waits for company
+    max_padding_waste: float = 0.25  # split a merged batch by length beyond this padding share; <0: never
     max_queue_size: int = 256  # sequences waiting for inference; beyond this: 503 + Retry-After
     max_items: int = 64  # texts (or pairs) per request
     max_text_bytes: int = 10_000  # UTF-8 bytes per text

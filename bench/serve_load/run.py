@@ -1,0 +1,428 @@
+"""Serving load benchmark: latency percentiles and throughput of `holoserve serve` on loopback.
+
+For each mode (dynamic batching off = --max-batch-size 1, on = --max-batch-size 32) the server runs
+in its own process and closed-loop clients (each sends its next request as soon as the previous
+answer arrives) post single SST-2 dev sentences at 1, 8, 32 and 128 concurrent connections. The
+server's own overhead is the batch-1 p50 over HTTP minus the p50 of the bare backend (tokenize +
+ONNX Runtime at batch 1, same sentences, same threads, no server). A final overload run with a
+small queue checks that everything beyond capacity is a 503, never another error.
+
+The client is a minimal asyncio HTTP/1.1 keep-alive client: a general-purpose client library
+costs more CPU per request than the server does, and both share this machine's cores.
+Bounded: every level stops after --duration seconds or --max-requests answers, whichever is first.
+
+    python bench/serve_load/run.py --checkpoint runs/minilm-sst2-quick --data-dir "$GLUE_DIR"
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from holoserve.artifact import atomic_write_json, atomic_write_text, load_artifact  # noqa: E402
+
+FALLBACK = [
+    "it 's a charming and often affecting journey .", "unflinchingly bleak and desperate",
+    "allows us to hope that nolan is poised to embark a major career as a commercial yet inventive filmmaker .",
+    "the acting , costumes , music , cinematography and sound are all astounding given the production 's austere locales .",
+    "it 's slow -- very , very slow .", "although laced with humor and a few fanciful touches , the film is a refreshingly serious look at young women .",
+    "a sometimes tedious film .", "or doing last year 's taxes with your ex-wife .",
+]
+
+
+def sst2_sentences(data_dir: str | None, limit: int = 872) -> tuple[list[str], str]:
+    if data_dir:
+        from holoserve.glue import read_split
+
+        texts = [ex.text for ex in read_split("sst2", "dev", data_dir, limit=limit)]
+        return texts, f"SST-2 dev ({len(texts)} sentences)"
+    return FALLBACK, "built-in SST-2-like sentences (no data dir)"
+
+
+# --------------------------------------------------------------------------- client
+
+
+class Conn:
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.reader = self.writer = None
+
+    async def open(self):
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            await self.open()
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        self.writer.write(head + body)
+        status_line = await self.reader.readline()
+        if not status_line:
+            raise ConnectionError("server closed the connection")
+        status = int(status_line.split()[1])
+        length, close = 0, False
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            k, _, v = line.decode("latin-1").partition(":")
+            k = k.strip().lower()
+            if k == "content-length":
+                length = int(v)
+            elif k == "connection" and v.strip().lower() == "close":
+                close = True
+        data = await self.reader.readexactly(length) if length else b""
+        if close:
+            self.close()
+        return status, data
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+async def load_level(port: int, texts: list[str], clients: int, duration: float, max_requests: int) -> dict:
+    bodies = [json.dumps({"text": t}).encode() for t in texts]
+    lat: list[float] = []
+    statuses: dict[int, int] = {}
+    server_ms: list[dict] = []
+    errors: list[str] = []
+    stop_at = time.perf_counter() + duration
+    issued = 0
+
+    async def client(i: int):
+        nonlocal issued
+        conn = Conn("127.0.0.1", port)
+        k = i
+        while time.perf_counter() < stop_at and issued < max_requests:
+            issued += 1
+            body = bodies[k % len(bodies)]
+            k += clients
+            t0 = time.perf_counter()
+            try:
+                status, data = await conn.post("/predict", body)
+            except (ConnectionError, OSError, asyncio.IncompleteReadError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+                conn.close()
+                await asyncio.sleep(0.01)
+                continue
+            dt = time.perf_counter() - t0
+            statuses[status] = statuses.get(status, 0) + 1
+            if status == 200:
+                lat.append(dt)
+                if len(server_ms) < 20000:
+                    server_ms.append(json.loads(data)["timing_ms"])
+            elif status == 503:
+                await asyncio.sleep(0.005)  # a polite client backs off a little
+        conn.close()
+
+    t_start = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    wall = time.perf_counter() - t_start
+    ms = np.asarray(lat) * 1000
+    out = {
+        "clients": clients,
+        "requests": int(sum(statuses.values())),
+        "ok": int(statuses.get(200, 0)),
+        "status_counts": {str(k): v for k, v in sorted(statuses.items())},
+        "transport_errors": len(errors),
+        "transport_error_examples": errors[:3],
+        "wall_s": round(wall, 3),
+        "throughput_rps": round(statuses.get(200, 0) / wall, 2),
+    }
+    if len(ms):
+        out.update({f"p{q}_ms": round(float(np.percentile(ms, q)), 3) for q in (50, 95, 99)})
+        out["mean_ms"] = round(float(ms.mean()), 3)
+        for key in ("tokenize", "queue", "inference", "total"):
+            out[f"server_{key}_p50_ms"] = round(statistics.median(s[key] for s in server_ms), 3)
+    return out
+
+
+# --------------------------------------------------------------------------- server process
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(ckpt: Path, port: int, threads: int, extra: list[str], log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOLOSERVE_")}
+    env.update(OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "holoserve", "serve", str(ckpt), "--backend", "onnxruntime", "--host", "127.0.0.1",
+           "--port", str(port), "--threads", str(threads), *extra]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
+    import urllib.request
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except Exception:
+            time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError("server did not become ready in 120 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def scrape_batch_sizes(port: int) -> dict:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    vals = {}
+    for line in text.splitlines():
+        if line.startswith("holoserve_inference_batch_size_sum"):
+            vals["sequences"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("holoserve_inference_batch_size_count"):
+            vals["executions"] = float(line.rsplit(" ", 1)[1])
+    return vals
+
+
+# --------------------------------------------------------------------------- bare backend
+
+
+def bare_backend(ckpt: Path, texts: list[str], threads: int, n: int) -> dict:
+    from holoserve.backends import load_backend
+    from holoserve.tokenization import TextEncoder, pad_batch
+
+    art = load_artifact(ckpt)
+    be = load_backend("onnxruntime", art, threads=threads)
+    enc = TextEncoder(ckpt / "tokenizer.json", art.max_seq_length)
+    for t in texts[:20]:
+        be.infer(*pad_batch(enc.encode([t])))
+    total, infer = [], []
+    for i in range(n):
+        t0 = time.perf_counter()
+        batch = pad_batch(enc.encode([texts[i % len(texts)]]))
+        t1 = time.perf_counter()
+        be.infer(*batch)
+        t2 = time.perf_counter()
+        total.append((t2 - t0) * 1000)
+        infer.append((t2 - t1) * 1000)
+    return {"n": n, "p50_ms": round(float(np.median(total)), 3), "infer_p50_ms": round(float(np.median(infer)), 3),
+            "p95_ms": round(float(np.percentile(total, 95)), 3)}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def machine() -> dict:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    return {"cpu": cpu, "cores": os.cpu_count(), "arch": platform.machine(), "python": platform.python_version(),
+            "uptime_at_start": uptime, "load_avg_at_start": os.getloadavg()}
+
+
+def write_markdown(res: dict, path: Path) -> None:
+    m = res["machine"]
+    lines = [
+        f"# Serving load: {res['checkpoint']['name']} on {m['cores']}-core {m['arch']} CPU",
+        "",
+        f"{res['date']} · {m['cpu']} · ONNX Runtime CPU, {res['threads']} intra-op thread(s) · "
+        f"{res['texts']} · one text per request, closed-loop clients on loopback, "
+        f"{res['duration_s']} s (max {res['max_requests']} requests) per level.",
+        f"The cores are shared with other work: load average at start {m['load_avg_at_start'][0]:.2f} "
+        f"(`{m['uptime_at_start']}`), so absolute numbers are noisy; ratios were measured in one run.",
+        "",
+        "| batching | clients | req/s | p50 ms | p95 ms | p99 ms | mean batch | non-200 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for mode in ("off", "on"):
+        for lv in res["modes"][mode]["levels"]:
+            non200 = {k: v for k, v in lv["status_counts"].items() if k != "200"}
+            lines.append(f"| {mode} | {lv['clients']} | {lv['throughput_rps']:.1f} | {lv.get('p50_ms', float('nan')):.2f} | "
+                         f"{lv.get('p95_ms', float('nan')):.2f} | {lv.get('p99_ms', float('nan')):.2f} | "
+                         f"{lv.get('mean_batch', 1):.1f} | {non200 or '-'}"
+                         + (f", {lv['transport_errors']} transport errors" if lv['transport_errors'] else "") + " |")
+    s = res["summary"]
+    b = res["bare_backend"]
+    lines += [
+        "",
+        f"- Bare backend at batch 1 (tokenize + ONNX Runtime, no server): p50 {b['p50_ms']:.2f} ms "
+        f"(inference alone {b['infer_p50_ms']:.2f} ms).",
+        f"- Server overhead at batch 1 (HTTP p50 with batching off, 1 client, minus bare p50): "
+        f"**{s['overhead_p50_ms']:.2f} ms** (target ≤ 1 ms: {'met' if s['overhead_target_met'] else 'NOT met'}). "
+        f"Inside the server (reported total minus inference, p50): {s['in_server_overhead_p50_ms']:.2f} ms.",
+        f"- Throughput at 32 clients, batching on vs off: **{s['speedup_32']:.2f}x** "
+        f"(target ≥ 2x: {'met' if s['speedup_target_met'] else 'NOT met'}).",
+        f"- Overload ({res['overload']['clients']} clients, queue of {res['overload']['max_queue_size']} sequences): "
+        f"{res['overload']['status_counts']}, {res['overload']['transport_errors']} transport errors "
+        f"(target: only 200 and 503: {'met' if s['overload_only_503'] else 'NOT met'}).",
+        f"- Errors other than 503 across all levels: {s['non_503_errors']}.",
+    ]
+    atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, color in (("off", "tab:gray"), ("on", "tab:blue")):
+        lv = res["modes"][mode]["levels"]
+        x = [v["clients"] for v in lv]
+        ax1.plot(x, [v["throughput_rps"] for v in lv], "o-", color=color, label=f"batching {mode}")
+        for q, style in (("p50_ms", "-"), ("p99_ms", "--")):
+            ax2.plot(x, [v.get(q, np.nan) for v in lv], style, marker="o", color=color, label=f"{q[:3]} batching {mode}")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax1.set_ylabel("requests / s")
+    ax2.set_ylabel("latency (ms)")
+    ax2.set_yscale("log")
+    m = res["machine"]
+    fig.suptitle(f"holoserve serve, {res['checkpoint']['name']}, ONNX Runtime on {m['cores']}-core {m['arch']} CPU "
+                 f"({res['date']})", fontsize=10)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default=None,
+                    help="default: runs/minilm-sst2-quick if present, else runs/minilm-sst2-standin")
+    ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"))
+    ap.add_argument("--clients", default="1,8,32,128")
+    ap.add_argument("--duration", type=float, default=8.0, help="seconds per level")
+    ap.add_argument("--max-requests", type=int, default=20000, help="answers per level, at most")
+    ap.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
+    ap.add_argument("--batch-size", type=int, default=32, help="--max-batch-size with batching on")
+    ap.add_argument("--queue-delay-ms", type=float, default=2.0, help="--max-queue-delay-ms with batching on")
+    ap.add_argument("--bare-n", type=int, default=500)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--name", default="serve_load")
+    args = ap.parse_args()
+
+    ckpt = Path(args.checkpoint) if args.checkpoint else next(
+        (p for p in (REPO / "runs" / "minilm-sst2-quick", REPO / "runs" / "minilm-sst2-standin")
+         if (p / "manifest.json").is_file()), None)
+    if ckpt is None:
+        sys.exit("no checkpoint: pass --checkpoint or build one with bench/serve_load/standin.py")
+    art = load_artifact(ckpt)
+    texts, text_source = sst2_sentences(args.data_dir)
+    levels = [int(x) for x in args.clients.split(",")]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / f"{args.name}.server.log.tmp"
+    log.unlink(missing_ok=True)
+    res: dict = {
+        "benchmark": "serve_load",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "checkpoint": {"name": ckpt.name, "base_model": art.manifest.get("base_model"),
+                       "task": art.task_name, "max_seq_length": art.max_seq_length,
+                       "training": art.manifest.get("training", {}).get("method"),
+                       "export": (art.manifest.get("exports") or {}).get("onnxruntime", {}).get("file")},
+        "texts": text_source, "threads": args.threads, "duration_s": args.duration, "max_requests": args.max_requests,
+        "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop",
+        "modes": {},
+    }
+    print(f"bare backend, batch 1, {args.bare_n} sentences ...", flush=True)
+    res["bare_backend"] = bare_backend(ckpt, texts, args.threads, args.bare_n)
+    print(res["bare_backend"], flush=True)
+
+    modes = {"off": ["--max-batch-size", "1", "--max-queue-delay-ms", "0"],
+             "on": ["--max-batch-size", str(args.batch_size), "--max-queue-delay-ms", str(args.queue_delay_ms)]}
+    for mode, extra in modes.items():
+        port = free_port()
+        extra = [*extra, "--max-queue-size", "512"]
+        proc = start_server(ckpt, port, args.threads, extra, log)
+        try:
+            asyncio.run(load_level(port, texts, 8, 1.0, 200))  # warm-up, not recorded
+            lvls = []
+            for c in levels:
+                before = scrape_batch_sizes(port)
+                lv = asyncio.run(load_level(port, texts, c, args.duration, args.max_requests))
+                after = scrape_batch_sizes(port)
+                ex = after.get("executions", 0) - before.get("executions", 0)
+                lv["mean_batch"] = round((after.get("sequences", 0) - before.get("sequences", 0)) / ex, 2) if ex else 0
+                lv["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+                print(f"batching {mode:3s} clients {c:4d}: {lv['throughput_rps']:8.1f} req/s  p50 {lv.get('p50_ms')} "
+                      f"p99 {lv.get('p99_ms')} ms  mean batch {lv['mean_batch']}  {lv['status_counts']}", flush=True)
+                lvls.append(lv)
+            res["modes"][mode] = {"server_args": extra, "levels": lvls}
+        finally:
+            stop_server(proc)
+
+    # Overload: a small queue and many clients; everything beyond capacity must be a 503.
+    port = free_port()
+    ov_extra = ["--max-batch-size", str(args.batch_size), "--max-queue-delay-ms", str(args.queue_delay_ms),
+                "--max-queue-size", "16", "--max-items", "16"]
+    proc = start_server(ckpt, port, args.threads, ov_extra, log)
+    try:
+        ov = asyncio.run(load_level(port, texts, 128, min(args.duration, 5.0), args.max_requests))
+    finally:
+        stop_server(proc)
+    ov.update({"max_queue_size": 16, "server_args": ov_extra})
+    res["overload"] = ov
+    print("overload:", ov["status_counts"], "transport errors", ov["transport_errors"], flush=True)
+
+    off1 = res["modes"]["off"]["levels"][0]
+    by_c = {m: {lv["clients"]: lv for lv in res["modes"][m]["levels"]} for m in modes}
+    non503 = sum(v for lv in [*res["modes"]["off"]["levels"], *res["modes"]["on"]["levels"], ov]
+                 for k, v in lv["status_counts"].items() if k not in ("200", "503"))
+    non503 += sum(lv["transport_errors"] for lv in [*res["modes"]["off"]["levels"], *res["modes"]["on"]["levels"], ov])
+    overhead = off1["p50_ms"] - res["bare_backend"]["p50_ms"]
+    sp = (by_c["on"][32]["throughput_rps"] / by_c["off"][32]["throughput_rps"]) if 32 in by_c["on"] else float("nan")
+    res["summary"] = {
+        "overhead_p50_ms": round(overhead, 3),
+        "overhead_target_met": overhead <= 1.0,
+        "in_server_overhead_p50_ms": round(off1["server_total_p50_ms"] - off1["server_inference_p50_ms"], 3),
+        "speedup_32": round(sp, 3),
+        "speedup_target_met": sp >= 2.0,
+        "overload_only_503": set(ov["status_counts"]) <= {"200", "503"} and ov["transport_errors"] == 0,
+        "non_503_errors": int(non503),
+    }
+    res["machine"]["uptime_at_end"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    atomic_write_json(out_dir / f"{args.name}.json", res)
+    write_markdown(res, out_dir / f"{args.name}.md")
+    plot(res, out_dir / f"{args.name}.png")
+    log.unlink(missing_ok=True)
+    print(json.dumps(res["summary"], indent=2))
+    print((out_dir / f"{args.name}.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
