@@ -1,6 +1,12 @@
 """The torch-cuda backend: exact quantized math on CPU, and the real 2:4 INT8 path where CUDA is."""
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -69,6 +75,34 @@ def test_quantize_activation_matches_fake_quant():
     # half to even, saturation to [-128, 127]
     assert codes.tolist() == [0, 2, 2, 0, -2, 127, -128, 0, 127]
     assert torch.equal(codes.float() * s, fake_quant_act(x, s))
+
+
+_TRITON_CHECK = r"""
+import torch
+from holoserve.backends import torch_cuda as tc
+g = torch.Generator().manual_seed(0)
+s = torch.tensor(0.05)
+ties = (torch.arange(-300, 300, dtype=torch.float32) + 0.5) * s
+x = torch.cat([ties, torch.randn(5000, generator=g) * 3, torch.tensor([0.0, -0.0, 1e4, -1e4])])
+x = x[: (x.numel() // 40) * 40].reshape(-1, 40).half()
+want = tc.quantize_activation(x, s)
+got = tc.quantize_activation_triton(x, s, rows=x.shape[0] + 7)
+assert got.dtype == torch.int8 and got.shape == (x.shape[0] + 7, 40)
+assert torch.equal(got[: x.shape[0]], want), int((got[: x.shape[0]] != want).sum())
+assert not got[x.shape[0]:].any()
+q, probe = tc.choose_quantizer("cpu")
+assert q == "triton", probe
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
+def test_triton_quantizer_equals_reference_in_interpreter():
+    """The fused quantizer kernel, run by Triton's CPU interpreter, gives the exact reference codes."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _TRITON_CHECK], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_weight_codes_recover_grid_exactly():
@@ -174,6 +208,14 @@ def test_backend_says_clearly_that_cuda_is_absent(tiny_checkpoint):
 
 
 @gpu
+def test_gpu_triton_quantizer_matches_torch_ops():
+    q, probe = tc.choose_quantizer("cuda")
+    assert q in ("triton", "torch")
+    if importlib.util.find_spec("triton") is not None:
+        assert q == "triton", probe
+
+
+@gpu
 def test_gpu_epilogue_probe_finds_a_working_mode():
     tc.require_cuda()
     e, tried = tc.choose_epilogue("cuda")
@@ -192,11 +234,14 @@ def test_gpu_cslt_linear_matches_reference(m):
     x = torch.randn(m, 128, generator=g)
     want = tc.int8_linear_reference(x.half().float(), codes, p.scales, act, bias)
     e, _ = tc.choose_epilogue("cuda")
+    quantizers = ["torch"] + (["triton"] if tc.choose_quantizer("cuda")[0] == "triton" else [])
     for kernel in ("cslt", "int_mm"):
-        lin = tc.QuantLinear(codes.cuda(), p.scales.cuda(), act, bias, kernel=kernel, dtype=torch.float16, epilogue=e)
-        got = lin(x.cuda().half()).float().cpu()
-        assert got.shape == (m, 96)
-        assert torch.allclose(got, want, atol=2e-2 * float(want.abs().max()), rtol=1e-2), kernel
+        for quantizer in quantizers:
+            lin = tc.QuantLinear(codes.cuda(), p.scales.cuda(), act, bias, kernel=kernel, dtype=torch.float16,
+                                 epilogue=e, quantizer=quantizer)
+            got = lin(x.cuda().half()).float().cpu()
+            assert got.shape == (m, 96)
+            assert torch.allclose(got, want, atol=2e-2 * float(want.abs().max()), rtol=1e-2), (kernel, quantizer)
 
 
 @gpu

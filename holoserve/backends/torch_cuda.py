@@ -79,6 +79,73 @@ def quantize_activation(x: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tens
     return torch.clamp_(q, ACT_QMIN, ACT_QMAX).to(torch.int8)
 
 
+# One fused kernel for the activation quantizer: read FP16, write int8 codes (3 bytes per element
+# instead of ~35 for the five separate torch ops: float, div, round, clamp, cast), which matters
+# because every encoder GEMM input passes through it. Same arithmetic: IEEE division by the
+# scale, saturation, then round half to even via the 1.5 * 2**23 trick (exact for |q| <= 2**22,
+# and saturating first gives the same codes as rounding first).
+_TRITON: dict[str, Any] = {}
+QUANT_BLOCK = 2048
+
+
+def _triton_quant_kernel():
+    if "kernel" in _TRITON or "error" in _TRITON:
+        return _TRITON.get("kernel")
+    try:
+        import triton
+        import triton.language as tl
+
+        # (a @triton.jit body sees module globals only, so tl.div_rn is named directly: IEEE division)
+        @triton.jit
+        def _quant(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            q = tl.div_rn(x, tl.load(scale_ptr))
+            q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+            q = (q + 12582912.0) - 12582912.0
+            tl.store(out_ptr + offs, q.to(tl.int8), mask=m)
+
+        _TRITON["kernel"] = _quant
+        _TRITON["cdiv"] = triton.cdiv
+    except Exception as e:  # noqa: BLE001 - no triton (or an incompatible one): torch ops are used
+        _TRITON["error"] = f"{type(e).__name__}: {e}"
+    return _TRITON.get("kernel")
+
+
+def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: int | None = None) -> "torch.Tensor":
+    """quantize_activation as one Triton kernel; `rows` >= x.shape[0] pads the result with zero rows."""
+    kernel = _triton_quant_kernel()
+    if kernel is None:
+        raise RuntimeError(f"triton is unavailable: {_TRITON.get('error')}")
+    x = x.contiguous()
+    m, k = x.shape
+    rows = rows or m
+    out = torch.empty((rows, k), dtype=torch.int8, device=x.device)
+    if rows > m:
+        out[m:].zero_()
+    n = m * k
+    kernel[(_TRITON["cdiv"](n, QUANT_BLOCK),)](x, out, scale.reshape(1), n, BLOCK=QUANT_BLOCK)
+    return out
+
+
+def choose_quantizer(device="cuda") -> tuple[str, dict[str, Any]]:
+    """'triton' when its codes equal the torch reference on the device (ties included), else 'torch'."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    s = torch.tensor(0.05)
+    ties = (torch.arange(-300, 300, dtype=torch.float32) + 0.5) * s  # exact .5 quotients and saturation
+    x = torch.cat([ties, torch.randn(12296, generator=g) * 3]).reshape(-1, 32).to(device, torch.float16)
+    want = quantize_activation(x, s.to(device))
+    try:
+        got = quantize_activation_triton(x, s.to(device))
+        mism = int((got != want).sum())
+        if mism == 0:
+            return "triton", {"quantizer": "triton", "mismatches": 0}
+        return "torch", {"quantizer": "torch", "triton_mismatches": mism}
+    except Exception as e:  # noqa: BLE001
+        return "torch", {"quantizer": "torch", "triton_error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 def weight_codes(w: "torch.Tensor", scales: "torch.Tensor") -> "torch.Tensor":
     """Recover the int8 codes of a weight stored as codes x per-channel scale (exact by contract)."""
     s = scales.float().reshape(-1, 1)
@@ -142,11 +209,15 @@ class QuantLinear(torch.nn.Module if torch is not None else object):  # type: ig
              dense      plain float Linear with the dequantized weight, no activation quantization
     """
 
-    def __init__(self, w_codes, w_scales, act_scale, bias, *, kernel: str, dtype, epilogue: Epilogue | None = None):
+    def __init__(self, w_codes, w_scales, act_scale, bias, *, kernel: str, dtype, epilogue: Epilogue | None = None,
+                 quantizer: str = "torch"):
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; choose one of {KERNELS}")
+        if quantizer not in ("torch", "triton"):
+            raise ValueError(f"unknown quantizer {quantizer!r}")
         self.kernel = kernel
+        self.quantizer = quantizer
         self.out_features, self.in_features = w_codes.shape
         self.dtype = dtype
         self.epilogue = epilogue or EPILOGUES[0]
@@ -182,7 +253,11 @@ class QuantLinear(torch.nn.Module if torch is not None else object):  # type: ig
             xq = quantize_activation(x2, self.act_scale).to(self.dtype) * self.act_scale.to(self.dtype)
             return F.linear(xq, self.weight, self.bias).reshape(*shape[:-1], -1)
         m = x2.shape[0]
-        xq = pad_rows(quantize_activation(x2, self.act_scale), CSLT_DENSE_MULTIPLE if self.kernel == "cslt" else 32)
+        mult = CSLT_DENSE_MULTIPLE if self.kernel == "cslt" else 32
+        if self.quantizer == "triton":
+            xq = quantize_activation_triton(x2, self.act_scale, rows=m + (-m) % mult)
+        else:
+            xq = pad_rows(quantize_activation(x2, self.act_scale), mult)
         if self.kernel == "int_mm":
             acc = torch._int_mm(xq, self.w_t)[:m]
             y = acc.float() * self.alpha
@@ -337,7 +412,8 @@ class DenseLinear(torch.nn.Module if torch is not None else object):  # type: ig
 
 
 def make_linear(weight, bias, *, scales=None, act_amax: float | None = None, sparse: bool = False,
-                kernel: str = "cslt", dtype=None, device="cpu", epilogue: Epilogue | None = None):
+                kernel: str = "cslt", dtype=None, device="cpu", epilogue: Epilogue | None = None,
+                quantizer: str = "torch"):
     """One Linear of the encoder. Quantized layers (scales and an activation range) use `kernel`;
     with kernel="cslt" a quantized layer that is not 2:4 falls back to dense INT8 (`int_mm`)."""
     dtype = dtype or torch.float16
@@ -347,7 +423,8 @@ def make_linear(weight, bias, *, scales=None, act_amax: float | None = None, spa
         if kernel != "dense" and act_amax is not None:
             k = "int_mm" if (kernel == "cslt" and not sparse) else kernel
             return QuantLinear(codes.to(device), scales.to(device), float(act_amax) / ACT_SCALE_DIV, bias,
-                               kernel=k, dtype=dtype, epilogue=epilogue)
+                               kernel=k, dtype=dtype, epilogue=epilogue,
+                               quantizer=quantizer if k in ("cslt", "int_mm") else "torch")
         weight = codes.float() * scales.reshape(-1, 1)  # the exact dequantized weight
     return DenseLinear(weight.float().to(device), bias, dtype=dtype)
 
@@ -364,6 +441,7 @@ def build_encoder(
     device="cpu",
     epilogue: Epilogue | None = None,
     fuse_qkv: bool = True,
+    quantizer: str = "torch",
 ) -> "Encoder":
     """An Encoder for a BERT state dict (transformers names) and the checkpoint's quantization.
 
@@ -377,7 +455,7 @@ def build_encoder(
     weight_scales = dict(weight_scales or {})
     act_amax = dict(act_amax or {})
     sparse = set(sparse_layers)
-    kw = dict(kernel=kernel, dtype=dtype, device=device, epilogue=epilogue)
+    kw = dict(kernel=kernel, dtype=dtype, device=device, epilogue=epilogue, quantizer=quantizer)
 
     def single(name: str):
         return make_linear(state[f"{name}.weight"], state.get(f"{name}.bias"), scales=weight_scales.get(name),
@@ -414,13 +492,13 @@ def checkpoint_tensors(art: Artifact) -> tuple[dict[str, Any], dict[str, "torch.
 
 
 def encoder_from_artifact(art: Artifact, *, kernel: str = "cslt", dtype=None, device="cpu",
-                          epilogue: Epilogue | None = None) -> "Encoder":
+                          epilogue: Epilogue | None = None, quantizer: str = "torch") -> "Encoder":
     config, state = checkpoint_tensors(art)
     q = art.manifest.get("quantization") or {}
     scales = (q.get("weights") or {}).get("scales") or {}
     return build_encoder(config, state, weight_scales=scales, act_amax=art.activation_amax(),
                          sparse_layers=art.sparse_layers if art.nm == (2, 4) else (), kernel=kernel,
-                         dtype=dtype, device=device, epilogue=epilogue)
+                         dtype=dtype, device=device, epilogue=epilogue, quantizer=quantizer)
 
 
 # --------------------------------------------------------------------------- device checks
@@ -643,7 +721,7 @@ class TorchCudaBackend:
 
 def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kernel: str = "cslt",
          batch_buckets: Iterable[int] = DEFAULT_BATCH_BUCKETS, seq_buckets: Iterable[int] | None = None,
-         max_batch: int | None = None, **_ignored: Any) -> TorchCudaBackend:
+         max_batch: int | None = None, quantizer: str = "auto", **_ignored: Any) -> TorchCudaBackend:
     """Load a checkpoint for 2:4 INT8 inference on the GPU (raises BackendUnavailable off-GPU)."""
     rep = require_cuda()
     if not artifact.quantized or not artifact.activation_amax():
@@ -655,7 +733,11 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
         raise BackendUnavailable(f"{artifact.path}: cuSPARSELt runs 2:4 sparsity, not {artifact.nm}")
     t0 = time.perf_counter()
     epilogue, tried = choose_epilogue(device) if kernel == "cslt" else (None, [])
-    model = encoder_from_artifact(artifact, kernel=kernel, dtype=torch.float16, device=device, epilogue=epilogue)
+    quant_probe: dict[str, Any] = {"quantizer": quantizer}
+    if quantizer == "auto":
+        quantizer, quant_probe = choose_quantizer(device)
+    model = encoder_from_artifact(artifact, kernel=kernel, dtype=torch.float16, device=device, epilogue=epilogue,
+                                  quantizer=quantizer)
     limit = artifact.max_seq_length
     seqs = sorted({s for s in (seq_buckets or DEFAULT_SEQ_BUCKETS) if s < limit} | {int(math.ceil(limit / 16) * 16)})
     bb = [b for b in batch_buckets if max_batch is None or b <= max_batch] or [1]
@@ -665,5 +747,5 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
         if isinstance(mod, (QuantLinear, DenseLinear)):
             kinds[mod.kernel] = kinds.get(mod.kernel, 0) + 1
     extra = {"device": rep, "kernel": kernel, "epilogue": epilogue.name if epilogue else None,
-             "epilogue_probe": tried, "gemm_kernels": kinds, "load_seconds": round(time.perf_counter() - t0, 2)}
+             "epilogue_probe": tried, "quantizer": quantizer, "quantizer_probe": quant_probe, "gemm_kernels": kinds, "load_seconds": round(time.perf_counter() - t0, 2)}
     return TorchCudaBackend(artifact, runner, extra)
