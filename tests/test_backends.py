@@ -137,53 +137,60 @@ def test_auto_falls_back_when_a_backend_breaks(sst2, monkeypatch):
 # --------------------------------------------------------------------------- TensorRT (no library needed)
 
 
-SIDECAR = {"library": "tensorrt", "tensorrt_version": "10.5.0.18", "compute_capability": "8.6"}
+def sidecar(flavour="tensorrt", version="10.5.0.18", cc="SM86", **extra):
+    from holoserve import engine_sidecar
+
+    module = flavour.replace("-", "_")
+    return {"format": engine_sidecar.SIDECAR_FORMAT, "version": engine_sidecar.SIDECAR_VERSION,
+            "tensorrt": {"flavour": flavour, "module": module, "version": version},
+            "target": {"compute_capability": cc, "gpu": "NVIDIA A10"}, **extra}
 
 
-@pytest.mark.parametrize("sidecar,kw,ok,match", [
-    (SIDECAR, dict(library="tensorrt", version="10.5.0.18", compute_capability="8.6"), True, None),
-    (SIDECAR, dict(library="tensorrt", version="10.5.0.99", compute_capability="8.6"), True, None),  # patch build
-    (SIDECAR, dict(library="tensorrt", version="10.6.0", compute_capability="8.6"), False, "exact version"),
-    (SIDECAR, dict(library="tensorrt", version="10.5.0", compute_capability="8.9"), False, "compute capability 8.6"),
-    (SIDECAR, dict(library="tensorrt", version="10.5.0", compute_capability=None), False, "no CUDA GPU"),
-    (SIDECAR, dict(library="tensorrt_rtx", version="1.7.1", compute_capability="8.6"), False, "do not cross"),
-    ({**SIDECAR, "compute_capability": [8, 6]}, dict(library="tensorrt", version="10.5.0", compute_capability="sm_86"),
-     True, None),
-    ({"library": "tensorrt_rtx", "tensorrt_version": "1.7.1.116", "compute_capabilities": ["7.5", "8.6", "12.0"]},
-     dict(library="tensorrt_rtx", version="1.7.1.116", compute_capability="12.0"), True, None),
-    ({**SIDECAR, "version_compatible": True}, dict(library="tensorrt", version="10.8.0", compute_capability="8.6"),
-     True, None),
-    ({**SIDECAR, "version_compatible": True}, dict(library="tensorrt", version="11.0.0", compute_capability="8.6"),
-     False, "exact version"),
-    ({**SIDECAR, "hardware_compatibility_level": "ampere+"},
-     dict(library="tensorrt", version="10.5.0", compute_capability="9.0"), True, None),
-    ({"library": "tensorrt"}, dict(library="tensorrt", version="10.5.0", compute_capability="8.6"), False,
-     "does not record the TensorRT version"),
-    ({"tensorrt_version": "10.5.0"}, dict(library="tensorrt", version="10.5.0", compute_capability="8.6"), False,
-     "does not record the GPU"),
+@pytest.mark.parametrize("side,kw,match", [
+    (sidecar(), dict(flavour="tensorrt", version="10.5.0.18", compute_capability="8.6"), None),
+    (sidecar(), dict(flavour="tensorrt", version="10.6.0.26", compute_capability="8.6"), "not portable"),
+    (sidecar(), dict(flavour="tensorrt", version="10.5.0.18", compute_capability="8.9"), "SM89"),
+    (sidecar(), dict(flavour="tensorrt", version="10.5.0.18", compute_capability=None), "no CUDA GPU"),
+    (sidecar(), dict(flavour="tensorrt-rtx", version="1.7.1.116", compute_capability="8.6"), "built with tensorrt"),
+    (sidecar("tensorrt-rtx", "1.7.1.116", "SM120"),
+     dict(flavour="tensorrt-rtx", version="1.7.1.116", compute_capability="12.0"), None),
 ])
-def test_engine_compat(sidecar, kw, ok, match):
-    if ok:
-        trt_backend.check_engine_compat(sidecar, **kw)
+def test_engine_check(side, kw, match):
+    if match is None:
+        trt_backend.check_engine(side, **kw)
     else:
         with pytest.raises(BackendUnavailable, match=match) as e:
-            trt_backend.check_engine_compat(sidecar, **kw)
+            trt_backend.check_engine(side, **kw)
         assert "build-engine" in str(e.value) or "GPU" in str(e.value)
 
 
-def test_tensorrt_backend_refuses_missing_or_foreign_engines(sst2, tmp_path, monkeypatch):
+def test_runtime_module():
+    assert trt_backend.runtime_module(sidecar()) == ("tensorrt", "tensorrt")
+    assert trt_backend.runtime_module(sidecar("tensorrt-rtx")) == ("tensorrt-rtx", "tensorrt_rtx")
+    with pytest.raises(BackendUnavailable, match="unknown TensorRT flavour"):
+        trt_backend.runtime_module({"tensorrt": {"flavour": "onnx"}})
+
+
+def _with_engine(src, tmp_path, side: dict):
     import shutil
 
-    art = load_artifact(sst2)
-    with pytest.raises(BackendUnavailable, match="holoserve build-engine"):
-        load_backend("tensorrt", art)
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(sst2, ckpt)
+    shutil.copytree(src, ckpt)
     (tmp_path / "model.plan").write_bytes(b"not really an engine")
-    (tmp_path / "model.plan.json").write_text(json.dumps({"library": "tensorrt_rtx", "tensorrt_version": "0.0.1",
-                                                          "compute_capabilities": ["8.6"]}))
-    art = add_files(ckpt, {"model.plan": tmp_path / "model.plan", "model.plan.json": tmp_path / "model.plan.json"},
-                    exports={"tensorrt": {"file": "model.plan", "sidecar": "model.plan.json"}}, move=False)
+    (tmp_path / "model.plan.json").write_text(json.dumps(side))
+    return add_files(ckpt, {"model.plan": tmp_path / "model.plan", "model.plan.json": tmp_path / "model.plan.json"},
+                     exports={"tensorrt": {"file": "model.plan", "sidecar": "model.plan.json"}}, move=False)
+
+
+def test_tensorrt_backend_refuses_missing_or_foreign_engines(sst2, tmp_path, monkeypatch):
+    with pytest.raises(BackendUnavailable, match="holoserve build-engine"):
+        load_backend("tensorrt", load_artifact(sst2))
+    art = _with_engine(sst2, tmp_path, sidecar("tensorrt-rtx", "0.0.1", "SM86"))
+    # No GPU here: refused before the library is even imported.
+    monkeypatch.setattr(trt_backend, "gpu_compute_capability", lambda: None)
+    with pytest.raises(BackendUnavailable, match="no CUDA GPU"):
+        load_backend("tensorrt", art)
+    # Pretend there is a GPU: the plan was built by another TensorRT-RTX version, refused before deserializing.
     monkeypatch.setattr(trt_backend, "gpu_compute_capability", lambda: "8.6")
     try:
         import tensorrt_rtx  # noqa: F401
@@ -191,8 +198,13 @@ def test_tensorrt_backend_refuses_missing_or_foreign_engines(sst2, tmp_path, mon
         with pytest.raises(BackendUnavailable, match="not installed"):
             load_backend("tensorrt", art)
         return
-    # The library is here but the plan was built by another version: refused before deserializing.
-    with pytest.raises(BackendUnavailable, match="exact version"):
+    with pytest.raises(BackendUnavailable, match="not portable"):
+        load_backend("tensorrt", art)
+
+
+def test_tensorrt_backend_refuses_a_damaged_sidecar(sst2, tmp_path):
+    art = _with_engine(sst2, tmp_path, {"format": "something else"})
+    with pytest.raises(BackendUnavailable, match="not a HoloServe engine sidecar"):
         load_backend("tensorrt", art)
 
 

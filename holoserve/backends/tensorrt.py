@@ -2,9 +2,10 @@
 
 The library is imported only when this backend is loaded. Engines are specific to the TensorRT
 version and the GPU they were built for, so before deserializing anything the engine's JSON
-sidecar (written by `holoserve build-engine`) is checked against this machine and a plan built
-elsewhere is refused with a message that says how to rebuild it. The sidecar's `library` names
-the runtime that must load it: "tensorrt" (datacenter TensorRT, libnvinfer) or "tensorrt_rtx".
+sidecar (written by `holoserve build-engine`, format in holoserve/engine_sidecar.py) is checked
+against this machine and a plan built elsewhere is refused with a message that says how to
+rebuild it. The sidecar names the runtime that must load it: datacenter TensorRT (libnvinfer,
+module `tensorrt`) or TensorRT-RTX (module `tensorrt_rtx`, same Python API).
 
 Device memory comes from cuda-python (`cuda.bindings.runtime`, or the older `cuda.cudart`) or, if
 that is absent, from torch; buffers are sized for the engine profile's maximum shape once.
@@ -21,6 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .. import engine_sidecar
 from ..artifact import Artifact
 from .base import BackendUnavailable
 
@@ -38,7 +40,7 @@ def engine_files(artifact: Artifact) -> tuple[Path, Path]:
     if not entry or not entry.get("file"):
         raise BackendUnavailable(
             f"{artifact.path} has no TensorRT engine (manifest exports['{EXPORT_KEY}'] is missing): "
-            f"build one on the serving GPU with `holoserve build-engine {artifact.path}`"
+            f"build one for the serving GPU with `holoserve build-engine {artifact.path}`"
         )
     plan = artifact.path / entry["file"]
     sidecar = artifact.path / entry.get("sidecar", entry["file"] + ".json")
@@ -52,103 +54,38 @@ def engine_files(artifact: Artifact) -> tuple[Path, Path]:
 
 
 def read_sidecar(path: Path) -> dict[str, Any]:
+    """The engine's sidecar JSON (format owned by holoserve.engine_sidecar), as a BackendUnavailable on error."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BackendUnavailable(f"{path} is not a readable engine sidecar JSON ({e}); rebuild the engine") from None
-    if not isinstance(data, dict):
-        raise BackendUnavailable(f"{path} is not a JSON object; rebuild the engine")
+        raise BackendUnavailable(f"{path} is not a readable engine sidecar ({e}); rebuild the engine") from None
+    if not isinstance(data, dict) or data.get("format") != engine_sidecar.SIDECAR_FORMAT:
+        raise BackendUnavailable(f"{path} is not a HoloServe engine sidecar; rebuild with `holoserve build-engine`")
+    if int(data.get("version", 0)) > engine_sidecar.SIDECAR_VERSION:
+        raise BackendUnavailable(f"{path} has sidecar version {data.get('version')}; upgrade holoserve")
     return data
 
 
-def _first(d: Mapping[str, Any], *keys: str) -> Any:
-    for k in keys:
-        cur: Any = d
-        for part in k.split("."):
-            cur = cur.get(part) if isinstance(cur, Mapping) else None
-        if cur is not None:
-            return cur
-    return None
+def runtime_module(sidecar: Mapping[str, Any]) -> tuple[str, str]:
+    """(flavour, Python module) that must load this plan: ("tensorrt", "tensorrt") or ("tensorrt-rtx", "tensorrt_rtx")."""
+    built = sidecar.get("tensorrt") or {}
+    flavour = str(built.get("flavour") or "")
+    module = str(built.get("module") or flavour.replace("-", "_"))
+    if module not in LIBRARIES or flavour not in ("tensorrt", "tensorrt-rtx"):
+        raise BackendUnavailable(f"the engine sidecar names an unknown TensorRT flavour {flavour!r}; rebuild the engine")
+    return flavour, module
 
 
-def _cc(value: Any) -> str | None:
-    """Normalise a compute capability given as "8.6", "sm_86", "86", 8.6 or [8, 6] to "8.6"."""
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(x, int) for x in value):
-        return f"{value[0]}.{value[1]}"
-    s = str(value).lower().removeprefix("sm_").removeprefix("sm")
-    if "." in s:
-        major, minor = s.split(".", 1)
-        return f"{int(major)}.{int(minor)}"
-    if s.isdigit() and len(s) >= 2:
-        return f"{int(s[:-1])}.{int(s[-1])}"
-    return s
-
-
-def sidecar_requirements(sidecar: Mapping[str, Any]) -> dict[str, Any]:
-    """What the sidecar says the plan needs: library, TensorRT version, GPU compute capabilities."""
-    library = str(_first(sidecar, "library", "tensorrt.library", "runtime") or "tensorrt").replace("-", "_")
-    version = _first(sidecar, "tensorrt_version", "trt_version", "tensorrt.version", "library_version", "version")
-    ccs = _first(sidecar, "compute_capabilities", "gpu.compute_capabilities", "target_compute_capabilities")
-    if ccs is None:
-        one = _first(sidecar, "compute_capability", "gpu.compute_capability", "sm")
-        ccs = [] if one is None else [one]
-    elif not isinstance(ccs, (list, tuple)):
-        ccs = [ccs]
-    return {
-        "library": library,
-        "version": None if version is None else str(version),
-        "compute_capabilities": [c for c in (_cc(x) for x in ccs) if c],
-        "version_compatible": bool(_first(sidecar, "version_compatible", "flags.version_compatible")),
-        "hardware_compatibility": _first(sidecar, "hardware_compatibility_level", "hardware_compatibility"),
-    }
-
-
-def _version_tuple(v: str) -> tuple[int, ...]:
-    parts = []
-    for p in str(v).split("."):
-        digits = "".join(ch for ch in p if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-def check_engine_compat(
-    sidecar: Mapping[str, Any], *, library: str, version: str, compute_capability: str | None, where: str = "engine"
-) -> None:
-    """Refuse a plan this runtime cannot load, saying why and how to rebuild it."""
-    req = sidecar_requirements(sidecar)
-    rebuild = "rebuild it on this machine with `holoserve build-engine CHECKPOINT`"
-    if req["library"] not in LIBRARIES:
-        raise BackendUnavailable(f"{where}: built by unknown library {req['library']!r}; {rebuild}")
-    if req["library"] != library:
-        raise BackendUnavailable(
-            f"{where}: built with {req['library']} but this runtime is {library}; engines do not cross between them; {rebuild}"
-        )
-    if not req["version"]:
-        raise BackendUnavailable(f"{where}: the sidecar does not record the TensorRT version it was built with; {rebuild}")
-    want, have = _version_tuple(req["version"]), _version_tuple(version)
-    if req["version_compatible"]:
-        ok = bool(want) and bool(have) and want[0] == have[0] and have >= want
-    else:
-        ok = want[:3] == have[:3]
-    if not ok:
-        raise BackendUnavailable(
-            f"{where}: built with {req['library']} {req['version']} but this machine has {version}; "
-            f"a serialized engine only loads with the exact version that built it; {rebuild}"
-        )
+def check_engine(sidecar: Mapping[str, Any], *, flavour: str, version: str, compute_capability: str | None,
+                 where: str = "engine") -> None:
+    """Refuse, before deserializing anything, a plan built by another TensorRT or for another GPU."""
     if compute_capability is None:
         raise BackendUnavailable(f"{where}: no CUDA GPU found on this machine; TensorRT engines need one")
-    targets = req["compute_capabilities"]
-    if not targets:
-        raise BackendUnavailable(f"{where}: the sidecar does not record the GPU compute capability; {rebuild}")
-    have_cc = _cc(compute_capability)
-    if have_cc not in targets and not req["hardware_compatibility"]:
-        raise BackendUnavailable(
-            f"{where}: built for compute capability {', '.join(targets)} but this GPU is {have_cc}; {rebuild}"
-        )
+    try:
+        engine_sidecar.check_compatible(sidecar, flavour=flavour, version=version,
+                                        compute_capability=compute_capability)
+    except engine_sidecar.EngineMismatchError as e:
+        raise BackendUnavailable(f"{where}: {e}") from None
 
 
 # --------------------------------------------------------------------------- machine probes
@@ -174,6 +111,16 @@ def gpu_compute_capability() -> str | None:
         except (subprocess.SubprocessError, OSError, ValueError):
             return None
     return None
+
+
+def _cc(value: Any) -> str | None:
+    """"8.6" from "8.6" / "sm_86" / "86"; None stays None."""
+    if value is None:
+        return None
+    s = str(value).strip().lower().removeprefix("sm_").removeprefix("sm")
+    if "." in s:
+        return s
+    return f"{int(s[:-1])}.{int(s[-1])}" if s.isdigit() and len(s) >= 2 else s
 
 
 def _cudart():
@@ -286,15 +233,15 @@ class TensorRTBackend:
     def __init__(self, artifact: Artifact, *, library: str | None = None):
         plan_path, sidecar_path = engine_files(artifact)
         sidecar = read_sidecar(sidecar_path)
-        req = sidecar_requirements(sidecar)
-        lib_name = (library or req["library"]).replace("-", "_")
-        if lib_name not in LIBRARIES:
-            raise BackendUnavailable(f"unknown TensorRT library {lib_name!r}: use one of {', '.join(LIBRARIES)}")
-        trt = import_library(lib_name)
+        flavour, module = runtime_module(sidecar)
+        if library and library.replace("-", "_") != module:
+            raise BackendUnavailable(f"{plan_path} was built with {flavour}; it cannot be loaded with {library}")
         cc = gpu_compute_capability()
-        check_engine_compat(sidecar, library=lib_name, version=trt.__version__, compute_capability=cc,
-                            where=str(plan_path))
-        self.trt, self.library, self.compute_capability = trt, lib_name, cc
+        if cc is None:  # before importing a multi-hundred-megabyte library for nothing
+            raise BackendUnavailable(f"{plan_path}: no CUDA GPU found on this machine; TensorRT engines need one")
+        trt = import_library(module)
+        check_engine(sidecar, flavour=flavour, version=trt.__version__, compute_capability=cc, where=str(plan_path))
+        self.trt, self.library, self.compute_capability = trt, module, cc
         self.plan_path, self.sidecar = plan_path, sidecar
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
@@ -363,7 +310,8 @@ class TensorRTBackend:
             "compute_capability": self.compute_capability,
             "max_batch": int(self.max_batch),
             "max_sequence": int(self.max_seq),
-            "sparse_layers": self.sidecar.get("sparse_layers", self.sidecar.get("sparse")),
+            "sparsity": self.sidecar.get("sparsity"),
+            "precision": self.sidecar.get("precision"),
         }
 
 
