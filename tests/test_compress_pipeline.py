@@ -1,0 +1,149 @@
+"""`holoserve compress` / `holoserve eval` end to end on a tiny BERT and synthetic GLUE rows.
+
+Every written checkpoint is checked on the saved file (tests/compress_helpers.check_saved_checkpoint),
+not on the in-memory model.
+"""
+import json
+import os
+
+import pytest
+
+from holoserve.artifact import load_artifact, sha256_file
+from holoserve.cli import main
+
+from .compress_helpers import check_saved_checkpoint, write_glue
+from .tiny import make_tiny_bert
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+STEPS = ["--max-steps", "12", "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipe")
+    return {"root": root, "model": make_tiny_bert(root / "tiny", hidden=32, intermediate=64),
+            "glue": write_glue(root / "glue")}
+
+
+def compress(env, out, *extra):
+    argv = ["compress", "--task", extra[0] if extra and not extra[0].startswith("-") else "sst2",
+            "--data-dir", str(env["glue"]), "--out", str(out), "--model", str(env["model"]), *STEPS]
+    argv += [x for x in extra if not (x == extra[0] and not x.startswith("-"))]
+    return main(argv)
+
+
+@pytest.fixture(scope="module")
+def admm_ckpt(env):
+    out = env["root"] / "admm"
+    assert compress(env, out) == 0
+    return out
+
+
+def test_admm_checkpoint_is_2to4_and_int8_on_disk(admm_ckpt):
+    info = check_saved_checkpoint(admm_ckpt)
+    assert info["layers"] == 12 and info["quantized"]
+    assert info["zero_share"] >= 0.5
+    m = json.loads((admm_ckpt / "manifest.json").read_text())
+    assert m["metrics"]["primary"] == "accuracy"
+    assert set(m["metrics"]["dense"]) == {"accuracy"} and set(m["metrics"]["compressed"]) == {"accuracy"}
+    t = m["training"]
+    assert t["method"] == "admm" and t["quant"] and t["distillation"] and t["preset"] == "quick"
+    assert {"dense", "admm", "qat"} <= set(t["phases"]) and t["phases"]["admm"]["steps"] == 12
+    assert "CPU" in t["machine"] and t["wall_seconds"] > 0
+    amax = m["quantization"]["activations"]["amax"]
+    assert sorted(amax) == sorted(f"{n}.input" for n in m["sparsity"]["layers"])
+    assert m["dense_modules"] == ["embeddings", "LayerNorm", "pooler", "classifier"]
+    load_artifact(admm_ckpt)  # the contract's own reader agrees
+
+
+def test_eval_cli_reproduces_the_manifest_metric(admm_ckpt, env, capsys):
+    assert main(["eval", str(admm_ckpt), "--task", "sst2", "--data-dir", str(env["glue"])]) == 0
+    out = json.loads(capsys.readouterr().out)
+    m = json.loads((admm_ckpt / "manifest.json").read_text())
+    assert out["metrics"] == pytest.approx(m["metrics"]["compressed"], abs=1e-9)
+    assert out["numerics"].startswith("int8 weights + int8 activations")
+    assert out["rows"] == 48
+
+
+def test_rerun_resumes_from_saved_state_and_is_deterministic(admm_ckpt, env, caplog):
+    state = admm_ckpt.with_name("admm.state")
+    assert (state / "teacher" / "teacher.json").is_file() and (state / "qat-done.json").is_file()
+    # same job again: every phase is loaded from state, the result is bit-identical
+    with caplog.at_level("INFO", logger="holoserve.compress"):
+        assert compress(env, admm_ckpt, "--overwrite") == 0
+    err = caplog.text
+    assert "already trained" in err and "[admm] already done" in err and "[qat] already done" in err
+    first = sha256_file(admm_ckpt / "model.safetensors")
+    # a fresh run with the same seed (new out, new state) reproduces the same weights
+    other = env["root"] / "admm-again"
+    assert compress(env, other) == 0
+    assert sha256_file(other / "model.safetensors") == first
+
+
+def test_state_of_another_job_is_refused(admm_ckpt, env, capsys):
+    rc = compress(env, env["root"] / "admm", "--overwrite", "--seed", "5")
+    assert rc == 2 and "belongs to a different job" in capsys.readouterr().err
+
+
+def test_no_quant_and_reused_teacher(admm_ckpt, env):
+    out = env["root"] / "sparse"
+    assert compress(env, out, "--no-quant", "--teacher", str(admm_ckpt.with_name("admm.state") / "teacher")) == 0
+    info = check_saved_checkpoint(out)
+    assert not info["quantized"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["training"]["phases"]["dense"]["reused"] is True
+    assert "masked" in m["training"]["phases"] and "qat" not in m["training"]["phases"]
+
+
+def test_magnitude_baseline_with_ptq(admm_ckpt, env):
+    out = env["root"] / "magnitude"
+    assert compress(env, out, "--method", "magnitude", "--teacher",
+                    str(admm_ckpt.with_name("admm.state") / "teacher")) == 0
+    check_saved_checkpoint(out)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["training"]["method"] == "magnitude" and not m["training"]["distillation"]
+    assert {"one_shot", "sparse_fp32"} <= set(m["metrics"])
+
+
+def test_ptq_of_a_sparse_checkpoint_keeps_its_zeros(admm_ckpt, env):
+    sparse = env["root"] / "sparse-src"
+    assert compress(env, sparse, "--no-quant", "--teacher", str(admm_ckpt.with_name("admm.state") / "teacher"),
+                    "--max-steps", "4") == 0
+    out = env["root"] / "ptq"
+    assert main(["compress", "--task", "sst2", "--method", "ptq", "--model", str(sparse), "--data-dir",
+                 str(env["glue"]), "--out", str(out), "--threads", "1", "--no-progress"]) == 0
+    info = check_saved_checkpoint(out)
+    assert info["quantized"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["training"]["method"] == "ptq" and "source_fp32" in m["metrics"]
+
+
+def test_ptq_of_a_dense_model_is_int8_only(admm_ckpt, env):
+    out = env["root"] / "ptq-dense"
+    teacher = admm_ckpt.with_name("admm.state") / "teacher"
+    assert main(["compress", "--task", "sst2", "--method", "ptq", "--model", str(teacher), "--data-dir",
+                 str(env["glue"]), "--out", str(out), "--threads", "1", "--no-progress"]) == 0
+    art = load_artifact(out)
+    assert art.quantized and art.sparse_layers == []
+
+
+def test_pair_task_and_headerless_task(env):
+    for task in ("mrpc", "cola"):
+        out = env["root"] / task
+        assert compress(env, out, task, "--max-steps", "4") == 0
+        check_saved_checkpoint(out)
+        m = json.loads((out / "manifest.json").read_text())
+        assert m["task"]["name"] == task and m["task"]["pair"] is (task == "mrpc")
+        assert m["metrics"]["primary"] == ("f1" if task == "mrpc" else "mcc")
+
+
+def test_cli_errors_are_clear(env, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("HOLOSERVE_DATA_DIR", raising=False)
+    assert main(["compress", "--task", "sst2", "--out", str(tmp_path / "x"), "--model", str(env["model"])]) == 2
+    assert "--data-dir" in capsys.readouterr().err
+    assert main(["compress", "--task", "nope", "--data-dir", str(env["glue"]), "--out", str(tmp_path / "y")]) == 2
+    assert "unknown task" in capsys.readouterr().err
+    assert main(["compress", "--method", "ptq", "--data-dir", str(env["glue"]), "--out", str(tmp_path / "z")]) == 2
+    assert "needs --model" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "missing"), "--data-dir", str(env["glue"])]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,82 @@
+"""The frozen 2:4 mask survives QAT (fake-quant weights + activations), and QAT sees the saved numerics."""
+import pytest
+import torch
+from torch.nn.utils import parametrize
+from transformers import AutoModelForSequenceClassification
+
+from compress.config import PhaseConfig, Preset
+from compress.data import encode, load_tokenizer, train_batches
+from compress.layers import encoder_linear_names, get_linear
+from compress.project import project
+from compress.quant import calibrate_amax, input_quantizers
+from compress.sparsify import MaskedWeight, attach_masks, finalize, hard_masks, nm_share
+from compress.trainer import train_phase
+from holoserve.glue import read_split
+from holoserve.sparsity import int8_codes, is_nm_sparse
+
+from .compress_helpers import write_glue
+from .tiny import make_tiny_bert
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qat")
+    model_dir = make_tiny_bert(root / "tiny", hidden=32, intermediate=64)
+    data = encode(load_tokenizer(model_dir, 32), read_split("sst2", "train", write_glue(root / "glue")))
+    return model_dir, data
+
+
+def _projected(model_dir):
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), local_files_only=True)
+    layers = encoder_linear_names(model)
+    masks = hard_masks(model, layers)
+    finalize(model, masks, quant=True)
+    return model, layers, masks
+
+
+def test_masked_weight_matches_the_saved_projection():
+    torch.manual_seed(0)
+    w = torch.randn(16, 32)
+    mask = torch.rand(16, 32) > 0.5
+    assert torch.equal(MaskedWeight(mask, quant=True)(w), project(w, mask=mask).z)
+    assert torch.equal(MaskedWeight(mask, quant=False)(w), w * mask)
+
+
+def test_mask_survives_qat(setup):
+    model_dir, data = setup
+    model, layers, masks = _projected(model_dir)
+    before = {n: get_linear(model, n).weight.detach().clone() for n in layers}
+    batches = [{k: v for k, v in b.items() if k != "labels"} for _, b in zip(range(2), train_batches(data, 16, 0))]
+    amax = calibrate_amax(model, layers, batches)
+    attach_masks(model, masks, quant=True)
+    preset = Preset(name="t", batch_size=16)
+    # a large learning rate: gradients and AdamW moments push hard on every entry
+    train_phase("qat", model, PhaseConfig(steps=25, lr=5e-3, weight_decay=0.1), data, preset, 0, None,
+                masks=masks, context=lambda: input_quantizers(model, amax, layers), progress=False)
+    for n in layers:  # the trained (original) weights keep exact zeros where the mask is off
+        orig = get_linear(model, n).parametrizations.weight.original
+        assert (orig[~masks[n]] == 0).all(), n
+    scales = finalize(model, masks, quant=True)
+    changed = 0
+    for n in layers:
+        lin = get_linear(model, n)
+        assert not parametrize.is_parametrized(lin, "weight")
+        w = lin.weight.detach()
+        assert is_nm_sparse(w.numpy()), n
+        assert (w[~masks[n]] == 0).all()
+        assert int8_codes(w.numpy(), scales[n].numpy()) is not None, n
+        changed += int(not torch.equal(w, before[n]))
+    assert changed == len(layers)  # QAT really trained every layer
+    assert nm_share(model, layers) == 1.0
+
+
+def test_plain_training_breaks_the_mask(setup):
+    """Control: without the frozen mask the same training refills pruned weights (so the test above can fail)."""
+    model_dir, data = setup
+    model, layers, _ = _projected(model_dir)
+    train_phase("plain", model, PhaseConfig(steps=5, lr=5e-3), data, Preset(name="t", batch_size=16), 0, None,
+                progress=False)
+    assert nm_share(model, layers) < 0.5

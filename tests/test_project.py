@@ -1,0 +1,76 @@
+"""Projections onto 2:4 (S), the INT8 grid (Q) and their intersection."""
+import pytest
+import torch
+
+from compress.project import channel_scales, int8_codes, nm_mask, project, to_grid
+from holoserve.sparsity import int8_codes as np_codes, is_nm_sparse
+
+
+@pytest.fixture
+def w():
+    torch.manual_seed(0)
+    return torch.randn(24, 64) * 0.05
+
+
+def test_nm_mask_keeps_two_largest_of_every_four(w):
+    mask = nm_mask(w)
+    groups = mask.reshape(24, 16, 4)
+    assert (groups.sum(-1) == 2).all()
+    a = w.abs().reshape(24, 16, 4)
+    kept_min = torch.where(groups, a, torch.full_like(a, float("inf"))).amin(-1)
+    dropped_max = torch.where(groups, torch.full_like(a, -1.0), a).amax(-1)
+    assert (kept_min >= dropped_max).all()
+
+
+def test_project_is_2to4_and_on_int8_grid(w):
+    p = project(w)
+    assert is_nm_sparse(p.z.numpy())
+    assert np_codes(p.z.numpy(), p.scales.numpy()) is not None
+    assert torch.equal(int8_codes(p.z, p.scales).float() * p.scales[:, None], p.z)
+    assert int8_codes(p.z, p.scales).abs().max() == 127  # each row's largest kept value maps to ±127
+
+
+def test_quantizer_preserves_zeros(w):
+    p = project(w)
+    assert (p.z[~p.mask] == 0).all()
+    # tiny kept values may round to zero as well, but no pruned value ever becomes non-zero
+    s = channel_scales(w)
+    assert (to_grid(torch.zeros_like(w), s) == 0).all()
+
+
+@pytest.mark.parametrize("quant", [True, False])
+def test_projection_is_idempotent(w, quant):
+    once = project(w, quant=quant)
+    twice = project(once.z, quant=quant, mask=once.mask) if quant else project(once.z, quant=False)
+    assert torch.equal(once.z, twice.z)
+    if quant:
+        assert torch.equal(once.scales, twice.scales)
+        # the unconstrained projection of an already projected weight is itself too
+        assert torch.equal(project(once.z).z, once.z)
+
+
+def test_fixed_mask_is_kept(w):
+    mask = nm_mask(torch.randn_like(w))
+    p = project(w, mask=mask)
+    assert torch.equal(p.mask, mask)
+    assert (p.z[~mask] == 0).all()
+
+
+def test_projection_is_closest_point_of_S(w):
+    z = project(w, quant=False).z
+    # any other 2:4 pattern is at least as far from w
+    other = project(w, quant=False, mask=nm_mask(torch.randn_like(w))).z
+    assert torch.norm(w - z) <= torch.norm(w - other)
+
+
+def test_no_quant_keeps_values(w):
+    p = project(w, quant=False)
+    assert p.scales is None
+    assert torch.equal(p.z[p.mask], w[p.mask])
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        nm_mask(torch.randn(4, 6))
+    with pytest.raises(ValueError, match="2-D"):
+        nm_mask(torch.randn(4))
