@@ -226,7 +226,7 @@ def section_env(run: Run) -> dict[str, Any]:
         env["torch_cuda"] = torch.version.cuda
     except ImportError as e:
         env["torch"] = f"missing: {e}"
-    for mod in ("transformers", "torchao", "onnxruntime", "safetensors", "tokenizers"):
+    for mod in ("transformers", "torchao", "triton", "onnxruntime", "safetensors", "tokenizers"):
         try:
             m = __import__(mod)
             env[mod] = getattr(m, "__version__", "?")
@@ -369,6 +369,8 @@ def section_gemm(run: Run) -> dict[str, Any]:
                 for name, (kind, op) in kern.items():
                     row[name] = guarded(f"gemm {name} K={K} N={N} M={M}",
                                         lambda op=op, kind=kind: _time_gemm(run, op, xs[kind], inner, M, N, K))
+                if N == args.kn_list[0] and not run.smoke:
+                    row["quantize"] = _time_quantizers(run, xs["fp16"], inner, M, K)
                 _gemm_ratios(row)
                 rows.append(row)
                 log(f"gemm K={K:5d} N={N:5d} M={M:6d}: " + ", ".join(
@@ -400,6 +402,24 @@ def _time_gemm(run: Run, op, xs, inner: int, M: int, N: int, K: int) -> dict[str
             r["graph_error"] = str(e)[:200]
     r["tflops"] = 2 * M * N * K / (r["median_ms"] * 1e-3) / 1e12
     return r
+
+
+def _time_quantizers(run: Run, xs, inner: int, M: int, K: int) -> dict[str, Any]:
+    """The activation quantizer alone (FP16 [M, K] -> int8 codes): torch ops vs the fused kernel."""
+    import torch
+
+    from holoserve.backends import torch_cuda as tc
+
+    scale = torch.tensor(0.02, device="cuda")
+    out: dict[str, Any] = {}
+    for name, fn in (("torch_ops", lambda x: tc.quantize_activation(x, scale)),
+                     ("triton", lambda x: tc.quantize_activation_triton(x, scale))):
+        r = guarded(f"quantize {name} M={M} K={K}", lambda fn=fn: _time_gemm(run, fn, xs, inner, M, 1, K))
+        if "median_ms" in r:
+            r["gb_per_s_min_traffic"] = 3 * M * K / (r["median_ms"] * 1e-3) / 1e9  # 2 bytes in, 1 out
+            r.pop("tflops", None)
+        out[name] = r
+    return out
 
 
 def _gemm_ratios(row: dict[str, Any]) -> None:
@@ -530,21 +550,23 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
     dt = torch.float32 if run.smoke else torch.float16
     dev = run.device
     epilogue = None
+    quantizer = "torch"
     if not run.smoke:
         try:
             epilogue = tc.choose_epilogue("cuda")[0]
         except Exception as e:  # noqa: BLE001 - the 2:4 variants then fail one by one, with this reason
             log(f"no working 2:4 INT8 epilogue: {e}")
+        quantizer = tc.choose_quantizer("cuda")[0]
 
     def hf_dense():
         m = _hf_model(config, dense_state, dt, dev)
         return lambda inp: m(**inp).logits
 
-    def ours(kernel, state, sparse=True):
+    def ours(kernel, state, sparse=True, quantizer=quantizer):
         def build():
             enc = tc.build_encoder(config, state, weight_scales=quant["scales"], act_amax=quant["amax"],
                                    sparse_layers=quant["layers"] if sparse else (), kernel=kernel, dtype=dt,
-                                   device=dev, epilogue=epilogue)
+                                   device=dev, epilogue=epilogue, quantizer=quantizer)
             return lambda inp: enc(**inp)
         return build
 
@@ -572,6 +594,9 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
         v += [("dense INT8 + CUDA graphs (_int_mm)", ours("cslt", sparse_state, sparse=False), True, False),
               ("2:4 INT8 eager (ours)", ours("cslt", sparse_state), False, False),
               ("2:4 INT8 + CUDA graphs (ours)", ours("cslt", sparse_state), True, False)]
+        if quantizer != "torch":  # evidence for what the fused quantizer buys
+            v.append(("2:4 INT8 + CUDA graphs (ours, unfused torch-op quantizer)",
+                      ours("cslt", sparse_state, quantizer="torch"), True, False))
         if not run.args.no_torchao:
             v += [("torchao 2:4 INT8 eager", torchao_semi_sparse, False, False),
                   ("torchao 2:4 INT8 + CUDA graphs", torchao_semi_sparse, True, True)]
@@ -889,6 +914,18 @@ def render_markdown(report: dict[str, Any]) -> str:
             L.append(f"| {r['K']} | {r['N']} | {r['M']} | " + " | ".join(cells) + " | "
                      + " | ".join(fmt(r.get(k)) for k in ("sparse_int8_over_dense_int8", "sparse_fp16_over_dense_fp16",
                                                            "sparse_int8_over_dense_fp16")) + " |")
+        L.append("")
+    qrows = [r for r in gm.get("rows", []) if isinstance(r.get("quantize"), dict)]
+    if qrows:
+        L += ["## Activation quantizer alone (FP16 [M, K] → int8 codes), next to the 2:4 INT8 GEMM it feeds", "",
+              "| K | M | torch ops ms | fused Triton ms | Triton GB/s (3 B/elem) | 2:4 INT8 GEMM ms (N = K) |",
+              "| --- | --- | --- | --- | --- | --- |"]
+        for r in qrows:
+            q = r["quantize"]
+            same = next((x for x in gm["rows"] if x["K"] == r["K"] and x["N"] == r["K"] and x["M"] == r["M"]), {})
+            L.append(f"| {r['K']} | {r['M']} | {fmt(q.get('torch_ops', {}).get('median_ms'))} | "
+                     f"{fmt(q.get('triton', {}).get('median_ms'))} | {fmt(q.get('triton', {}).get('gb_per_s_min_traffic'))} | "
+                     f"{fmt(same.get('sparse_int8', {}).get('median_ms'))} |")
         L.append("")
     en = s.get("encoder", {})
     for label, m in (en.get("models") or {}).items():
