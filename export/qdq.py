@@ -292,14 +292,22 @@ def apply_placement(
     extra_pts = tensorrt_extra_tensors(model, sites) if placement == "tensorrt" else []
     nodes = {n.name: n for n in g.node}
     unsigned = placement == "onnxruntime"
+    # Linears that read the same tensor with the same range (Q, K, V) share one Q/DQ pair, so the
+    # runtime quantizes that activation once; different ranges get their own pair.
+    groups: dict[tuple[str, float], list[LinearSite]] = {}
     for s in sites:
         key = f"{s.layer}.input"
         if key not in act_amax:
             raise ValueError(f"the manifest has no activation range {key!r}; re-run calibration in `holoserve compress`")
-        node = nodes[s.node]
-        k = list(node.input).index(s.activation)
-        insert_qdq(model, s.activation, float(act_amax[key]), [(node, k)], name=f"{s.layer}.input", unsigned=unsigned)
+        groups.setdefault((s.activation, float(act_amax[key])), []).append(s)
+    for (tensor, amax), members in groups.items():
+        uses = []
+        for s in members:
+            node = nodes[s.node]
+            uses.append((node, list(node.input).index(s.activation)))
+        insert_qdq(model, tensor, amax, uses, name=f"{members[0].layer}.input", unsigned=unsigned)
         rep.activation_qdq += 1
+    for s in sites:
         quantize_weight(model, s, weight_scales[s.layer])
         rep.weight_dq += 1
         rep.linears.append(s.layer)

@@ -111,14 +111,18 @@ def test_placements(exported):
     n = len(art.sparse_layers)
     m_ort = onnx.load(str(ckpt / "model.onnx"))
     q_ort = [x for x in m_ort.graph.node if x.op_type == "QuantizeLinear"]
-    assert len(q_ort) == n  # MatMul inputs only
+    # MatMul inputs only; Q, K and V read the same tensor with the same range and share one pair
+    assert len(q_ort) == 4 * (n // 6)
+    prod = {o: x for x in m_ort.graph.node for o in x.output}
+    mm = [x for x in m_ort.graph.node if x.op_type == "MatMul" and x.input[1] in prod
+          and prod[x.input[1]].op_type == "DequantizeLinear"]
+    assert len(mm) == n and all(prod[x.input[0]].op_type == "DequantizeLinear" for x in mm)
     zps = _inits(m_ort)
     assert all(zps[x.input[2]].dtype == np.uint8 and zps[x.input[2]] == 128 for x in q_ort)
     m_trt = onnx.load(str(ckpt / "model.trt.onnx"))
     q_trt = [x for x in m_trt.graph.node if x.op_type == "QuantizeLinear"]
     zt = _inits(m_trt)
     assert all(zt[x.input[2]].dtype == np.int8 for x in q_trt)
-    layers = art.manifest["task"]  # noqa: F841 - (readability)
     # QDQBERT: + 4 attention MatMul inputs per layer + residual Add inputs (2 per Add, 2 Adds per layer,
     # one tensor shared between an Add and the next Linear is quantized once per consumer group)
     assert len(q_trt) > n

@@ -1,0 +1,293 @@
+"""CPU latency, side by side in one run: PyTorch fp32 eager, ORT fp32, ORT dynamic INT8, our QDQ export.
+
+    python bench/cpu_latency/run.py CHECKPOINT [--dense HF_FOLDER] [--data-dir GLUE_DIR]
+
+- "ours": the checkpoint's exported model.onnx (`holoserve export`: 2:4 weights, static INT8 QDQ
+  fused by ONNX Runtime into integer MatMuls).
+- baselines come from the dense fine-tuned model (--dense, e.g. the teacher the compressor saved;
+  default: the checkpoint's own fp32 weights): PyTorch fp32 in eager mode, its fp32 ONNX export in
+  ONNX Runtime, and that export after onnxruntime.quantization.quantize_dynamic (int8 weights,
+  dynamic activation ranges: what Optimum's dynamic quantization produces).
+- batch 1/8/32 x sequence 32/128 x 1 and 2 threads; every run uses full-length rows of random
+  token ids; median and p90 over --runs timed runs after --warmup runs, the engines interleaved
+  per shape so that background load hits them alike. Also SST-2 (or the checkpoint's task) dev
+  accuracy of the dynamic INT8 model and ours, through ONNX Runtime.
+Writes bench/results/cpu_latency.{json,md,png}. The machine is shared: `uptime` load averages
+before and after are recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "ours_qdq_int8")
+LABELS = {
+    "pytorch_fp32": "PyTorch fp32 (eager)",
+    "ort_fp32": "ORT fp32",
+    "ort_dynamic_int8": "ORT dynamic INT8",
+    "ours_qdq_int8": "ours: 2:4 + static INT8 QDQ (ORT)",
+}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def load_avg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def uptime_text() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def ort_session(path: Path, threads: int):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def percentile(xs, q):
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def accuracy(sess, batches, labels) -> float:
+    outs = [sess.run(["logits"], b)[0] for b in batches]
+    pred = np.concatenate(outs).argmax(1)
+    return float((pred == labels).mean())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--dense", type=Path, default=None,
+                    help="dense fine-tuned HF folder for the baselines (default: the checkpoint's own fp32 weights)")
+    ap.add_argument("--data-dir", default=None, help="GLUE data dir for dev accuracy (or $HOLOSERVE_DATA_DIR)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--name", default="cpu_latency")
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--seqs", default="32,128")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--dev-rows", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.runs < 30:
+        print("note: fewer than 30 timed runs per cell", file=sys.stderr)
+
+    import torch
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from transformers import AutoModelForSequenceClassification
+
+    from export.onnx_export import encode_batches, make_tokenizer, torch_export_fp32
+    from holoserve.artifact import load_artifact
+
+    art = load_artifact(args.checkpoint)
+    ours = art.export_path("onnxruntime")
+    if ours is None or not ours.is_file():
+        raise SystemExit(f"{art.path} has no ONNX Runtime export: run `holoserve export {art.path}` first")
+    dense_dir = args.dense or art.path
+    started = datetime.now(timezone.utc)
+    uptime_before, load_before = uptime_text(), load_avg()
+
+    work = Path(tempfile.mkdtemp(prefix="holoserve-bench-"))
+    print(f"exporting the dense baselines from {dense_dir.name} ...", flush=True)
+    dense_eager = AutoModelForSequenceClassification.from_pretrained(str(dense_dir), local_files_only=True,
+                                                                     attn_implementation="eager").eval()
+    fp32_onnx = work / "dense.fp32.onnx"
+    torch_export_fp32(dense_eager, fp32_onnx)
+    dyn_onnx = work / "dense.dynamic-int8.onnx"
+    quantize_dynamic(str(fp32_onnx), str(dyn_onnx), weight_type=QuantType.QInt8)
+    del dense_eager
+    # PyTorch as users run it: default attention implementation, eval mode, inference_mode
+    dense = AutoModelForSequenceClassification.from_pretrained(str(dense_dir), local_files_only=True).eval()
+    sizes = {
+        "fp32_onnx_bytes": fp32_onnx.stat().st_size,
+        "dynamic_int8_onnx_bytes": dyn_onnx.stat().st_size,
+        "ours_onnx_bytes": ours.stat().st_size,
+    }
+
+    # ---------------------------------------------------------------- accuracy (dev, through ORT)
+    acc = {}
+    try:
+        from holoserve.glue import read_split
+        from holoserve.tasks import get_task
+
+        task = get_task(art.task_name)
+        rows = read_split(task, "dev", args.data_dir, limit=args.dev_rows)
+        tok = make_tokenizer(art)
+        idx_b = list(encode_batches(tok, [r.text for r in rows], [r.text_pair for r in rows] if task.is_pair else None))
+        order = np.concatenate([np.asarray(i) for i, _ in idx_b])
+        labels = np.asarray([r.label for r in rows])[order]
+        batches = [b for _, b in idx_b]
+        for key, path in (("ort_fp32", fp32_onnx), ("ort_dynamic_int8", dyn_onnx), ("ours_qdq_int8", ours)):
+            acc[key] = accuracy(ort_session(path, 2), batches, labels)
+        acc["task"], acc["rows"] = task.name, len(rows)
+        acc["max_seq_length"] = art.max_seq_length
+        print("dev accuracy:", {k: v for k, v in acc.items()}, flush=True)
+    except Exception as e:  # no data dir: latency only
+        acc = {"skipped": str(e)}
+
+    # ---------------------------------------------------------------- latency
+    batches_ = [int(x) for x in args.batches.split(",")]
+    seqs = [int(x) for x in args.seqs.split(",")]
+    threads_ = [int(x) for x in args.threads.split(",")]
+    rng = np.random.default_rng(0)
+    vocab = dense.config.vocab_size
+    results = []
+    for th in threads_:
+        torch.set_num_threads(th)
+        sessions = {
+            "ort_fp32": ort_session(fp32_onnx, th),
+            "ort_dynamic_int8": ort_session(dyn_onnx, th),
+            "ours_qdq_int8": ort_session(ours, th),
+        }
+        for b in batches_:
+            for s in seqs:
+                ids = rng.integers(1000, vocab, size=(b, s), dtype=np.int64)
+                ids[:, 0], ids[:, -1] = 101, 102
+                feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+                tfeed = {k: torch.from_numpy(v) for k, v in feed.items()}
+
+                def run_torch():
+                    with torch.inference_mode():
+                        dense(**tfeed)
+
+                fns = {"pytorch_fp32": run_torch}
+                for k, sess in sessions.items():
+                    fns[k] = (lambda sess=sess: sess.run(["logits"], feed))
+                for fn in fns.values():
+                    for _ in range(args.warmup):
+                        fn()
+                times = {k: [] for k in fns}
+                for _ in range(args.runs):
+                    for k, fn in fns.items():  # interleaved: background load hits every engine alike
+                        t0 = time.perf_counter()
+                        fn()
+                        times[k].append((time.perf_counter() - t0) * 1000.0)
+                row = {"threads": th, "batch": b, "seq": s}
+                for k in ENGINES:
+                    row[k] = {"median_ms": round(percentile(times[k], 50), 3), "p90_ms": round(percentile(times[k], 90), 3)}
+                base = row["pytorch_fp32"]["median_ms"]
+                row["speedup_vs_pytorch_fp32"] = {k: round(base / row[k]["median_ms"], 2) for k in ENGINES}
+                results.append(row)
+                print(f"threads {th} batch {b:>2} seq {s:>3}: " + "  ".join(
+                    f"{k} {row[k]['median_ms']:.1f}ms (x{row['speedup_vs_pytorch_fp32'][k]})" for k in ENGINES), flush=True)
+
+    import onnxruntime
+
+    report = {
+        "benchmark": "cpu_latency",
+        "date": started.date().isoformat(),
+        "started": started.isoformat(timespec="seconds"),
+        "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{os.cpu_count()}-core {platform.machine()} CPU ({cpu_name()})",
+        "load": {"uptime_before": uptime_before, "uptime_after": uptime_text(), "loadavg_before": load_before,
+                 "loadavg_after": load_avg(),
+                 "note": "shared machine: other jobs may have been running during the measurement"},
+        "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "python": platform.python_version()},
+        "checkpoint": art.path.name,
+        "dense_baseline": dense_dir.name,
+        "method": {"runs": args.runs, "warmup": args.warmup, "inputs": "random token ids, full-length rows (no padding)",
+                   "interleaved": True, "dynamic_int8": "onnxruntime.quantization.quantize_dynamic(weight_type=QInt8)"},
+        "sizes": sizes,
+        "dev_accuracy": acc,
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    from holoserve.artifact import atomic_write_json, atomic_write_text
+
+    atomic_write_json(args.out / f"{args.name}.json", report)
+    atomic_write_text(args.out / f"{args.name}.md", markdown(report))
+    plot(report, args.out / f"{args.name}.png")
+    print(f"wrote {args.out / args.name}.{{json,md,png}}")
+    return 0
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# CPU latency — {r['date']}, {r['machine']}", "",
+             f"Checkpoint `{r['checkpoint']}`; baselines from `{r['dense_baseline']}`. "
+             f"Median / p90 of {r['method']['runs']} runs after {r['method']['warmup']} warm-up runs, engines "
+             f"interleaved, full-length rows. torch {r['versions']['torch']}, onnxruntime {r['versions']['onnxruntime']}.",
+             f"Load before: `{r['load']['uptime_before']}`; after: `{r['load']['uptime_after']}` "
+             "(shared machine: other jobs may have been running).", ""]
+    acc = r["dev_accuracy"]
+    if "skipped" not in acc:
+        lines += [f"{acc['task']} dev accuracy ({acc['rows']} rows, ONNX Runtime, max_seq_length {acc['max_seq_length']}): "
+                  f"dense fp32 {100 * acc['ort_fp32']:.2f}, dynamic INT8 {100 * acc['ort_dynamic_int8']:.2f}, "
+                  f"ours {100 * acc['ours_qdq_int8']:.2f}.", ""]
+    s = r["sizes"]
+    lines += [f"ONNX sizes: fp32 {s['fp32_onnx_bytes'] / 1e6:.1f} MB, dynamic INT8 {s['dynamic_int8_onnx_bytes'] / 1e6:.1f} MB, "
+              f"ours {s['ours_onnx_bytes'] / 1e6:.1f} MB.", ""]
+    for th in sorted({x["threads"] for x in r["results"]}):
+        lines += [f"## {th} thread{'s' if th > 1 else ''} — median ms (p90 ms), speed-up vs PyTorch fp32", "",
+                  "| batch | seq | " + " | ".join(LABELS[k] for k in ENGINES) + " |",
+                  "|---:|---:|" + "---:|" * len(ENGINES)]
+        for x in r["results"]:
+            if x["threads"] != th:
+                continue
+            cells = [f"{x[k]['median_ms']:.1f} ({x[k]['p90_ms']:.1f}) ×{x['speedup_vs_pytorch_fp32'][k]:.2f}" for k in ENGINES]
+            lines.append(f"| {x['batch']} | {x['seq']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ths = sorted({x["threads"] for x in r["results"]})
+    fig, axes = plt.subplots(1, len(ths), figsize=(6 * len(ths), 4.2), squeeze=False)
+    for ax, th in zip(axes[0], ths):
+        rows = [x for x in r["results"] if x["threads"] == th]
+        xs = np.arange(len(rows))
+        w = 0.2
+        for i, k in enumerate(ENGINES):
+            ax.bar(xs + (i - 1.5) * w, [x["speedup_vs_pytorch_fp32"][k] for x in rows], w, label=LABELS[k])
+        ax.set_xticks(xs, [f"b{x['batch']}\ns{x['seq']}" for x in rows])
+        ax.axhline(1.0, color="k", lw=0.6)
+        ax.set_title(f"{th} thread{'s' if th > 1 else ''}")
+        ax.set_ylabel("speed-up vs PyTorch fp32 (median)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"CPU latency, {r['machine']}, {r['date']}", fontsize=10)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
