@@ -1,0 +1,199 @@
+"""Accuracy benchmark: dense vs magnitude 2:4 + PTQ INT8 vs ADMM 2:4 vs ADMM 2:4 ∩ INT8 (+KD), per GLUE task.
+
+Every row is produced by the `holoserve compress` CLI (so the numbers are what users get); each
+task's dense teacher is trained once (by the ADMM 2:4 ∩ INT8 run) and reused by the other rows
+through --teacher. Finished runs are kept under --runs-dir and reused, so the script can be
+re-run to fill in what is missing. Results: bench/results/accuracy.{json,md,png}.
+
+    python bench/accuracy/run.py --data-dir "$GLUE_DIR" --tasks sst2,mrpc,cola --preset quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+METHODS = {  # row key -> (label, extra CLI arguments)
+    "admm_int8": ("ADMM 2:4 ∩ INT8 + KD", []),
+    "admm_sparse": ("ADMM 2:4 (fp32) + KD", ["--no-quant"]),
+    "magnitude_ptq": ("magnitude 2:4 + PTQ INT8", ["--method", "magnitude"]),
+}
+COLUMNS = ("dense", "magnitude_ptq", "admm_sparse", "admm_int8")
+
+
+def run_one(task: str, key: str, args, runs: Path, teacher: Path | None, reuse: Path | None) -> Path | None:
+    out = reuse if reuse else runs / f"{task}-{key}"
+    if (out / "manifest.json").is_file():
+        print(f"[{task}/{key}] reusing {out}", flush=True)
+        return out
+    cmd = [sys.executable, "-m", "holoserve", "compress", "--task", task, "--data-dir", args.data_dir,
+           "--out", str(out), "--preset", args.preset, "--seed", str(args.seed), "--no-progress",
+           *METHODS[key][1]]
+    if teacher is not None:
+        cmd += ["--teacher", str(teacher)]
+    for flag in ("max_steps", "train_limit", "threads"):
+        if getattr(args, flag):
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    print(f"[{task}/{key}] {' '.join(cmd[2:])}", flush=True)
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd, cwd=ROOT)
+    print(f"[{task}/{key}] rc={rc} in {time.perf_counter() - t0:.0f}s", flush=True)
+    return out if rc == 0 and (out / "manifest.json").is_file() else None
+
+
+def summarize(task: str, ckpts: dict[str, Path | None]) -> dict:
+    row: dict = {"task": task, "runs": {}}
+    for key, path in ckpts.items():
+        if path is None:
+            continue
+        m = json.loads((path / "manifest.json").read_text())
+        primary = m["metrics"]["primary"]
+        row["metric"] = primary
+        row["dev_rows"] = m["metrics"].get("dev_rows")
+        row["dense"] = m["metrics"]["dense"][primary]
+        t = m["training"]
+        row["runs"][key] = {
+            "value": m["metrics"]["compressed"][primary],
+            "all": m["metrics"]["compressed"],
+            "preset": t.get("preset"),
+            "steps": {k: v.get("steps") for k, v in t.get("phases", {}).items() if isinstance(v, dict) and "steps" in v},
+            "wall_seconds": t.get("wall_seconds"),
+            "machine": t.get("machine"),
+            "train_rows": t.get("train_rows"),
+            "checkpoint": path.name,
+            "extra": {k: v for k, v in m["metrics"].items() if k in ("after_projection", "one_shot", "sparse_fp32")},
+        }
+        if key == "admm_int8":
+            row["dense_phase"] = t.get("phases", {}).get("dense")
+    if "dense" in row and "admm_int8" in row["runs"]:
+        v = row["runs"]["admm_int8"]["value"]
+        row["admm_int8_retained"] = v / row["dense"] if row["dense"] else None
+        mag = row["runs"].get("magnitude_ptq", {}).get("value")
+        row["admm_int8_beats_magnitude"] = None if mag is None else v > mag
+    return row
+
+
+def fmt(x):
+    return "—" if x is None else f"{100 * x:.2f}"
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"# Accuracy: {meta['model']} on GLUE dev ({meta['date']}, preset `{meta['preset']}`, {meta['machine']})",
+        "",
+        "| task | metric | dense | magnitude 2:4 + PTQ INT8 | ADMM 2:4 (fp32) | ADMM 2:4 ∩ INT8 + KD | kept vs dense | beats magnitude |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        runs = r["runs"]
+        kept = r.get("admm_int8_retained")
+        beats = r.get("admm_int8_beats_magnitude")
+        lines.append(
+            f"| {r['task']} | {r.get('metric', '—')} | {fmt(r.get('dense'))} | "
+            + " | ".join(fmt(runs.get(k, {}).get("value")) for k in COLUMNS[1:])
+            + f" | {'—' if kept is None else f'{100 * kept:.1f}%'} | {'—' if beats is None else ('yes' if beats else 'no')} |"
+        )
+    lines += ["", "Wall time per run (seconds; the ADMM 2:4 ∩ INT8 run includes training the task's dense teacher):", "",
+              "| task | " + " | ".join(METHODS[k][0] for k in COLUMNS[1:]) + " | steps (dense / admm / qat or masked) |",
+              "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        runs = r["runs"]
+        st = runs.get("admm_int8", {}).get("steps", {})
+        lines.append(f"| {r['task']} | " + " | ".join(
+            str(runs.get(k, {}).get("wall_seconds", "—")) for k in COLUMNS[1:])
+            + f" | {st.get('dense', '—')} / {st.get('admm', '—')} / {st.get('qat', '—')} |")
+    lines += ["", f"Metric values ×100. Dense = the fine-tuned teacher. {meta['notes']}", ""]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    labels = ["dense"] + [METHODS[k][0] for k in COLUMNS[1:]]
+    width = 0.2
+    x = np.arange(len(rows))
+    for i, key in enumerate(COLUMNS):
+        vals = [(r.get("dense") if key == "dense" else r["runs"].get(key, {}).get("value")) for r in rows]
+        vals = [np.nan if v is None else 100 * v for v in vals]
+        bars = ax.bar(x + (i - 1.5) * width, vals, width, label=labels[i])
+        ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
+    ax.set_xticks(x, [f"{r['task']} ({r.get('metric', '?')})" for r in rows])
+    ax.set_ylabel("dev metric ×100")
+    ax.set_title(f"{meta['model']}, preset {meta['preset']} — {meta['machine']}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"))
+    ap.add_argument("--tasks", default="sst2,mrpc,cola")
+    ap.add_argument("--preset", default="quick")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--train-limit", type=int)
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "bench-accuracy")
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--reuse", action="append", default=[], metavar="TASK=CHECKPOINT",
+                    help="use an existing ADMM 2:4 ∩ INT8 checkpoint for TASK (its <ckpt>.state/teacher is reused too)")
+    ap.add_argument("--only", help="comma-separated row keys to run (default: all)")
+    ap.add_argument("--report-only", action="store_true", help="rebuild the tables from finished runs only")
+    ap.add_argument("--notes", default="")
+    args = ap.parse_args()
+    if not args.data_dir:
+        ap.error("--data-dir (or HOLOSERVE_DATA_DIR) is required")
+    reuse = dict(x.split("=", 1) for x in args.reuse)
+    only = set(args.only.split(",")) if args.only else set(METHODS)
+    rows = []
+    for task in args.tasks.split(","):
+        ckpts: dict[str, Path | None] = {}
+        admm_path = Path(reuse[task]) if task in reuse else None
+        if args.report_only:
+            for key in METHODS:
+                p = admm_path if key == "admm_int8" and admm_path else args.runs_dir / f"{task}-{key}"
+                ckpts[key] = p if (p / "manifest.json").is_file() else None
+        else:
+            ckpts["admm_int8"] = run_one(task, "admm_int8", args, args.runs_dir, None, admm_path) \
+                if "admm_int8" in only or admm_path else None
+            main_ckpt = ckpts["admm_int8"] or admm_path or args.runs_dir / f"{task}-admm_int8"
+            teacher = main_ckpt.with_name(main_ckpt.name + ".state") / "teacher"
+            if not (teacher / "teacher.json").is_file():
+                print(f"[{task}] no teacher at {teacher}; skipping the other rows", flush=True)
+                teacher = None
+            for key in ("admm_sparse", "magnitude_ptq"):
+                if key in only and teacher is not None:
+                    ckpts[key] = run_one(task, key, args, args.runs_dir, teacher, None)
+        rows.append(summarize(task, ckpts))
+    machines = sorted({r["machine"] for row in rows for r in row["runs"].values() if r.get("machine")})
+    meta = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "model": "all-MiniLM-L6-v2",
+        "preset": args.preset,
+        "machine": "; ".join(m.split(" (")[0] for m in machines) or "unknown",
+        "machine_detail": machines,
+        "notes": args.notes,
+    }
+    args.results.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": meta, "rows": rows}
+    (args.results / "accuracy.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (args.results / "accuracy.md").write_text(markdown(rows, meta))
+    plot(rows, args.results / "accuracy.png", meta)
+    print(markdown(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
