@@ -26,14 +26,21 @@ def export_onnx(model, out: Path, opset: int = 17) -> Path:
         def forward(self, input_ids, attention_mask, token_type_ids):
             return self.m(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
 
+    # Eager attention and a padded example: the traced graph must keep the attention-mask path.
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
+    else:
+        model.config._attn_implementation = "eager"
     ids = torch.ones(2, 8, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
     axes = {0: "batch", 1: "sequence"}
     import warnings
 
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            Wrap(model.eval()), (ids, torch.ones_like(ids), torch.zeros_like(ids)), str(out),
+            Wrap(model.eval()).eval(), (ids, mask, torch.zeros_like(ids)), str(out),
             input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=["logits"],
             dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes, "logits": {0: "batch"}},
             opset_version=opset, dynamo=False,
@@ -42,7 +49,7 @@ def export_onnx(model, out: Path, opset: int = 17) -> Path:
 
 
 def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: int = 32, onnx: bool = True) -> Path:
-    """A tiny random BERT, projected to 2:4 + INT8 grid, saved as a checkpoint and exported to ONNX."""
+    """A tiny random BERT, projected to 2:4 + INT8 grid and calibrated, saved as a checkpoint and exported to ONNX."""
     import torch
     from compress.checkpoint import save_checkpoint
     from compress.layers import encoder_linear_names, get_linear
@@ -63,15 +70,31 @@ def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: in
             p = project(lin.weight.data)
             lin.weight.data.copy_(p.z)
             scales[name] = p.scales
+    from compress.quant import calibrate_amax
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tok.enable_padding()
+    encs = tok.encode_batch(["the movie was good", "a dog is playing with the cat", "i hated it"])
+    batch = {"input_ids": torch.tensor([e.ids for e in encs]), "attention_mask": torch.tensor([e.attention_mask for e in encs]),
+             "token_type_ids": torch.tensor([e.type_ids for e in encs])}
+    amax = calibrate_amax(model, names, [batch])
     out = root / f"ckpt-{task_name}"
     art = save_checkpoint(model, src, out, task=task, base_model="tiny-random-bert", max_seq_length=max_seq_length,
-                          sparse_layers=names, weight_scales=scales,
+                          sparse_layers=names, weight_scales=scales, act_amax=amax,
                           metrics={"primary": task.primary_metric, "dense": {}, "compressed": {}})
     if onnx:
-        tmp = out / "model.onnx.partial"
-        export_onnx(model, tmp)
-        add_files(art, {"model.onnx": tmp}, exports={"onnxruntime": {"file": "model.onnx", "opset": 17}})
-        tmp.unlink(missing_ok=True)
+        try:  # the product's exporter (QDQ, int8 weights) when the export package is installed
+            from export.onnx_export import export_checkpoint
+        except ImportError:
+            export_checkpoint = None
+        if export_checkpoint is not None:
+            export_checkpoint(out, ("onnxruntime",), polygraphy=False, progress=False, max_metric_diff=None)
+        else:  # plain fp32 torch.onnx.export with the contract's inputs and outputs
+            tmp = out / "model.onnx.partial"
+            export_onnx(model, tmp)
+            add_files(art, {"model.onnx": tmp}, exports={"onnxruntime": {"file": "model.onnx", "opset": 17}})
+            tmp.unlink(missing_ok=True)
     return out
 
 

@@ -54,11 +54,21 @@ def test_tokenizer_errors(tmp_path):
 # --------------------------------------------------------------------------- ONNX Runtime and torch
 
 
-def test_onnxruntime_matches_torch_reference(sst2):
-    art = load_artifact(sst2)
-    ort_be = load_backend("onnxruntime", art, threads=1)
+def test_onnxruntime_matches_torch_reference(tmp_path):
+    """The ORT backend on a plain fp32 export of the checkpoint equals the torch backend (same weights)."""
+    import shutil
+
+    from tests.serving_utils import export_onnx
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("sst2", onnx=False), ckpt)
+    art = load_artifact(ckpt)
     torch_be = load_backend("torch", art, device="cpu", threads=1)
-    enc = TextEncoder(sst2 / "tokenizer.json", art.max_seq_length)
+    export_onnx(torch_be.model, tmp_path / "fp32.onnx")
+    art = add_files(art, {"model.onnx": tmp_path / "fp32.onnx"}, exports={"onnxruntime": {"file": "model.onnx"}},
+                    move=False)
+    ort_be = load_backend("onnxruntime", art, threads=1)
+    enc = TextEncoder(ckpt / "tokenizer.json", art.max_seq_length)
     batch = pad_batch(enc.encode(["good", "the movie was awful and boring", "i loved it"]))
     a, b = ort_be.infer(*batch), torch_be.infer(*batch)
     assert a.shape == (3, 2) and a.dtype == np.float32
@@ -66,6 +76,15 @@ def test_onnxruntime_matches_torch_reference(sst2):
     info = ort_be.info()
     assert info["providers"] == ["CPUExecutionProvider"] and info["file"] == "model.onnx"
     assert torch_be.info()["device"] == "cpu"
+
+
+def test_onnxruntime_serves_the_qdq_export(sst2):
+    art = load_artifact(sst2)
+    be = load_backend("onnxruntime", art, threads=1)
+    enc = TextEncoder(sst2 / "tokenizer.json", art.max_seq_length)
+    single = [be.infer(*pad_batch([e]))[0] for e in enc.encode(["good", "the movie was awful and boring"])]
+    both = be.infer(*pad_batch(enc.encode(["good", "the movie was awful and boring"])))
+    np.testing.assert_allclose(both, np.stack(single), atol=1e-4)  # padding does not change a row's logits
 
 
 def test_onnxruntime_without_export_says_how_to_make_one():
