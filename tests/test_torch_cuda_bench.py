@@ -47,7 +47,7 @@ def test_cpu_smoke_run_writes_every_report(tmp_path):
     report = json.loads((out / "results.json").read_text())
     assert report["mode"] == "cpu-smoke" and not report["errors"]
     s = report["sections"]
-    assert set(s) == {"env", "peak", "parity", "gemm", "encoder"}
+    assert set(s) == {"env", "peak", "parity", "gemm", "encoder", "encoder_3p"}
     assert len(s["gemm"]["rows"]) == 2 * 2 * 2  # K, N in {32, 64}, M in {16, 32}
     assert all("tflops" in r["dense_fp32_cpu"] and "tflops" in r["int8_reference_cpu"] for r in s["gemm"]["rows"])
     models = s["encoder"]["models"]
