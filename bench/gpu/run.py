@@ -549,7 +549,8 @@ def _hf_model(config: dict, state: dict, dtype, device):
         cfg._attn_implementation = "sdpa"
     except Exception:  # noqa: BLE001 - older/newer transformers choose their own default
         pass
-    model = BertForSequenceClassification(cfg)
+    with torch.device(device):  # random init on the device is quick; every weight is overwritten below
+        model = BertForSequenceClassification(cfg)
     missing, unexpected = model.load_state_dict(dict(state), strict=False)
     missing = [k for k in missing if not k.endswith("position_ids")]
     if missing or unexpected:
@@ -581,7 +582,9 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
 
     def ours(kernel, state, sparse=True, quantizer=quantizer):
         def build():
-            enc = tc.build_encoder(config, state, weight_scales=quant["scales"], act_amax=quant["amax"],
+            dense = kernel == "dense"  # the FP16 baseline keeps the state's own (dense) weights
+            enc = tc.build_encoder(config, state, weight_scales=None if dense else quant["scales"],
+                                   act_amax=None if dense else quant["amax"],
                                    sparse_layers=quant["layers"] if sparse else (), kernel=kernel, dtype=dt,
                                    device=dev, epilogue=epilogue, quantizer=quantizer)
             return lambda inp: enc(**inp)
