@@ -64,12 +64,16 @@ class Conn:
     async def open(self):
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes | None) -> tuple[int, bytes]:
+        """POST `body` to `path` (GET when body is None); returns (status, response body)."""
         if self.writer is None:
             await self.open()
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
-        self.writer.write(head + body)
+        if body is None:
+            self.writer.write(f"GET {path} HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode())
+        else:
+            head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n").encode()
+            self.writer.write(head + body)
         status_line = await self.reader.readline()
         if not status_line:
             raise ConnectionError("server closed the connection")
@@ -154,6 +158,39 @@ async def load_level(port: int, texts: list[str], clients: int, duration: float,
 
 
 # --------------------------------------------------------------------------- server process
+
+
+async def http_floor(port: int, n: int) -> dict:
+    """p50 of GET /healthz from one client: the HTTP stack + client + loopback with no model work."""
+    conn = Conn("127.0.0.1", port)
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        status, _ = await conn.post("/healthz", None)
+        ts.append((time.perf_counter() - t0) * 1000)
+        assert status == 200
+    conn.close()
+    return {"n": n, "p50_ms": round(float(np.median(ts)), 3), "p95_ms": round(float(np.percentile(ts, 95)), 3)}
+
+
+def asgi_overhead(log: Path, offset: int) -> dict:
+    """From the server's JSON access log: time inside the ASGI app per /predict minus its inference time."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        lines = f.read().decode("utf-8", "replace").splitlines()
+    over, dur = [], []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("path") == "/predict" and rec.get("status") == 200 and "timing_ms" in rec:
+            dur.append(rec["duration_ms"])
+            over.append(rec["duration_ms"] - rec["timing_ms"]["inference"])
+    if not over:
+        return {"n": 0}
+    return {"n": len(over), "app_p50_ms": round(float(np.median(dur)), 3),
+            "app_minus_inference_p50_ms": round(float(np.median(over)), 3)}
 
 
 def free_port() -> int:
@@ -275,9 +312,14 @@ def write_markdown(res: dict, path: Path) -> None:
         "",
         f"- Bare backend at batch 1 (tokenize + ONNX Runtime, no server): p50 {b['p50_ms']:.2f} ms "
         f"(inference alone {b['infer_p50_ms']:.2f} ms).",
-        f"- Server overhead at batch 1 (HTTP p50 with batching off, 1 client, minus bare p50): "
-        f"**{s['overhead_p50_ms']:.2f} ms** (target ≤ 1 ms: {'met' if s['overhead_target_met'] else 'NOT met'}). "
-        f"Inside the server (reported total minus inference, p50): {s['in_server_overhead_p50_ms']:.2f} ms.",
+        f"- Overhead at batch 1, batching off, 1 client. End to end (client-measured HTTP p50 minus the bare p50; "
+        f"includes the client, loopback TCP and the process/thread wake-ups of a shared CPU): "
+        f"**{s['overhead_p50_ms']:.2f} ms** (≤ 1 ms: {'met' if s['overhead_target_met'] else 'NOT met'}). "
+        f"Inside the server (ASGI app time from the access log minus the request's inference time, p50; "
+        f"body read, routing, validation, tokenization, queueing, softmax, JSON, logging, metrics; the hand-off to the inference thread counts as inference): "
+        f"**{s['in_server_overhead_p50_ms']:.2f} ms** (≤ 1 ms: {'met' if s['in_server_overhead_target_met'] else 'NOT met'}). "
+        f"For scale, a GET /healthz round trip through the same client and HTTP stack takes "
+        f"{res['http_floor']['p50_ms']:.2f} ms at p50.",
         f"- Throughput at 32 clients, batching on vs off: **{s['speedup_32']:.2f}x** "
         f"(target ≥ 2x: {'met' if s['speedup_target_met'] else 'NOT met'}).",
         f"- Overload ({res['overload']['clients']} clients, queue of {res['overload']['max_queue_size']} sequences): "
@@ -328,7 +370,7 @@ def main() -> int:
     ap.add_argument("--max-requests", type=int, default=20000, help="answers per level, at most")
     ap.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     ap.add_argument("--batch-size", type=int, default=32, help="--max-batch-size with batching on")
-    ap.add_argument("--queue-delay-ms", type=float, default=2.0, help="--max-queue-delay-ms with batching on")
+    ap.add_argument("--queue-delay-ms", type=float, default=1.0, help="--max-queue-delay-ms with batching on")
     ap.add_argument("--bare-n", type=int, default=500)
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--name", default="serve_load")
@@ -370,6 +412,10 @@ def main() -> int:
         proc = start_server(ckpt, port, args.threads, extra, log)
         try:
             asyncio.run(load_level(port, texts, 8, 1.0, 200))  # warm-up, not recorded
+            if mode == "off":
+                res["http_floor"] = asyncio.run(http_floor(port, 500))
+                print("GET /healthz floor:", res["http_floor"], flush=True)
+            log_mark = log.stat().st_size
             lvls = []
             for c in levels:
                 before = scrape_batch_sizes(port)
@@ -378,6 +424,8 @@ def main() -> int:
                 ex = after.get("executions", 0) - before.get("executions", 0)
                 lv["mean_batch"] = round((after.get("sequences", 0) - before.get("sequences", 0)) / ex, 2) if ex else 0
                 lv["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+                if mode == "off" and c == 1:
+                    lv["asgi"] = asgi_overhead(log, log_mark)
                 print(f"batching {mode:3s} clients {c:4d}: {lv['throughput_rps']:8.1f} req/s  p50 {lv.get('p50_ms')} "
                       f"p99 {lv.get('p99_ms')} ms  mean batch {lv['mean_batch']}  {lv['status_counts']}", flush=True)
                 lvls.append(lv)
@@ -408,7 +456,8 @@ def main() -> int:
     res["summary"] = {
         "overhead_p50_ms": round(overhead, 3),
         "overhead_target_met": overhead <= 1.0,
-        "in_server_overhead_p50_ms": round(off1["server_total_p50_ms"] - off1["server_inference_p50_ms"], 3),
+        "in_server_overhead_p50_ms": off1.get("asgi", {}).get("app_minus_inference_p50_ms", float("nan")),
+        "in_server_overhead_target_met": off1.get("asgi", {}).get("app_minus_inference_p50_ms", 99) <= 1.0,
         "speedup_32": round(sp, 3),
         "speedup_target_met": sp >= 2.0,
         "overload_only_503": set(ov["status_counts"]) <= {"200", "503"} and ov["transport_errors"] == 0,

@@ -238,10 +238,13 @@ class EdgeMiddleware:
             m.http_duration.labels(route, method if method in METHODS else "other", str(status[0])).observe(dt)
             if self.state.config.access_log:
                 client = scope.get("client")
-                access_log.info("%s %s %d", method, route, status[0], extra={
-                    "request_id": rid, "method": method, "path": route, "status": status[0],
-                    "duration_ms": round(dt * 1000, 3), "bytes_in": bytes_in,
-                    "client": f"{client[0]}:{client[1]}" if client else None})
+                extra = {"request_id": rid, "method": method, "path": route, "status": status[0],
+                         "duration_ms": round(dt * 1000, 3), "bytes_in": bytes_in,
+                         "client": f"{client[0]}:{client[1]}" if client else None}
+                timing = scope["state"].get("timing")
+                if timing is not None:
+                    extra["timing_ms"] = timing
+                access_log.info("%s %s %d", method, route, status[0], extra=extra)
 
 
 def create_app(config: ServerConfig, *, artifact: Artifact | None = None, backend: Backend | None = None,
@@ -416,12 +419,13 @@ def create_app(config: ServerConfig, *, artifact: Artifact | None = None, backen
         infer_s = sum({r.batch_id: r.infer_s for r in results}.values())
         m.queue_duration_l.observe(queue_s)
         m.success_l.inc()
+        timing = {"tokenize": round((t1 - t0) * 1000, 3), "queue": round(queue_s * 1000, 3),
+                  "inference": round(infer_s * 1000, 3), "total": round((time.perf_counter() - t0) * 1000, 3)}
+        request.state.timing = timing  # the access log line carries it too
         body = {
             "model": {"name": st.name, "version": st.version, "backend": st.backend.name},
             "predictions": preds,
-            "timing_ms": {"tokenize": round((t1 - t0) * 1000, 3), "queue": round(queue_s * 1000, 3),
-                          "inference": round(infer_s * 1000, 3),
-                          "total": round((time.perf_counter() - t0) * 1000, 3)},
+            "timing_ms": timing,
             "request_id": request.state.request_id,
         }
         return Response(json.dumps(body, ensure_ascii=False).encode(), media_type="application/json")

@@ -18,7 +18,9 @@ class ServerConfig:
     port: int = 8000
     workers: int = 1
     max_batch_size: int = 32  # 1 turns dynamic batching off
-    max_queue_delay_ms: float = 2.0  # how long a non-full batch waits for company
+    # How long a non-full batch waits for company. Under load, batches also form on their own from
+    # requests that arrive while the previous batch runs, so a short wait is enough.
+    max_queue_delay_ms: float = 1.0
     max_padding_waste: float = 0.25  # split a merged batch by length beyond this padding share; <0: never
     max_queue_size: int = 256  # sequences waiting for inference; beyond this: 503 + Retry-After
     max_items: int = 64  # texts (or pairs) per request
