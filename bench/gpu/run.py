@@ -580,13 +580,13 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
         m = _hf_model(config, dense_state, dt, dev)
         return lambda inp: m(**inp).logits
 
-    def ours(kernel, state, sparse=True, quantizer=quantizer):
+    def ours(kernel, state, sparse=True, quantizer=quantizer, alg_search=False):
         def build():
             dense = kernel == "dense"  # the FP16 baseline keeps the state's own (dense) weights
             enc = tc.build_encoder(config, state, weight_scales=None if dense else quant["scales"],
                                    act_amax=None if dense else quant["amax"],
                                    sparse_layers=quant["layers"] if sparse else (), kernel=kernel, dtype=dt,
-                                   device=dev, epilogue=epilogue, quantizer=quantizer)
+                                   device=dev, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search)
             return lambda inp: enc(**inp)
         return build
 
@@ -614,6 +614,8 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
         v += [("dense INT8 + CUDA graphs (_int_mm)", ours("cslt", sparse_state, sparse=False), True, False),
               ("2:4 INT8 eager (ours)", ours("cslt", sparse_state), False, False),
               ("2:4 INT8 + CUDA graphs (ours)", ours("cslt", sparse_state), True, False)]
+        v.append(("2:4 INT8 + CUDA graphs (ours, cuSPARSELt alg search)",
+                  ours("cslt", sparse_state, alg_search=True), True, False))
         if quantizer != "torch":  # evidence for what the fused quantizer buys
             v.append(("2:4 INT8 + CUDA graphs (ours, unfused torch-op quantizer)",
                       ours("cslt", sparse_state, quantizer="torch"), True, False))

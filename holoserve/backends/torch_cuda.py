@@ -209,7 +209,7 @@ class QuantLinear(torch.nn.Module if torch is not None else object):  # type: ig
     """
 
     def __init__(self, w_codes, w_scales, act_scale, bias, *, kernel: str, dtype, epilogue: Epilogue | None = None,
-                 quantizer: str = "torch"):
+                 quantizer: str = "torch", alg_search: bool = False):
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; choose one of {KERNELS}")
@@ -217,6 +217,10 @@ class QuantLinear(torch.nn.Module if torch is not None else object):  # type: ig
             raise ValueError(f"unknown quantizer {quantizer!r}")
         self.kernel = kernel
         self.quantizer = quantizer
+        # cuSPARSELt algorithm per token count, found by its own search on the first call outside
+        # a graph capture (the warm-up before each capture); 0 (the library default) otherwise
+        self.alg_search = alg_search
+        self.algs: dict[int, int] = {}
         self.out_features, self.in_features = w_codes.shape
         self.dtype = dtype
         self.epilogue = epilogue or EPILOGUES[0]
@@ -265,18 +269,28 @@ class QuantLinear(torch.nn.Module if torch is not None else object):  # type: ig
             y = self._cslt(xq)[:m]
         return y.reshape(*shape[:-1], -1)
 
+    def _alg(self, xq, **kw) -> int:
+        if not self.alg_search:
+            return 0
+        m = xq.shape[0]
+        if m not in self.algs:
+            if torch.cuda.is_current_stream_capturing():
+                return 0
+            self.algs[m] = int(torch._cslt_sparse_mm_search(self.packed, xq.t(), **kw))
+        return self.algs[m]
+
     def _cslt(self, xq):
         e = self.epilogue
         if e.alpha:
-            y = torch._cslt_sparse_mm(
-                self.packed, xq.t(), bias=self.bias_gemm[: self.out_features] if (e.bias and self.bias is not None) else None,
-                alpha=self.alpha, out_dtype=self.dtype, transpose_result=e.transpose,
-            )
+            kw = dict(bias=self.bias_gemm[: self.out_features] if (e.bias and self.bias is not None) else None,
+                      alpha=self.alpha, out_dtype=self.dtype, transpose_result=e.transpose)
+            y = torch._cslt_sparse_mm(self.packed, xq.t(), alg_id=self._alg(xq, **kw), **kw)
             y = y if e.transpose else y.t()
             if self.bias is not None and not e.bias:
                 y = y + self.bias
             return y
-        acc = torch._cslt_sparse_mm(self.packed, xq.t(), out_dtype=torch.int32, transpose_result=e.transpose)
+        kw = dict(out_dtype=torch.int32, transpose_result=e.transpose)
+        acc = torch._cslt_sparse_mm(self.packed, xq.t(), alg_id=self._alg(xq, **kw), **kw)
         acc = acc if e.transpose else acc.t()
         y = acc.float() * self.alpha
         return (y + self.bias32 if self.bias32 is not None else y).to(self.dtype)
@@ -412,7 +426,7 @@ class DenseLinear(torch.nn.Module if torch is not None else object):  # type: ig
 
 def make_linear(weight, bias, *, scales=None, act_amax: float | None = None, sparse: bool = False,
                 kernel: str = "cslt", dtype=None, device="cpu", epilogue: Epilogue | None = None,
-                quantizer: str = "torch"):
+                quantizer: str = "torch", alg_search: bool = False):
     """One Linear of the encoder. Quantized layers (scales and an activation range) use `kernel`;
     with kernel="cslt" a quantized layer that is not 2:4 falls back to dense INT8 (`int_mm`)."""
     dtype = dtype or torch.float16
@@ -423,7 +437,7 @@ def make_linear(weight, bias, *, scales=None, act_amax: float | None = None, spa
             k = "int_mm" if (kernel == "cslt" and not sparse) else kernel
             return QuantLinear(codes.to(device), scales.to(device), float(act_amax) / ACT_SCALE_DIV, bias,
                                kernel=k, dtype=dtype, epilogue=epilogue,
-                               quantizer=quantizer if k in ("cslt", "int_mm") else "torch")
+                               quantizer=quantizer if k in ("cslt", "int_mm") else "torch", alg_search=alg_search)
         weight = codes.float() * scales.reshape(-1, 1)  # the exact dequantized weight
     return DenseLinear(weight.float().to(device), bias, dtype=dtype)
 
@@ -441,6 +455,7 @@ def build_encoder(
     epilogue: Epilogue | None = None,
     fuse_qkv: bool = True,
     quantizer: str = "torch",
+    alg_search: bool = False,
 ) -> "Encoder":
     """An Encoder for a BERT state dict (transformers names) and the checkpoint's quantization.
 
@@ -454,7 +469,7 @@ def build_encoder(
     weight_scales = dict(weight_scales or {})
     act_amax = dict(act_amax or {})
     sparse = set(sparse_layers)
-    kw = dict(kernel=kernel, dtype=dtype, device=device, epilogue=epilogue, quantizer=quantizer)
+    kw = dict(kernel=kernel, dtype=dtype, device=device, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search)
 
     def single(name: str):
         return make_linear(state[f"{name}.weight"], state.get(f"{name}.bias"), scales=weight_scales.get(name),
@@ -491,13 +506,14 @@ def checkpoint_tensors(art: Artifact) -> tuple[dict[str, Any], dict[str, "torch.
 
 
 def encoder_from_artifact(art: Artifact, *, kernel: str = "cslt", dtype=None, device="cpu",
-                          epilogue: Epilogue | None = None, quantizer: str = "torch") -> "Encoder":
+                          epilogue: Epilogue | None = None, quantizer: str = "torch",
+                          alg_search: bool = False) -> "Encoder":
     config, state = checkpoint_tensors(art)
     q = art.manifest.get("quantization") or {}
     scales = (q.get("weights") or {}).get("scales") or {}
     return build_encoder(config, state, weight_scales=scales, act_amax=art.activation_amax(),
                          sparse_layers=art.sparse_layers if art.nm == (2, 4) else (), kernel=kernel,
-                         dtype=dtype, device=device, epilogue=epilogue, quantizer=quantizer)
+                         dtype=dtype, device=device, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search)
 
 
 # --------------------------------------------------------------------------- device checks
@@ -720,7 +736,8 @@ class TorchCudaBackend:
 
 def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kernel: str = "cslt",
          batch_buckets: Iterable[int] = DEFAULT_BATCH_BUCKETS, seq_buckets: Iterable[int] | None = None,
-         max_batch: int | None = None, quantizer: str = "auto", **_ignored: Any) -> TorchCudaBackend:
+         max_batch: int | None = None, quantizer: str = "auto", alg_search: bool = False,
+         **_ignored: Any) -> TorchCudaBackend:
     """Load a checkpoint for 2:4 INT8 inference on the GPU (raises BackendUnavailable off-GPU)."""
     rep = require_cuda()
     if not artifact.quantized or not artifact.activation_amax():
@@ -736,7 +753,7 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
     if quantizer == "auto":
         quantizer, quant_probe = choose_quantizer(device)
     model = encoder_from_artifact(artifact, kernel=kernel, dtype=torch.float16, device=device, epilogue=epilogue,
-                                  quantizer=quantizer)
+                                  quantizer=quantizer, alg_search=alg_search)
     limit = artifact.max_seq_length
     seqs = sorted({s for s in (seq_buckets or DEFAULT_SEQ_BUCKETS) if s < limit} | {int(math.ceil(limit / 16) * 16)})
     bb = [b for b in batch_buckets if max_batch is None or b <= max_batch] or [1]
@@ -746,5 +763,5 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
         if isinstance(mod, (QuantLinear, DenseLinear)):
             kinds[mod.kernel] = kinds.get(mod.kernel, 0) + 1
     extra = {"device": rep, "kernel": kernel, "epilogue": epilogue.name if epilogue else None,
-             "epilogue_probe": tried, "quantizer": quantizer, "quantizer_probe": quant_probe, "gemm_kernels": kinds, "load_seconds": round(time.perf_counter() - t0, 2)}
+             "epilogue_probe": tried, "alg_search": alg_search, "quantizer": quantizer, "quantizer_probe": quant_probe, "gemm_kernels": kinds, "load_seconds": round(time.perf_counter() - t0, 2)}
     return TorchCudaBackend(artifact, runner, extra)
