@@ -415,3 +415,16 @@ def test_split_by_length_bounds_padding():
         assert len(g) * max(lengths[i] for i in g) <= 1.25 * real or len(g) == 1
     assert split_by_length(lengths, -1) == [list(range(len(lengths)))]  # plain pad-to-longest
     assert split_by_length([9] * 4, 0.0) == [[0, 1, 2, 3]]
+
+
+def test_a_client_that_leaves_does_not_disturb_the_others(sst2):
+    with running(sst2, max_batch_size=8, max_queue_delay_ms=600) as srv:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(srv.url + "/predict", json={"texts": ["good", "bad"]}, timeout=0.15)
+        r = httpx.post(srv.url + "/predict", json={"text": "the movie was good"}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["predictions"]) == 1
+        deadline = time.monotonic() + 10
+        while metric(httpx.get(srv.url + "/metrics").text, "holoserve_inference_pending_request_count") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.get(srv.url + "/healthz").status_code == 200
