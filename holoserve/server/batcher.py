@@ -142,11 +142,11 @@ class DynamicBatcher:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
+                # Woken by a new arrival or by the timer, whichever comes first (cheaper than wait_for).
                 self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), remaining)
-                except asyncio.TimeoutError:
-                    break
+                timer = loop.call_later(remaining, self._wakeup.set)
+                await self._wakeup.wait()
+                timer.cancel()
             batch: list[_Item] = []
             while self._queue and len(batch) < self.max_batch_size:
                 item = self._queue.popleft()
