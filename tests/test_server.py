@@ -428,3 +428,14 @@ def test_a_client_that_leaves_does_not_disturb_the_others(sst2):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert httpx.get(srv.url + "/healthz").status_code == 200
+
+
+def test_regression_pair_task_answers_a_score():
+    stsb = tiny_checkpoint("stsb")
+    with running(stsb, max_queue_delay_ms=0) as srv:
+        r = httpx.post(srv.url + "/predict", json={"pairs": [["a man rides a horse", "the man is riding a horse"]]})
+        assert r.status_code == 200, r.text
+        p = r.json()["predictions"][0]
+        assert p["label"] == "score" and p["scores"] == {"score": p["score"]}
+        exp = load_artifact(stsb)
+        assert exp.labels == [] and httpx.get(srv.url + "/v1/models").json()["models"][0]["labels"] == []
