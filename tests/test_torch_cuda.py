@@ -91,7 +91,40 @@ assert got.dtype == torch.int8 and got.shape == (x.shape[0] + 7, 40)
 assert torch.equal(got[: x.shape[0]], want), int((got[: x.shape[0]] != want).sum())
 assert not got[x.shape[0]:].any()
 q, probe = tc.choose_quantizer("cpu")
-assert q == "triton", probe
+assert q == "triton" and probe["gelu_fused"], probe
+# GELU + quantize in one kernel vs GELU then quantize
+gx = torch.randn(64, 48, generator=g).half() * 2
+want_g = tc.quantize_activation(torch.nn.functional.gelu(gx.float()), s)
+got_g = tc.quantize_activation_triton(gx, s, gelu=True)
+assert int((got_g.int() - want_g.int()).abs().max()) <= 1 and int((got_g != want_g).sum()) <= 3
+
+# a whole encoder: Triton quantizers + fused GELU vs the torch-op quantizers, same exact INT8 GEMMs
+from transformers import BertConfig, BertForSequenceClassification
+from compress.layers import encoder_linear_names
+from compress.project import project
+from compress.quant import calibrate_amax
+torch.manual_seed(0)
+cfg = BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                 max_position_embeddings=64, num_labels=2)
+model = BertForSequenceClassification(cfg).eval()
+layers = encoder_linear_names(model)
+scales = {}
+with torch.no_grad():
+    for name in layers:
+        p = project(model.get_submodule(name).weight.data)
+        model.get_submodule(name).weight.data.copy_(p.z)
+        scales[name] = p.scales
+ids = torch.randint(5, 300, (3, 16), generator=g)
+batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+amax = calibrate_amax(model, layers, [batch])
+state = model.state_dict()
+kw = dict(weight_scales=scales, act_amax=amax, sparse_layers=layers, kernel="reference", dtype=torch.float32)
+plain = tc.build_encoder(cfg.to_dict(), state, **kw)
+fused = tc.build_encoder(cfg.to_dict(), state, quantizer="triton", gelu_quant=True, **kw)
+assert fused.gelu_quant and not plain.gelu_quant
+with torch.no_grad():
+    a, b = plain(**batch), fused(**batch)
+assert torch.allclose(a, b, atol=2e-2), (a - b).abs().max()
 print("ok")
 """
 

@@ -572,12 +572,15 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
     dev = run.device
     epilogue = None
     quantizer = "torch"
+    gelu_fused = False
     if not run.smoke:
         try:
             epilogue = tc.choose_epilogue("cuda")[0]
         except Exception as e:  # noqa: BLE001 - the 2:4 variants then fail one by one, with this reason
             log(f"no working 2:4 INT8 epilogue: {e}")
-        quantizer = tc.choose_quantizer("cuda")[0]
+        quantizer, qprobe = tc.choose_quantizer("cuda")
+        gelu_fused = bool(qprobe.get("gelu_fused"))
+        log(f"quantizer: {qprobe}")
 
     def hf_dense():
         m = _hf_model(config, dense_state, dt, dev)
@@ -589,7 +592,8 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
             enc = tc.build_encoder(config, state, weight_scales=None if dense else quant["scales"],
                                    act_amax=None if dense else quant["amax"],
                                    sparse_layers=quant["layers"] if sparse else (), kernel=kernel, dtype=dt,
-                                   device=dev, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search)
+                                   device=dev, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search,
+                                   gelu_quant=gelu_fused)
             return lambda inp: enc(**inp)
         return build
 

@@ -105,18 +105,34 @@ def _triton_quant_kernel():
             q = (q + 12582912.0) - 12582912.0
             tl.store(out_ptr + offs, q.to(tl.int8), mask=m)
 
+        @triton.jit
+        def _gelu_quant(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+            # exact (erf) GELU of the FFN's first GEMM, quantized for the second: the FP16 GELU
+            # output never goes to memory
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            g = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+            q = tl.div_rn(g, tl.load(scale_ptr))
+            q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+            q = (q + 12582912.0) - 12582912.0
+            tl.store(out_ptr + offs, q.to(tl.int8), mask=m)
+
         _TRITON["kernel"] = _quant
+        _TRITON["gelu_kernel"] = _gelu_quant
         _TRITON["cdiv"] = triton.cdiv
     except Exception as e:  # noqa: BLE001 - no triton (or an incompatible one): torch ops are used
         _TRITON["error"] = f"{type(e).__name__}: {e}"
     return _TRITON.get("kernel")
 
 
-def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: int | None = None) -> "torch.Tensor":
-    """quantize_activation as one Triton kernel; `rows` >= x.shape[0] pads the result with zero rows."""
-    kernel = _triton_quant_kernel()
-    if kernel is None:
+def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: int | None = None,
+                               gelu: bool = False) -> "torch.Tensor":
+    """quantize_activation (of GELU(x) with gelu=True) as one Triton kernel; `rows` >= x.shape[0]
+    pads the result with zero rows."""
+    if _triton_quant_kernel() is None:
         raise RuntimeError(f"triton is unavailable: {_TRITON.get('error')}")
+    kernel = _TRITON["gelu_kernel" if gelu else "kernel"]
     x = x.contiguous()
     m, k = x.shape
     rows = rows or m
@@ -138,11 +154,22 @@ def choose_quantizer(device="cuda") -> tuple[str, dict[str, Any]]:
     try:
         got = quantize_activation_triton(x, s.to(device))
         mism = int((got != want).sum())
-        if mism == 0:
-            return "triton", {"quantizer": "triton", "mismatches": 0}
-        return "torch", {"quantizer": "torch", "triton_mismatches": mism}
+        if mism:
+            return "torch", {"quantizer": "torch", "triton_mismatches": mism}
+        probe: dict[str, Any] = {"quantizer": "triton", "mismatches": 0}
     except Exception as e:  # noqa: BLE001
         return "torch", {"quantizer": "torch", "triton_error": f"{type(e).__name__}: {str(e)[:300]}"}
+    # GELU + quantize: erf implementations may differ in the last bit, so allow rare +-1 codes
+    try:
+        want_g = quantize_activation(F.gelu(x.float()), s.to(device))
+        got_g = quantize_activation_triton(x, s.to(device), gelu=True)
+        diff = (got_g.int() - want_g.int()).abs()
+        probe["gelu_mismatches"] = int((diff > 0).sum())
+        probe["gelu_fused"] = bool(int(diff.max()) <= 1 and probe["gelu_mismatches"] <= max(1, diff.numel() // 1000))
+    except Exception as e:  # noqa: BLE001
+        probe["gelu_fused"] = False
+        probe["gelu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return "triton", probe
 
 
 def weight_codes(w: "torch.Tensor", scales: "torch.Tensor") -> "torch.Tensor":
@@ -247,27 +274,39 @@ class QuantLinear(torch.nn.Module if torch is not None else object):  # type: ig
     def forward(self, x):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.kernel == "reference":
-            return int8_linear_reference(x2, self.w_codes, self.w_scales, self.act_scale, self.bias32).to(
-                self.dtype).reshape(*shape[:-1], -1)
         if self.kernel == "dense":
             return F.linear(x, self.weight, self.bias)
         if self.kernel == "fakequant":
             xq = quantize_activation(x2, self.act_scale).to(self.dtype) * self.act_scale.to(self.dtype)
             return F.linear(xq, self.weight, self.bias).reshape(*shape[:-1], -1)
         m = x2.shape[0]
-        mult = CSLT_DENSE_MULTIPLE if self.kernel == "cslt" else 32
         if self.quantizer == "triton":
-            xq = quantize_activation_triton(x2, self.act_scale, rows=m + (-m) % mult)
+            xq = quantize_activation_triton(x2, self.act_scale, rows=self.padded_rows(m))
         else:
-            xq = pad_rows(quantize_activation(x2, self.act_scale), mult)
+            xq = pad_rows(quantize_activation(x2, self.act_scale), self.row_multiple)
+        return self.from_codes(xq, m).reshape(*shape[:-1], -1)
+
+    @property
+    def row_multiple(self) -> int:
+        # cuSPARSELt wants the dense operand's rows in multiples of 16; _int_mm wants more than 16 rows
+        return {"cslt": CSLT_DENSE_MULTIPLE, "int_mm": 32}.get(self.kernel, 1)
+
+    def padded_rows(self, m: int) -> int:
+        return m + (-m) % self.row_multiple
+
+    def from_codes(self, xq, m: int):
+        """The GEMM and dequantization for int8 codes [padded rows, K]; returns [m, N] in self.dtype."""
+        if self.kernel == "reference":  # exact integer accumulation (float64 is exact here), as int8_linear_reference
+            acc = xq[:m].double() @ self.w_codes.double().t()
+            y = acc.float() * self.alpha
+            return (y + self.bias32 if self.bias32 is not None else y).to(self.dtype)
         if self.kernel == "int_mm":
             acc = torch._int_mm(xq, self.w_t)[:m]
             y = acc.float() * self.alpha
             y = (y + self.bias32 if self.bias32 is not None else y).to(self.dtype)
         else:
             y = self._cslt(xq)[:m]
-        return y.reshape(*shape[:-1], -1)
+        return y
 
     def _alg(self, xq, **kw) -> int:
         if not self.alg_search:
@@ -351,6 +390,7 @@ class Encoder(torch.nn.Module if torch is not None else object):  # type: ignore
         self.shape = shape
         self.dtype = dtype
         self.act = _act(shape.act)
+        self.gelu_quant = False  # fused GELU + quantize before the FFN's second GEMM (Triton quantizer only)
         p = prefix
 
         def t(name):
@@ -389,8 +429,14 @@ class Encoder(torch.nn.Module if torch is not None else object):  # type: ignore
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             ctx = ctx.transpose(1, 2).reshape(b, n, s.hidden)
             h = F.layer_norm(block["out"](ctx) + h, (s.hidden,), *ln1, s.eps)
-            inter = self.act(block["ffn_in"](h))
-            h = F.layer_norm(block["ffn_out"](inter) + h, (s.hidden,), *ln2, s.eps)
+            ffn_out = block["ffn_out"]
+            if self.gelu_quant and isinstance(ffn_out, QuantLinear) and ffn_out.quantizer == "triton":
+                y = block["ffn_in"](h).reshape(b * n, -1)
+                xq = quantize_activation_triton(y, ffn_out.act_scale, rows=ffn_out.padded_rows(b * n), gelu=True)
+                out = ffn_out.from_codes(xq, b * n).reshape(b, n, -1)
+            else:
+                out = ffn_out(self.act(block["ffn_in"](h)))
+            h = F.layer_norm(out + h, (s.hidden,), *ln2, s.eps)
         cls = h[:, 0]
         if self.pooler is not None:
             cls = torch.tanh(F.linear(cls, *self.pooler))
@@ -437,7 +483,8 @@ def make_linear(weight, bias, *, scales=None, act_amax: float | None = None, spa
             k = "int_mm" if (kernel == "cslt" and not sparse) else kernel
             return QuantLinear(codes.to(device), scales.to(device), float(act_amax) / ACT_SCALE_DIV, bias,
                                kernel=k, dtype=dtype, epilogue=epilogue,
-                               quantizer=quantizer if k in ("cslt", "int_mm") else "torch", alg_search=alg_search)
+                               quantizer=quantizer if k in ("cslt", "int_mm", "reference") else "torch",
+                               alg_search=alg_search)
         weight = codes.float() * scales.reshape(-1, 1)  # the exact dequantized weight
     return DenseLinear(weight.float().to(device), bias, dtype=dtype)
 
@@ -456,6 +503,7 @@ def build_encoder(
     fuse_qkv: bool = True,
     quantizer: str = "torch",
     alg_search: bool = False,
+    gelu_quant: bool = False,
 ) -> "Encoder":
     """An Encoder for a BERT state dict (transformers names) and the checkpoint's quantization.
 
@@ -494,7 +542,9 @@ def build_encoder(
         linears[f"{lp}attention.self.qkv"] = qkv
         for n in ("attention.output.dense", "intermediate.dense", "output.dense"):
             linears[lp + n] = single(lp + n)
-    return Encoder(shape, state, linears, dtype=dtype, device=device, prefix=prefix).eval()
+    enc = Encoder(shape, state, linears, dtype=dtype, device=device, prefix=prefix).eval()
+    enc.gelu_quant = bool(gelu_quant and quantizer == "triton" and shape.act == "gelu")
+    return enc
 
 
 def checkpoint_tensors(art: Artifact) -> tuple[dict[str, Any], dict[str, "torch.Tensor"]]:
@@ -507,13 +557,14 @@ def checkpoint_tensors(art: Artifact) -> tuple[dict[str, Any], dict[str, "torch.
 
 def encoder_from_artifact(art: Artifact, *, kernel: str = "cslt", dtype=None, device="cpu",
                           epilogue: Epilogue | None = None, quantizer: str = "torch",
-                          alg_search: bool = False) -> "Encoder":
+                          alg_search: bool = False, gelu_quant: bool = False) -> "Encoder":
     config, state = checkpoint_tensors(art)
     q = art.manifest.get("quantization") or {}
     scales = (q.get("weights") or {}).get("scales") or {}
     return build_encoder(config, state, weight_scales=scales, act_amax=art.activation_amax(),
                          sparse_layers=art.sparse_layers if art.nm == (2, 4) else (), kernel=kernel,
-                         dtype=dtype, device=device, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search)
+                         dtype=dtype, device=device, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search,
+                         gelu_quant=gelu_quant)
 
 
 # --------------------------------------------------------------------------- device checks
@@ -753,7 +804,8 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
     if quantizer == "auto":
         quantizer, quant_probe = choose_quantizer(device)
     model = encoder_from_artifact(artifact, kernel=kernel, dtype=torch.float16, device=device, epilogue=epilogue,
-                                  quantizer=quantizer, alg_search=alg_search)
+                                  quantizer=quantizer, alg_search=alg_search,
+                                  gelu_quant=bool(quant_probe.get("gelu_fused")))
     limit = artifact.max_seq_length
     seqs = sorted({s for s in (seq_buckets or DEFAULT_SEQ_BUCKETS) if s < limit} | {int(math.ceil(limit / 16) * 16)})
     bb = [b for b in batch_buckets if max_batch is None or b <= max_batch] or [1]
@@ -763,5 +815,5 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
         if isinstance(mod, (QuantLinear, DenseLinear)):
             kinds[mod.kernel] = kinds.get(mod.kernel, 0) + 1
     extra = {"device": rep, "kernel": kernel, "epilogue": epilogue.name if epilogue else None,
-             "epilogue_probe": tried, "alg_search": alg_search, "quantizer": quantizer, "quantizer_probe": quant_probe, "gemm_kernels": kinds, "load_seconds": round(time.perf_counter() - t0, 2)}
+             "epilogue_probe": tried, "alg_search": alg_search, "quantizer": quantizer, "gelu_quant_fused": model.gelu_quant, "quantizer_probe": quant_probe, "gemm_kernels": kinds, "load_seconds": round(time.perf_counter() - t0, 2)}
     return TorchCudaBackend(artifact, runner, extra)
