@@ -91,7 +91,7 @@ assert got.dtype == torch.int8 and got.shape == (x.shape[0] + 7, 40)
 assert torch.equal(got[: x.shape[0]], want), int((got[: x.shape[0]] != want).sum())
 assert not got[x.shape[0]:].any()
 q, probe = tc.choose_quantizer("cpu")
-assert q == "triton" and probe["gelu_fused"], probe
+assert q == "triton" and probe["gelu_fused"] and probe["ln_fused"], probe
 # GELU + quantize in one kernel vs GELU then quantize
 gx = torch.randn(64, 48, generator=g).half() * 2
 want_g = tc.quantize_activation(torch.nn.functional.gelu(gx.float()), s)
@@ -121,10 +121,22 @@ state = model.state_dict()
 kw = dict(weight_scales=scales, act_amax=amax, sparse_layers=layers, kernel="reference", dtype=torch.float32)
 plain = tc.build_encoder(cfg.to_dict(), state, **kw)
 fused = tc.build_encoder(cfg.to_dict(), state, quantizer="triton", gelu_quant=True, **kw)
-assert fused.gelu_quant and not plain.gelu_quant
+assert fused.gelu_quant and not plain.gelu_quant and not fused.ln_quant
 with torch.no_grad():
     a, b = plain(**batch), fused(**batch)
 assert torch.allclose(a, b, atol=2e-2), (a - b).abs().max()
+# FP16 throughout, as on the GPU: LayerNorm + residual + quantize fused as well
+kw["dtype"] = torch.float16
+plain16 = tc.build_encoder(cfg.to_dict(), state, **kw)
+fused16 = tc.build_encoder(cfg.to_dict(), state, quantizer="triton", gelu_quant=True, ln_quant=True, **kw)
+assert fused16.ln_quant and fused16.gelu_quant
+with torch.no_grad():
+    c, d = plain16(**batch), fused16(**batch)
+assert torch.allclose(c, d, atol=3e-2), (c - d).abs().max()
+assert torch.allclose(a, d, atol=5e-2), (a - d).abs().max()
+h, hq = tc.add_layer_norm_quant(gx, gx, torch.ones(48).half(), torch.zeros(48).half(), 1e-12, scale=s, rows=70)
+ref_h = torch.nn.functional.layer_norm(gx + gx, (48,), torch.ones(48).half(), torch.zeros(48).half(), 1e-12)
+assert (h.float() - ref_h.float()).abs().max() < 1e-2 and hq.shape == (70, 48) and not hq[64:].any()
 print("ok")
 """
 

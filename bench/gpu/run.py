@@ -572,7 +572,7 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
     dev = run.device
     epilogue = None
     quantizer = "torch"
-    gelu_fused = False
+    gelu_fused = ln_fused = False
     if not run.smoke:
         try:
             epilogue = tc.choose_epilogue("cuda")[0]
@@ -580,20 +580,21 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
             log(f"no working 2:4 INT8 epilogue: {e}")
         quantizer, qprobe = tc.choose_quantizer("cuda")
         gelu_fused = bool(qprobe.get("gelu_fused"))
+        ln_fused = bool(qprobe.get("ln_fused"))
         log(f"quantizer: {qprobe}")
 
     def hf_dense():
         m = _hf_model(config, dense_state, dt, dev)
         return lambda inp: m(**inp).logits
 
-    def ours(kernel, state, sparse=True, quantizer=quantizer, alg_search=False):
+    def ours(kernel, state, sparse=True, quantizer=quantizer, alg_search=False, fuse=True):
         def build():
             dense = kernel == "dense"  # the FP16 baseline keeps the state's own (dense) weights
             enc = tc.build_encoder(config, state, weight_scales=None if dense else quant["scales"],
                                    act_amax=None if dense else quant["amax"],
                                    sparse_layers=quant["layers"] if sparse else (), kernel=kernel, dtype=dt,
                                    device=dev, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search,
-                                   gelu_quant=gelu_fused)
+                                   gelu_quant=gelu_fused and fuse, ln_quant=ln_fused and fuse)
             return lambda inp: enc(**inp)
         return build
 
@@ -623,6 +624,9 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
               ("2:4 INT8 + CUDA graphs (ours)", ours("cslt", sparse_state), True, False)]
         v.append(("2:4 INT8 + CUDA graphs (ours, cuSPARSELt alg search)",
                   ours("cslt", sparse_state, alg_search=True), True, False))
+        if gelu_fused or ln_fused:  # evidence for what the LayerNorm / GELU fusions buy
+            v.append(("2:4 INT8 + CUDA graphs (ours, no LayerNorm/GELU fusion)",
+                      ours("cslt", sparse_state, fuse=False), True, False))
         if quantizer != "torch":  # evidence for what the fused quantizer buys
             v.append(("2:4 INT8 + CUDA graphs (ours, unfused torch-op quantizer)",
                       ours("cslt", sparse_state, quantizer="torch"), True, False))

@@ -118,8 +118,35 @@ def _triton_quant_kernel():
             q = (q + 12582912.0) - 12582912.0
             tl.store(out_ptr + offs, q.to(tl.int8), mask=m)
 
+        @triton.jit
+        def _add_ln_quant(x_ptr, r_ptr, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, H, eps,
+                          HAS_RES: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
+            # one row: h = LayerNorm(x + r) in FP16 (the residual stream) and, for the next GEMM,
+            # the int8 codes of h; the same roundings as the separate torch ops (FP16 sum, FP16 h)
+            row = tl.program_id(0).to(tl.int64)
+            cols = tl.arange(0, BLOCK)
+            m = cols < H
+            x = tl.load(x_ptr + row * H + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_RES:
+                x = (x + tl.load(r_ptr + row * H + cols, mask=m, other=0.0).to(tl.float32)).to(tl.float16).to(tl.float32)
+            mean = tl.sum(x, axis=0) / H
+            xc = tl.where(m, x - mean, 0.0)
+            var = tl.sum(xc * xc, axis=0) / H
+            rstd = 1.0 / tl.sqrt(var + eps)
+            w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            yh = (xc * rstd * w + b).to(tl.float16)
+            tl.store(h_ptr + row * H + cols, yh, mask=m)
+            if HAS_Q:
+                q = tl.div_rn(yh.to(tl.float32), tl.load(scale_ptr))
+                q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+                q = (q + 12582912.0) - 12582912.0
+                tl.store(q_ptr + row * H + cols, q.to(tl.int8), mask=m)
+
         _TRITON["kernel"] = _quant
         _TRITON["gelu_kernel"] = _gelu_quant
+        _TRITON["ln_kernel"] = _add_ln_quant
+        _TRITON["next_pow2"] = triton.next_power_of_2
         _TRITON["cdiv"] = triton.cdiv
     except Exception as e:  # noqa: BLE001 - no triton (or an incompatible one): torch ops are used
         _TRITON["error"] = f"{type(e).__name__}: {e}"
@@ -142,6 +169,27 @@ def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: i
     n = m * k
     kernel[(_TRITON["cdiv"](n, QUANT_BLOCK),)](x, out, scale.reshape(1), n, BLOCK=QUANT_BLOCK)
     return out
+
+
+def add_layer_norm_quant(x, res, weight, bias, eps: float, scale=None, rows: int | None = None):
+    """(LayerNorm(x + res) as FP16 [T, H], its int8 codes [rows, H] or None) in one Triton kernel."""
+    if _triton_quant_kernel() is None:
+        raise RuntimeError(f"triton is unavailable: {_TRITON.get('error')}")
+    hdim = x.shape[-1]
+    x2 = x.reshape(-1, hdim).contiguous()
+    r2 = res.reshape(-1, hdim).contiguous() if res is not None else x2
+    t = x2.shape[0]
+    h = torch.empty_like(x2)
+    q = None
+    if scale is not None:
+        rows = rows or t
+        q = torch.empty((rows, hdim), dtype=torch.int8, device=x.device)
+        if rows > t:
+            q[t:].zero_()
+    _TRITON["ln_kernel"][(t,)](
+        x2, r2, weight, bias, h, q if q is not None else h, scale.reshape(1) if scale is not None else weight,
+        hdim, float(eps), HAS_RES=res is not None, HAS_Q=scale is not None, BLOCK=_TRITON["next_pow2"](hdim))
+    return h, q
 
 
 def choose_quantizer(device="cuda") -> tuple[str, dict[str, Any]]:
@@ -169,6 +217,25 @@ def choose_quantizer(device="cuda") -> tuple[str, dict[str, Any]]:
     except Exception as e:  # noqa: BLE001
         probe["gelu_fused"] = False
         probe["gelu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    # residual add + LayerNorm + quantize: FP16 output within a few FP16 ulps, codes within +-1, rarely
+    try:
+        hdim = 384
+        xa = torch.randn(96, hdim, generator=g).to(device, torch.float16)
+        xr = torch.randn(96, hdim, generator=g).to(device, torch.float16)
+        w = (torch.rand(hdim, generator=g) + 0.5).to(device, torch.float16)
+        bb = (torch.randn(hdim, generator=g) * 0.1).to(device, torch.float16)
+        want_h = F.layer_norm(xa + xr, (hdim,), w, bb, 1e-12)
+        want_q = quantize_activation(want_h, s.to(device))
+        got_h, got_q = add_layer_norm_quant(xa, xr, w, bb, 1e-12, scale=s.to(device), rows=100)
+        herr = float((got_h.float() - want_h.float()).abs().max())
+        diff = (got_q[:96].int() - want_q.int()).abs()
+        probe["ln_max_abs_err"] = herr
+        probe["ln_code_mismatches"] = int((diff > 0).sum())
+        probe["ln_fused"] = bool(herr <= 1e-2 and int(diff.max()) <= 1 and probe["ln_code_mismatches"] <= diff.numel() // 500
+                                 and not got_q[96:].any())
+    except Exception as e:  # noqa: BLE001
+        probe["ln_fused"] = False
+        probe["ln_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return "triton", probe
 
 
@@ -391,6 +458,7 @@ class Encoder(torch.nn.Module if torch is not None else object):  # type: ignore
         self.dtype = dtype
         self.act = _act(shape.act)
         self.gelu_quant = False  # fused GELU + quantize before the FFN's second GEMM (Triton quantizer only)
+        self.ln_quant = False  # residual add + LayerNorm + next quantizer fused (Triton; see _forward_fused)
         p = prefix
 
         def t(name):
@@ -414,7 +482,16 @@ class Encoder(torch.nn.Module if torch is not None else object):  # type: ignore
         self.pooler = (t(f"{p}pooler.dense.weight"), t(f"{p}pooler.dense.bias")) if f"{p}pooler.dense.weight" in state else None
         self.classifier = (t("classifier.weight"), t("classifier.bias"))
 
+    def _fusable(self) -> bool:
+        def tq(mod):
+            return isinstance(mod, QuantLinear) and mod.quantizer == "triton"
+
+        return all(len(blk["qkv"].parts) == 1 and tq(blk["qkv"].parts[0]) and tq(blk["out"]) and tq(blk["ffn_in"])
+                   and tq(blk["ffn_out"]) for blk in self.layers)
+
     def forward(self, input_ids, attention_mask, token_type_ids):
+        if self.ln_quant:
+            return self._forward_fused(input_ids, attention_mask, token_type_ids)
         s = self.shape
         b, n = input_ids.shape
         pos = torch.arange(n, device=input_ids.device)
@@ -438,6 +515,40 @@ class Encoder(torch.nn.Module if torch is not None else object):  # type: ignore
                 out = ffn_out(self.act(block["ffn_in"](h)))
             h = F.layer_norm(out + h, (s.hidden,), *ln2, s.eps)
         cls = h[:, 0]
+        if self.pooler is not None:
+            cls = torch.tanh(F.linear(cls, *self.pooler))
+        return F.linear(cls, *self.classifier).float()
+
+
+    def _forward_fused(self, input_ids, attention_mask, token_type_ids):
+        """The same forward with every LayerNorm fused with the residual add and the next GEMM's
+        quantizer, and GELU fused with the FFN's second quantizer (Triton kernels)."""
+        s = self.shape
+        b, n = input_ids.shape
+        t = b * n
+        pos = torch.arange(n, device=input_ids.device)
+        emb = self.word_emb[input_ids] + self.pos_emb[pos].unsqueeze(0) + self.type_emb[token_type_ids]
+        first = self.layers[0]["qkv"].parts[0]
+        h, hq = add_layer_norm_quant(emb, None, *self.emb_ln, s.eps, scale=first.act_scale, rows=first.padded_rows(t))
+        mask = (1.0 - attention_mask[:, None, None, :].to(self.dtype)) * torch.finfo(self.dtype).min
+        d = s.hidden // s.heads
+        for i, (block, (ln1, ln2)) in enumerate(zip(self.layers, self.lns)):
+            qkv = block["qkv"].parts[0].from_codes(hq, t)
+            q, k, v = qkv.view(b, n, 3, s.heads, d).permute(2, 0, 3, 1, 4).unbind(0)
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = block["out"](ctx.transpose(1, 2).reshape(t, s.hidden))
+            ffn_in, ffn_out = block["ffn_in"], block["ffn_out"]
+            h, hq = add_layer_norm_quant(y, h, *ln1, s.eps, scale=ffn_in.act_scale, rows=ffn_in.padded_rows(t))
+            inter = ffn_in.from_codes(hq, t)
+            if self.gelu_quant:
+                xq = quantize_activation_triton(inter, ffn_out.act_scale, rows=ffn_out.padded_rows(t), gelu=True)
+            else:
+                xq = quantize_activation_triton(self.act(inter), ffn_out.act_scale, rows=ffn_out.padded_rows(t))
+            y = ffn_out.from_codes(xq, t)
+            nxt = self.layers[i + 1]["qkv"].parts[0] if i + 1 < len(self.layers) else None
+            h, hq = add_layer_norm_quant(y, h, *ln2, s.eps, scale=nxt.act_scale if nxt is not None else None,
+                                         rows=nxt.padded_rows(t) if nxt is not None else None)
+        cls = h.view(b, n, s.hidden)[:, 0]
         if self.pooler is not None:
             cls = torch.tanh(F.linear(cls, *self.pooler))
         return F.linear(cls, *self.classifier).float()
@@ -504,6 +615,7 @@ def build_encoder(
     quantizer: str = "torch",
     alg_search: bool = False,
     gelu_quant: bool = False,
+    ln_quant: bool = False,
 ) -> "Encoder":
     """An Encoder for a BERT state dict (transformers names) and the checkpoint's quantization.
 
@@ -544,6 +656,7 @@ def build_encoder(
             linears[lp + n] = single(lp + n)
     enc = Encoder(shape, state, linears, dtype=dtype, device=device, prefix=prefix).eval()
     enc.gelu_quant = bool(gelu_quant and quantizer == "triton" and shape.act == "gelu")
+    enc.ln_quant = bool(ln_quant and quantizer == "triton" and enc._fusable())
     return enc
 
 
@@ -557,14 +670,14 @@ def checkpoint_tensors(art: Artifact) -> tuple[dict[str, Any], dict[str, "torch.
 
 def encoder_from_artifact(art: Artifact, *, kernel: str = "cslt", dtype=None, device="cpu",
                           epilogue: Epilogue | None = None, quantizer: str = "torch",
-                          alg_search: bool = False, gelu_quant: bool = False) -> "Encoder":
+                          alg_search: bool = False, gelu_quant: bool = False, ln_quant: bool = False) -> "Encoder":
     config, state = checkpoint_tensors(art)
     q = art.manifest.get("quantization") or {}
     scales = (q.get("weights") or {}).get("scales") or {}
     return build_encoder(config, state, weight_scales=scales, act_amax=art.activation_amax(),
                          sparse_layers=art.sparse_layers if art.nm == (2, 4) else (), kernel=kernel,
                          dtype=dtype, device=device, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search,
-                         gelu_quant=gelu_quant)
+                         gelu_quant=gelu_quant, ln_quant=ln_quant)
 
 
 # --------------------------------------------------------------------------- device checks
@@ -805,7 +918,8 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
         quantizer, quant_probe = choose_quantizer(device)
     model = encoder_from_artifact(artifact, kernel=kernel, dtype=torch.float16, device=device, epilogue=epilogue,
                                   quantizer=quantizer, alg_search=alg_search,
-                                  gelu_quant=bool(quant_probe.get("gelu_fused")))
+                                  gelu_quant=bool(quant_probe.get("gelu_fused")),
+                                  ln_quant=bool(quant_probe.get("ln_fused")))
     limit = artifact.max_seq_length
     seqs = sorted({s for s in (seq_buckets or DEFAULT_SEQ_BUCKETS) if s < limit} | {int(math.ceil(limit / 16) * 16)})
     bb = [b for b in batch_buckets if max_batch is None or b <= max_batch] or [1]
@@ -815,5 +929,6 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
         if isinstance(mod, (QuantLinear, DenseLinear)):
             kinds[mod.kernel] = kinds.get(mod.kernel, 0) + 1
     extra = {"device": rep, "kernel": kernel, "epilogue": epilogue.name if epilogue else None,
-             "epilogue_probe": tried, "alg_search": alg_search, "quantizer": quantizer, "gelu_quant_fused": model.gelu_quant, "quantizer_probe": quant_probe, "gemm_kernels": kinds, "load_seconds": round(time.perf_counter() - t0, 2)}
+             "epilogue_probe": tried, "alg_search": alg_search, "quantizer": quantizer, "gelu_quant_fused": model.gelu_quant,
+             "ln_quant_fused": model.ln_quant, "quantizer_probe": quant_probe, "gemm_kernels": kinds, "load_seconds": round(time.perf_counter() - t0, 2)}
     return TorchCudaBackend(artifact, runner, extra)
