@@ -10,7 +10,10 @@ semi-structured INT8 GEMM (`torch._cslt_compress` / `torch._cslt_sparse_mm`, the
 The per-output-channel factor `s_w[n] * s_x` is cuSPARSELt's alpha vector, so the dequantization
 (and, where the library takes it, the bias) happens in the GEMM epilogue and the result comes out
 in FP16. Everything else (embeddings, LayerNorm, attention, GELU, pooler, classifier) runs in FP16.
-One CUDA graph is captured per (batch, sequence) bucket, so a request costs a few launches.
+The activation quantizers are small Triton kernels fused with what precedes them (residual add +
+LayerNorm, GELU) so that no FP16 intermediate is written just to be re-read and quantized; each
+fused kernel is compared with the plain torch ops on the device at load time and used only if it
+agrees. One CUDA graph is captured per (batch, sequence) bucket, so a request costs a few launches.
 
 The encoder is a small BERT written here rather than the transformers module: its forward has no
 data-dependent branches (which CUDA graph capture forbids) and Q/K/V share one GEMM when their
