@@ -63,6 +63,10 @@ KERNEL_TITLES = {
 }
 
 
+class Stopped(BaseException):
+    """Raised by the SIGTERM handler; not an Exception, so the per-measurement guards let it through."""
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -1110,23 +1114,34 @@ def main(argv=None) -> int:
             return 2
         torch.backends.cuda.matmul.allow_tf32 = False
     run.report["errors"] = []
+
+    def _stop(signum, _frame):  # `timeout` sends SIGTERM: still write the tables of what was measured
+        raise Stopped(f"stopped by signal {signum} after {run.elapsed():.0f} s")
+
+    import signal
+
+    signal.signal(signal.SIGTERM, _stop)
     # parity first (the check that must not be lost), then the whole-encoder targets, then the GEMM
     # sweep (it stops at the time budget), and third-party graph captures last of all
     order = [s for s in ("env", "peak", "parity", "encoder", "gemm") if s in args.section_list or s == "env"]
     if "encoder" in args.section_list:
         order.append("encoder_3p")
-    for name in order:
-        if run.over_budget() and name != "env":
-            run.report["sections"][name] = {"error": "skipped: time budget reached"}
-            continue
-        log(f"section {name}")
-        t = time.perf_counter()
-        r = guarded(name, lambda name=name: SECTIONS[name](run))
-        if "error" in r and len(r) <= 2:
-            run.report["errors"].append(f"{name}: {r['error']}")
-        r["seconds"] = round(time.perf_counter() - t, 1)
-        run.report["sections"][name] = r
-        run.save()
+    try:
+        for name in order:
+            if run.over_budget() and name != "env":
+                run.report["sections"][name] = {"error": "skipped: time budget reached"}
+                continue
+            log(f"section {name}")
+            t = time.perf_counter()
+            r = guarded(name, lambda name=name: SECTIONS[name](run))
+            if "error" in r and len(r) <= 2:
+                run.report["errors"].append(f"{name}: {r['error']}")
+            r["seconds"] = round(time.perf_counter() - t, 1)
+            run.report["sections"][name] = r
+            run.save()
+    except Stopped as e:
+        log(str(e))
+        run.report["errors"].append(str(e))
     finish(run)
     return 0
 
