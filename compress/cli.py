@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, help="cap the optimizer steps of every training phase")
     p.add_argument("--train-limit", type=int, help="use only the first N training rows")
     p.add_argument("--dev-limit", type=int, help="evaluate on the first N dev rows only (for smoke tests)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a preset field, e.g. --set qat.lr=1e-4 --set admm_cfg.rho_end=0.1 (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic for a given seed)")
     p.add_argument("--teacher", type=Path,
                    help="reuse a fine-tuned dense model (e.g. <out>.state/teacher of an earlier run) instead of training one")
@@ -54,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         method=args.method, quant=not args.no_quant, max_steps=args.max_steps, train_limit=args.train_limit,
         dev_limit=args.dev_limit, seed=args.seed, teacher=args.teacher, state_dir=args.state_dir,
         overwrite=args.overwrite, restart=args.restart, progress=not args.no_progress,
+        overrides=tuple(args.overrides),
     )
     art = compress(job)
     m = art.manifest["metrics"]

@@ -87,6 +87,42 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def apply_overrides(preset: Preset, items: list[str] | None) -> Preset:
+    """Override preset fields from "section.field=value" strings, e.g. "qat.lr=1e-4", "admm_cfg.rho_end=0.1"."""
+    from holoserve import HoloServeError
+
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise HoloServeError(f"--set {item!r}: expected FIELD=VALUE, e.g. qat.lr=1e-4")
+        path = key.strip().split(".")
+        objs = [preset]
+        for part in path[:-1]:
+            if not hasattr(objs[-1], part):
+                raise HoloServeError(f"--set {item!r}: preset has no section {part!r}")
+            objs.append(getattr(objs[-1], part))
+        leaf = path[-1]
+        if not hasattr(objs[-1], leaf):
+            raise HoloServeError(f"--set {item!r}: {type(objs[-1]).__name__} has no field {leaf!r}")
+        old = getattr(objs[-1], leaf)
+        try:
+            if raw.strip().lower() == "none":
+                val = None
+            elif isinstance(old, bool):
+                val = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif old is None:
+                val = None if raw.strip().lower() == "none" else float(raw)
+            else:
+                val = type(old)(float(raw)) if isinstance(old, int) else type(old)(raw)
+        except ValueError:
+            raise HoloServeError(f"--set {item!r}: {raw!r} is not a valid {type(old).__name__}") from None
+        new = replace(objs[-1], **{leaf: val})
+        for parent, part in zip(reversed(objs[:-1]), reversed(path[:-1])):
+            new = replace(parent, **{part: new})
+        preset = new
+    return preset
+
+
 def get_preset(name: str):
     from holoserve import HoloServeError
 

@@ -28,7 +28,7 @@ from holoserve.glue import read_split
 from holoserve.tasks import Task, get_task
 
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
-from .config import Preset, get_preset
+from .config import Preset, apply_overrides, get_preset
 from .data import Encoded, encode, load_tokenizer, train_batches
 from .evaluate import evaluate
 from .layers import encoder_linear_names
@@ -89,6 +89,7 @@ class Job:
     overwrite: bool = False
     restart: bool = False
     progress: bool = True
+    overrides: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -149,7 +150,7 @@ class Runner:
     def __init__(self, job: Job):
         self.job = job
         self.task = get_task(job.task)
-        self.preset: Preset = get_preset(job.preset).with_max_steps(job.max_steps)
+        self.preset: Preset = apply_overrides(get_preset(job.preset), list(job.overrides)).with_max_steps(job.max_steps)
         if job.method not in METHODS:
             raise HoloServeError(f"unknown method {job.method!r}: choose one of {', '.join(METHODS)}")
         self.out = Path(job.out)

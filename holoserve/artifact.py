@@ -67,12 +67,29 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _public_mode(fd_or_path, directory: bool = False) -> None:
+    """mkstemp/mkdtemp create 0600/0700 entries; give checkpoint files the usual umask-based modes so a
+    server running as another user (e.g. in a container) can read them."""
+    mode = (0o777 if directory else 0o666) & ~_umask()
+    if isinstance(fd_or_path, int):
+        os.fchmod(fd_or_path, mode)
+    else:
+        os.chmod(fd_or_path, mode)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so that readers see either the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        _public_mode(fd)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -98,6 +115,7 @@ def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
     try:
+        _public_mode(fd)
         with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
             shutil.copyfileobj(inp, out, 1 << 20)
             out.flush()
@@ -417,6 +435,7 @@ def write_artifact(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
+        _public_mode(tmp, directory=True)
         manifest = json.loads(json.dumps(manifest))  # deep copy, and proof it is JSON
         manifest["files"] = {}
         for name, src in files.items():

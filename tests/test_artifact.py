@@ -189,3 +189,28 @@ def test_cli_reports_bad_checkpoint_without_traceback(ckpt, capsys):
     assert main(["eval", str(ckpt), "--data-dir", str(ckpt)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "not valid JSON" in err and "Traceback" not in err
+
+
+def test_checkpoint_files_are_readable_by_other_users(good, tmp_path):
+    """Temp-file based atomic writes must not leave 0600 files (a server in a container runs as another user)."""
+    import os
+    import stat
+
+    from holoserve.artifact import atomic_copy, atomic_write_bytes
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_bytes(tmp_path / "a", b"x")
+        atomic_copy(tmp_path / "a", tmp_path / "b")
+        out = tmp_path / "ckpt"
+        shutil.copytree(good[0], tmp_path / "src")
+        m = _manifest(tmp_path / "src")
+        from holoserve.artifact import write_artifact
+
+        write_artifact(out, m, {n: tmp_path / "src" / n for n in m["files"]})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "b").stat().st_mode) == 0o644
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o644 for f in out.iterdir())

@@ -80,3 +80,17 @@ def test_plain_training_breaks_the_mask(setup):
     train_phase("plain", model, PhaseConfig(steps=5, lr=5e-3), data, Preset(name="t", batch_size=16), 0, None,
                 progress=False)
     assert nm_share(model, layers) < 0.5
+
+
+def test_preset_overrides():
+    from compress.config import PRESETS, apply_overrides
+    from holoserve import HoloServeError
+
+    p = apply_overrides(PRESETS["quick"], ["qat.lr=1e-4", "admm_cfg.rho_end=0.1", "calib_percentile=none",
+                                           "freeze_word_embeddings=false", "admm.steps=7"])
+    assert (p.qat.lr, p.admm_cfg.rho_end, p.calib_percentile, p.freeze_word_embeddings, p.admm.steps) == \
+        (1e-4, 0.1, None, False, 7)
+    assert PRESETS["quick"].qat.lr != 1e-4  # presets themselves are frozen
+    for bad in ("qat.nope=1", "nope.lr=1", "qat.lr", "qat.steps=abc"):
+        with pytest.raises(HoloServeError, match="--set"):
+            apply_overrides(PRESETS["quick"], [bad])
