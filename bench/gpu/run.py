@@ -819,6 +819,7 @@ def section_parity(run: Run) -> dict[str, Any]:
     else:
         return {"error": f"no dev split carried under {glue}: run prepare.py with --data-dir"}
     tok = Tokenizer.from_file(str(art.path / "tokenizer.json"))
+    tok.no_padding()  # tokenizer.json may pad to a fixed length; batches are padded to their longest row here
     tok.enable_truncation(max_length=art.max_seq_length)
     ref, _ = load_model(art.path)
     ref.to(run.device)
