@@ -344,8 +344,8 @@ def write_markdown(res: dict, path: Path) -> None:
         "",
         f"{res['date']} · {m['cpu']} · ONNX Runtime CPU, {res['threads']} intra-op thread(s) · "
         f"{res['texts']} · one text per request, closed-loop clients on loopback, "
-        f"{res['duration_s']} s (max {res['max_requests']} requests) per level and mode, in two rounds that "
-        f"alternate batching off and on.",
+        f"{res['duration_s']} s (max {res['max_requests']} requests) per level and mode, in "
+        f"{res['rounds']} rounds that alternate batching off and on.",
         f"The cores are shared with other work: load average at start {m['load_avg_at_start'][0]:.2f} "
         f"(`{m['uptime_at_start']}`), so absolute numbers are noisy; ratios were measured in one run.",
         "",
@@ -425,7 +425,8 @@ def main() -> int:
                     help="default: runs/minilm-sst2-quick if present, else runs/minilm-sst2-standin")
     ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"))
     ap.add_argument("--clients", default="1,8,32,128")
-    ap.add_argument("--duration", type=float, default=8.0, help="seconds per level")
+    ap.add_argument("--duration", type=float, default=12.0, help="seconds per level and mode, split over --rounds")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating off/on rounds per level")
     ap.add_argument("--max-requests", type=int, default=20000, help="answers per level, at most")
     ap.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     ap.add_argument("--batch-size", type=int, default=32, help="--max-batch-size with batching on")
@@ -453,7 +454,7 @@ def main() -> int:
                        "task": art.task_name, "max_seq_length": art.max_seq_length,
                        "training": art.manifest.get("training", {}).get("method"),
                        "export": (art.manifest.get("exports") or {}).get("onnxruntime", {}).get("file")},
-        "texts": text_source, "threads": args.threads, "duration_s": args.duration, "max_requests": args.max_requests,
+        "texts": text_source, "threads": args.threads, "duration_s": args.duration, "rounds": args.rounds, "max_requests": args.max_requests,
         "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop",
         "modes": {},
     }
@@ -496,7 +497,7 @@ def main() -> int:
                               "asgi": asgi_overhead(log_off, mark)}
         print("bare:", res["bare_backend"], "\nhttp batch 1:", res["batch1_http"], flush=True)
 
-        rounds = 2
+        rounds = args.rounds
         for c in levels:
             parts: dict[str, list[dict]] = {m: [] for m in modes}
             mb: dict[str, list[float]] = {m: [0.0, 0.0] for m in modes}
