@@ -436,11 +436,17 @@ def main() -> int:
     ap.add_argument("--name", default="serve_load")
     args = ap.parse_args()
 
+    def exported(p: Path) -> bool:
+        try:
+            return "onnxruntime" in (json.loads((p / "manifest.json").read_text()).get("exports") or {})
+        except (OSError, json.JSONDecodeError):
+            return False
+
     ckpt = Path(args.checkpoint) if args.checkpoint else next(
-        (p for p in (REPO / "runs" / "minilm-sst2-quick", REPO / "runs" / "minilm-sst2-standin")
-         if (p / "manifest.json").is_file()), None)
-    if ckpt is None:
-        sys.exit("no checkpoint: pass --checkpoint or build one with bench/serve_load/standin.py")
+        (p for p in (REPO / "runs" / "minilm-sst2-quick", REPO / "runs" / "minilm-sst2-standin") if exported(p)), None)
+    if ckpt is None or not exported(ckpt):
+        sys.exit("no checkpoint with an ONNX Runtime export: pass --checkpoint DIR (after `holoserve export DIR`) "
+                 "or build a stand-in with bench/serve_load/standin.py")
     art = load_artifact(ckpt)
     texts, text_source = sst2_sentences(args.data_dir)
     levels = [int(x) for x in args.clients.split(",")]
