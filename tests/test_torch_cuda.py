@@ -324,6 +324,13 @@ def test_gpu_backend_matches_fake_quant_and_graphs(tmp_path):
         assert np.abs(got - want).max() < 5e-2 * max(1.0, np.abs(want).max())
         assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
     assert backend.info()["captured_buckets"] == ["8x32"]
+    accurate = load_backend("torch-cuda", load_artifact(art.path), precision="fp32")
+    assert accurate.info()["precision"] == "fp32"
+    batch = _batches(vocab, n=1, b=5, s=20, seed=4)[0]
+    with torch.no_grad(), input_quantizers(model, amax, layers):
+        want = model(**batch).logits.numpy()
+    got = accurate.infer(*(batch[k].numpy() for k in ("input_ids", "attention_mask", "token_type_ids")))
+    assert np.abs(got - want).max() < 1e-2 * max(1.0, np.abs(want).max())
 
 
 @pytest.mark.integration

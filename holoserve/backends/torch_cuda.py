@@ -390,7 +390,7 @@ class QuantLinear(torch.nn.Module if torch is not None else object):  # type: ig
 
     def _cslt(self, xq):
         e = self.epilogue
-        if e.alpha:
+        if e.alpha and self.dtype != torch.float32:  # cuSPARSELt's INT8 GEMM writes FP16/BF16/INT32, not FP32
             kw = dict(bias=self.bias_gemm[: self.out_features] if (e.bias and self.bias is not None) else None,
                       alpha=self.alpha, out_dtype=self.dtype, transpose_result=e.transpose)
             y = torch._cslt_sparse_mm(self.packed, xq.t(), alg_id=self._alg(xq, **kw), **kw)
@@ -901,11 +901,22 @@ class TorchCudaBackend:
         }
 
 
+PRECISIONS = ("fp16", "fp32")
+
+
 def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kernel: str = "cslt",
          batch_buckets: Iterable[int] = DEFAULT_BATCH_BUCKETS, seq_buckets: Iterable[int] | None = None,
          max_batch: int | None = None, quantizer: str = "auto", alg_search: bool = False,
-         **_ignored: Any) -> TorchCudaBackend:
-    """Load a checkpoint for 2:4 INT8 inference on the GPU (raises BackendUnavailable off-GPU)."""
+         precision: str = "fp16", **_ignored: Any) -> TorchCudaBackend:
+    """Load a checkpoint for 2:4 INT8 inference on the GPU (raises BackendUnavailable off-GPU).
+
+    precision="fp16" (default): everything outside the INT8 GEMMs in FP16, fused Triton kernels.
+    precision="fp32": the GEMMs write INT32 and everything else runs in FP32 with the torch ops,
+    for numerics closest to the checkpoint's fake-quant model (a quantized network turns 1-ulp
+    differences into whole-step code changes, so FP16 rounding alone moves some logits), slower.
+    """
+    if precision not in PRECISIONS:
+        raise HoloServeError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     rep = require_cuda()
     if not artifact.quantized or not artifact.activation_amax():
         raise BackendUnavailable(
@@ -919,10 +930,11 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
     quant_probe: dict[str, Any] = {"quantizer": quantizer}
     if quantizer == "auto":
         quantizer, quant_probe = choose_quantizer(device)
-    model = encoder_from_artifact(artifact, kernel=kernel, dtype=torch.float16, device=device, epilogue=epilogue,
-                                  quantizer=quantizer, alg_search=alg_search,
-                                  gelu_quant=bool(quant_probe.get("gelu_fused")),
-                                  ln_quant=bool(quant_probe.get("ln_fused")))
+    fp16 = precision == "fp16"
+    model = encoder_from_artifact(artifact, kernel=kernel, dtype=torch.float16 if fp16 else torch.float32,
+                                  device=device, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search,
+                                  gelu_quant=fp16 and bool(quant_probe.get("gelu_fused")),
+                                  ln_quant=fp16 and bool(quant_probe.get("ln_fused")))
     limit = artifact.max_seq_length
     seqs = sorted({s for s in (seq_buckets or DEFAULT_SEQ_BUCKETS) if s < limit} | {int(math.ceil(limit / 16) * 16)})
     bb = [b for b in batch_buckets if max_batch is None or b <= max_batch] or [1]
@@ -931,7 +943,7 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
     for mod in model.modules():
         if isinstance(mod, (QuantLinear, DenseLinear)):
             kinds[mod.kernel] = kinds.get(mod.kernel, 0) + 1
-    extra = {"device": rep, "kernel": kernel, "epilogue": epilogue.name if epilogue else None,
+    extra = {"device": rep, "kernel": kernel, "precision": precision, "epilogue": epilogue.name if epilogue else None,
              "epilogue_probe": tried, "alg_search": alg_search, "quantizer": quantizer, "gelu_quant_fused": model.gelu_quant,
              "ln_quant_fused": model.ln_quant, "quantizer_probe": quant_probe, "gemm_kernels": kinds, "load_seconds": round(time.perf_counter() - t0, 2)}
     return TorchCudaBackend(artifact, runner, extra)
