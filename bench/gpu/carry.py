@@ -32,8 +32,12 @@ def _codes(w: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(w.astype(np.float32) / s), -127, 127).astype(np.int8)
 
 
-def pack(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
-    """Write `out/` (config, tokenizer, manifest, packed weights, pack.json). Returns pack.json's content."""
+def pack(checkpoint: str | Path, out: str | Path, *, fp16_min_elements: int | None = None) -> dict[str, Any]:
+    """Write `out/` (config, tokenizer, manifest, packed weights, pack.json). Returns pack.json's content.
+
+    Float tensors with at least `fp16_min_elements` elements travel as FP16 (default
+    FP16_MIN_ELEMENTS; pass a huge number to keep everything exact, ~60 MiB for MiniLM)."""
+    fp16_min = FP16_MIN_ELEMENTS if fp16_min_elements is None else fp16_min_elements
     from safetensors.numpy import load_file, save_file
 
     from holoserve.artifact import atomic_write_json, load_artifact
@@ -54,7 +58,7 @@ def pack(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
                 raise ValueError(f"{key} is not exactly int8 codes x scale; the checkpoint breaks the contract")
             packed[layer + CODES_SUFFIX] = codes
             kinds[key] = "int8"
-        elif w.dtype == np.float32 and w.size >= FP16_MIN_ELEMENTS:
+        elif w.dtype == np.float32 and w.size >= fp16_min:
             h = w.astype(np.float16)
             fp16_err[key] = float(np.abs(h.astype(np.float32) - w).max())
             packed[key] = h

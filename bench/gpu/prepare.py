@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheel-script", default=os.environ.get("HOLOSERVE_GPU_WHEELS"),
                     help="script that downloads GPU wheels into .whl/ (default: pip download with the same flags)")
     ap.add_argument("--no-wheels", action="store_true", help="skip downloading wheels")
+    ap.add_argument("--exact-embeddings", action="store_true",
+                    help="carry the embedding tables in FP32 too (bit-exact checkpoint, ~60 MiB for MiniLM: "
+                         "close to the 64 MiB limit)")
     ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"),
                     help="GLUE folder (default $HOLOSERVE_DATA_DIR); its dev split travels for the parity check")
     args = ap.parse_args(argv)
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     art = load_artifact(args.checkpoint)
     out = Path(args.carry)
     out.mkdir(parents=True, exist_ok=True)
-    info = carry.pack(art.path, out / "checkpoint")
+    info = carry.pack(art.path, out / "checkpoint", fp16_min_elements=2**62 if args.exact_embeddings else None)
     print(f"packed {art.path} -> {out / 'checkpoint'} ({info['bytes'] / 2**20:.1f} MiB of weights)")
 
     # prove the round trip: same INT8 weights, same sparsity, a loadable checkpoint
