@@ -690,10 +690,11 @@ def _bench_backend_end_to_end(run: Run, art, vocab: int) -> dict[str, Any]:
 
     backend = load_backend("torch-cuda", art, max_batch=max(run.args.batch_list))
     rng = np.random.default_rng(0)
-    out: dict[str, Any] = {"info": backend.info()}
+    seq = min(run.args.seq, art.max_seq_length)  # the backend serves up to the checkpoint's max_seq_length
+    out: dict[str, Any] = {"info": backend.info(), "seq": seq}
     lo = min(1000, vocab // 2)
     for b in run.args.batch_list:
-        pool = [rng.integers(lo, vocab, size=(b, run.args.seq), dtype=np.int64) for _ in range(4)]
+        pool = [rng.integers(lo, vocab, size=(b, seq), dtype=np.int64) for _ in range(4)]
 
         def fn(i, pool=pool):
             ids = pool[i % len(pool)]
@@ -773,7 +774,9 @@ def _encoder_pass(run: Run, plan, *, risky_pass: bool) -> None:
                     if isinstance(r.get(b), dict) and "median_ms" in r[b]))
                 run.save()
             if not risky_pass and art is not None and not run.smoke:
-                entry["variants"]["torch-cuda backend end to end (host arrays, perf_counter)"] = guarded(
+                name = "torch-cuda backend end to end (host arrays, perf_counter" + (
+                    f", seq {art.max_seq_length} = the checkpoint's max)" if art.max_seq_length < run.args.seq else ")")
+                entry["variants"][name] = guarded(
                     "backend", lambda art=art, vocab=vocab: _bench_backend_end_to_end(run, art, vocab))
         for _, entry, _, _, _ in plan:
             _encoder_ratios(run, entry)
