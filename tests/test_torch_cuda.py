@@ -262,6 +262,8 @@ def test_gpu_epilogue_probe_finds_a_working_mode():
     tc.require_cuda()
     e, tried = tc.choose_epilogue("cuda")
     assert tried[-1]["ok"] and e.name == tried[-1]["epilogue"]
+    e32, tried32 = tc.choose_epilogue("cuda", torch.float32)  # precision=fp32: INT32 out, dequant after
+    assert not e32.alpha and tried32[-1]["ok"]
 
 
 @gpu

@@ -574,7 +574,7 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
 
     dt = torch.float32 if run.smoke else torch.float16
     dev = run.device
-    epilogue = None
+    epilogue = epilogue32 = None
     quantizer = "torch"
     gelu_fused = ln_fused = False
     if not run.smoke:
@@ -582,6 +582,10 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
             epilogue = tc.choose_epilogue("cuda")[0]
         except Exception as e:  # noqa: BLE001 - the 2:4 variants then fail one by one, with this reason
             log(f"no working 2:4 INT8 epilogue: {e}")
+        try:
+            epilogue32 = tc.choose_epilogue("cuda", torch.float32)[0]
+        except Exception as e:  # noqa: BLE001
+            log(f"no working INT32-output epilogue for precision=fp32: {e}")
         quantizer, qprobe = tc.choose_quantizer("cuda")
         gelu_fused = bool(qprobe.get("gelu_fused"))
         ln_fused = bool(qprobe.get("ln_fused"))
@@ -597,7 +601,8 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
             enc = tc.build_encoder(config, state, weight_scales=None if dense else quant["scales"],
                                    act_amax=None if dense else quant["amax"],
                                    sparse_layers=quant["layers"] if sparse else (), kernel=kernel, dtype=dt,
-                                   device=dev, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search,
+                                   device=dev, epilogue=epilogue32 if dt == torch.float32 and not run.smoke else epilogue,
+                                   quantizer=quantizer, alg_search=alg_search,
                                    gelu_quant=gelu_fused and fuse, ln_quant=ln_fused and fuse)
             return lambda inp: enc(**inp)
         return build

@@ -745,7 +745,8 @@ def choose_epilogue(device="cuda", dtype=None) -> tuple[Epilogue, list[dict[str,
     act = torch.tensor(4.0 / 127)
     want = int8_linear_reference(x, codes, scales, act, bias)
     tried = []
-    for e in EPILOGUES:
+    # FP32 output is not on cuSPARSELt's INT8 menu: that precision takes INT32 and dequantizes after
+    for e in (EPILOGUES if dtype != torch.float32 else [e for e in EPILOGUES if not e.alpha]):
         try:
             lin = QuantLinear(codes.to(device), scales.to(device), act, bias, kernel="cslt", dtype=dtype, epilogue=e)
             got = lin(x.to(device, dtype)).float().cpu()
@@ -926,7 +927,8 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
     if artifact.nm not in (None, (2, 4)):
         raise BackendUnavailable(f"{artifact.path}: cuSPARSELt runs 2:4 sparsity, not {artifact.nm}")
     t0 = time.perf_counter()
-    epilogue, tried = choose_epilogue(device) if kernel == "cslt" else (None, [])
+    epilogue, tried = (choose_epilogue(device, torch.float16 if precision == "fp16" else torch.float32)
+                       if kernel == "cslt" else (None, []))
     quant_probe: dict[str, Any] = {"quantizer": quantizer}
     if quantizer == "auto":
         quantizer, quant_probe = choose_quantizer(device)
