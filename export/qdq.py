@@ -362,9 +362,8 @@ def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings", 
                 break
     if hit is None:
         raise ValueError("the word embedding table was not found as a Gather initializer in the ONNX graph")
+    codes, scales = embedding_codes(table)
     amax = np.abs(table).max(axis=1)
-    scales = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
-    codes = np.clip(np.rint(table / scales[:, None]), -127, 127).astype(np.int8)
     init = inits[hit.input[0]]
     ids = hit.input[1]
     axis = next((a.i for a in hit.attribute if a.name == "axis"), 0)
@@ -400,6 +399,7 @@ def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings", 
         g.node.insert(idx + k, n)
     dq = codes.astype(np.float32) * scales[:, None]
     return {
+        "lossless": bool(np.array_equal(dq, table)),
         "tensor": name,
         "shape": list(table.shape),
         "storage": "int8 codes + per-row float32 scale (weight-only)",
@@ -407,3 +407,23 @@ def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings", 
         "max_abs_error": float(np.abs(dq - table).max()),
         "max_rel_error": float((np.abs(dq - table).max(axis=1) / np.maximum(amax, 1e-12)).max()),
     }
+
+
+def embedding_codes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row symmetric int8 codes and float32 scales (amax_row / 127) of an embedding table."""
+    table = np.asarray(table, np.float32)
+    amax = np.abs(table).max(axis=1)
+    scales = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    codes = np.clip(np.rint(table / scales[:, None]), -127, 127).astype(np.int8)
+    return codes, scales
+
+
+def dequantized_embedding(table: np.ndarray) -> np.ndarray:
+    """What the int8 embedding lookup returns for every row (codes x row scale, float32)."""
+    codes, scales = embedding_codes(table)
+    return codes.astype(np.float32) * scales[:, None]
+
+
+def embedding_is_int8_exact(table: np.ndarray) -> bool:
+    """True when int8 storage of the table loses nothing (it already sits on a per-row int8 grid)."""
+    return bool(np.array_equal(dequantized_embedding(table), np.asarray(table, np.float32)))
