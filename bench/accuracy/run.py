@@ -40,6 +40,8 @@ def run_one(task: str, key: str, args, runs: Path, teacher: Path | None, reuse: 
     for flag in ("max_steps", "train_limit", "threads"):
         if getattr(args, flag):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    for item in args.set:
+        cmd += ["--set", item]
     print(f"[{task}/{key}] {' '.join(cmd[2:])}", flush=True)
     t0 = time.perf_counter()
     rc = subprocess.call(cmd, cwd=ROOT)
@@ -99,17 +101,41 @@ def markdown(rows: list[dict], meta: dict) -> str:
             + " | ".join(fmt(runs.get(k, {}).get("value")) for k in COLUMNS[1:])
             + f" | {'—' if kept is None else f'{100 * kept:.1f}%'} | {'—' if beats is None else ('yes' if beats else 'no')} |"
         )
-    lines += ["", "Wall time per run (seconds; the ADMM 2:4 ∩ INT8 run includes training the task's dense teacher):", "",
-              "| task | " + " | ".join(METHODS[k][0] for k in COLUMNS[1:]) + " | steps (dense / admm / qat or masked) |",
-              "| --- | --- | --- | --- | --- |"]
+    lines += ["", "Wall time in seconds (the dense teacher is trained once per task; runs reusing it via --teacher "
+              "exclude it) and steps per phase:", "",
+              "| task | dense teacher | " + " | ".join(METHODS[k][0] for k in COLUMNS[1:]) + " | steps (dense / admm / qat) |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         runs = r["runs"]
         st = runs.get("admm_int8", {}).get("steps", {})
-        lines.append(f"| {r['task']} | " + " | ".join(
+        dense_s = (r.get("dense_phase") or {}).get("seconds", "—")
+        lines.append(f"| {r['task']} | {dense_s} | " + " | ".join(
             str(runs.get(k, {}).get("wall_seconds", "—")) for k in COLUMNS[1:])
             + f" | {st.get('dense', '—')} / {st.get('admm', '—')} / {st.get('qat', '—')} |")
+    variants = meta.get("variants") or []
+    if variants:
+        lines += ["", "Every ADMM 2:4 ∩ INT8 run of this benchmark (the same dense teacher; schedule = steps @ peak lr):", "",
+                  "| task | run | ADMM | QAT | after ADMM (fp32) | after hard projection | final (INT8 W+A) | wall s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for v in variants:
+            lines.append(f"| {v['task']} | {v['name']} | {v['admm']} | {v['qat']} | {fmt(v.get('after_admm'))} | "
+                         f"{fmt(v.get('after_projection'))} | {fmt(v['value'])} | {v['wall_seconds']} |")
     lines += ["", f"Metric values ×100. Dense = the fine-tuned teacher. {meta['notes']}", ""]
     return "\n".join(lines)
+
+
+def variant(name: str, path: Path) -> dict:
+    m = json.loads((path / "manifest.json").read_text())
+    t, met = m["training"], m["metrics"]
+    pc, primary = t["preset_config"], met["primary"]
+    admm = t["phases"].get("admm", {})
+    return {
+        "task": m["task"]["name"], "name": name, "checkpoint": path.name,
+        "admm": f"{pc['admm']['steps']} @ {pc['admm']['lr']:g}", "qat": f"{pc['qat']['steps']} @ {pc['qat']['lr']:g}",
+        "after_admm": (admm.get("dev_before_projection") or {}).get(primary),
+        "after_projection": (met.get("after_projection") or {}).get(primary),
+        "value": met["compressed"][primary], "wall_seconds": t.get("wall_seconds"),
+    }
 
 
 def plot(rows: list[dict], path: Path, meta: dict) -> None:
@@ -145,6 +171,7 @@ def main() -> int:
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--train-limit", type=int)
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="preset override passed to every run")
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "bench-accuracy")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--reuse", action="append", default=[], metavar="TASK=CHECKPOINT",
@@ -152,6 +179,8 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated row keys to run (default: all)")
     ap.add_argument("--report-only", action="store_true", help="rebuild the tables from finished runs only")
     ap.add_argument("--notes", default="")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=CHECKPOINT",
+                    help="also list this ADMM 2:4 ∩ INT8 checkpoint (e.g. a tuning run) in the variants table")
     args = ap.parse_args()
     if not args.data_dir:
         ap.error("--data-dir (or HOLOSERVE_DATA_DIR) is required")
@@ -185,6 +214,7 @@ def main() -> int:
         "machine": "; ".join(m.split(" (")[0] for m in machines) or "unknown",
         "machine_detail": machines,
         "notes": args.notes,
+        "variants": [variant(n, Path(p)) for n, p in (x.split("=", 1) for x in args.variant)],
     }
     args.results.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta, "rows": rows}
