@@ -81,13 +81,20 @@ def run(args: argparse.Namespace) -> int:
                   timeout_graceful_shutdown=cfg.graceful_timeout_s, server_header=False)
     if cfg.workers > 1:
         # Each worker builds its own app from the environment (uvicorn forks fresh processes).
-        load_artifact(cfg.artifact_dir, verify=cfg.verify, check_weights=False)  # fail fast, clearly
+        try:
+            load_artifact(cfg.artifact_dir, verify=cfg.verify, check_weights=False)  # fail fast, clearly
+        except OSError as e:
+            raise HoloServeError(f"cannot read the checkpoint {cfg.artifact_dir}: {e}") from None
         os.environ.update(cfg.to_env())
         uvicorn.run("holoserve.server.factory:app_from_env", factory=True, workers=cfg.workers, **common)
         return 0
     # One process: load here so a bad checkpoint or backend is a clear error, not a traceback.
-    artifact = load_artifact(cfg.artifact_dir, verify=cfg.verify, check_weights=False)
-    backend, decision = open_backend(cfg, artifact)
+    try:
+        artifact = load_artifact(cfg.artifact_dir, verify=cfg.verify, check_weights=False)
+        backend, decision = open_backend(cfg, artifact)
+    except OSError as e:
+        raise HoloServeError(f"cannot read the checkpoint {cfg.artifact_dir}: {e}. Its files must be readable by "
+                             "the server's user (in the container, uid 10001: chmod -R a+rX the folder)") from None
     holder: dict[str, uvicorn.Server] = {}
     app = create_app(cfg, artifact=artifact, backend=backend, decision=decision,
                      shutdown_flag=lambda: bool(holder and holder["server"].should_exit))

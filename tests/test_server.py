@@ -439,3 +439,17 @@ def test_regression_pair_task_answers_a_score():
         assert p["label"] == "score" and p["scores"] == {"score": p["score"]}
         exp = load_artifact(stsb)
         assert exp.labels == [] and httpx.get(srv.url + "/v1/models").json()["models"][0]["labels"] == []
+
+
+def test_cli_unreadable_checkpoint_is_a_clear_error(sst2, monkeypatch):
+    import holoserve.artifact
+    from holoserve import HoloServeError
+    from holoserve.cli import build_parser
+    from holoserve.serve_cli import run
+
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied", str(sst2 / "manifest.json"))
+
+    monkeypatch.setattr(holoserve.artifact, "load_artifact", denied)
+    with pytest.raises(HoloServeError, match="readable by"):
+        run(build_parser().parse_args(["serve", str(sst2), "--port", "0"]))
