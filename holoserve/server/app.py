@@ -61,7 +61,8 @@ def error_body(code: int, type_: str, message: str, request_id: str | None) -> b
 
 def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dict[str, Any]]:
     """Load the configured backend; 'auto' picks the best this machine can run and says why."""
-    opts: dict[str, Any] = {}
+    # Loaders ignore options they do not use; torch-cuda sizes its CUDA graphs by max_batch.
+    opts: dict[str, Any] = {"max_batch": config.max_batch_size}
     if config.threads:
         opts["threads"] = config.threads
     if config.backend == "auto":
