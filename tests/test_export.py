@@ -367,3 +367,38 @@ def test_minilm_export_checks(minilm_exported):
     assert res.entries["onnxruntime"]["size_ratio_vs_fp32"] >= 3.5
     assert v["parity_vs_pytorch_fakequant"]["rows_source"].startswith("sst2 dev")
     assert res.entries["tensorrt-onnx"]["verification"]["onnx_checker_full"] == "passed"
+
+
+def test_word_embeddings_int8_only_when_lossless_by_default(tmp_path):
+    """auto keeps a float table fp32 (exact numerics); a table already on a per-row int8 grid is stored
+    as int8 losslessly; --embeddings int8 forces it and the parity reference then uses the same table."""
+    from safetensors.numpy import load_file, save_file
+
+    from export.onnx_export import export_checkpoint
+    from export.qdq import dequantized_embedding, embedding_is_int8_exact
+    from holoserve.artifact import atomic_write_json, file_entry
+
+    ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
+    res = export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "auto", progress=False, polygraphy=False)
+    assert res.report["word_embeddings"] == {"requested": "auto", "int8": False, "int8_lossless": False}
+    assert "word_embeddings.int8" not in _inits(onnx.load(str(tmp_path / "auto" / "model.onnx")))
+
+    forced = export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "int8", progress=False, polygraphy=False,
+                               embeddings="int8")
+    e = forced.entries["onnxruntime"]
+    assert e["word_embeddings"]["lossless"] is False and e["bytes"] < res.entries["onnxruntime"]["bytes"]
+    assert _inits(onnx.load(str(tmp_path / "int8" / "model.onnx")))["word_embeddings.int8"].dtype == np.int8
+    assert e["verification"]["parity_vs_pytorch_fakequant"]["max_abs_diff"] < 0.05
+
+    # put the table on its per-row grid in the checkpoint itself: auto now stores it as int8, exactly
+    w = load_file(str(ckpt / "model.safetensors"))
+    key = next(k for k in w if k.endswith("word_embeddings.weight"))
+    w[key] = dequantized_embedding(w[key])
+    assert embedding_is_int8_exact(w[key])
+    save_file(w, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    m = json.loads((ckpt / "manifest.json").read_text())
+    m["files"]["model.safetensors"] = file_entry(ckpt / "model.safetensors")
+    atomic_write_json(ckpt / "manifest.json", m)
+    exact = export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "exact", progress=False, polygraphy=False)
+    assert exact.report["word_embeddings"]["int8"] and exact.report["word_embeddings"]["int8_lossless"]
+    assert exact.entries["onnxruntime"]["word_embeddings"]["lossless"] is True
