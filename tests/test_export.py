@@ -352,8 +352,9 @@ def minilm_exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("minilm")
     ckpt = _minilm_standin(root, data_dir)
     # untrained head: near-tied logits make the dev-metric comparison meaningless, so it is not enforced here
+    # int8 word embeddings: the size the checkpoint format allows (the table is fp32 in the checkpoint)
     res = export_checkpoint(ckpt, ["onnxruntime", "tensorrt"], data_dir=data_dir, dev_rows=96, calib_rows=64,
-                            progress=False, max_metric_diff=None)
+                            progress=False, max_metric_diff=None, embeddings="int8")
     return ckpt, res
 
 
@@ -365,6 +366,7 @@ def test_minilm_export_checks(minilm_exported):
     assert v["polygraphy_sparsity"]["encoder_weights_2of4"] == 36
     assert v["ort_fusion"]["fused_integer_matmuls"] == 36
     assert res.entries["onnxruntime"]["size_ratio_vs_fp32"] >= 3.5
+    assert "dev_metric_checkpoint_numerics" in v  # the int8 table's effect is reported separately
     assert v["parity_vs_pytorch_fakequant"]["rows_source"].startswith("sst2 dev")
     assert res.entries["tensorrt-onnx"]["verification"]["onnx_checker_full"] == "passed"
 
