@@ -45,8 +45,9 @@ class Preset:
     eval_batch_size: int = 128
     max_seq_length: int = 64
     dense: PhaseConfig = PhaseConfig(steps=500, lr=1e-4)
-    admm: PhaseConfig = PhaseConfig(steps=300, lr=5e-5)
-    qat: PhaseConfig = PhaseConfig(steps=200, lr=2e-5)
+    # 1e-4 for ADMM and QAT beat 5e-5 / 2e-5 on MiniLM + SST-2 (84.9 vs 82.7 dev accuracy, same teacher)
+    admm: PhaseConfig = PhaseConfig(steps=300, lr=1e-4)
+    qat: PhaseConfig = PhaseConfig(steps=200, lr=1e-4)
     admm_cfg: AdmmConfig = AdmmConfig()
     distill: DistillConfig = DistillConfig()
     calib_batches: int = 16  # training batches used to calibrate activation ranges
