@@ -94,6 +94,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     ]
     for r in rows:
         runs = r["runs"]
+        if not runs:
+            lines.append(f"| {r['task']} | not run | | | | | | |")
+            continue
         kept = r.get("admm_int8_retained")
         beats = r.get("admm_int8_beats_magnitude")
         lines.append(
@@ -107,11 +110,19 @@ def markdown(rows: list[dict], meta: dict) -> str:
               "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         runs = r["runs"]
+        if not runs:
+            continue
         st = runs.get("admm_int8", {}).get("steps", {})
         dense_s = (r.get("dense_phase") or {}).get("seconds", "—")
         lines.append(f"| {r['task']} | {dense_s} | " + " | ".join(
             str(runs.get(k, {}).get("wall_seconds", "—")) for k in COLUMNS[1:])
             + f" | {st.get('dense', '—')} / {st.get('admm', '—')} / {st.get('qat', '—')} |")
+    for r in rows:
+        mag = r["runs"].get("magnitude_ptq", {}).get("extra", {})
+        if mag:
+            lines += ["", f"{r['task']} magnitude baseline: one-shot 2:4 {fmt(mag.get('one_shot', {}).get(r['metric']))} → "
+                      f"masked fine-tune (fp32) {fmt(mag.get('sparse_fp32', {}).get(r['metric']))} → "
+                      f"PTQ INT8 {fmt(r['runs']['magnitude_ptq']['value'])}."]
     variants = meta.get("variants") or []
     if variants:
         lines += ["", "Every ADMM 2:4 ∩ INT8 run of this benchmark (the same dense teacher; schedule = steps @ peak lr):", "",
