@@ -156,17 +156,23 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    rows = [r for r in rows if r["runs"]]  # tasks that were not run have nothing to draw
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(3 + 2.5 * len(rows), 4.2))
+    lows = []
     labels = ["dense"] + [METHODS[k][0] for k in COLUMNS[1:]]
     width = 0.2
     x = np.arange(len(rows))
     for i, key in enumerate(COLUMNS):
         vals = [(r.get("dense") if key == "dense" else r["runs"].get(key, {}).get("value")) for r in rows]
         vals = [np.nan if v is None else 100 * v for v in vals]
+        lows += [v for v in vals if not np.isnan(v)]
         bars = ax.bar(x + (i - 1.5) * width, vals, width, label=labels[i])
         ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
     ax.set_xticks(x, [f"{r['task']} ({r.get('metric', '?')})" for r in rows])
     ax.set_ylabel("dev metric ×100")
+    ax.set_ylim(max(0.0, min(lows) - 6), min(100.0, max(lows) + 2))  # zoom: the differences are small
     ax.set_title(f"{meta['model']}, preset {meta['preset']} — {meta['machine']}", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
