@@ -86,11 +86,11 @@ def test_preset_overrides():
     from compress.config import PRESETS, apply_overrides
     from holoserve import HoloServeError
 
-    p = apply_overrides(PRESETS["quick"], ["qat.lr=1e-4", "admm_cfg.rho_end=0.1", "calib_percentile=none",
+    p = apply_overrides(PRESETS["quick"], ["qat.lr=3e-4", "admm_cfg.rho_end=0.1", "calib_percentile=none",
                                            "freeze_word_embeddings=false", "admm.steps=7"])
     assert (p.qat.lr, p.admm_cfg.rho_end, p.calib_percentile, p.freeze_word_embeddings, p.admm.steps) == \
-        (1e-4, 0.1, None, False, 7)
-    assert PRESETS["quick"].qat.lr != 1e-4  # presets themselves are frozen
+        (3e-4, 0.1, None, False, 7)
+    assert PRESETS["quick"].qat.lr != 3e-4  # presets themselves are frozen
     for bad in ("qat.nope=1", "nope.lr=1", "qat.lr", "qat.steps=abc"):
         with pytest.raises(HoloServeError, match="--set"):
             apply_overrides(PRESETS["quick"], [bad])
