@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .config import AdmmConfig
-from .layers import get_linear
+from .layers import encoder_linear_names, get_linear
 from .project import channel_scales, nm_mask, project
 from .quant import fake_quant_weight
 
@@ -140,6 +140,24 @@ def finalize(model: nn.Module, masks: Mapping[str, torch.Tensor], quant: bool,
         if parametrize.is_parametrized(lin, "weight"):
             parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
         p = project(lin.weight.detach(), n, m, quant=quant, mask=mask)
+        lin.weight.copy_(p.z)
+        if quant:
+            scales[name] = p.scales
+    return scales
+
+
+@torch.no_grad()
+def project_layers(model: nn.Module, layers: list[str] | None = None, n: int = 2, m: int = 4,
+                   quant: bool = True) -> dict[str, torch.Tensor]:
+    """One-shot Π_{S∩Q} of each named Linear (all encoder Linears by default), in place.
+
+    Returns the per-channel scales (empty without quant). Used for stand-in checkpoints and tests:
+    the weights satisfy the contract but are not trained for it.
+    """
+    scales: dict[str, torch.Tensor] = {}
+    for name in layers if layers is not None else encoder_linear_names(model):
+        lin = get_linear(model, name)
+        p = project(lin.weight.detach(), n, m, quant=quant)
         lin.weight.copy_(p.z)
         if quant:
             scales[name] = p.scales

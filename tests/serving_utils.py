@@ -52,8 +52,8 @@ def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: in
     """A tiny random BERT, projected to 2:4 + INT8 grid and calibrated, saved as a checkpoint and exported to ONNX."""
     import torch
     from compress.checkpoint import save_checkpoint
-    from compress.layers import encoder_linear_names, get_linear
-    from compress.project import project
+    from compress.layers import encoder_linear_names
+    from compress.sparsify import project_layers
     from holoserve.artifact import add_files
     from holoserve.tasks import get_task
     from tests.tiny import make_tiny_bert
@@ -62,14 +62,8 @@ def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: in
     task = get_task(task_name)
     src = make_tiny_bert(root / f"src-{task_name}", num_labels=task.num_labels)
     model = AutoModelForSequenceClassification.from_pretrained(str(src), local_files_only=True)
-    scales = {}
     names = encoder_linear_names(model)
-    with torch.no_grad():
-        for name in names:
-            lin = get_linear(model, name)
-            p = project(lin.weight.data)
-            lin.weight.data.copy_(p.z)
-            scales[name] = p.scales
+    scales = project_layers(model, names)
     from compress.quant import calibrate_amax
     from tokenizers import Tokenizer
 

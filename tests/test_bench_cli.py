@@ -50,25 +50,19 @@ def fake_backend():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from transformers import AutoModelForSequenceClassification
 
     from compress.checkpoint import save_checkpoint
-    from compress.layers import encoder_linear_names
-    from compress.project import project
+    from compress.sparsify import project_layers
     from holoserve.tasks import get_task
     from tests.tiny import make_tiny_bert
 
     root = tmp_path_factory.mktemp("bench")
     src = make_tiny_bert(root / "base")
     model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
-    scales = {}
-    with torch.no_grad():
-        for name in encoder_linear_names(model):
-            p = project(model.get_submodule(name).weight.data)
-            model.get_submodule(name).weight.data.copy_(p.z)
-            scales[name] = p.scales
+    scales = project_layers(model)
     art = save_checkpoint(model, src, root / "ckpt", task=get_task("sst2"), base_model="tiny", max_seq_length=64,
                           sparse_layers=list(scales), weight_scales=scales)
     return art.path

@@ -22,7 +22,7 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
 
     from compress.checkpoint import save_checkpoint
     from compress.layers import encoder_linear_names
-    from compress.project import project
+    from compress.sparsify import project_layers
     from compress.quant import calibrate_amax
     from holoserve.tasks import get_task
     from tests.tiny import make_tiny_bert
@@ -31,13 +31,7 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
     src = make_tiny_bert(root / f"src-{name}", num_labels=task.num_labels, layers=layers)
     model = AutoModelForSequenceClassification.from_pretrained(str(src), local_files_only=True).eval()
     names = encoder_linear_names(model)
-    scales = {}
-    with torch.no_grad():
-        for n in names:
-            lin = model.get_submodule(n)
-            p = project(lin.weight.data)
-            lin.weight.data.copy_(p.z)
-            scales[n] = p.scales
+    scales = project_layers(model, names)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     batches = [{"input_ids": torch.randint(5, vocab, (4, 12), generator=g),
@@ -313,7 +307,7 @@ def _minilm_standin(root: Path, data_dir: str) -> Path:
 
     from compress.checkpoint import save_checkpoint
     from compress.layers import encoder_linear_names
-    from compress.project import project
+    from compress.sparsify import project_layers
     from compress.quant import calibrate_amax
     from export.onnx_export import encode_batches
     from holoserve.glue import read_split
@@ -324,12 +318,7 @@ def _minilm_standin(root: Path, data_dir: str) -> Path:
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(str(src), num_labels=2).eval()
     names = encoder_linear_names(model)
-    scales = {}
-    with torch.no_grad():
-        for n in names:
-            p = project(model.get_submodule(n).weight.data)
-            model.get_submodule(n).weight.data.copy_(p.z)
-            scales[n] = p.scales
+    scales = project_layers(model, names)
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     tok.enable_truncation(max_length=128)
     tok.enable_padding(pad_id=0, pad_token="[PAD]")

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from compress.checkpoint import load_model, save_checkpoint  # noqa: E402
 from compress.layers import encoder_linear_names  # noqa: E402
 from compress.project import project  # noqa: E402
+from compress.sparsify import project_layers  # noqa: E402
 from compress.quant import calibrate_amax, fake_quant_act, input_quantizers  # noqa: E402
 from holoserve.artifact import load_artifact  # noqa: E402
 from holoserve.backends import BackendUnavailable, load_backend  # noqa: E402
@@ -51,13 +52,7 @@ def tiny_checkpoint(tmp_path_factory):
 
     model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
     layers = encoder_linear_names(model)
-    scales = {}
-    with torch.no_grad():
-        for name in layers:
-            mod = model.get_submodule(name)
-            p = project(mod.weight.data)
-            mod.weight.data.copy_(p.z)
-            scales[name] = p.scales
+    scales = project_layers(model, layers)
     vocab = model.config.vocab_size
     amax = calibrate_amax(model, layers, _batches(vocab, seed=1))
     art = save_checkpoint(
@@ -102,18 +97,14 @@ assert int((got_g.int() - want_g.int()).abs().max()) <= 1 and int((got_g != want
 from transformers import BertConfig, BertForSequenceClassification
 from compress.layers import encoder_linear_names
 from compress.project import project
+from compress.sparsify import project_layers
 from compress.quant import calibrate_amax
 torch.manual_seed(0)
 cfg = BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                  max_position_embeddings=64, num_labels=2)
 model = BertForSequenceClassification(cfg).eval()
 layers = encoder_linear_names(model)
-scales = {}
-with torch.no_grad():
-    for name in layers:
-        p = project(model.get_submodule(name).weight.data)
-        model.get_submodule(name).weight.data.copy_(p.z)
-        scales[name] = p.scales
+scales = project_layers(model, layers)
 ids = torch.randint(5, 300, (3, 16), generator=g)
 batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
 amax = calibrate_amax(model, layers, [batch])
@@ -302,13 +293,7 @@ def test_gpu_backend_matches_fake_quant_and_graphs(tmp_path):
 
     model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
     layers = encoder_linear_names(model)
-    scales = {}
-    with torch.no_grad():
-        for name in layers:
-            mod = model.get_submodule(name)
-            p = project(mod.weight.data)
-            mod.weight.data.copy_(p.z)
-            scales[name] = p.scales
+    scales = project_layers(model, layers)
     vocab = model.config.vocab_size
     amax = calibrate_amax(model, layers, _batches(vocab, seed=1))
     art = save_checkpoint(model, src, tmp_path / "ckpt", task=get_task("sst2"), base_model="tiny",
@@ -353,12 +338,7 @@ def test_reference_kernel_matches_fake_quant_on_minilm_and_sst2(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(str(src), num_labels=2).eval()
     layers = encoder_linear_names(model)
-    scales = {}
-    with torch.no_grad():
-        for name in layers:
-            p = project(model.get_submodule(name).weight.data)
-            model.get_submodule(name).weight.data.copy_(p.z)
-            scales[name] = p.scales
+    scales = project_layers(model, layers)
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     tok.enable_truncation(max_length=64)
 

@@ -485,7 +485,7 @@ def _tiny_checkpoint(tmp: Path) -> Path:
 
     from compress.checkpoint import save_checkpoint
     from compress.layers import encoder_linear_names
-    from compress.project import project
+    from compress.sparsify import project_layers
     from compress.quant import calibrate_amax
     from holoserve.tasks import get_task
     from tests.tiny import make_tiny_bert
@@ -493,12 +493,7 @@ def _tiny_checkpoint(tmp: Path) -> Path:
     src = make_tiny_bert(tmp / "base", hidden=64, layers=2, heads=2, intermediate=128)
     model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
     layers = encoder_linear_names(model)
-    scales = {}
-    with torch.no_grad():
-        for name in layers:
-            p = project(model.get_submodule(name).weight.data)
-            model.get_submodule(name).weight.data.copy_(p.z)
-            scales[name] = p.scales
+    scales = project_layers(model, layers)
     vocab = model.config.vocab_size
     batches = [_token_batch(torch, 4, 16, vocab, "cpu", seed=s) for s in range(2)]
     amax = calibrate_amax(model, layers, batches)
@@ -521,7 +516,7 @@ def _bert_base_random(run: Run):
     from transformers import BertConfig, BertForSequenceClassification
 
     from compress.layers import encoder_linear_names
-    from compress.project import project
+    from compress.sparsify import project_layers
     from compress.quant import calibrate_amax
 
     if run.smoke:
@@ -533,12 +528,7 @@ def _bert_base_random(run: Run):
     model = BertForSequenceClassification(cfg).eval()
     dense_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     layers = encoder_linear_names(model)
-    scales = {}
-    with torch.no_grad():
-        for name in layers:
-            p = project(model.get_submodule(name).weight.data)
-            model.get_submodule(name).weight.data.copy_(p.z)
-            scales[name] = p.scales
+    scales = project_layers(model, layers)
     model.to(run.device)
     batches = [_token_batch(torch, 8, run.args.seq, cfg.vocab_size, run.device, seed=s) for s in range(4)]
     amax = calibrate_amax(model, layers, batches)

@@ -24,8 +24,8 @@ def build(out: Path, max_seq_length: int = 128) -> Path:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from compress.checkpoint import save_checkpoint
-    from compress.layers import encoder_linear_names, get_linear
-    from compress.project import project
+    from compress.layers import encoder_linear_names
+    from compress.sparsify import project_layers
     from compress.quant import calibrate_amax
     from holoserve.tasks import get_task
 
@@ -34,13 +34,7 @@ def build(out: Path, max_seq_length: int = 128) -> Path:
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(str(src), num_labels=2, local_files_only=True)
     names = encoder_linear_names(model)
-    scales = {}
-    with torch.no_grad():
-        for n in names:
-            lin = get_linear(model, n)
-            p = project(lin.weight.data)
-            lin.weight.data.copy_(p.z)
-            scales[n] = p.scales
+    scales = project_layers(model, names)
     tok = AutoTokenizer.from_pretrained(str(src))
     batch = dict(tok(SENTENCES, padding=True, return_tensors="pt"))
     amax = calibrate_amax(model, names, [batch])
