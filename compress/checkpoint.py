@@ -50,6 +50,7 @@ def save_checkpoint(
     nm: tuple[int, int] = (2, 4),
     weight_scales: Mapping[str, torch.Tensor] | None = None,
     act_amax: Mapping[str, float] | None = None,
+    embedding_scales: Mapping[str, torch.Tensor] | None = None,
     metrics: Mapping[str, Any] | None = None,
     training: Mapping[str, Any] | None = None,
     overwrite: bool = False,
@@ -75,6 +76,13 @@ def save_checkpoint(
                 "granularity": "per_output_channel",
                 "qmax": 127,
                 "scales": {k: [float(x) for x in v.detach().float().cpu().tolist()] for k, v in weight_scales.items()},
+            },
+            "embeddings": None
+            if not embedding_scales
+            else {
+                k: {"dtype": "int8", "scheme": "symmetric", "granularity": "per_row", "qmax": 127,
+                    "scales": [float(x) for x in v.detach().float().cpu().tolist()]}
+                for k, v in embedding_scales.items()
             },
             "activations": None
             if act_amax is None

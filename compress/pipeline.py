@@ -33,7 +33,7 @@ from .data import Encoded, encode, load_tokenizer, train_batches
 from .evaluate import evaluate
 from .layers import encoder_linear_names
 from .quant import act_key, calibrate_amax, input_quantizers
-from .sparsify import Admm, attach_masks, finalize, hard_masks, nm_share, quantize_weights
+from .sparsify import Admm, attach_masks, finalize, hard_masks, nm_share, quantize_embeddings, quantize_weights
 from .state import load_state, save_state
 from .trainer import train_phase
 
@@ -162,6 +162,7 @@ class Runner:
         if job.restart and self.state.exists():
             shutil.rmtree(self.state)
         self.phases: dict[str, Any] = {}
+        self.emb_scales: dict[str, torch.Tensor] = {}
         self.t_start = time.perf_counter()
         torch.manual_seed(job.seed)
 
@@ -267,6 +268,13 @@ class Runner:
         self.phases["dense"] = result
         return model, metrics, folder
 
+    def quantize_embeddings(self, model: nn.Module) -> None:
+        """Per-row INT8 word embeddings (preset.quantize_embeddings); idempotent once scales are fixed."""
+        if not self.preset.quantize_embeddings:
+            return
+        fixed = next(iter(self.emb_scales.values())) if self.emb_scales else None
+        self.emb_scales = quantize_embeddings(model, fixed)
+
     def calibrate(self, model: nn.Module, layers) -> dict[str, float]:
         p = self.preset
         stream = train_batches(self.train, p.batch_size, self.job.seed + 7, p.group_size)
@@ -322,6 +330,8 @@ class Runner:
         # hard projection onto 2:4 (∩ INT8): the mask is frozen from here on
         masks = hard_masks(student, layers)
         finalize(student, masks, quant=job.quant)
+        if job.quant:
+            self.quantize_embeddings(student)
         projected = self.dev_metrics(student)
         log.info("[project] hard 2:4%s projection: dev %s | 2:4=%.1f%%", " ∩ INT8" if job.quant else "",
                  _fmt(projected), nm_share(student, layers) * 100)
@@ -346,6 +356,7 @@ class Runner:
         scales = {}
         if job.quant:  # weights are exact already; this recomputes their scales from the saved values
             scales = finalize(student, masks, quant=True)
+            self.quantize_embeddings(student)
         return scales, amax, {"after_projection": projected}
 
     def magnitude(self, student: nn.Module, layers):
@@ -373,6 +384,7 @@ class Runner:
             return {}, None, extra
         extra["sparse_fp32"] = self.dev_metrics(student)
         scales = quantize_weights(student, layers, masks)
+        self.quantize_embeddings(student)
         amax = self.calibrate(student, layers)
         self.phases["ptq"] = {"calib_batches": p.calib_batches}
         return scales, amax, extra
@@ -406,6 +418,7 @@ class Runner:
         if masks:  # keep a pruned model's zeros exactly: the mask is its non-zeros (at most 2 of every 4)
             masks = {k: hard_masks(model, [k])[k] & v for k, v in masks.items()}
         scales = quantize_weights(model, layers, masks)
+        self.quantize_embeddings(model)
         amax = self.calibrate(model, layers)
         compressed = self.dev_metrics(model, amax, layers)
         dense = (source_manifest or {}).get("metrics", {}).get("dense") or source_metrics
@@ -438,7 +451,8 @@ class Runner:
         art = save_checkpoint(
             model, self.tokenizer_dir, self.out, task=self.task, base_model=self.base_name,
             max_seq_length=p.max_seq_length, sparse_layers=list(sparse) or None,
-            weight_scales=scales or None, act_amax=amax if scales else None, metrics=metrics,
+            weight_scales=scales or None, act_amax=amax if scales else None,
+            embedding_scales=self.emb_scales if scales else None, metrics=metrics,
             training=training, overwrite=job.overwrite or self.out.exists(),
         )
         log.info("wrote %s (%s, %.0fs)", self.out, job.method, training["wall_seconds"])

@@ -289,7 +289,8 @@ def export_checkpoint(
             raise HoloServeError(f"cannot export {art.path}: {e}") from None
         onnx.save(fp32, str(float_path))  # renamed weights: "<layer>.weight_t"
         table = model.get_input_embeddings().weight.detach().numpy()
-        lossless = qdq.embedding_is_int8_exact(table)
+        emb_scales = art.embedding_scales()  # None unless the checkpoint quantized the table itself
+        lossless = qdq.embedding_is_int8_exact(table, emb_scales)
         emb_int8 = embeddings == "int8" or (embeddings == "auto" and lossless)
         report["word_embeddings"] = {"requested": embeddings, "int8": emb_int8, "int8_lossless": lossless}
         report["fp32_bytes"] = float_path.stat().st_size
@@ -322,8 +323,7 @@ def export_checkpoint(
             rep = qdq.apply_placement(m, sites_t, weight_scales, act_amax, target, extra)
             emb = None
             if emb_int8:
-                emb = qdq.quantize_embedding(m, table,
-                                             lookup_first=target == "onnxruntime")
+                emb = qdq.quantize_embedding(m, table, lookup_first=target == "onnxruntime", scales=emb_scales)
             m.producer_name, m.producer_version = "holoserve", _version()
             path = tmp / TARGET_FILES[target]
             onnx.save(m, str(path))

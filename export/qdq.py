@@ -335,7 +335,8 @@ def count_ops(model) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings", *, lookup_first: bool = True) -> dict:
+def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings", *, lookup_first: bool = True,
+                       scales: np.ndarray | None = None) -> dict:
     """Store an embedding table (found by value) as int8 codes + per-row scales.
 
     The table is the largest tensor of a BERT model (vocab x hidden) and stays fp32 in the
@@ -362,7 +363,7 @@ def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings", 
                 break
     if hit is None:
         raise ValueError("the word embedding table was not found as a Gather initializer in the ONNX graph")
-    codes, scales = embedding_codes(table)
+    codes, scales = embedding_codes(table, scales)
     amax = np.abs(table).max(axis=1)
     init = inits[hit.input[0]]
     ids = hit.input[1]
@@ -409,21 +410,27 @@ def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings", 
     }
 
 
-def embedding_codes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row symmetric int8 codes and float32 scales (amax_row / 127) of an embedding table."""
+def embedding_codes(table: np.ndarray, scales: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row symmetric int8 codes and float32 scales of an embedding table.
+
+    `scales` are the checkpoint's own per-row scales when it quantized the table (the manifest's
+    quantization.embeddings); otherwise they are derived here as amax_row / 127.
+    """
     table = np.asarray(table, np.float32)
-    amax = np.abs(table).max(axis=1)
-    scales = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    if scales is None:
+        amax = np.abs(table).max(axis=1)
+        scales = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    scales = np.asarray(scales, np.float32)
     codes = np.clip(np.rint(table / scales[:, None]), -127, 127).astype(np.int8)
     return codes, scales
 
 
-def dequantized_embedding(table: np.ndarray) -> np.ndarray:
+def dequantized_embedding(table: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
     """What the int8 embedding lookup returns for every row (codes x row scale, float32)."""
-    codes, scales = embedding_codes(table)
+    codes, scales = embedding_codes(table, scales)
     return codes.astype(np.float32) * scales[:, None]
 
 
-def embedding_is_int8_exact(table: np.ndarray) -> bool:
+def embedding_is_int8_exact(table: np.ndarray, scales: np.ndarray | None = None) -> bool:
     """True when int8 storage of the table loses nothing (it already sits on a per-row int8 grid)."""
-    return bool(np.array_equal(dequantized_embedding(table), np.asarray(table, np.float32)))
+    return bool(np.array_equal(dequantized_embedding(table, scales), np.asarray(table, np.float32)))

@@ -224,6 +224,13 @@ def validate_manifest(m: Any, where: Path) -> None:
             where,
             "manifest.json: quantization.weights.scales is missing",
         )
+        e = q.get("embeddings")
+        _require(
+            e is None or (isinstance(e, dict) and all(isinstance(v, dict) and isinstance(v.get("scales"), list)
+                                                      for v in e.values())),
+            where,
+            "manifest.json: quantization.embeddings must map table names to {\"scales\": [...]}",
+        )
         a = q.get("activations")
         if a is not None:
             _require(
@@ -279,6 +286,18 @@ class Artifact:
         if not q or layer not in q["weights"]["scales"]:
             raise ArtifactError(f"{self.path}: no INT8 weight scales for layer {layer!r} in manifest.json")
         return np.asarray(q["weights"]["scales"][layer], dtype=np.float32)
+
+    def embedding_scales(self, name: str | None = None) -> np.ndarray | None:
+        """Per-row int8 scales of an embedding table the checkpoint quantized (the word embeddings by
+        default), or None when it is stored as plain fp32."""
+        q = self.manifest.get("quantization") or {}
+        tables = q.get("embeddings") or {}
+        if not tables:
+            return None
+        key = name or next((k for k in tables if k.endswith("word_embeddings")), None)
+        if key is None or key not in tables:
+            return None
+        return np.asarray(tables[key]["scales"], dtype=np.float32)
 
     def activation_amax(self) -> dict[str, float]:
         q = self.manifest.get("quantization") or {}
@@ -360,7 +379,8 @@ def verify_weights(path: Path, manifest: Mapping[str, Any]) -> None:
     layers = set(sp["layers"]) if sp else set()
     if q:
         layers |= set(q["weights"]["scales"])
-    if not layers:
+    tables = dict((q or {}).get("embeddings") or {})
+    if not layers and not tables:
         return
     try:
         handle = safe_open(str(path / WEIGHTS), framework="numpy")
@@ -398,6 +418,20 @@ def verify_weights(path: Path, manifest: Mapping[str, Any]) -> None:
                     path,
                     f"layer {layer!r} is not exactly int8 x per-channel scale in {WEIGHTS}; re-run `holoserve compress`",
                 )
+        for table, entry in sorted(tables.items()):
+            key = f"{table}.weight"
+            _require(key in keys, path, f"embedding {table!r} is listed in manifest.json but {key!r} is not in {WEIGHTS}")
+            w = f.get_tensor(key)
+            _require(
+                len(entry["scales"]) == w.shape[0],
+                path,
+                f"embedding {table!r} has {w.shape[0]} rows but {len(entry['scales'])} scales",
+            )
+            _require(
+                int8_codes(w, np.asarray(entry["scales"], dtype=np.float32)) is not None,
+                path,
+                f"embedding {table!r} is not exactly int8 x per-row scale in {WEIGHTS}; re-run `holoserve compress`",
+            )
 
 
 def load_artifact(path: str | os.PathLike, *, verify: bool = True, check_weights: bool = True) -> Artifact:
