@@ -19,6 +19,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from holoserve.artifact import atomic_write_json, atomic_write_text  # noqa: E402
+
 METHODS = {  # row key -> (label, extra CLI arguments)
     "admm_int8": ("ADMM 2:4 ∩ INT8 + KD", []),
     "admm_sparse": ("ADMM 2:4 (fp32) + KD", ["--no-quant"]),
@@ -176,7 +180,9 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
     ax.set_title(f"{meta['model']}, preset {meta['preset']} — {meta['machine']}", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
 
 
 def main() -> int:
@@ -235,8 +241,8 @@ def main() -> int:
     }
     args.results.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta, "rows": rows}
-    (args.results / "accuracy.json").write_text(json.dumps(payload, indent=2) + "\n")
-    (args.results / "accuracy.md").write_text(markdown(rows, meta))
+    atomic_write_json(args.results / "accuracy.json", payload)
+    atomic_write_text(args.results / "accuracy.md", markdown(rows, meta))
     plot(rows, args.results / "accuracy.png", meta)
     print(markdown(rows, meta))
     return 0

@@ -1138,7 +1138,9 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
 def finish(run: Run) -> None:
     run.report["targets"] = targets(run.report)
     run.save()
-    (run.out / "results.md").write_text(render_markdown(run.report))
+    tmp_md = run.out / ".results.md.tmp"
+    tmp_md.write_text(render_markdown(run.report))
+    os.replace(tmp_md, run.out / "results.md")
     plots = guarded("plots", lambda: {"files": write_plots(run.report, run.out)})
     run.report["plots"] = plots
     run.save()
