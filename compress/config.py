@@ -57,7 +57,7 @@ class Preset:
     freeze_word_embeddings: bool = True
     # Store the word-embedding table on a per-row INT8 grid when quantizing (applied at the hard
     # projection, so QAT adapts to it): the exported model is then ~4x smaller at no parity cost.
-    quantize_embeddings: bool = False
+    quantize_embeddings: bool = True
     group_size: int = 50  # batches per length-sorted mega-batch (length grouping)
     save_every: int = 200  # steps between mid-phase state saves
     notes: str = ""
