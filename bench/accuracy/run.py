@@ -178,7 +178,7 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
     ax.set_ylabel("dev metric ×100")
     ax.set_ylim(max(0.0, min(lows) - 6), min(100.0, max(lows) + 2))  # zoom: the differences are small
     ax.set_title(f"{meta['model']}, preset {meta['preset']} — {meta['machine']}", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper right")  # above the low-metric task (CoLA MCC)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=120)
