@@ -11,7 +11,6 @@ import importlib.resources
 import json
 import logging
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -23,16 +22,17 @@ import torch
 from torch import nn
 
 from holoserve import HoloServeError
-from holoserve.artifact import Artifact, ArtifactError, MANIFEST, atomic_write_json, read_manifest
+from holoserve.artifact import Artifact, MANIFEST, atomic_write_json
 from holoserve.glue import read_split
+from holoserve.machine import describe_cpu
 from holoserve.tasks import Task, get_task
 
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
 from .config import Preset, apply_overrides, get_preset
-from .data import Encoded, encode, load_tokenizer, train_batches
+from .data import encode, load_tokenizer, train_batches
 from .evaluate import evaluate
 from .layers import encoder_linear_names
-from .quant import act_key, calibrate_amax, input_quantizers
+from .quant import calibrate_amax, input_quantizers
 from .sparsify import Admm, attach_masks, finalize, hard_masks, nm_share, quantize_embeddings, quantize_weights
 from .state import load_state, save_state
 from .trainer import train_phase
@@ -57,18 +57,10 @@ def default_model_dir() -> Path:
 
 
 def machine() -> str:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    desc = f"{os.cpu_count()}-core {platform.machine()} CPU"
+    desc = describe_cpu()
     if torch.cuda.is_available():
         desc = f"{torch.cuda.get_device_name(0)} GPU + {desc}"
-    return desc + (f" ({cpu})" if cpu else "")
+    return desc
 
 
 @dataclass
@@ -343,7 +335,7 @@ class Runner:
             ctx = (lambda: input_quantizers(student, amax, layers)) if amax else None
             res = train_phase(name, student, p.qat, self.train, p, job.seed + 2, self.state, regression=reg,
                               teacher=teacher, distill=p.distill, masks=masks, context=ctx, progress=job.progress)
-            scales = finalize(student, masks, quant=job.quant)
+            finalize(student, masks, quant=job.quant)
             metrics = self.dev_metrics(student, amax, layers if amax else None)
             result = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
             self.log_phase(name, result, metrics, student, layers)

@@ -18,7 +18,6 @@ before and after are recorded.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -33,6 +32,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from holoserve.machine import describe_cpu  # noqa: E402
+
 ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "ours_qdq_int8")
 LABELS = {
     "pytorch_fp32": "PyTorch fp32 (eager)",
@@ -40,16 +41,6 @@ LABELS = {
     "ort_dynamic_int8": "ORT dynamic INT8",
     "ours_qdq_int8": "ours: 2:4 + static INT8 QDQ (ORT)",
 }
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def load_avg() -> list[float]:
@@ -216,7 +207,7 @@ def main(argv=None) -> int:
         "date": started.date().isoformat(),
         "started": started.isoformat(timespec="seconds"),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{os.cpu_count()}-core {platform.machine()} CPU ({cpu_name()})",
+        "machine": describe_cpu(),
         "load": {"uptime_before": uptime_before, "uptime_after": uptime_text(), "loadavg_before": load_before,
                  "loadavg_after": load_avg(),
                  "note": "shared machine: other jobs may have been running during the measurement"},

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from holoserve.artifact import atomic_write_json, atomic_write_text, load_artifact  # noqa: E402
+from holoserve.machine import cpu_name  # noqa: E402
 
 FALLBACK = [
     "it 's a charming and often affecting journey .", "unflinchingly bleak and desperate",
@@ -324,14 +325,7 @@ class Bare:
 
 
 def machine() -> dict:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     return {"cpu": cpu, "cores": os.cpu_count(), "arch": platform.machine(), "python": platform.python_version(),
             "uptime_at_start": uptime, "load_avg_at_start": os.getloadavg()}
