@@ -6,7 +6,7 @@ CPU with MiniLM + SST-2; `full` is the best-accuracy recipe (hours on CPU, minut
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 

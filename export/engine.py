@@ -21,9 +21,8 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 

@@ -13,13 +13,12 @@ given; the source is recorded in the manifest's export entry.
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
