@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, BinaryIO, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -83,15 +83,16 @@ def _public_mode(fd_or_path, directory: bool = False) -> None:
         os.chmod(fd_or_path, mode)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+def _atomic_write(path: str | os.PathLike, fill: Callable[[BinaryIO], None]) -> None:
+    """Let `fill` write a temporary sibling of `path`, fsync it and rename it into place, so that
+    readers see either the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         _public_mode(fd)
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -99,6 +100,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    _atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -111,20 +116,11 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
 def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Copy a (possibly large) file into place via a temporary sibling and a rename."""
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    try:
-        _public_mode(fd)
-        with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
+    def fill(out: BinaryIO) -> None:
+        with open(src, "rb") as inp:
             shutil.copyfileobj(inp, out, 1 << 20)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(dst.parent)
+
+    _atomic_write(dst, fill)
 
 
 def file_entry(path: str | os.PathLike) -> dict[str, Any]:
