@@ -114,6 +114,12 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def atomic_savefig(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
+    """Save a matplotlib figure atomically (its format from the file suffix, e.g. .png)."""
+    fmt = Path(path).suffix.lstrip(".") or "png"
+    _atomic_write(path, lambda f: fig.savefig(f, format=fmt, dpi=dpi))
+
+
 def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Copy a (possibly large) file into place via a temporary sibling and a rename."""
     def fill(out: BinaryIO) -> None:

@@ -266,8 +266,6 @@ def write_plot(results: list[dict[str, Any]], path, *, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    import os
-    import tempfile
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for (backend, seq) in sorted({(r["backend"], r["seq"]) for r in ok}):
@@ -280,15 +278,10 @@ def write_plot(results: list[dict[str, Any]], path, *, title: str) -> bool:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=os.path.dirname(path) or ".")
-    os.close(fd)
+    from .artifact import atomic_savefig
+
     try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
+        atomic_savefig(fig, path, dpi=120)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return True

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from holoserve.artifact import atomic_write_json, atomic_write_text  # noqa: E402
+from holoserve.artifact import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
 
 METHODS = {  # row key -> (label, extra CLI arguments)
     "admm_int8": ("ADMM 2:4 ∩ INT8 + KD", []),
@@ -180,9 +180,7 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
     ax.set_title(f"{meta['model']}, preset {meta['preset']} — {meta['machine']}", fontsize=9)
     ax.legend(fontsize=8, loc="upper right")  # above the low-metric task (CoLA MCC)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    atomic_savefig(fig, path, dpi=120)
 
 
 def main() -> int:

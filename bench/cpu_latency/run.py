@@ -32,6 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from holoserve.artifact import atomic_savefig  # noqa: E402
 from holoserve.machine import describe_cpu  # noqa: E402
 
 ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "ours_qdq_int8")
@@ -279,9 +280,7 @@ def plot(r: dict, path: Path) -> None:
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"CPU latency, {r['machine']}, {r['date']}", fontsize=10)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    atomic_savefig(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

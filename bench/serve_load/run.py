@@ -33,7 +33,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from holoserve.artifact import atomic_write_json, atomic_write_text, load_artifact  # noqa: E402
+from holoserve.artifact import atomic_savefig, atomic_write_json, atomic_write_text, load_artifact  # noqa: E402
 from holoserve.machine import cpu_name  # noqa: E402
 
 FALLBACK = [
@@ -408,9 +408,7 @@ def plot(res: dict, path: Path) -> None:
     fig.suptitle(f"holoserve serve, {res['checkpoint']['name']}, ONNX Runtime on {m['cores']}-core {m['arch']} CPU "
                  f"({res['date']})", fontsize=10)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    atomic_savefig(fig, path, dpi=120)
 
 
 def main() -> int:
