@@ -48,7 +48,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Task metrics on `data`; with `act_amax` the named Linears see fake-quantized inputs."""
     ctx = (
-        input_quantizers(model, act_amax, quant_layers or [])
+        input_quantizers(model, act_amax, quant_layers or [], exact=True)
         if act_amax is not None
         else contextlib.nullcontext()
     )

@@ -18,9 +18,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="score only the first N rows")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--fp32", action="store_true", help="skip activation fake-quant (weights still as stored)")
+    p.add_argument("--onnx", action="store_true",
+                   help="score the checkpoint's ONNX Runtime export (what `holoserve serve` runs on a CPU) "
+                        "on the same batches, instead of the PyTorch fake-quant model")
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --onnx (0 = default)")
 
 
-def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None, batch_size=128, fp32=False) -> dict:
+def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None, batch_size=128, fp32=False,
+                        onnx=False, threads=0) -> dict:
     import time
 
     from holoserve import HoloServeError
@@ -32,7 +37,13 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     from .evaluate import evaluate
     from .quant import act_key
 
-    model, art = load_model(path)
+    if onnx:
+        from holoserve.artifact import load_artifact
+
+        art = load_artifact(path)
+        model = None
+    else:
+        model, art = load_model(path)
     task_obj = get_task(task or art.task_name)
     if task_obj.name != art.task_name:
         raise HoloServeError(f"{path} was trained for {art.task_name!r}, not {task_obj.name!r}")
@@ -42,21 +53,46 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     layers = [k[: -len(".input")] for k in amax if k.endswith(".input")]
     use_quant = bool(amax) and not fp32
     t0 = time.perf_counter()
-    metrics = evaluate(model, task_obj, data, batch_size=batch_size,
-                       act_amax=amax if use_quant else None, quant_layers=layers if use_quant else None)
-    assert all(act_key(n) in amax for n in layers)
+    if onnx:
+        if fp32:
+            raise HoloServeError("--fp32 and --onnx do not combine: the ONNX export always has the checkpoint's numerics")
+        metrics, numerics = _evaluate_onnx(art, task_obj, data, batch_size, threads)
+    else:
+        metrics = evaluate(model, task_obj, data, batch_size=batch_size,
+                           act_amax=amax if use_quant else None, quant_layers=layers if use_quant else None)
+        assert all(act_key(n) in amax for n in layers)
+        numerics = ("int8 weights + int8 activations (fake-quant)" if use_quant
+                    else ("int8 weights, fp32 activations" if art.quantized else "fp32"))
     return {
         "checkpoint": str(art.path),
         "task": task_obj.name,
         "split": split,
         "rows": len(data),
-        "numerics": "int8 weights + int8 activations (fake-quant)" if use_quant
-        else ("int8 weights, fp32 activations" if art.quantized else "fp32"),
+        "numerics": numerics,
         "metrics": metrics,
         "primary": task_obj.primary_metric,
         "manifest_metrics": art.manifest.get("metrics", {}),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def _evaluate_onnx(art, task, data, batch_size: int, threads: int) -> tuple[dict, str]:
+    """The ONNX Runtime export through the server's own backend, on `holoserve eval`'s batches."""
+    import numpy as np
+
+    from holoserve.backends.onnxruntime import OrtBackend
+
+    from .data import eval_batches
+    from .evaluate import score
+
+    backend = OrtBackend(art, device="cpu", threads=threads or None)  # a clear error when there is no export
+    logits = None
+    for idx, b in eval_batches(data, batch_size):
+        out = backend.infer(b["input_ids"].numpy(), b["attention_mask"].numpy(), b["token_type_ids"].numpy())
+        if logits is None:
+            logits = np.zeros((len(data), out.shape[1]), dtype=np.float32)
+        logits[idx] = out
+    return score(task, logits, data.labels), f"ONNX Runtime ({backend.path.name}, CPU)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +101,6 @@ def run(args: argparse.Namespace) -> int:
 
         raise HoloServeError("--limit must be a positive number")
     out = evaluate_checkpoint(args.checkpoint, args.task, args.data_dir, args.split, args.limit, args.batch_size,
-                              args.fp32)
+                              args.fp32, args.onnx, args.threads)
     print(json.dumps(out, indent=2))
     return 0

@@ -94,3 +94,32 @@ def test_preset_overrides():
     for bad in ("qat.nope=1", "nope.lr=1", "qat.lr", "qat.steps=abc"):
         with pytest.raises(HoloServeError, match="--set"):
             apply_overrides(PRESETS["quick"], [bad])
+
+
+def test_exact_input_quantizers_equal_the_integer_gemm():
+    """exact=True: int8 input x int8 weight summed without float32 rounding, like an int32 accumulator."""
+    from compress.quant import ACT_QMAX, ACT_QMIN, act_scale, fake_quant_weight
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(4096, 8)
+    # power-of-two scales: q * scale is exact in float32, so the integer GEMM is the exact answer
+    scales = 2.0 ** -torch.randint(7, 11, (8,), generator=g).float()
+    with torch.no_grad():
+        lin.weight.copy_(fake_quant_weight(torch.rand(8, 4096, generator=g), scales))
+    model = torch.nn.Sequential(lin)
+    x = torch.rand(16, 4096, generator=g) * 4  # same-sign terms: int32-sized sums, past float32's 24 bits
+    amax = {"0.input": 127 / 32}
+    s = act_scale(127 / 32)
+    xq = torch.clamp(torch.round(x / s), ACT_QMIN, ACT_QMAX).to(torch.int64)
+    wq = torch.round(lin.weight.detach().double() / scales.double()[:, None]).to(torch.int64)
+    want = ((xq @ wq.T).double() * s.double() * scales.double() + lin.bias.detach().double()).float()
+    with torch.no_grad():
+        with input_quantizers(model, amax, ["0"], exact=True):
+            exact = model(x)
+        with input_quantizers(model, amax, ["0"]):
+            fp32 = model(x)
+        plain = model(x)
+    assert torch.equal(exact, want)
+    assert not torch.equal(fp32, want)  # float32 accumulation rounds; the export's int32 sums do not
+    assert "forward" not in vars(lin) and not lin._forward_pre_hooks  # restored
+    assert torch.equal(plain, lin(x))

@@ -393,3 +393,55 @@ def test_word_embeddings_int8_only_when_lossless_by_default(tmp_path):
     exact = export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "exact", progress=False, polygraphy=False)
     assert exact.report["word_embeddings"]["int8"] and exact.report["word_embeddings"]["int8_lossless"]
     assert exact.entries["onnxruntime"]["word_embeddings"]["lossless"] is True
+
+
+def _tiny_sst2_dir(root: Path) -> Path:
+    rows = ["the movie was good", "a bad , dull film", "fun", "an utterly charming and often affecting journey",
+            "it 's slow -- very , very slow .", "a sometimes tedious film .", "great", "not worth it"]
+    d = root / "glue"
+    (d / "SST-2").mkdir(parents=True, exist_ok=True)
+    (d / "SST-2" / "dev.tsv").write_text("sentence\tlabel\n" + "".join(f"{r}\t{i % 2}\n" for i, r in enumerate(rows)))
+    return d
+
+
+def test_eval_onnx_scores_the_export_on_eval_batches(exported, tmp_path):
+    """`holoserve eval --onnx` runs the server's ORT backend on the batches `holoserve eval` uses,
+    and with integer-exact GEMMs in the PyTorch reference both give the same predictions."""
+    from compress.checkpoint import load_model
+    from compress.data import encode, eval_batches, load_tokenizer
+    from compress.evaluate import predict
+    from compress.evaluate_cli import evaluate_checkpoint
+    from compress.quant import input_quantizers
+    from holoserve.backends.onnxruntime import OrtBackend
+    from holoserve.glue import read_split
+
+    ckpt, _ = exported
+    data_dir = _tiny_sst2_dir(tmp_path)
+    got = evaluate_checkpoint(ckpt, data_dir=data_dir, onnx=True, batch_size=3)
+    ref = evaluate_checkpoint(ckpt, data_dir=data_dir, batch_size=3)
+    assert got["numerics"].startswith("ONNX Runtime") and got["rows"] == ref["rows"] == 8
+    assert set(got["metrics"]) == set(ref["metrics"])
+
+    model, art = load_model(ckpt)
+    data = encode(load_tokenizer(art.path, art.max_seq_length), read_split("sst2", "dev", data_dir))
+    be = OrtBackend(art, device="cpu", threads=1)
+    ort_logits = np.zeros((len(data), 2), np.float32)
+    for idx, b in eval_batches(data, 3):
+        ort_logits[idx] = be.infer(b["input_ids"].numpy(), b["attention_mask"].numpy(), b["token_type_ids"].numpy())
+    amax = art.activation_amax()
+    layers = [k[: -len(".input")] for k in amax]
+    with input_quantizers(model, amax, layers, exact=True):
+        exact = predict(model, data, 3)
+    with input_quantizers(model, amax, layers):
+        fp32 = predict(model, data, 3)
+    assert np.abs(ort_logits - exact).max() <= np.abs(ort_logits - fp32).max() + 1e-6
+    assert np.abs(ort_logits - exact).max() < 1e-3
+
+
+def test_eval_onnx_without_export_says_how_to_make_one(tmp_path):
+    from compress.evaluate_cli import evaluate_checkpoint
+    from holoserve import HoloServeError
+
+    ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
+    with pytest.raises(HoloServeError, match="holoserve export"):
+        evaluate_checkpoint(ckpt, data_dir=_tiny_sst2_dir(tmp_path), onnx=True)

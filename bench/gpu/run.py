@@ -872,7 +872,7 @@ def section_parity(run: Run) -> dict[str, Any]:
                 log(f"parity: {name} failed: {e}")
         t = {k: torch.from_numpy(v).to(run.device) for k, v in
              (("input_ids", ids), ("attention_mask", mask), ("token_type_ids", tt))}
-        with torch.no_grad(), input_quantizers(ref, art.activation_amax(), art.sparse_layers):
+        with torch.no_grad(), input_quantizers(ref, art.activation_amax(), art.sparse_layers, exact=True):
             want.append(ref(**t).logits.float().cpu().numpy())
         labels += [e.label for e in chunk]
     w, y = np.concatenate(want), np.asarray(labels)
@@ -893,7 +893,7 @@ def section_parity(run: Run) -> dict[str, Any]:
         return {"error": "no implementation produced logits", "variants": variants}
     head = variants[head_name]
     res = {
-        "data": source, "ours": head_name, "reference": "checkpoint fake-quant model, FP32 (compress.quant.input_quantizers)",
+        "data": source, "ours": head_name, "reference": "checkpoint fake-quant model, integer-exact GEMMs (compress.quant.input_quantizers, exact=True)",
         "rows": int(len(y)), "max_abs_logit_diff": head["max_abs_logit_diff"],
         "mean_abs_logit_diff": head["mean_abs_logit_diff"], "argmax_agreement": head["argmax_agreement"],
         "accuracy_ours": head["accuracy"], "accuracy_reference": float((w.argmax(-1) == y).mean()),
