@@ -53,7 +53,22 @@ def run_one(task: str, key: str, args, runs: Path, teacher: Path | None, reuse: 
     return out if rc == 0 and (out / "manifest.json").is_file() else None
 
 
-def summarize(task: str, ckpts: dict[str, Path | None]) -> dict:
+_SCORES: dict[Path, dict] = {}
+
+
+def scored(path: Path, data_dir: str | None, manifest: dict) -> tuple[dict, str]:
+    """The checkpoint's dev metrics as `holoserve eval` computes them now (INT8 checkpoints: integer-exact
+    GEMMs, the numerics ONNX Runtime reproduces), or the manifest's when there is nothing to re-score."""
+    if not data_dir or not (manifest.get("quantization") or {}).get("activations"):
+        return manifest["metrics"]["compressed"], "manifest"
+    if path not in _SCORES:
+        from compress.evaluate_cli import evaluate_checkpoint
+
+        _SCORES[path] = evaluate_checkpoint(path, data_dir=data_dir)["metrics"]
+    return _SCORES[path], "holoserve eval"
+
+
+def summarize(task: str, ckpts: dict[str, Path | None], data_dir: str | None = None) -> dict:
     row: dict = {"task": task, "runs": {}}
     for key, path in ckpts.items():
         if path is None:
@@ -64,9 +79,12 @@ def summarize(task: str, ckpts: dict[str, Path | None]) -> dict:
         row["dev_rows"] = m["metrics"].get("dev_rows")
         row["dense"] = m["metrics"]["dense"][primary]
         t = m["training"]
+        metrics, source = scored(path, data_dir, m)
         row["runs"][key] = {
-            "value": m["metrics"]["compressed"][primary],
-            "all": m["metrics"]["compressed"],
+            "value": metrics[primary],
+            "all": metrics,
+            "scored_by": source,
+            "manifest_value": m["metrics"]["compressed"][primary],
             "preset": t.get("preset"),
             "steps": {k: v.get("steps") for k, v in t.get("phases", {}).items() if isinstance(v, dict) and "steps" in v},
             "wall_seconds": t.get("wall_seconds"),
@@ -135,11 +153,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
         for v in variants:
             lines.append(f"| {v['task']} | {v['name']} | {v['admm']} | {v['qat']} | {fmt(v.get('after_admm'))} | "
                          f"{fmt(v.get('after_projection'))} | {fmt(v['value'])} | {v['wall_seconds']} |")
-    lines += ["", f"Metric values ×100. Dense = the fine-tuned teacher. {meta['notes']}", ""]
+    lines += ["", f"Metric values ×100. Dense = the fine-tuned teacher. INT8 results are scored by `holoserve eval` "
+              "(int8 × int8 products summed exactly, as the exported model's int32 GEMMs do; accuracy.json keeps "
+              f"each manifest's own score as manifest_value). {meta['notes']}", ""]
     return "\n".join(lines)
 
 
-def variant(name: str, path: Path) -> dict:
+def variant(name: str, path: Path, data_dir: str | None = None) -> dict:
     m = json.loads((path / "manifest.json").read_text())
     t, met = m["training"], m["metrics"]
     pc, primary = t["preset_config"], met["primary"]
@@ -149,7 +169,8 @@ def variant(name: str, path: Path) -> dict:
         "admm": f"{pc['admm']['steps']} @ {pc['admm']['lr']:g}", "qat": f"{pc['qat']['steps']} @ {pc['qat']['lr']:g}",
         "after_admm": (admm.get("dev_before_projection") or {}).get(primary),
         "after_projection": (met.get("after_projection") or {}).get(primary),
-        "value": met["compressed"][primary], "wall_seconds": t.get("wall_seconds"),
+        "value": scored(path, data_dir, m)[0][primary], "manifest_value": met["compressed"][primary],
+        "wall_seconds": t.get("wall_seconds"),
     }
 
 
@@ -226,7 +247,7 @@ def main() -> int:
             for key in ("admm_sparse", "magnitude_ptq"):
                 if key in only and teacher is not None:
                     ckpts[key] = run_one(task, key, args, args.runs_dir, teacher, None)
-        rows.append(summarize(task, ckpts))
+        rows.append(summarize(task, ckpts, args.data_dir))
     machines = sorted({r["machine"] for row in rows for r in row["runs"].values() if r.get("machine")})
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
@@ -235,7 +256,7 @@ def main() -> int:
         "machine": "; ".join(m.split(" (")[0] for m in machines) or "unknown",
         "machine_detail": machines,
         "notes": args.notes,
-        "variants": [variant(n, Path(p)) for n, p in (x.split("=", 1) for x in args.variant)],
+        "variants": [variant(n, Path(p), args.data_dir) for n, p in (x.split("=", 1) for x in args.variant)],
     }
     args.results.mkdir(parents=True, exist_ok=True)
     payload = {"meta": meta, "rows": rows}
