@@ -51,7 +51,13 @@ class TextEncoder:
         self.pad_id = 0 if pad is None else int(pad)
 
     def encode(self, inputs: Sequence[str] | Sequence[tuple[str, str]]) -> list[Encoded]:
-        encs = self._tok.encode_batch(list(inputs))
+        if len(inputs) == 1:
+            # One text (the common request): the single-sequence call skips encode_batch's hand-off to
+            # the tokenizer's thread pool, which costs more than tokenizing a sentence.
+            item = inputs[0]
+            encs = [self._tok.encode(item) if isinstance(item, str) else self._tok.encode(item[0], item[1])]
+        else:
+            encs = self._tok.encode_batch(list(inputs))
         out = []
         for e in encs:
             ids = np.asarray(e.ids, dtype=np.int64)
