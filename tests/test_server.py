@@ -453,3 +453,42 @@ def test_cli_unreadable_checkpoint_is_a_clear_error(sst2, monkeypatch):
     monkeypatch.setattr(holoserve.artifact, "load_artifact", denied)
     with pytest.raises(HoloServeError, match="readable by"):
         run(build_parser().parse_args(["serve", str(sst2), "--port", "0"]))
+
+
+def test_zero_queue_delay_dispatches_at_once_and_still_batches_under_load():
+    """--max-queue-delay-ms 0: a lone request runs immediately; requests that arrive while an
+    inference runs are merged into the next batch."""
+    import asyncio
+    import threading
+
+    from holoserve.server.batcher import DynamicBatcher
+    from holoserve.tokenization import Encoded
+
+    sizes: list[int] = []
+    gate = threading.Event()
+
+    def infer(ids, mask, types):
+        sizes.append(ids.shape[0])
+        if len(sizes) == 1:
+            gate.wait(5)  # the first inference is slow: the others queue up behind it
+        return np.stack([ids[:, 0].astype(np.float32), -ids[:, 0].astype(np.float32)], axis=1)
+
+    def enc(i: int) -> Encoded:
+        return Encoded(np.array([i, 7, 8], dtype=np.int64), np.zeros(3, dtype=np.int64), False)
+
+    async def main():
+        b = DynamicBatcher(infer, max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64)
+        b.start()
+        first = asyncio.ensure_future(b.submit([enc(100)]))
+        while not sizes:
+            await asyncio.sleep(0.001)
+        rest = [asyncio.ensure_future(b.submit([enc(200 + i)])) for i in range(5)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        results = [await first] + [await r for r in rest]
+        await b.stop(5)
+        return results
+
+    results = asyncio.run(main())
+    assert sizes == [1, 5]
+    assert [float(r[0].logits[0]) for r in results] == [100.0] + [200.0 + i for i in range(5)]
