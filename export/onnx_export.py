@@ -214,6 +214,9 @@ def _calibrate_extra(ort_onnx: Path, tensors: list[str], batches) -> dict[str, f
     """max |x| of `tensors` when running the ORT-placement model (exact checkpoint numerics)."""
     import onnx
 
+    if not tensors:
+        return {}
+
     m = onnx.load(str(ort_onnx))
     have = {o.name for o in m.graph.output}
     for t in tensors:
@@ -336,8 +339,10 @@ def export_checkpoint(
             extra = None
             if target == "tensorrt":
                 pts = qdq.tensorrt_extra_tensors(m, sites_t)
-                tensors = sorted({p[0] for p in pts})
-                extra = _calibrate_extra(built["onnxruntime"], tensors, calib_batches)
+                trained = qdq.residual_ranges(m, sites_t, act_amax)  # from residual-Add QAT, when it ran
+                tensors = sorted({p[0] for p in pts} - set(trained))
+                extra = {**_calibrate_extra(built["onnxruntime"], tensors, calib_batches), **trained}
+                report["tensorrt_extra_ranges"] = {"from_checkpoint_qat": len(trained), "calibrated_here": len(tensors)}
             rep = qdq.apply_placement(m, sites_t, weight_scales, act_amax, target, extra)
             emb = None
             if emb_int8:

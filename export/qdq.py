@@ -260,6 +260,29 @@ def residual_adds(model, sites: list[LinearSite]) -> list:
     return out
 
 
+def residual_ranges(model, sites: list[LinearSite], act_amax: Mapping[str, float]) -> dict[str, float]:
+    """Ranges of residual-Add inputs that compression trained with (QAT): "<dense>.output" for the side
+    coming from that Linear's bias add, "<block>.residual" for the skip connection. Empty for
+    checkpoints made without residual QAT (their ranges are calibrated at export)."""
+    g = model.graph
+    by_bias = {}
+    for s in sites:
+        if s.bias_add and s.layer.endswith(".dense"):
+            by_bias[next(n.output[0] for n in g.node if n.name == s.bias_add)] = s.layer
+    out: dict[str, float] = {}
+    for n in residual_adds(model, sites):
+        dense_side = [t for t in n.input if t in by_bias]
+        if len(dense_side) != 1:
+            continue
+        layer = by_bias[dense_side[0]]
+        skip = next(t for t in n.input if t != dense_side[0])
+        k_out, k_res = f"{layer}.output", f"{layer[: -len('.dense')]}.residual"
+        if k_out in act_amax and k_res in act_amax:
+            out[dense_side[0]] = float(act_amax[k_out])
+            out[skip] = float(act_amax[k_res])
+    return out
+
+
 def tensorrt_extra_tensors(model, sites: list[LinearSite]) -> list[tuple[str, str, int]]:
     """(tensor, consumer node name, input index) for each extra QDQBERT quantization point."""
     pts = []

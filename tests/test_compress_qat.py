@@ -123,3 +123,47 @@ def test_exact_input_quantizers_equal_the_integer_gemm():
     assert not torch.equal(fp32, want)  # float32 accumulation rounds; the export's int32 sums do not
     assert "forward" not in vars(lin) and not lin._forward_pre_hooks  # restored
     assert torch.equal(plain, lin(x))
+
+
+def test_residual_quantizers_quantize_both_add_inputs(setup):
+    """Residual-Add QAT (TensorRT placement): LayerNorm sees fq(dense output) + fq(skip input)."""
+    from compress.quant import (act_scale, calibrate_residual_amax, fake_quant_act, residual_blocks,
+                                residual_keys, residual_quantizers)
+
+    model_dir, data = setup
+    model, layers, _ = _projected(model_dir)
+    model.eval()
+    blocks = residual_blocks(model, layers)
+    assert len(blocks) == 2 * model.config.num_hidden_layers
+    assert all(b.endswith((".attention.output", ".output")) and d == f"{b}.dense" for b, d in blocks)
+    batch = next(train_batches(data, 4, seed=0))
+    batch.pop("labels")
+    amax = calibrate_residual_amax(model, blocks, [batch])
+    assert sorted(amax) == sorted(k for b, d in blocks for k in residual_keys(b, d))
+
+    block, dense = blocks[0]
+    k_out, k_res = residual_keys(block, dense)
+    amax = {k: v / 4 for k, v in amax.items()}  # a coarse grid, so quantization visibly changes values
+    seen = {}
+
+    def keep(key, i=0):
+        def hook(_m, args, out=None):
+            seen.setdefault(key, out if out is not None else args[i])  # returns None: observe only
+        return hook
+
+    hooks = [model.get_submodule(dense).register_forward_hook(keep("dense")),
+             model.get_submodule(block).register_forward_pre_hook(keep("skip", 1)),
+             model.get_submodule(f"{block}.LayerNorm").register_forward_pre_hook(keep("sum"))]
+    with torch.no_grad(), residual_quantizers(model, amax, blocks):
+        quantized = model(**batch).logits
+    for h in hooks:
+        h.remove()
+    want = fake_quant_act(seen["dense"], act_scale(amax[k_out])) + fake_quant_act(seen["skip"], act_scale(amax[k_res]))
+    assert torch.allclose(seen["sum"], want, atol=1e-6)
+    assert not torch.allclose(seen["sum"], seen["dense"] + seen["skip"])
+    with torch.no_grad():
+        plain = model(**batch).logits
+    assert not torch.allclose(plain, quantized)  # hooks removed: the float model again
+    with pytest.raises(KeyError, match="calibrate first"):
+        with residual_quantizers(model, {}, blocks):
+            pass

@@ -16,7 +16,8 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 
-def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = "sst2", name: str = "ckpt") -> Path:
+def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = "sst2", name: str = "ckpt",
+                               residual: bool = False) -> Path:
     """Tiny random BERT: encoder Linears projected to 2:4 + INT8 grid, input ranges calibrated, saved."""
     from transformers import AutoModelForSequenceClassification
 
@@ -31,6 +32,12 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
     src = make_tiny_bert(root / f"src-{name}", num_labels=task.num_labels, layers=layers)
     model = AutoModelForSequenceClassification.from_pretrained(str(src), local_files_only=True).eval()
     names = encoder_linear_names(model)
+    if residual:  # non-zero biases, as in a trained model (zero ones are folded away and leave no bias Add)
+        g0 = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for n in names:
+                b = model.get_submodule(n).bias
+                b.copy_(torch.randn(b.shape, generator=g0) * 0.1)
     scales = project_layers(model, names)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -38,6 +45,10 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
                 "attention_mask": torch.ones(4, 12, dtype=torch.long),
                 "token_type_ids": torch.zeros(4, 12, dtype=torch.long)} for _ in range(3)]
     amax = calibrate_amax(model, names, batches)
+    if residual:  # what residual-Add QAT stores for the TensorRT placement
+        from compress.quant import calibrate_residual_amax, residual_blocks
+
+        amax.update({k: v * 0.75 for k, v in calibrate_residual_amax(model, residual_blocks(model, names), batches).items()})
     save_checkpoint(model, src, root / name, task=task, base_model="tiny-random-bert", max_seq_length=32,
                     sparse_layers=names, weight_scales=scales, act_amax=amax)
     return root / name
@@ -445,3 +456,31 @@ def test_eval_onnx_without_export_says_how_to_make_one(tmp_path):
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
     with pytest.raises(HoloServeError, match="holoserve export"):
         evaluate_checkpoint(ckpt, data_dir=_tiny_sst2_dir(tmp_path), onnx=True)
+
+
+def test_tensorrt_placement_uses_the_residual_ranges_trained_in_qat(tmp_path):
+    """Residual-Add inputs get the checkpoint's QAT ranges; only the attention MatMuls are calibrated here."""
+    from onnx import numpy_helper
+
+    from export.onnx_export import export_checkpoint
+
+    ckpt = make_calibrated_checkpoint(tmp_path, layers=2, residual=True)
+    res = export_checkpoint(ckpt, ["tensorrt"], progress=False)
+    assert res.report["tensorrt_extra_ranges"] == {"from_checkpoint_qat": 8, "calibrated_here": 8}
+    amax = load_artifact(ckpt).activation_amax()
+    m = onnx.load(str(ckpt / "model.trt.onnx"))
+    inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    scales = {n.input[0]: float(inits[n.input[1]]) for n in m.graph.node if n.op_type == "QuantizeLinear"}
+    residual_keys = [k for k in amax if k.endswith((".residual", ".dense.output"))]
+    assert len(residual_keys) == 8
+    want = sorted(amax[k] / 127 for k in residual_keys)
+    adds = [n for n in m.graph.node if n.op_type == "Add"]
+    got = []
+    for n in adds:
+        for t in n.input:  # the DequantizeLinear feeding the Add reads a QuantizeLinear of the original tensor
+            dq = next((d for d in m.graph.node if d.op_type == "DequantizeLinear" and d.output[0] == t), None)
+            q = dq and next((x for x in m.graph.node if x.op_type == "QuantizeLinear" and x.output[0] == dq.input[0]), None)
+            if q is not None and q.input[0] in scales:
+                got.append(scales[q.input[0]])
+    got = sorted(set(got))
+    assert len(got) == len(want) and np.allclose(got, want, rtol=1e-6)
