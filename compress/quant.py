@@ -117,15 +117,7 @@ def calibrate_amax(
 
     for n in layers:
         handles.append(model.get_submodule(n).register_forward_pre_hook(hook(act_key(n))))
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in batches:
-            model(**batch)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+    _observe(model, batches, handles)
     out = {}
     for key, vals in seen.items():
         if not vals:
@@ -210,6 +202,12 @@ def calibrate_residual_amax(model: nn.Module, blocks: Iterable[tuple[str, str]],
         handles.append(model.get_submodule(dense).register_forward_hook(lambda _m, _a, out, k=k_out: note(k, out)))
         handles.append(model.get_submodule(block).register_forward_pre_hook(
             lambda _m, args, kwargs, k=k_res: note(k, _residual_arg(args, kwargs)[0]), with_kwargs=True))
+    _observe(model, batches, handles)
+    return {k: max(v, 1e-6) for k, v in seen.items()}
+
+
+def _observe(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], handles: list) -> None:
+    """Run `batches` in eval mode so the observing hooks see them; then remove the hooks."""
     was_training = model.training
     model.eval()
     try:
@@ -219,4 +217,3 @@ def calibrate_residual_amax(model: nn.Module, blocks: Iterable[tuple[str, str]],
         for h in handles:
             h.remove()
         model.train(was_training)
-    return {k: max(v, 1e-6) for k, v in seen.items()}
