@@ -58,9 +58,9 @@ class Preset:
     # Store the word-embedding table on a per-row INT8 grid when quantizing (applied at the hard
     # projection, so QAT adapts to it): the exported model is then ~4x smaller at no parity cost.
     quantize_embeddings: bool = True
-    # QAT also fake-quantizes both inputs of every residual Add, as the TensorRT placement does (the
-    # ranges go in the manifest); ONNX Runtime's placement keeps those Adds in float.
-    residual_qat: bool = True
+    # QAT also fake-quantizes the tensors only the TensorRT placement quantizes: the Q/K/V projections
+    # and both inputs of every residual Add (ranges in the manifest). ONNX Runtime keeps them in float.
+    tensorrt_qat: bool = True
     group_size: int = 50  # batches per length-sorted mega-batch (length grouping)
     save_every: int = 200  # steps between mid-phase state saves
     notes: str = ""

@@ -34,7 +34,7 @@ from .config import Preset, apply_overrides, get_preset
 from .data import encode, load_tokenizer, train_batches
 from .evaluate import evaluate
 from .layers import encoder_linear_names
-from .quant import calibrate_amax, calibrate_residual_amax, input_quantizers, residual_blocks, residual_quantizers
+from .quant import calibrate_amax, calibrate_tensorrt_amax, input_quantizers, tensorrt_quantizers
 from .sparsify import Admm, attach_masks, finalize, hard_masks, nm_share, quantize_embeddings, quantize_weights
 from .state import load_state, save_state
 from .trainer import train_phase
@@ -278,8 +278,8 @@ class Runner:
             b.pop("labels")
             batches.append(b)
         amax = calibrate_amax(model, layers, batches, percentile=p.calib_percentile)
-        if p.residual_qat:  # ranges for the TensorRT placement's residual-Add quantizers
-            amax.update(calibrate_residual_amax(model, residual_blocks(model, layers), batches))
+        if p.tensorrt_qat:  # ranges for the TensorRT placement's extra quantizers
+            amax.update(calibrate_tensorrt_amax(model, layers, batches))
         return amax
 
     # -- methods
@@ -337,7 +337,7 @@ class Runner:
 
         def qat_phase():
             attach_masks(student, masks, quant=job.quant)
-            ctx = (lambda: _quantizers(student, amax, layers, p.residual_qat)) if amax else None
+            ctx = (lambda: _quantizers(student, amax, layers, p.tensorrt_qat)) if amax else None
             res = train_phase(name, student, p.qat, self.train, p, job.seed + 2, self.state, regression=reg,
                               teacher=teacher, distill=p.distill, masks=masks, context=ctx, progress=job.progress)
             finalize(student, masks, quant=job.quant)
@@ -461,12 +461,12 @@ def compress(job: Job) -> Artifact:
 
 
 @contextlib.contextmanager
-def _quantizers(model: nn.Module, amax, layers, residual: bool):
-    """QAT's activation quantizers: every encoder Linear input, plus (with `residual`) both inputs of
-    each residual Add, as the TensorRT placement quantizes them."""
+def _quantizers(model: nn.Module, amax, layers, tensorrt: bool):
+    """QAT's activation quantizers: every encoder Linear input, plus (with `tensorrt`) the extra
+    tensors the TensorRT placement quantizes (Q/K/V, residual-Add inputs)."""
     with input_quantizers(model, amax, layers):
-        if residual:
-            with residual_quantizers(model, amax, residual_blocks(model, layers)):
+        if tensorrt:
+            with tensorrt_quantizers(model, amax, layers):
                 yield model
         else:
             yield model

@@ -128,30 +128,41 @@ def calibrate_amax(
     return out
 
 
-# ------------------------------------------------------------------ residual Adds (TensorRT placement)
+# ------------------------------------------------------- the TensorRT placement's extra tensors
 #
 # TensorRT's QDQBERT placement also quantizes both inputs of every residual Add (the sub-layer's
-# output dense + bias, and the skip connection), so its GEMMs can write INT8. BERT's residual
-# stream has outlier channels that one per-tensor INT8 scale fits badly, so post-training ranges
-# cost ~2 points on SST-2; QAT with those quantizers on lets the model adapt. The ranges are stored
-# as "<dense>.output" and "<block>.residual" next to the "<linear>.input" ones. The ONNX Runtime
-# placement leaves the Adds in float, so evaluation does not apply them.
+# dense + bias output, and the skip connection) and both inputs of the two attention MatMuls
+# (Q, K, V projections and the softmax), so its GEMMs can read and write INT8. Ranges calibrated
+# only at export cost ~3 points on SST-2: BERT's residual stream has outlier channels that one
+# per-tensor INT8 scale fits badly. With `tensorrt_qat`, QAT fake-quantizes these tensors too, so
+# the model adapts; the ranges go in the manifest as "<linear>.output" and "<block>.residual"
+# next to the "<linear>.input" ones. The softmax output keeps a range calibrated at export (it
+# lies in [0, 1]). The ONNX Runtime placement keeps all of them in float, and so does evaluation.
+
+_QKV = (".attention.self.query", ".attention.self.key", ".attention.self.value")
 
 
-def residual_blocks(model: nn.Module, layers: Iterable[str]) -> list[tuple[str, str]]:
-    """(block, dense) for every sub-layer output block: dense -> dropout -> LayerNorm(x + residual)."""
-    out = []
+def tensorrt_sites(model: nn.Module, layers: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(Linears whose output TensorRT quantizes, residual blocks whose skip input it quantizes).
+
+    A residual block is a sub-layer output module: dense -> dropout -> LayerNorm(x + input_tensor).
+    """
+    outputs, blocks = [], []
     for name in layers:
-        if not name.endswith(".output.dense"):
-            continue
-        block = name[: -len(".dense")]
-        if hasattr(model.get_submodule(block), "LayerNorm"):
-            out.append((block, name))
-    return out
+        if name.endswith(_QKV):
+            outputs.append(name)
+        elif name.endswith(".output.dense") and hasattr(model.get_submodule(name[: -len(".dense")]), "LayerNorm"):
+            outputs.append(name)
+            blocks.append(name[: -len(".dense")])
+    return outputs, blocks
 
 
-def residual_keys(block: str, dense: str) -> tuple[str, str]:
-    return f"{dense}.output", f"{block}.residual"
+def output_key(linear: str) -> str:
+    return f"{linear}.output"
+
+
+def residual_key(block: str) -> str:
+    return f"{block}.residual"
 
 
 def _residual_arg(args, kwargs):
@@ -163,23 +174,23 @@ def _residual_arg(args, kwargs):
 
 
 @contextmanager
-def residual_quantizers(model: nn.Module, amax: Mapping[str, float], blocks: Iterable[tuple[str, str]]):
-    """Fake-quantize both inputs of each residual Add with its per-tensor range (STE, for QAT)."""
+def tensorrt_quantizers(model: nn.Module, amax: Mapping[str, float], layers: Iterable[str]):
+    """Fake-quantize the TensorRT placement's extra tensors with their per-tensor ranges (STE, for QAT)."""
+    outputs, blocks = tensorrt_sites(model, layers)
     handles = []
     try:
-        for block, dense in blocks:
-            k_out, k_res = residual_keys(block, dense)
-            if k_out not in amax or k_res not in amax:
-                raise KeyError(f"no residual ranges for {block!r}; calibrate first")
-            s_out, s_res = act_scale(amax[k_out]), act_scale(amax[k_res])
-            handles.append(model.get_submodule(dense).register_forward_hook(
-                lambda _m, _a, out, s=s_out: fake_quant_act(out, s)))
-
-            def pre(_m, args, kwargs, s=s_res):
+        for key in [output_key(n) for n in outputs] + [residual_key(b) for b in blocks]:
+            if key not in amax:
+                raise KeyError(f"no activation range {key!r}; calibrate first")
+        for n in outputs:
+            handles.append(model.get_submodule(n).register_forward_hook(
+                lambda _m, _a, out, s=act_scale(amax[output_key(n)]): fake_quant_act(out, s)))
+        for b in blocks:
+            def pre(_m, args, kwargs, s=act_scale(amax[residual_key(b)])):
                 x, rebuild = _residual_arg(args, kwargs)
                 return rebuild(fake_quant_act(x, s))
 
-            handles.append(model.get_submodule(block).register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(model.get_submodule(b).register_forward_pre_hook(pre, with_kwargs=True))
         yield model
     finally:
         for h in handles:
@@ -187,21 +198,22 @@ def residual_quantizers(model: nn.Module, amax: Mapping[str, float], blocks: Ite
 
 
 @torch.no_grad()
-def calibrate_residual_amax(model: nn.Module, blocks: Iterable[tuple[str, str]],
+def calibrate_tensorrt_amax(model: nn.Module, layers: Iterable[str],
                             batches: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, float]:
-    """max |x| of both residual-Add inputs per block. A plain max: the outlier channels carry signal,
-    and clipping them costs more than the coarser grid (measured on SST-2)."""
+    """max |x| of each extra TensorRT tensor. A plain max: the residual stream's outlier channels
+    carry signal, and clipping them costs more than the coarser grid (measured on SST-2)."""
+    outputs, blocks = tensorrt_sites(model, layers)
     seen: dict[str, float] = {}
     handles = []
 
     def note(key, t):
         seen[key] = max(seen.get(key, 0.0), float(t.detach().abs().max()))
 
-    for block, dense in blocks:
-        k_out, k_res = residual_keys(block, dense)
-        handles.append(model.get_submodule(dense).register_forward_hook(lambda _m, _a, out, k=k_out: note(k, out)))
-        handles.append(model.get_submodule(block).register_forward_pre_hook(
-            lambda _m, args, kwargs, k=k_res: note(k, _residual_arg(args, kwargs)[0]), with_kwargs=True))
+    for n in outputs:
+        handles.append(model.get_submodule(n).register_forward_hook(lambda _m, _a, out, k=output_key(n): note(k, out)))
+    for b in blocks:
+        handles.append(model.get_submodule(b).register_forward_pre_hook(
+            lambda _m, args, kwargs, k=residual_key(b): note(k, _residual_arg(args, kwargs)[0]), with_kwargs=True))
     _observe(model, batches, handles)
     return {k: max(v, 1e-6) for k, v in seen.items()}
 

@@ -339,7 +339,7 @@ def export_checkpoint(
             extra = None
             if target == "tensorrt":
                 pts = qdq.tensorrt_extra_tensors(m, sites_t)
-                trained = qdq.residual_ranges(m, sites_t, act_amax)  # from residual-Add QAT, when it ran
+                trained = qdq.trained_ranges(m, sites_t, act_amax)  # from TensorRT QAT, when it ran
                 tensors = sorted({p[0] for p in pts} - set(trained))
                 extra = {**_calibrate_extra(built["onnxruntime"], tensors, calib_batches), **trained}
                 report["tensorrt_extra_ranges"] = {"from_checkpoint_qat": len(trained), "calibrated_here": len(tensors)}

@@ -260,26 +260,40 @@ def residual_adds(model, sites: list[LinearSite]) -> list:
     return out
 
 
-def residual_ranges(model, sites: list[LinearSite], act_amax: Mapping[str, float]) -> dict[str, float]:
-    """Ranges of residual-Add inputs that compression trained with (QAT): "<dense>.output" for the side
-    coming from that Linear's bias add, "<block>.residual" for the skip connection. Empty for
-    checkpoints made without residual QAT (their ranges are calibrated at export)."""
+def trained_ranges(model, sites: list[LinearSite], act_amax: Mapping[str, float]) -> dict[str, float]:
+    """Ranges for the TensorRT placement's extra tensors that compression trained with (QAT), by tensor.
+
+    Residual Adds: "<dense>.output" for the side coming from that Linear's bias Add and
+    "<block>.residual" for the skip connection. Attention MatMuls: "<query|key|value>.output" for
+    an input that is that Linear's bias-Add output after Reshape/Transpose only (they move values,
+    never change them). The softmax output has no trained range. Empty for checkpoints made without
+    TensorRT QAT; what is missing here is calibrated at export.
+    """
     g = model.graph
-    by_bias = {}
+    prod = _producers(g)
+    bias_out: dict[str, str] = {}
     for s in sites:
-        if s.bias_add and s.layer.endswith(".dense"):
-            by_bias[next(n.output[0] for n in g.node if n.name == s.bias_add)] = s.layer
+        if s.bias_add:
+            bias_out[next(n.output[0] for n in g.node if n.name == s.bias_add)] = s.layer
     out: dict[str, float] = {}
     for n in residual_adds(model, sites):
-        dense_side = [t for t in n.input if t in by_bias]
-        if len(dense_side) != 1:
+        dense_side = [t for t in n.input if t in bias_out]
+        if len(dense_side) != 1 or not bias_out[dense_side[0]].endswith(".dense"):
             continue
-        layer = by_bias[dense_side[0]]
+        layer = bias_out[dense_side[0]]
         skip = next(t for t in n.input if t != dense_side[0])
         k_out, k_res = f"{layer}.output", f"{layer[: -len('.dense')]}.residual"
         if k_out in act_amax and k_res in act_amax:
             out[dense_side[0]] = float(act_amax[k_out])
             out[skip] = float(act_amax[k_res])
+    for n in attention_matmuls(model, sites):
+        for t in n.input:
+            src = t
+            while src not in bias_out and src in prod and prod[src].op_type in ("Reshape", "Transpose"):
+                src = prod[src].input[0]
+            key = f"{bias_out[src]}.output" if src in bias_out else None
+            if key in act_amax:
+                out[t] = float(act_amax[key])
     return out
 
 

@@ -52,10 +52,11 @@ def test_admm_checkpoint_is_2to4_and_int8_on_disk(admm_ckpt):
     assert "CPU" in t["machine"] and t["wall_seconds"] > 0
     amax = m["quantization"]["activations"]["amax"]
     layers = m["sparsity"]["layers"]
-    residual = [k for n in layers if n.endswith(".output.dense")
-                for k in (f"{n}.output", f"{n[: -len('.dense')]}.residual")]  # residual-Add QAT (TensorRT)
-    assert len(residual) == 4 * (len(layers) // 6)
-    assert sorted(amax) == sorted([f"{n}.input" for n in layers] + residual)
+    # TensorRT QAT: Q/K/V outputs, both residual-Add inputs (dense output + skip) per sub-layer
+    extra = [f"{n}.output" for n in layers if n.endswith((".query", ".key", ".value", ".output.dense"))]
+    extra += [f"{n[: -len('.dense')]}.residual" for n in layers if n.endswith(".output.dense")]
+    assert len(extra) == 7 * (len(layers) // 6)
+    assert sorted(amax) == sorted([f"{n}.input" for n in layers] + extra)
     assert m["dense_modules"] == ["embeddings", "LayerNorm", "pooler", "classifier"]
     load_artifact(admm_ckpt)  # the contract's own reader agrees
 

@@ -125,24 +125,25 @@ def test_exact_input_quantizers_equal_the_integer_gemm():
     assert torch.equal(plain, lin(x))
 
 
-def test_residual_quantizers_quantize_both_add_inputs(setup):
-    """Residual-Add QAT (TensorRT placement): LayerNorm sees fq(dense output) + fq(skip input)."""
-    from compress.quant import (act_scale, calibrate_residual_amax, fake_quant_act, residual_blocks,
-                                residual_keys, residual_quantizers)
+def test_tensorrt_quantizers_quantize_qkv_and_both_add_inputs(setup):
+    """TensorRT QAT: LayerNorm sees fq(dense output) + fq(skip input); Q/K/V leave their Linears quantized."""
+    from compress.quant import (act_scale, calibrate_tensorrt_amax, fake_quant_act, output_key, residual_key,
+                                tensorrt_quantizers, tensorrt_sites)
 
     model_dir, data = setup
     model, layers, _ = _projected(model_dir)
     model.eval()
-    blocks = residual_blocks(model, layers)
-    assert len(blocks) == 2 * model.config.num_hidden_layers
-    assert all(b.endswith((".attention.output", ".output")) and d == f"{b}.dense" for b, d in blocks)
+    outputs, blocks = tensorrt_sites(model, layers)
+    n_layers = model.config.num_hidden_layers
+    assert len(outputs) == 5 * n_layers and len(blocks) == 2 * n_layers
+    assert all(b.endswith((".attention.output", ".output")) for b in blocks)
     batch = next(train_batches(data, 4, seed=0))
     batch.pop("labels")
-    amax = calibrate_residual_amax(model, blocks, [batch])
-    assert sorted(amax) == sorted(k for b, d in blocks for k in residual_keys(b, d))
+    amax = calibrate_tensorrt_amax(model, layers, [batch])
+    assert sorted(amax) == sorted([output_key(n) for n in outputs] + [residual_key(b) for b in blocks])
 
-    block, dense = blocks[0]
-    k_out, k_res = residual_keys(block, dense)
+    block = blocks[0]
+    dense, query = f"{block}.dense", next(n for n in outputs if n.endswith(".query"))
     amax = {k: v / 4 for k, v in amax.items()}  # a coarse grid, so quantization visibly changes values
     seen = {}
 
@@ -152,18 +153,23 @@ def test_residual_quantizers_quantize_both_add_inputs(setup):
         return hook
 
     hooks = [model.get_submodule(dense).register_forward_hook(keep("dense")),
+             model.get_submodule(query).register_forward_hook(keep("query")),
              model.get_submodule(block).register_forward_pre_hook(keep("skip", 1)),
              model.get_submodule(f"{block}.LayerNorm").register_forward_pre_hook(keep("sum"))]
-    with torch.no_grad(), residual_quantizers(model, amax, blocks):
+    with torch.no_grad(), tensorrt_quantizers(model, amax, layers):
         quantized = model(**batch).logits
+        q_out = model.get_submodule(query)(seen["query"].new_ones(2, seen["query"].shape[-1]) * 3)
     for h in hooks:
         h.remove()
-    want = fake_quant_act(seen["dense"], act_scale(amax[k_out])) + fake_quant_act(seen["skip"], act_scale(amax[k_res]))
+    want = (fake_quant_act(seen["dense"], act_scale(amax[output_key(dense)]))
+            + fake_quant_act(seen["skip"], act_scale(amax[residual_key(block)])))
     assert torch.allclose(seen["sum"], want, atol=1e-6)
     assert not torch.allclose(seen["sum"], seen["dense"] + seen["skip"])
+    s_q = act_scale(amax[output_key(query)])
+    assert torch.allclose(q_out / s_q, torch.round(q_out / s_q), atol=1e-4)  # on the INT8 grid
     with torch.no_grad():
         plain = model(**batch).logits
     assert not torch.allclose(plain, quantized)  # hooks removed: the float model again
     with pytest.raises(KeyError, match="calibrate first"):
-        with residual_quantizers(model, {}, blocks):
+        with tensorrt_quantizers(model, {}, layers):
             pass
