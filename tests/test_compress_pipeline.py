@@ -39,6 +39,21 @@ def admm_ckpt(env):
     return out
 
 
+def test_tensorrt_qat_stores_the_extra_ranges(env):
+    """--set tensorrt_qat=true: QAT also quantizes Q/K/V outputs and both residual-Add inputs, and the
+    manifest carries their ranges for the TensorRT export."""
+    out = env["root"] / "admm-trt"
+    assert compress(env, out, "--set", "tensorrt_qat=true") == 0
+    check_saved_checkpoint(out)
+    m = json.loads((out / "manifest.json").read_text())
+    amax, layers = m["quantization"]["activations"]["amax"], m["sparsity"]["layers"]
+    extra = [f"{n}.output" for n in layers if n.endswith((".query", ".key", ".value", ".output.dense"))]
+    extra += [f"{n[: -len('.dense')]}.residual" for n in layers if n.endswith(".output.dense")]
+    assert len(extra) == 7 * (len(layers) // 6)
+    assert sorted(amax) == sorted([f"{n}.input" for n in layers] + extra)
+    assert m["training"]["preset_config"]["tensorrt_qat"] is True
+
+
 def test_admm_checkpoint_is_2to4_and_int8_on_disk(admm_ckpt):
     info = check_saved_checkpoint(admm_ckpt)
     assert info["layers"] == 12 and info["quantized"]
@@ -51,12 +66,7 @@ def test_admm_checkpoint_is_2to4_and_int8_on_disk(admm_ckpt):
     assert {"dense", "admm", "qat"} <= set(t["phases"]) and t["phases"]["admm"]["steps"] == 12
     assert "CPU" in t["machine"] and t["wall_seconds"] > 0
     amax = m["quantization"]["activations"]["amax"]
-    layers = m["sparsity"]["layers"]
-    # TensorRT QAT: Q/K/V outputs, both residual-Add inputs (dense output + skip) per sub-layer
-    extra = [f"{n}.output" for n in layers if n.endswith((".query", ".key", ".value", ".output.dense"))]
-    extra += [f"{n[: -len('.dense')]}.residual" for n in layers if n.endswith(".output.dense")]
-    assert len(extra) == 7 * (len(layers) // 6)
-    assert sorted(amax) == sorted([f"{n}.input" for n in layers] + extra)
+    assert sorted(amax) == sorted(f"{n}.input" for n in m["sparsity"]["layers"])
     assert m["dense_modules"] == ["embeddings", "LayerNorm", "pooler", "classifier"]
     load_artifact(admm_ckpt)  # the contract's own reader agrees
 
