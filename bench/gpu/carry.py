@@ -3,10 +3,11 @@
 The fp32 checkpoint of MiniLM is ~90 MB; the GPU machine takes 64 MiB per call. Packed:
   - every INT8 layer as its int8 codes (exact: the contract says weight == codes x per-channel scale,
     and unpacking recomputes codes x scale in float32, which is bit-identical to the saved weight);
-  - large float tensors (the embedding tables) as fp16;
+    embedding tables the checkpoint put on a per-row INT8 grid travel the same way;
+  - other large float tensors (fp32 embedding tables) as fp16;
   - everything else (biases, LayerNorm, pooler, classifier) as fp32.
 Unpacking writes a real checkpoint with holoserve.artifact.write_artifact, so the GPU run loads it
-through the same validated path as the server. Only the embedding tables differ from the original
+through the same validated path as the server. Only fp32 embedding tables differ from the original
 (fp16 rounding, recorded in pack.json); the parity check on the GPU compares both sides on the
 unpacked weights.
 """
@@ -27,6 +28,14 @@ FP16_MIN_ELEMENTS = 1_000_000  # float tensors at least this large travel as fp1
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
+def _int8_scales(manifest: dict) -> dict[str, list]:
+    """Per-channel scales of the encoder Linears and per-row scales of INT8 embedding tables, by module."""
+    q = manifest.get("quantization") or {}
+    scales = dict((q.get("weights") or {}).get("scales") or {})
+    scales.update({k: v["scales"] for k, v in (q.get("embeddings") or {}).items()})
+    return scales
+
+
 def _codes(w: np.ndarray, scales: np.ndarray) -> np.ndarray:
     s = scales.astype(np.float32).reshape(-1, 1)
     return np.clip(np.rint(w.astype(np.float32) / s), -127, 127).astype(np.int8)
@@ -43,8 +52,7 @@ def pack(checkpoint: str | Path, out: str | Path, *, fp16_min_elements: int | No
     from holoserve.artifact import atomic_write_json, load_artifact
 
     art = load_artifact(checkpoint)
-    q = art.manifest.get("quantization") or {}
-    scales = (q.get("weights") or {}).get("scales") or {}
+    scales = _int8_scales(art.manifest)
     tensors = load_file(str(art.path / "model.safetensors"))
     packed: dict[str, np.ndarray] = {}
     kinds: dict[str, str] = {}
@@ -102,7 +110,7 @@ def unpack(packed_dir: str | Path, dest: str | Path):
 
     src = Path(packed_dir)
     manifest = json.loads((src / "manifest.json").read_text())
-    scales = ((manifest.get("quantization") or {}).get("weights") or {}).get("scales") or {}
+    scales = _int8_scales(manifest)
     packed = load_file(str(src / WEIGHTS))
     tensors: dict[str, np.ndarray] = {}
     for key, v in packed.items():
