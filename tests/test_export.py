@@ -476,3 +476,14 @@ def test_tensorrt_placement_uses_the_ranges_trained_in_qat(tmp_path):
     assert len(trained) == 14
     for k in trained:  # every trained range is the scale of some Q/DQ pair in the graph
         assert np.isclose(q_scales, amax[k] / 127, rtol=1e-6).any(), k
+
+
+def test_eval_cli_onnx_flag(exported, tmp_path, capsys):
+    from holoserve.cli import main
+
+    ckpt, _ = exported
+    assert main(["eval", str(ckpt), "--data-dir", str(_tiny_sst2_dir(tmp_path)), "--onnx", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["numerics"].startswith("ONNX Runtime") and out["rows"] == 8 and "accuracy" in out["metrics"]
+    assert main(["eval", str(ckpt), "--data-dir", str(_tiny_sst2_dir(tmp_path)), "--onnx", "--fp32"]) != 0
+    assert "do not combine" in capsys.readouterr().err
