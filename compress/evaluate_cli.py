@@ -19,13 +19,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--fp32", action="store_true", help="skip activation fake-quant (weights still as stored)")
     p.add_argument("--onnx", action="store_true",
-                   help="score the checkpoint's ONNX Runtime export (what `holoserve serve` runs on a CPU) "
-                        "on the same batches, instead of the PyTorch fake-quant model")
+                   help="score an ONNX export through ONNX Runtime on the same batches, instead of the PyTorch "
+                        "fake-quant model")
+    p.add_argument("--onnx-export", default="onnxruntime", choices=("onnxruntime", "tensorrt-onnx"),
+                   help="with --onnx: which export; 'onnxruntime' (what `holoserve serve` runs on a CPU) or "
+                        "'tensorrt-onnx' (the TensorRT placement, emulated on the CPU)")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --onnx (0 = default)")
 
 
 def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None, batch_size=128, fp32=False,
-                        onnx=False, threads=0) -> dict:
+                        onnx=False, threads=0, onnx_export="onnxruntime") -> dict:
     import time
 
     from holoserve import HoloServeError
@@ -56,7 +59,7 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     if onnx:
         if fp32:
             raise HoloServeError("--fp32 and --onnx do not combine: the ONNX export always has the checkpoint's numerics")
-        metrics, numerics = _evaluate_onnx(art, task_obj, data, batch_size, threads)
+        metrics, numerics = _evaluate_onnx(art, task_obj, data, batch_size, threads, onnx_export)
     else:
         metrics = evaluate(model, task_obj, data, batch_size=batch_size,
                            act_amax=amax if use_quant else None, quant_layers=layers if use_quant else None)
@@ -76,8 +79,8 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     }
 
 
-def _evaluate_onnx(art, task, data, batch_size: int, threads: int) -> tuple[dict, str]:
-    """The ONNX Runtime export through the server's own backend, on `holoserve eval`'s batches."""
+def _evaluate_onnx(art, task, data, batch_size: int, threads: int, export_key: str) -> tuple[dict, str]:
+    """An ONNX export through the server's own ONNX Runtime backend, on `holoserve eval`'s batches."""
     import numpy as np
 
     from holoserve.backends.onnxruntime import OrtBackend
@@ -85,14 +88,15 @@ def _evaluate_onnx(art, task, data, batch_size: int, threads: int) -> tuple[dict
     from .data import eval_batches
     from .evaluate import score
 
-    backend = OrtBackend(art, device="cpu", threads=threads or None)  # a clear error when there is no export
+    # a clear error when there is no such export
+    backend = OrtBackend(art, device="cpu", threads=threads or None, export_key=export_key)
     logits = None
     for idx, b in eval_batches(data, batch_size):
         out = backend.infer(b["input_ids"].numpy(), b["attention_mask"].numpy(), b["token_type_ids"].numpy())
         if logits is None:
             logits = np.zeros((len(data), out.shape[1]), dtype=np.float32)
         logits[idx] = out
-    return score(task, logits, data.labels), f"ONNX Runtime ({backend.path.name}, CPU)"
+    return score(task, logits, data.labels), f"ONNX Runtime ({backend.path.name}, {export_key} export, CPU)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,6 +105,6 @@ def run(args: argparse.Namespace) -> int:
 
         raise HoloServeError("--limit must be a positive number")
     out = evaluate_checkpoint(args.checkpoint, args.task, args.data_dir, args.split, args.limit, args.batch_size,
-                              args.fp32, args.onnx, args.threads)
+                              args.fp32, args.onnx, args.threads, args.onnx_export)
     print(json.dumps(out, indent=2))
     return 0

@@ -485,5 +485,9 @@ def test_eval_cli_onnx_flag(exported, tmp_path, capsys):
     assert main(["eval", str(ckpt), "--data-dir", str(_tiny_sst2_dir(tmp_path)), "--onnx", "--threads", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["numerics"].startswith("ONNX Runtime") and out["rows"] == 8 and "accuracy" in out["metrics"]
+    assert main(["eval", str(ckpt), "--data-dir", str(_tiny_sst2_dir(tmp_path)), "--onnx",
+                 "--onnx-export", "tensorrt-onnx"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "model.trt.onnx" in out["numerics"] and out["rows"] == 8
     assert main(["eval", str(ckpt), "--data-dir", str(_tiny_sst2_dir(tmp_path)), "--onnx", "--fp32"]) != 0
     assert "do not combine" in capsys.readouterr().err

@@ -14,12 +14,12 @@ EXPORT_KEY = "onnxruntime"
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-def onnx_path(artifact: Artifact) -> Path:
-    """The ONNX file recorded under exports["onnxruntime"], or a clear error saying how to make it."""
-    entry = (artifact.manifest.get("exports") or {}).get(EXPORT_KEY)
+def onnx_path(artifact: Artifact, export_key: str = EXPORT_KEY) -> Path:
+    """The ONNX file recorded under exports[export_key], or a clear error saying how to make it."""
+    entry = (artifact.manifest.get("exports") or {}).get(export_key)
     if not entry or not entry.get("file"):
         raise BackendUnavailable(
-            f"{artifact.path} has no ONNX Runtime export (manifest exports['{EXPORT_KEY}'] is missing): "
+            f"{artifact.path} has no {export_key!r} export (manifest exports['{export_key}'] is missing): "
             f"run `holoserve export {artifact.path}` first"
         )
     path = artifact.path / entry["file"]
@@ -48,12 +48,13 @@ def choose_providers(available: list[str], device: str = "auto") -> list[str]:
 class OrtBackend:
     name = "onnxruntime"
 
-    def __init__(self, artifact: Artifact, *, device: str = "auto", threads: int | None = None):
+    def __init__(self, artifact: Artifact, *, device: str = "auto", threads: int | None = None,
+                 export_key: str = EXPORT_KEY):
         try:
             import onnxruntime as ort
         except ImportError as e:  # pragma: no cover - part of the base install
             raise BackendUnavailable(f"onnxruntime is not installed ({e}): pip install onnxruntime") from None
-        self.path = onnx_path(artifact)
+        self.path = onnx_path(artifact, export_key)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         threads = threads if threads is not None else int(os.environ.get("HOLOSERVE_ORT_THREADS", "0") or 0)
