@@ -19,15 +19,23 @@ def predict(model: nn.Module, data: Encoded, batch_size: int = 128) -> np.ndarra
     """Logits for every row of `data`, in row order."""
     was_training = model.training
     model.eval()
+    try:
+        with torch.inference_mode():
+            return predict_with(lambda batch: model(**batch).logits.float().numpy(), data, batch_size)
+    finally:
+        model.train(was_training)
+
+
+def predict_with(run, data: Encoded, batch_size: int = 128) -> np.ndarray:
+    """Logits from `run(batch of int64 tensors, no labels) -> [rows, labels] array` for every row of
+    `data`, in row order, over `holoserve eval`'s batches (length-sorted, padded to each longest)."""
     out: np.ndarray | None = None
-    with torch.inference_mode():
-        for idx, batch in eval_batches(data, batch_size):
-            batch.pop("labels")
-            logits = model(**batch).logits.float().numpy()
-            if out is None:
-                out = np.zeros((len(data), logits.shape[1]), dtype=np.float32)
-            out[idx] = logits
-    model.train(was_training)
+    for idx, batch in eval_batches(data, batch_size):
+        batch.pop("labels")
+        logits = np.asarray(run(batch))
+        if out is None:
+            out = np.zeros((len(data), logits.shape[1]), dtype=np.float32)
+        out[idx] = logits
     assert out is not None
     return out
 

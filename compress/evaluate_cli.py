@@ -40,6 +40,8 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     from .evaluate import evaluate
     from .quant import act_key
 
+    if onnx and fp32:
+        raise HoloServeError("--fp32 and --onnx do not combine: the ONNX export always has the checkpoint's numerics")
     if onnx:
         from holoserve.artifact import load_artifact
 
@@ -52,15 +54,13 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
         raise HoloServeError(f"{path} was trained for {art.task_name!r}, not {task_obj.name!r}")
     tok = load_tokenizer(art.path, art.max_seq_length)
     data = encode(tok, read_split(task_obj, split, data_dir, limit=limit), task_obj.is_regression)
-    amax = art.activation_amax()
-    layers = [k[: -len(".input")] for k in amax if k.endswith(".input")]
-    use_quant = bool(amax) and not fp32
     t0 = time.perf_counter()
     if onnx:
-        if fp32:
-            raise HoloServeError("--fp32 and --onnx do not combine: the ONNX export always has the checkpoint's numerics")
         metrics, numerics = _evaluate_onnx(art, task_obj, data, batch_size, threads, onnx_export)
     else:
+        amax = art.activation_amax()
+        layers = [k[: -len(".input")] for k in amax if k.endswith(".input")]
+        use_quant = bool(amax) and not fp32
         metrics = evaluate(model, task_obj, data, batch_size=batch_size,
                            act_amax=amax if use_quant else None, quant_layers=layers if use_quant else None)
         assert all(act_key(n) in amax for n in layers)
@@ -81,21 +81,14 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
 
 def _evaluate_onnx(art, task, data, batch_size: int, threads: int, export_key: str) -> tuple[dict, str]:
     """An ONNX export through the server's own ONNX Runtime backend, on `holoserve eval`'s batches."""
-    import numpy as np
-
     from holoserve.backends.onnxruntime import OrtBackend
 
-    from .data import eval_batches
-    from .evaluate import score
+    from .evaluate import predict_with, score
 
     # a clear error when there is no such export
     backend = OrtBackend(art, device="cpu", threads=threads or None, export_key=export_key)
-    logits = None
-    for idx, b in eval_batches(data, batch_size):
-        out = backend.infer(b["input_ids"].numpy(), b["attention_mask"].numpy(), b["token_type_ids"].numpy())
-        if logits is None:
-            logits = np.zeros((len(data), out.shape[1]), dtype=np.float32)
-        logits[idx] = out
+    logits = predict_with(lambda b: backend.infer(b["input_ids"].numpy(), b["attention_mask"].numpy(),
+                                                  b["token_type_ids"].numpy()), data, batch_size)
     return score(task, logits, data.labels), f"ONNX Runtime ({backend.path.name}, {export_key} export, CPU)"
 
 

@@ -8,7 +8,6 @@ job resumes where it stopped; a phase also saves mid-way every `preset.save_ever
 from __future__ import annotations
 
 import contextlib
-
 import importlib.resources
 import json
 import logging
@@ -464,9 +463,8 @@ def compress(job: Job) -> Artifact:
 def _quantizers(model: nn.Module, amax, layers, tensorrt: bool):
     """QAT's activation quantizers: every encoder Linear input, plus (with `tensorrt`) the extra
     tensors the TensorRT placement quantizes (Q/K/V, residual-Add inputs)."""
-    with input_quantizers(model, amax, layers):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(input_quantizers(model, amax, layers))
         if tensorrt:
-            with tensorrt_quantizers(model, amax, layers):
-                yield model
-        else:
-            yield model
+            stack.enter_context(tensorrt_quantizers(model, amax, layers))
+        yield model

@@ -243,15 +243,18 @@ def attention_matmuls(model, sites: list[LinearSite]) -> list:
     ]
 
 
+def _bias_outputs(graph, sites: list[LinearSite]) -> dict[str, str]:
+    """{output tensor of a Linear's bias Add: that Linear's layer name}."""
+    adds = {s.bias_add: s.layer for s in sites if s.bias_add}
+    return {n.output[0]: adds[n.name] for n in graph.node if n.name in adds}
+
+
 def residual_adds(model, sites: list[LinearSite]) -> list:
     """Adds of two activations where one side is a Linear's bias-add output (the residual connections)."""
     g = model.graph
     inits = {i.name for i in g.initializer}
     prod = _producers(g)
-    bias_outputs = set()
-    for s in sites:
-        if s.bias_add:
-            bias_outputs.add(next(n.output[0] for n in g.node if n.name == s.bias_add))
+    bias_outputs = _bias_outputs(g, sites)
     out = []
     for n in g.node:
         if n.op_type == "Add" and len(n.input) == 2 and not any(i in inits for i in n.input):
@@ -271,10 +274,7 @@ def trained_ranges(model, sites: list[LinearSite], act_amax: Mapping[str, float]
     """
     g = model.graph
     prod = _producers(g)
-    bias_out: dict[str, str] = {}
-    for s in sites:
-        if s.bias_add:
-            bias_out[next(n.output[0] for n in g.node if n.name == s.bias_add)] = s.layer
+    bias_out = _bias_outputs(g, sites)
     out: dict[str, float] = {}
     for n in residual_adds(model, sites):
         dense_side = [t for t in n.input if t in bias_out]
