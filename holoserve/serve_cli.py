@@ -22,6 +22,8 @@ HELP = {
     "max_queue_delay_ms": "how long a non-full batch waits for more requests",
     "max_padding_waste": "split a merged batch into length groups when padding would exceed this share of its "
                          "tokens (negative: always pad the whole batch to its longest)",
+    "inline_single": "run a lone batch-1 inference on the event-loop thread (no thread hand-off) when "
+                     "nothing else is queued",
     "max_queue_size": "sequences allowed to wait for inference; beyond it requests get 503 + Retry-After",
     "max_items": "texts or pairs per request",
     "max_text_bytes": "UTF-8 bytes per text",

@@ -492,3 +492,35 @@ def test_zero_queue_delay_dispatches_at_once_and_still_batches_under_load():
     results = asyncio.run(main())
     assert sizes == [1, 5]
     assert [float(r[0].logits[0]) for r in results] == [100.0] + [200.0 + i for i in range(5)]
+
+
+def test_inline_single_runs_a_lone_sequence_on_the_loop_and_batches_in_the_worker():
+    """inline_single: a lone sequence with nothing queued runs on the event-loop thread (no hand-off);
+    a merged batch still runs in the inference thread; without the option everything does."""
+    import asyncio
+    import threading
+
+    from holoserve.server.batcher import DynamicBatcher
+    from holoserve.tokenization import Encoded
+
+    def enc(i: int) -> Encoded:
+        return Encoded(np.array([i, 7, 8], dtype=np.int64), np.zeros(3, dtype=np.int64), False)
+
+    async def main(inline: bool):
+        loop_thread = threading.current_thread()
+        seen: list[tuple[int, bool]] = []
+
+        def infer(ids, mask, types):
+            seen.append((ids.shape[0], threading.current_thread() is loop_thread))
+            return np.stack([ids[:, 0].astype(np.float32), -ids[:, 0].astype(np.float32)], axis=1)
+
+        b = DynamicBatcher(infer, max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64, inline_single=inline)
+        b.start()
+        one = await b.submit([enc(5)])
+        two = await b.submit([enc(6), enc(9)])
+        await b.stop(5)
+        assert [float(r.logits[0]) for r in one + two] == [5.0, 6.0, 9.0]
+        return seen
+
+    assert asyncio.run(main(True)) == [(1, True), (2, False)]
+    assert asyncio.run(main(False)) == [(1, False), (2, False)]

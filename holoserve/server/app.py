@@ -145,7 +145,8 @@ class ServerState:
             "batching": {"max_batch_size": self.config.max_batch_size,
                          "max_queue_delay_ms": self.config.max_queue_delay_ms,
                          "max_queue_size": self.config.max_queue_size,
-                         "max_padding_waste": self.config.max_padding_waste},
+                         "max_padding_waste": self.config.max_padding_waste,
+                         "inline_single": self.config.inline_single},
             "limits": {"max_items": self.config.max_items, "max_text_bytes": self.config.max_text_bytes,
                        "max_body_bytes": self.config.max_body_bytes},
         }
@@ -266,7 +267,7 @@ def create_app(config: ServerConfig, *, artifact: Artifact | None = None, backen
                                     max_queue_delay_ms=config.max_queue_delay_ms,
                                     max_queue_size=config.max_queue_size, pad_id=st.encoder.pad_id,
                                     max_padding_waste=config.max_padding_waste,
-                                    metrics=st.metrics)
+                                    metrics=st.metrics, inline_single=config.inline_single)
         st.batcher.start()
 
         async def warm():

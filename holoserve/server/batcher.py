@@ -3,7 +3,8 @@
 One asyncio task owns the queue. It takes the oldest waiting sequence, waits until the batch is
 full or that sequence has waited `max_queue_delay` (Triton's rule), pads the batch to its
 longest member and runs the backend in a worker thread so the event loop keeps accepting
-requests. Each sequence carries its own future, so results go back to exactly the caller that
+requests (a lone sequence with nothing queued behind it may run on the loop itself, see
+`inline_single`). Each sequence carries its own future, so results go back to exactly the caller that
 sent it. The queue is bounded in sequences: a request that does not fit is refused at once
 (`QueueFull` -> 503 + Retry-After) instead of growing an unbounded backlog.
 """
@@ -54,7 +55,8 @@ class _Item:
 
 class DynamicBatcher:
     def __init__(self, infer: InferFn, *, max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int,
-                 pad_id: int = 0, max_padding_waste: float = 0.25, metrics: ServerMetrics | None = None):
+                 pad_id: int = 0, max_padding_waste: float = 0.25, metrics: ServerMetrics | None = None,
+                 inline_single: bool = False):
         self._infer = infer
         self.max_batch_size = max_batch_size
         self.max_delay = max_queue_delay_ms / 1000.0
@@ -62,6 +64,7 @@ class DynamicBatcher:
         self.pad_id = pad_id
         self.max_padding_waste = max_padding_waste
         self.metrics = metrics
+        self.inline_single = inline_single
         self._queue: deque[_Item] = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -159,7 +162,12 @@ class DynamicBatcher:
             self._busy = True
             t_start = time.perf_counter()
             try:
-                logits, calls = await loop.run_in_executor(self._executor, self._run_batch, [it.enc for it in batch])
+                if self.inline_single and len(batch) == 1 and not self._queue:
+                    # Alone in the server: run here, sparing the thread hand-off and its wake-ups.
+                    logits, calls = self._run_batch([batch[0].enc])
+                else:
+                    logits, calls = await loop.run_in_executor(self._executor, self._run_batch,
+                                                               [it.enc for it in batch])
             except Exception as e:  # a backend failure fails this batch's requests, not the server
                 for it in batch:
                     if not it.future.done():

@@ -22,6 +22,12 @@ class ServerConfig:
     # requests that arrive while the previous batch runs, so a short wait is enough.
     max_queue_delay_ms: float = 1.0
     max_padding_waste: float = 0.25  # split a merged batch by length beyond this padding share; <0: never
+    # A lone sequence with nothing queued behind it runs on the event-loop thread instead of being
+    # handed to the inference thread: the hand-off and the wake-ups it costs (~0.6 ms of the ~1.2 ms
+    # HTTP overhead at batch 1, measured on a 2-core x86 CPU) go away. The loop is busy for that one
+    # run, so a request arriving meanwhile is read when it ends: it would have waited for the single
+    # inference thread anyway.
+    inline_single: bool = True
     max_queue_size: int = 256  # sequences waiting for inference; beyond this: 503 + Retry-After
     max_items: int = 64  # texts (or pairs) per request
     max_text_bytes: int = 10_000  # UTF-8 bytes per text
