@@ -130,3 +130,12 @@ def unpack(packed_dir: str | Path, dest: str | Path):
             if (src / name).is_file():
                 files[name] = src / name
         return write_artifact(dest, manifest, files, overwrite=True)
+
+
+if __name__ == "__main__":  # python bench/gpu/carry.py unpack PACKED DEST (on the GPU machine)
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "unpack":
+        sys.exit("usage: python bench/gpu/carry.py unpack PACKED_DIR DEST_DIR")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    print(f"unpacked to {unpack(sys.argv[2], sys.argv[3]).path}")

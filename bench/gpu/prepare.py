@@ -8,7 +8,8 @@ writes
     .carry/glue/<TASK>/dev.tsv   the task's dev split, for the parity check on the GPU
     .carry/carry.json    what is inside and how big
     .whl/                wheels the GPU image lacks (torchao 0.16.0: the last release with
-                         int8_dynamic_activation_int8_semi_sparse_weight; pure Python, no deps)
+                         int8_dynamic_activation_int8_semi_sparse_weight; pure Python, no deps;
+                         with --serve also the HTTP stack for bench/serve_load)
 
 and checks that the packed checkpoint unpacks to the same INT8 weights, and that the tree plus
 these folders fit the 64 MiB a GPU call can carry.
@@ -31,6 +32,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import carry  # noqa: E402
 
 DEFAULT_WHEELS = ["torchao==0.16.0"]
+# `holoserve serve` and bench/serve_load on the GPU machine (its image has torch, transformers and
+# tokenizers, not the HTTP stack): pinned to the versions this environment runs and tests.
+SERVE_PACKAGES = ["fastapi", "starlette", "pydantic", "pydantic-core", "typing-inspection", "annotated-types",
+                  "uvicorn", "httptools", "uvloop", "h11", "click", "anyio", "idna", "prometheus-client"]
+
+
+def serve_wheels() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    specs = []
+    for name in SERVE_PACKAGES:
+        try:
+            specs.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            raise SystemExit(f"--serve: {name} is not installed here; pip install -e '.[server]' first") from None
+    return specs
 CARRY_LIMIT = 64 * 2**20
 
 
@@ -83,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheel-script", default=os.environ.get("HOLOSERVE_GPU_WHEELS"),
                     help="script that downloads GPU wheels into .whl/ (default: pip download with the same flags)")
     ap.add_argument("--no-wheels", action="store_true", help="skip downloading wheels")
+    ap.add_argument("--serve", action="store_true",
+                    help="also fetch the HTTP stack (FastAPI, uvicorn, ...; ~6 MiB) for bench/serve_load with "
+                         "--backend torch-cuda on the GPU")
     ap.add_argument("--exact-embeddings", action="store_true",
                     help="carry the embedding tables in FP32 too (bit-exact checkpoint, ~60 MiB for MiniLM: "
                          "close to the 64 MiB limit)")
@@ -127,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
     wheels: list[str] = []
     if not args.no_wheels:
-        wheels = fetch_wheels(args.wheel or DEFAULT_WHEELS, Path(args.wheels), args.wheel_script)
+        wheels = fetch_wheels((args.wheel or DEFAULT_WHEELS) + (serve_wheels() if args.serve else []),
+                              Path(args.wheels), args.wheel_script)
         print(f"wheels: {', '.join(wheels)}")
 
     sizes = {"carry": folder_bytes(out), "wheels": folder_bytes(Path(args.wheels)), "tree": tree_bytes()}

@@ -18,9 +18,11 @@ class ServerConfig:
     port: int = 8000
     workers: int = 1
     max_batch_size: int = 32  # 1 turns dynamic batching off
-    # How long a non-full batch waits for company. Under load, batches also form on their own from
-    # requests that arrive while the previous batch runs, so a short wait is enough.
-    max_queue_delay_ms: float = 1.0
+    # How long a non-full batch waits for company. 0 (Triton's default too): under load, batches form
+    # on their own from requests that arrive while the previous batch runs (SST-2 on a 2-core x86
+    # CPU, 32 clients: mean batch 15.4 at 0 ms vs 15.8 at 1 ms, same throughput), and a lone request
+    # does not wait for company that never comes.
+    max_queue_delay_ms: float = 0.0
     max_padding_waste: float = 0.25  # split a merged batch by length beyond this padding share; <0: never
     # A lone sequence with nothing queued behind it runs on the event-loop thread instead of being
     # handed to the inference thread: the hand-off and the wake-ups it costs (~0.6 ms of the ~1.2 ms
