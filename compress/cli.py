@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart", action="store_true", help="discard saved training state and start over")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where to train: auto = a CUDA GPU when torch sees one, else the CPU (default: auto)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
 
 
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         method=args.method, quant=not args.no_quant, max_steps=args.max_steps, train_limit=args.train_limit,
         dev_limit=args.dev_limit, seed=args.seed, teacher=args.teacher, state_dir=args.state_dir,
         overwrite=args.overwrite, restart=args.restart, progress=not args.no_progress,
-        overrides=tuple(args.overrides),
+        overrides=tuple(args.overrides), device=args.device,
     )
     art = compress(job)
     m = art.manifest["metrics"]

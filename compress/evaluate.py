@@ -20,8 +20,10 @@ def predict(model: nn.Module, data: Encoded, batch_size: int = 128) -> np.ndarra
     was_training = model.training
     model.eval()
     try:
+        device = next(model.parameters()).device
         with torch.inference_mode():
-            return predict_with(lambda batch: model(**batch).logits.float().numpy(), data, batch_size)
+            return predict_with(lambda batch: model(**{k: v.to(device) for k, v in batch.items()}).logits.float().cpu().numpy(),
+                                data, batch_size)
     finally:
         model.train(was_training)
 

@@ -25,10 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --onnx: which export; 'onnxruntime' (what `holoserve serve` runs on a CPU) or "
                         "'tensorrt-onnx' (the TensorRT placement, emulated on the CPU)")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --onnx (0 = default)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where the PyTorch model runs: auto = a CUDA GPU when torch sees one (default: auto)")
 
 
 def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None, batch_size=128, fp32=False,
-                        onnx=False, threads=0, onnx_export="onnxruntime") -> dict:
+                        onnx=False, threads=0, onnx_export="onnxruntime", device="auto") -> dict:
     import time
 
     from holoserve import HoloServeError
@@ -48,7 +50,10 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
         art = load_artifact(path)
         model = None
     else:
+        from .pipeline import resolve_device
+
         model, art = load_model(path)
+        model.to(resolve_device(device))
     task_obj = get_task(task or art.task_name)
     if task_obj.name != art.task_name:
         raise HoloServeError(f"{path} was trained for {art.task_name!r}, not {task_obj.name!r}")
@@ -98,6 +103,6 @@ def run(args: argparse.Namespace) -> int:
 
         raise HoloServeError("--limit must be a positive number")
     out = evaluate_checkpoint(args.checkpoint, args.task, args.data_dir, args.split, args.limit, args.batch_size,
-                              args.fp32, args.onnx, args.threads, args.onnx_export)
+                              args.fp32, args.onnx, args.threads, args.onnx_export, args.device)
     print(json.dumps(out, indent=2))
     return 0

@@ -83,6 +83,7 @@ class Job:
     restart: bool = False
     progress: bool = True
     overrides: tuple[str, ...] = ()
+    device: str = "auto"  # auto: CUDA when present, else CPU
 
 
 # --------------------------------------------------------------------------- helpers
@@ -96,11 +97,27 @@ def _load_hf(folder: Path, task: Task) -> nn.Module:
     hf_logging.disable_progress_bar()
     if not (folder / "config.json").is_file():
         raise HoloServeError(f"{folder} is not a Hugging Face model folder (no config.json)")
-    model = AutoModelForSequenceClassification.from_pretrained(
-        str(folder), num_labels=task.num_labels, local_files_only=True, ignore_mismatched_sizes=True
-    )
+    kw = dict(num_labels=task.num_labels, local_files_only=True, ignore_mismatched_sizes=True)
+    # Training and the fake-quant numerics are float32 whatever dtype the folder stores (an FP16 copy
+    # of the base model loads as float32); transformers 5 names the argument `dtype`, 4.x `torch_dtype`.
+    import transformers
+
+    kw["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = torch.float32
+    model = AutoModelForSequenceClassification.from_pretrained(str(folder), **kw)
     set_label_config(model, task)
     return model
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' = CUDA when this machine has a GPU, else CPU; 'cuda' without one is a clear error."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise HoloServeError(f"unknown device {name!r}: choose auto, cpu or cuda")
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise HoloServeError("--device cuda: torch sees no CUDA GPU here (torch "
+                                 f"{torch.__version__}); use --device cpu, or install a CUDA build of torch")
+        return torch.device("cuda")
+    return torch.device("cpu")
 
 
 def _freeze(model: nn.Module, preset: Preset) -> nn.Module:
@@ -157,7 +174,12 @@ class Runner:
         self.phases: dict[str, Any] = {}
         self.emb_scales: dict[str, torch.Tensor] = {}
         self.t_start = time.perf_counter()
+        self.device = resolve_device(job.device)
         torch.manual_seed(job.seed)
+
+    def hf(self, folder: Path) -> nn.Module:
+        """A Hugging Face folder as a float32 classifier on this job's device."""
+        return _load_hf(folder, self.task).to(self.device)
 
     # -- data
     def load_data(self, tokenizer_dir: Path) -> None:
@@ -223,7 +245,7 @@ class Runner:
         if self.job.teacher:
             folder = Path(self.job.teacher)
             meta_path = folder / "teacher.json"
-            model = _load_hf(folder, self.task)
+            model = self.hf(folder)
             if meta_path.is_file():
                 meta = json.loads(meta_path.read_text())
                 if meta.get("task") != self.task.name:
@@ -242,11 +264,11 @@ class Runner:
         if (folder / "teacher.json").is_file():
             meta = json.loads((folder / "teacher.json").read_text())
             if meta.get("fingerprint") == json.loads(json.dumps(fp)):
-                model = _load_hf(folder, self.task)
+                model = self.hf(folder)
                 self.phases["dense"] = meta["result"]
                 log.info("[dense] teacher already trained (saved state): dev %s", _fmt(meta["dev"]))
                 return model, meta["dev"], folder
-        model = _freeze(_load_hf(base, self.task), self.preset)
+        model = _freeze(self.hf(base), self.preset)
         layers = encoder_linear_names(model)
         res = train_phase("dense", model, self.preset.dense, self.train, self.preset, self.job.seed, self.state,
                           regression=self.task.is_regression, progress=self.job.progress)
@@ -293,7 +315,7 @@ class Runner:
         self.check_state(self.fingerprint(method=job.method, quant=job.quant, preset=p.to_dict(),
                                           teacher=str(job.teacher) if job.teacher else None, base=base.name))
         teacher, dense_metrics, teacher_dir = self.teacher(base)
-        student = _freeze(_load_hf(teacher_dir, self.task), p)
+        student = _freeze(self.hf(teacher_dir), p)
         layers = encoder_linear_names(student)
         if job.method == "admm":
             scales, amax, extra = self.admm(student, teacher, layers)
@@ -396,6 +418,7 @@ class Runner:
             from .checkpoint import load_model
 
             model, art = load_model(src)
+            model.to(self.device)
             source_manifest = art.manifest
             if art.task_name != self.task.name:
                 raise HoloServeError(f"{src} is a {art.task_name} checkpoint, not {self.task.name}")
@@ -403,7 +426,7 @@ class Runner:
                 raise HoloServeError(f"{src} is already INT8; post-training quantization needs an fp32 model")
             self.base_name = source_manifest.get("base_model", src.name)
         else:
-            model = _load_hf(src, self.task)
+            model = self.hf(src)
             self.base_name = src.name
         model.eval()
         self.load_data(src)
@@ -427,6 +450,7 @@ class Runner:
 
     def save(self, model: nn.Module, layers, scales, amax, metrics) -> Artifact:
         job, p = self.job, self.preset
+        model.to("cpu")
         sparse = getattr(self, "_sparse_override", None)
         if sparse is None:
             sparse = layers if job.method in ("admm", "magnitude") else []
@@ -442,6 +466,7 @@ class Runner:
             "phases": self.phases,
             "wall_seconds": round(time.perf_counter() - self.t_start, 1),
             "machine": machine(),
+            "device": str(self.device),
             "torch": torch.__version__,
         }
         art = save_checkpoint(

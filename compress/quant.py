@@ -222,9 +222,10 @@ def _observe(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], ha
     """Run `batches` in eval mode so the observing hooks see them; then remove the hooks."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     try:
         for batch in batches:
-            model(**batch)
+            model(**{k: v.to(device) for k, v in batch.items()})
     finally:
         for h in handles:
             h.remove()

@@ -81,8 +81,9 @@ class Admm:
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping) -> None:
         for k in self.layers:
-            self.Z[k] = tensors[f"admm.Z.{k}"].clone()
-            self.U[k] = tensors[f"admm.U.{k}"].clone()
+            dev = self.weights[k].device
+            self.Z[k] = tensors[f"admm.Z.{k}"].to(dev, copy=True)
+            self.U[k] = tensors[f"admm.U.{k}"].to(dev, copy=True)
         self.k = int(meta["k"])
 
 

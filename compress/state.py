@@ -66,9 +66,14 @@ def load_optimizer(opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tenso
 
 
 def rng_tensors() -> dict[str, torch.Tensor]:
-    return {"rng.torch": torch.get_rng_state()}
+    out = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout on the GPU draws from here
+        out["rng.cuda"] = torch.cuda.get_rng_state()
+    return out
 
 
 def restore_rng(tensors: Mapping[str, torch.Tensor]) -> None:
     if "rng.torch" in tensors:
         torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])

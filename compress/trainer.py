@@ -97,12 +97,13 @@ def train_phase(
         teacher.eval()
     model.train()
     stream = train_batches(data, preset.batch_size, seed, preset.group_size, start_step=start)
+    device = next(model.parameters()).device
     t0 = time.perf_counter() - elapsed
     bar = tqdm(total=cfg.steps, initial=start, desc=name, disable=not progress, dynamic_ncols=True, leave=False)
     ctx = context() if context is not None else contextlib.nullcontext()
     with ctx:
         for step in range(start, cfg.steps):
-            batch = next(stream)
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
             for g in opt.param_groups:
                 g["lr"] = lr_at(cfg, step)
             inputs = {k: v for k, v in batch.items() if k != "labels"}

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from holoserve.artifact import load_artifact, sha256_file
 from holoserve.cli import main
@@ -65,6 +66,7 @@ def test_admm_checkpoint_is_2to4_and_int8_on_disk(admm_ckpt):
     assert t["method"] == "admm" and t["quant"] and t["distillation"] and t["preset"] == "quick"
     assert {"dense", "admm", "qat"} <= set(t["phases"]) and t["phases"]["admm"]["steps"] == 12
     assert "CPU" in t["machine"] and t["wall_seconds"] > 0
+    assert t["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # --device auto
     amax = m["quantization"]["activations"]["amax"]
     assert sorted(amax) == sorted(f"{n}.input" for n in m["sparsity"]["layers"])
     assert m["dense_modules"] == ["embeddings", "LayerNorm", "pooler", "classifier"]
@@ -162,3 +164,23 @@ def test_cli_errors_are_clear(env, tmp_path, capsys, monkeypatch):
     assert "needs --model" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "missing"), "--data-dir", str(env["glue"])]) == 2
     assert "does not exist" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert compress(env, tmp_path / "gpu", "--device", "cuda") == 2
+        assert "--device cuda: torch sees no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: trains the tiny pipeline on it")
+def test_compress_and_eval_on_the_gpu(env, capsys):
+    out = env["root"] / "admm-cuda"
+    assert compress(env, out, "--device", "cuda") == 0
+    info = check_saved_checkpoint(out)  # saved from the GPU, checked on the file
+    assert info["layers"] == 12 and info["quantized"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["training"]["device"] == "cuda" and "GPU" in m["training"]["machine"]
+    capsys.readouterr()
+    assert main(["eval", str(out), "--data-dir", str(env["glue"]), "--device", "cuda"]) == 0
+    on_gpu = json.loads(capsys.readouterr().out)["metrics"]["accuracy"]
+    assert main(["eval", str(out), "--data-dir", str(env["glue"]), "--device", "cpu"]) == 0
+    on_cpu = json.loads(capsys.readouterr().out)["metrics"]["accuracy"]
+    assert on_gpu == pytest.approx(m["metrics"]["compressed"]["accuracy"])
+    assert abs(on_cpu - on_gpu) <= 1 / 48 + 1e-9  # 48 dev rows: float32 outside the INT8 GEMMs may flip one
