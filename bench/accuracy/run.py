@@ -41,7 +41,9 @@ def run_one(task: str, key: str, args, runs: Path, teacher: Path | None, reuse: 
            *METHODS[key][1]]
     if teacher is not None:
         cmd += ["--teacher", str(teacher)]
-    for flag in ("max_steps", "train_limit", "threads"):
+    elif args.model:
+        cmd += ["--model", str(args.model)]
+    for flag in ("max_steps", "train_limit", "threads", "device"):
         if getattr(args, flag):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for item in args.set:
@@ -175,7 +177,11 @@ def variant(name: str, path: Path, data_dir: str | None = None) -> dict:
 
 
 def plot(rows: list[dict], path: Path, meta: dict) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # e.g. a GPU image without it: the JSON and Markdown still carry everything
+        print(f"matplotlib is not installed: no {path.name}", flush=True)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -213,6 +219,8 @@ def main() -> int:
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--train-limit", type=int)
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--model", type=Path, help="base model folder (default: all-MiniLM-L6-v2 from its package)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), help="passed to holoserve compress")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="preset override passed to every run")
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "bench-accuracy")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Prepare `holoserve compress` runs on the offline GPU machine: base model and GLUE splits, small enough to carry.
+
+    python bench/gpu/prepare_train.py --data-dir GLUE_DIR [--tasks sst2,mrpc,cola] [--model DIR]
+
+writes, git-ignored:
+    .carry-train/base/              the base model (default all-MiniLM-L6-v2) with its weights in FP16
+                                    (45 MiB instead of 90; `holoserve compress` loads them as float32)
+    .carry-train/glue/<TASK>/       train.tsv and dev.tsv of each task
+    .carry-train/carry.json         what is inside and how big
+
+and checks that the tree plus this folder fit the 64 MiB a GPU call carries. The GPU image already
+has torch, transformers, tokenizers and safetensors: no wheels are needed. bench/gpu/README.md has
+the command to run there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from prepare import CARRY_LIMIT, folder_bytes, tree_bytes  # noqa: E402
+
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+def pack_base(src: Path, dest: Path) -> dict:
+    """Copy a HF BERT folder with its float weights stored as FP16; returns the largest rounding error."""
+    import numpy as np
+    from safetensors.numpy import load_file, save
+
+    from holoserve.artifact import atomic_write_bytes
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in MODEL_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dest / name)
+    tensors = load_file(str(src / "model.safetensors"))
+    out, worst = {}, 0.0
+    for key, v in tensors.items():
+        if v.dtype == np.float32:
+            h = v.astype(np.float16)
+            if not np.isfinite(h).all():
+                raise SystemExit(f"{key} overflows FP16; carry this model in FP32 instead")
+            worst = max(worst, float(np.abs(h.astype(np.float32) - v).max()))
+            out[key] = h
+        else:
+            out[key] = v
+    atomic_write_bytes(dest / "model.safetensors", save(out, metadata={"format": "pt"}))
+    atomic_write_bytes(dest / "FP16.txt", b"weights rounded to FP16 for travel; holoserve compress loads them as float32\n")
+    return {"tensors": len(out), "fp16_max_abs_error": worst}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"), help="GLUE folder")
+    ap.add_argument("--tasks", default="sst2,mrpc,cola")
+    ap.add_argument("--model", type=Path, help="base model folder (default: all-MiniLM-L6-v2 from its package)")
+    ap.add_argument("--out", type=Path, default=ROOT / ".carry-train")
+    args = ap.parse_args(argv)
+    if not args.data_dir:
+        ap.error("--data-dir (or HOLOSERVE_DATA_DIR) is required")
+
+    from holoserve.tasks import get_task
+
+    name = args.model.name if args.model else None
+    if args.model is None:
+        from compress.pipeline import DEFAULT_MODEL_NAME, default_model_dir
+
+        args.model, name = default_model_dir(), DEFAULT_MODEL_NAME
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    info = pack_base(Path(args.model), args.out / "base")
+    print(f"base model {name}: {info['tensors']} tensors in FP16 (max abs rounding error "
+          f"{info['fp16_max_abs_error']:.2e})")
+    copied = {}
+    for name in args.tasks.split(","):
+        task = get_task(name)
+        for split in ("train", "dev"):
+            src = Path(args.data_dir) / task.folder / f"{split}.tsv"
+            if not src.is_file():
+                raise SystemExit(f"{src} is missing: the GPU runs need {task.name}'s {split} split")
+            dst = args.out / "glue" / task.folder / src.name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+            copied[f"{task.folder}/{src.name}"] = src.stat().st_size
+    sizes = {"carry": folder_bytes(args.out), "tree": tree_bytes()}
+    from holoserve.artifact import atomic_write_json
+
+    atomic_write_json(args.out / "carry.json", {"base_model": name, "glue": copied, "bytes": sizes, **info})
+    total = sum(sizes.values())
+    print(json.dumps({k: f"{v / 2**20:.1f} MiB" for k, v in sizes.items()}))
+    if total > CARRY_LIMIT:
+        print(f"WARNING: {total / 2**20:.1f} MiB exceeds the {CARRY_LIMIT / 2**20:.0f} MiB a GPU call carries")
+        return 1
+    print(f"total {total / 2**20:.1f} MiB of {CARRY_LIMIT / 2**20:.0f} MiB: ready")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
