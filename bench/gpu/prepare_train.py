@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"base model {name}: {info['tensors']} tensors in FP16 (max abs rounding error "
           f"{info['fp16_max_abs_error']:.2e})")
     copied = {}
-    for name in args.tasks.split(","):
-        task = get_task(name)
+    for task_name in args.tasks.split(","):
+        task = get_task(task_name)
         for split in ("train", "dev"):
             src = Path(args.data_dir) / task.folder / f"{split}.tsv"
             if not src.is_file():
