@@ -184,3 +184,28 @@ def test_compress_and_eval_on_the_gpu(env, capsys):
     on_cpu = json.loads(capsys.readouterr().out)["metrics"]["accuracy"]
     assert on_gpu == pytest.approx(m["metrics"]["compressed"]["accuracy"])
     assert abs(on_cpu - on_gpu) <= 1 / 48 + 1e-9  # 48 dev rows: float32 outside the INT8 GEMMs may flip one
+
+
+def test_fp16_carried_base_model_loads_as_float32(env, tmp_path):
+    """bench/gpu/prepare_train.py ships the base model's weights as FP16; compress trains in float32."""
+    import importlib.util
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from compress.pipeline import _load_hf
+    from holoserve.tasks import get_task
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "prepare_train.py"
+    spec = importlib.util.spec_from_file_location("prepare_train", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "carry"
+    assert mod.main(["--data-dir", str(env["glue"]), "--tasks", "sst2", "--model", str(env["model"]),
+                     "--out", str(out)]) == 0
+    assert (out / "glue" / "SST-2" / "train.tsv").is_file() and (out / "glue" / "SST-2" / "dev.tsv").is_file()
+    with safe_open(str(out / "base" / "model.safetensors"), "np") as f:
+        dtypes = {str(f.get_tensor(k).dtype) for k in f.keys()}
+    assert "float16" in dtypes and "float32" not in dtypes
+    model = _load_hf(out / "base", get_task("sst2"))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
