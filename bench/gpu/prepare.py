@@ -87,6 +87,17 @@ def tree_bytes() -> int:
     return total
 
 
+def report_sizes(sizes: dict[str, int]) -> int:
+    """Print what a GPU call would carry; exit status 1 when it exceeds the limit."""
+    total = sum(sizes.values())
+    print(json.dumps({k: f"{v / 2**20:.1f} MiB" for k, v in sizes.items()}))
+    if total > CARRY_LIMIT:
+        print(f"WARNING: {total / 2**20:.1f} MiB exceeds the {CARRY_LIMIT / 2**20:.0f} MiB a GPU call carries")
+        return 1
+    print(f"total {total / 2**20:.1f} MiB of {CARRY_LIMIT / 2**20:.0f} MiB: ready")
+    return 0
+
+
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
@@ -152,16 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wheels: {', '.join(wheels)}")
 
     sizes = {"carry": folder_bytes(out), "wheels": folder_bytes(Path(args.wheels)), "tree": tree_bytes()}
-    total = sum(sizes.values())
     atomic_write_json(out / "carry.json", {"checkpoint": art.path.name, "task": task.name, "dev": dev_copied,
                                            "wheels": wheels, "bytes": sizes, "pack": {k: v for k, v in info.items()
                                                                                      if k != "kinds"}})
-    print(json.dumps({k: f"{v / 2**20:.1f} MiB" for k, v in sizes.items()}))
-    if total > CARRY_LIMIT:
-        print(f"WARNING: {total / 2**20:.1f} MiB exceeds the {CARRY_LIMIT / 2**20:.0f} MiB a GPU call carries")
-        return 1
-    print(f"total {total / 2**20:.1f} MiB of {CARRY_LIMIT / 2**20:.0f} MiB: ready")
-    return 0
+    return report_sizes(sizes)
 
 
 if __name__ == "__main__":

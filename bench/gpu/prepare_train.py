@@ -16,7 +16,6 @@ the command to run there.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prepare import CARRY_LIMIT, folder_bytes, tree_bytes  # noqa: E402
+from prepare import folder_bytes, report_sizes, tree_bytes  # noqa: E402
 
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
@@ -95,13 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from holoserve.artifact import atomic_write_json
 
     atomic_write_json(args.out / "carry.json", {"base_model": name, "glue": copied, "bytes": sizes, **info})
-    total = sum(sizes.values())
-    print(json.dumps({k: f"{v / 2**20:.1f} MiB" for k, v in sizes.items()}))
-    if total > CARRY_LIMIT:
-        print(f"WARNING: {total / 2**20:.1f} MiB exceeds the {CARRY_LIMIT / 2**20:.0f} MiB a GPU call carries")
-        return 1
-    print(f"total {total / 2**20:.1f} MiB of {CARRY_LIMIT / 2**20:.0f} MiB: ready")
-    return 0
+    return report_sizes(sizes)
 
 
 if __name__ == "__main__":
