@@ -40,7 +40,6 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     from .checkpoint import load_model
     from .data import encode, load_tokenizer
     from .evaluate import evaluate
-    from .quant import act_key
 
     if onnx and fp32:
         raise HoloServeError("--fp32 and --onnx do not combine: the ONNX export always has the checkpoint's numerics")
@@ -63,12 +62,13 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     if onnx:
         metrics, numerics = _evaluate_onnx(art, task_obj, data, batch_size, threads, onnx_export)
     else:
+        from holoserve.artifact import input_layers
+
         amax = art.activation_amax()
-        layers = [k[: -len(".input")] for k in amax if k.endswith(".input")]
+        layers = input_layers(amax)
         use_quant = bool(amax) and not fp32
         metrics = evaluate(model, task_obj, data, batch_size=batch_size,
                            act_amax=amax if use_quant else None, quant_layers=layers if use_quant else None)
-        assert all(act_key(n) in amax for n in layers)
         numerics = ("int8 weights + int8 activations (fake-quant)" if use_quant
                     else ("int8 weights, fp32 activations" if art.quantized else "fp32"))
     return {

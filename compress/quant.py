@@ -6,7 +6,7 @@ Activations: per-tensor symmetric, scale = amax / 127, zero-point 0, codes satur
 uint8 QuantizeLinear with zero-point 128 computes after the shift, so the exported ONNX model
 reproduces these numerics.
 
-Activation ranges are keyed "<linear name>.input" in the manifest.
+Activation ranges are keyed "<linear name>.input" in the manifest (holoserve.artifact.act_key).
 """
 from __future__ import annotations
 
@@ -16,12 +16,10 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
+from holoserve.artifact import act_key, output_key, residual_key
+
 ACT_QMIN, ACT_QMAX = -128, 127
 ACT_SCALE_DIV = 127.0
-
-
-def act_key(layer: str) -> str:
-    return f"{layer}.input"
 
 
 def act_scale(amax: float | torch.Tensor) -> torch.Tensor:
@@ -155,14 +153,6 @@ def tensorrt_sites(model: nn.Module, layers: Iterable[str]) -> tuple[list[str], 
             outputs.append(name)
             blocks.append(name[: -len(".dense")])
     return outputs, blocks
-
-
-def output_key(linear: str) -> str:
-    return f"{linear}.output"
-
-
-def residual_key(block: str) -> str:
-    return f"{block}.residual"
 
 
 def _residual_arg(args, kwargs):

@@ -23,6 +23,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from holoserve.artifact import act_key, output_key, residual_key
+
 PLACEMENTS = ("onnxruntime", "tensorrt")
 ACT_SCALE_DIV = 127.0  # scale = amax / 127, as in compress/quant.py
 
@@ -282,7 +284,7 @@ def trained_ranges(model, sites: list[LinearSite], act_amax: Mapping[str, float]
             continue
         layer = bias_out[dense_side[0]]
         skip = next(t for t in n.input if t != dense_side[0])
-        k_out, k_res = f"{layer}.output", f"{layer[: -len('.dense')]}.residual"
+        k_out, k_res = output_key(layer), residual_key(layer[: -len(".dense")])
         if k_out in act_amax and k_res in act_amax:
             out[dense_side[0]] = float(act_amax[k_out])
             out[skip] = float(act_amax[k_res])
@@ -291,7 +293,7 @@ def trained_ranges(model, sites: list[LinearSite], act_amax: Mapping[str, float]
             src = t
             while src not in bias_out and src in prod and prod[src].op_type in ("Reshape", "Transpose"):
                 src = prod[src].input[0]
-            key = f"{bias_out[src]}.output" if src in bias_out else None
+            key = output_key(bias_out[src]) if src in bias_out else None
             if key in act_amax:
                 out[t] = float(act_amax[key])
     return out
@@ -333,7 +335,7 @@ def apply_placement(
     # runtime quantizes that activation once; different ranges get their own pair.
     groups: dict[tuple[str, float], list[LinearSite]] = {}
     for s in sites:
-        key = f"{s.layer}.input"
+        key = act_key(s.layer)
         if key not in act_amax:
             raise ValueError(f"the manifest has no activation range {key!r}; re-run calibration in `holoserve compress`")
         groups.setdefault((s.activation, float(act_amax[key])), []).append(s)
@@ -342,7 +344,7 @@ def apply_placement(
         for s in members:
             node = nodes[s.node]
             uses.append((node, list(node.input).index(s.activation)))
-        insert_qdq(model, tensor, amax, uses, name=f"{members[0].layer}.input", unsigned=unsigned)
+        insert_qdq(model, tensor, amax, uses, name=act_key(members[0].layer), unsigned=unsigned)
         rep.activation_qdq += 1
     for s in sites:
         quantize_weight(model, s, weight_scales[s.layer])

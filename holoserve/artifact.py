@@ -43,6 +43,30 @@ class ArtifactError(HoloServeError):
     """A checkpoint that cannot be used, with the reason and what to do about it."""
 
 
+# ------------------------------------------------- activation-range keys (quantization.activations.amax)
+
+
+def act_key(layer: str) -> str:
+    """The input of an encoder Linear: present in every INT8 checkpoint."""
+    return f"{layer}.input"
+
+
+def output_key(layer: str) -> str:
+    """The output of a Linear (TensorRT QAT only: Q/K/V and the sub-layer dense before its residual Add)."""
+    return f"{layer}.output"
+
+
+def residual_key(block: str) -> str:
+    """The skip-connection input of a residual block's Add (TensorRT QAT only)."""
+    return f"{block}.residual"
+
+
+def input_layers(amax: Mapping[str, float]) -> list[str]:
+    """The Linears whose inputs have a range, in manifest order."""
+    suffix = act_key("")
+    return [k[: -len(suffix)] for k in amax if k.endswith(suffix)]
+
+
 # --------------------------------------------------------------------------- files
 
 

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from .. import HoloServeError
-from ..artifact import Artifact
+from ..artifact import Artifact, act_key
 from .base import BackendUnavailable
 
 try:  # torch is optional for the server; every entry point checks `_torch_or_raise()` first.
@@ -636,13 +636,13 @@ def build_encoder(
 
     def single(name: str):
         return make_linear(state[f"{name}.weight"], state.get(f"{name}.bias"), scales=weight_scales.get(name),
-                           act_amax=act_amax.get(f"{name}.input"), sparse=name in sparse, **kw)
+                           act_amax=act_amax.get(act_key(name)), sparse=name in sparse, **kw)
 
     linears: dict[str, Any] = {}
     for i in range(shape.layers):
         lp = f"{prefix}encoder.layer.{i}."
         names = [f"{lp}attention.self.{x}" for x in ("query", "key", "value")]
-        amaxes = {act_amax.get(f"{n}.input") for n in names}
+        amaxes = {act_amax.get(act_key(n)) for n in names}
         quant = {n in weight_scales for n in names}
         sp = {n in sparse for n in names}
         if fuse_qkv and len(amaxes) == 1 and len(quant) == 1 and len(sp) == 1:
