@@ -50,6 +50,12 @@ def encode(tokenizer, examples: Sequence[Example], regression: bool = False) -> 
     return Encoded(ids, tts, labels, np.asarray([len(x) for x in ids], dtype=np.int64))
 
 
+def to_device(batch: dict[str, torch.Tensor], device: torch.device, non_blocking: bool = False
+              ) -> dict[str, torch.Tensor]:
+    """A collated batch (built on the CPU) on the model's device."""
+    return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+
+
 def collate(data: Encoded, idx: Sequence[int]) -> dict[str, torch.Tensor]:
     """Pad the rows `idx` to their longest length (dynamic padding)."""
     n, width = len(idx), int(max(data.lengths[i] for i in idx))

@@ -11,7 +11,7 @@ from torch import nn
 from holoserve.metrics import compute
 from holoserve.tasks import Task
 
-from .data import Encoded, eval_batches
+from .data import Encoded, eval_batches, to_device
 from .quant import input_quantizers
 
 
@@ -22,7 +22,7 @@ def predict(model: nn.Module, data: Encoded, batch_size: int = 128) -> np.ndarra
     try:
         device = next(model.parameters()).device
         with torch.inference_mode():
-            return predict_with(lambda batch: model(**{k: v.to(device) for k, v in batch.items()}).logits.float().cpu().numpy(),
+            return predict_with(lambda batch: model(**to_device(batch, device)).logits.float().cpu().numpy(),
                                 data, batch_size)
     finally:
         model.train(was_training)

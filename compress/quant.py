@@ -18,6 +18,8 @@ from torch import nn
 
 from holoserve.artifact import act_key, output_key, residual_key
 
+from .data import to_device
+
 ACT_QMIN, ACT_QMAX = -128, 127
 ACT_SCALE_DIV = 127.0
 
@@ -215,7 +217,7 @@ def _observe(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], ha
     device = next(model.parameters()).device
     try:
         for batch in batches:
-            model(**{k: v.to(device) for k, v in batch.items()})
+            model(**to_device(batch, device))
     finally:
         for h in handles:
             h.remove()

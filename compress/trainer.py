@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import DistillConfig, PhaseConfig, Preset
-from .data import Encoded, train_batches
+from .data import Encoded, to_device, train_batches
 from .distill import combined_loss
 from .sparsify import Admm, reapply_masks
 from .state import load_optimizer, load_state, optimizer_tensors, restore_rng, rng_tensors, save_state
@@ -103,7 +103,7 @@ def train_phase(
     ctx = context() if context is not None else contextlib.nullcontext()
     with ctx:
         for step in range(start, cfg.steps):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+            batch = to_device(next(stream), device, non_blocking=True)
             for g in opt.param_groups:
                 g["lr"] = lr_at(cfg, step)
             inputs = {k: v for k, v in batch.items() if k != "labels"}
