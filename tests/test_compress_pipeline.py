@@ -188,18 +188,14 @@ def test_compress_and_eval_on_the_gpu(env, capsys):
 
 def test_fp16_carried_base_model_loads_as_float32(env, tmp_path):
     """bench/gpu/prepare_train.py ships the base model's weights as FP16; compress trains in float32."""
-    import importlib.util
-    from pathlib import Path
-
     from safetensors import safe_open
 
     from compress.pipeline import _load_hf
     from holoserve.tasks import get_task
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "prepare_train.py"
-    spec = importlib.util.spec_from_file_location("prepare_train", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from .bench_modules import gpu_module
+
+    mod = gpu_module("prepare_train")
     out = tmp_path / "carry"
     assert mod.main(["--data-dir", str(env["glue"]), "--tasks", "sst2", "--model", str(env["model"]),
                      "--out", str(out)]) == 0

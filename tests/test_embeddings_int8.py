@@ -90,16 +90,14 @@ def test_export_stores_the_table_as_int8_losslessly(ckpt, tmp_path):
 def test_gpu_carry_packs_the_int8_table_as_codes_exactly(ckpt, tmp_path):
     """bench/gpu/carry.py: an INT8-grid embedding table travels as int8 codes and unpacks bit-exactly
     (as fp16 it would break the checkpoint's own INT8 contract on the GPU machine)."""
-    import importlib.util
     from pathlib import Path
 
     import numpy as np
     from safetensors.numpy import load_file
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("gpu_carry", root / "bench" / "gpu" / "carry.py")
-    carry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(carry)
+    from .bench_modules import gpu_module
+
+    carry = gpu_module("carry")
     info = carry.pack(ckpt["path"], tmp_path / "packed", fp16_min_elements=1)  # every other float tensor as fp16
     assert info["kinds"]["bert.embeddings.word_embeddings.weight"] == "int8"
     art = carry.unpack(tmp_path / "packed", tmp_path / "back")  # verified on load: INT8 grid included

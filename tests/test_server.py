@@ -455,14 +455,21 @@ def test_cli_unreadable_checkpoint_is_a_clear_error(sst2, monkeypatch):
         run(build_parser().parse_args(["serve", str(sst2), "--port", "0"]))
 
 
+def _seq(i: int):
+    """A 3-token sequence whose first id tags it: _tag_logits answers [i, -i] for it."""
+    from holoserve.tokenization import Encoded
+
+    return Encoded(np.array([i, 7, 8], dtype=np.int64), np.zeros(3, dtype=np.int64), False)
+
+
+def _tag_logits(ids: np.ndarray) -> np.ndarray:
+    return np.stack([ids[:, 0].astype(np.float32), -ids[:, 0].astype(np.float32)], axis=1)
+
+
 def test_zero_queue_delay_dispatches_at_once_and_still_batches_under_load():
     """--max-queue-delay-ms 0: a lone request runs immediately; requests that arrive while an
     inference runs are merged into the next batch."""
-    import asyncio
-    import threading
-
     from holoserve.server.batcher import DynamicBatcher
-    from holoserve.tokenization import Encoded
 
     sizes: list[int] = []
     gate = threading.Event()
@@ -471,18 +478,15 @@ def test_zero_queue_delay_dispatches_at_once_and_still_batches_under_load():
         sizes.append(ids.shape[0])
         if len(sizes) == 1:
             gate.wait(5)  # the first inference is slow: the others queue up behind it
-        return np.stack([ids[:, 0].astype(np.float32), -ids[:, 0].astype(np.float32)], axis=1)
-
-    def enc(i: int) -> Encoded:
-        return Encoded(np.array([i, 7, 8], dtype=np.int64), np.zeros(3, dtype=np.int64), False)
+        return _tag_logits(ids)
 
     async def main():
         b = DynamicBatcher(infer, max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64)
         b.start()
-        first = asyncio.ensure_future(b.submit([enc(100)]))
+        first = asyncio.ensure_future(b.submit([_seq(100)]))
         while not sizes:
             await asyncio.sleep(0.001)
-        rest = [asyncio.ensure_future(b.submit([enc(200 + i)])) for i in range(5)]
+        rest = [asyncio.ensure_future(b.submit([_seq(200 + i)])) for i in range(5)]
         await asyncio.sleep(0.05)
         gate.set()
         results = [await first] + [await r for r in rest]
@@ -497,14 +501,7 @@ def test_zero_queue_delay_dispatches_at_once_and_still_batches_under_load():
 def test_inline_single_runs_a_lone_sequence_on_the_loop_and_batches_in_the_worker():
     """inline_single: a lone sequence with nothing queued runs on the event-loop thread (no hand-off);
     a merged batch still runs in the inference thread; without the option everything does."""
-    import asyncio
-    import threading
-
     from holoserve.server.batcher import DynamicBatcher
-    from holoserve.tokenization import Encoded
-
-    def enc(i: int) -> Encoded:
-        return Encoded(np.array([i, 7, 8], dtype=np.int64), np.zeros(3, dtype=np.int64), False)
 
     async def main(inline: bool):
         loop_thread = threading.current_thread()
@@ -512,12 +509,12 @@ def test_inline_single_runs_a_lone_sequence_on_the_loop_and_batches_in_the_worke
 
         def infer(ids, mask, types):
             seen.append((ids.shape[0], threading.current_thread() is loop_thread))
-            return np.stack([ids[:, 0].astype(np.float32), -ids[:, 0].astype(np.float32)], axis=1)
+            return _tag_logits(ids)
 
         b = DynamicBatcher(infer, max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64, inline_single=inline)
         b.start()
-        one = await b.submit([enc(5)])
-        two = await b.submit([enc(6), enc(9)])
+        one = await b.submit([_seq(5)])
+        two = await b.submit([_seq(6), _seq(9)])
         await b.stop(5)
         assert [float(r.logits[0]) for r in one + two] == [5.0, 6.0, 9.0]
         return seen

@@ -1,7 +1,6 @@
 """bench/gpu: the CPU smoke run of the all-in-one GPU benchmark, the carry packing, the report logic."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,27 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from .bench_modules import GPU_DIR, gpu_module
+
 ROOT = Path(__file__).resolve().parents[1]
-GPU_DIR = ROOT / "bench" / "gpu"
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_gpu_{name}", GPU_DIR / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(GPU_DIR))
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(GPU_DIR))
-    return mod
-
-
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
-    run = _module("run")
+    run = gpu_module("run")
     return run._tiny_checkpoint(tmp_path_factory.mktemp("gpub"))
 
 
@@ -66,13 +55,13 @@ def test_cpu_smoke_run_writes_every_report(tmp_path):
 
 
 def test_unknown_section_is_rejected():
-    run = _module("run")
+    run = gpu_module("run")
     with pytest.raises(SystemExit):
         run.parse_args(["--sections", "gemm,bogus"])
 
 
 def test_pack_round_trip_is_exact_and_smaller(tiny_ckpt, tmp_path):
-    carry = _module("carry")
+    carry = gpu_module("carry")
     from safetensors.numpy import load_file
 
     from holoserve.artifact import load_artifact
@@ -91,7 +80,7 @@ def test_pack_round_trip_is_exact_and_smaller(tiny_ckpt, tmp_path):
 
 
 def test_pack_stores_large_tables_as_fp16(tiny_ckpt, tmp_path, monkeypatch):
-    carry = _module("carry")
+    carry = gpu_module("carry")
     monkeypatch.setattr(carry, "FP16_MIN_ELEMENTS", 1000)
     info = carry.pack(tiny_ckpt, tmp_path / "packed")
     assert info["kinds"]["bert.embeddings.word_embeddings.weight"] == "fp16"
@@ -99,7 +88,7 @@ def test_pack_stores_large_tables_as_fp16(tiny_ckpt, tmp_path, monkeypatch):
 
 
 def test_prepare_builds_carry_folder(tiny_ckpt, tmp_path):
-    prepare = _module("prepare")
+    prepare = gpu_module("prepare")
     glue = tmp_path / "glue" / "SST-2"
     glue.mkdir(parents=True)
     (glue / "dev.tsv").write_text("sentence\tlabel\na fine film\t1\n")
@@ -124,7 +113,7 @@ def _report(ours_ms, eager_ms, ao_ms, ratio, agree):
 
 
 def test_targets_pass_and_fail():
-    run = _module("run")
+    run = gpu_module("run")
     good = run.targets(_report(ours_ms=4.0, eager_ms=10.0, ao_ms=5.0, ratio=1.6, agree=0.997))
     assert [t["met"] for t in good] == [True, True, True, True]
     bad = run.targets(_report(ours_ms=6.0, eager_ms=10.0, ao_ms=5.0, ratio=1.2, agree=0.99))
