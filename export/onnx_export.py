@@ -3,7 +3,9 @@
 Route: torch.onnx.export of the fp32 Hugging Face model (eager attention, so the attention
 MatMuls are explicit nodes) -> locate the encoder Linears' weights by value -> rewrite with the
 onnx library (export/qdq.py): int8 weight initializers + per-channel DequantizeLinear, Q/DQ on
-activations with the manifest's calibrated ranges -> verify (export/verify.py).
+activations with the manifest's calibrated ranges -> for the onnxruntime target, fuse each
+attention block into ONNX Runtime's MultiHeadAttention (export/fusion.py) -> verify
+(export/verify.py).
 
 Ranges of the tensors only the TensorRT placement quantizes (attention MatMul inputs, residual
 Add inputs) are not in the manifest: they are calibrated here by running the ONNX Runtime
@@ -25,12 +27,13 @@ import numpy as np
 from holoserve import HoloServeError
 from holoserve.artifact import Artifact, ArtifactError, add_files, atomic_copy, atomic_write_json, load_artifact
 
-from . import qdq, verify
+from . import fusion, qdq, verify
 
 OPSET = 17
 TARGET_FILES = {"onnxruntime": "model.onnx", "tensorrt": "model.trt.onnx"}
 MANIFEST_KEYS = {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt-onnx"}
 FLOAT_FILE = "model.float.onnx"  # optional, with keep_float: fp32 export Polygraphy checks
+CALIB_FILE = "model.calib.onnx"  # temporary: the onnxruntime placement before attention fusion
 
 # Used for TensorRT-placement calibration when no GLUE data dir is available (documented fallback).
 BUILTIN_SENTENCES = (
@@ -263,6 +266,7 @@ def export_checkpoint(
     progress: bool = True,
     max_metric_diff: float | None = 0.2,
     embeddings: str = "auto",
+    fuse_attention: bool = True,
 ) -> ExportResult:
     """Export `targets` ("onnxruntime", "tensorrt"), verify, and record them in the checkpoint.
 
@@ -272,6 +276,8 @@ def export_checkpoint(
     not have: verification then compares against the PyTorch model with the same table and reports
     the effect against the checkpoint's own numerics separately); "auto" (default) uses int8 only
     when that is lossless, i.e. when the checkpoint's table already sits on a per-row int8 grid.
+    fuse_attention: in the onnxruntime target, replace each eager attention block with ONNX
+    Runtime's MultiHeadAttention contrib op (export/fusion.py); False keeps standard ONNX ops only.
     """
     from tqdm import tqdm
 
@@ -341,7 +347,7 @@ def export_checkpoint(
                 pts = qdq.tensorrt_extra_tensors(m, sites_t)
                 trained = qdq.trained_ranges(m, sites_t, act_amax)  # from TensorRT QAT, when it ran
                 tensors = sorted({p[0] for p in pts} - set(trained))
-                extra = {**_calibrate_extra(built["onnxruntime"], tensors, calib_batches), **trained}
+                extra = {**_calibrate_extra(calib_model, tensors, calib_batches), **trained}
                 report["tensorrt_extra_ranges"] = {"from_checkpoint_qat": len(trained), "calibrated_here": len(tensors)}
             rep = qdq.apply_placement(m, sites_t, weight_scales, act_amax, target, extra)
             emb = None
@@ -349,6 +355,24 @@ def export_checkpoint(
                 emb = qdq.quantize_embedding(m, table, lookup_first=target == "onnxruntime", scales=emb_scales)
             m.producer_name, m.producer_version = "holoserve", _version()
             path = tmp / TARGET_FILES[target]
+            attention = None
+            if target == "onnxruntime":
+                # the TensorRT placement is calibrated on the unfused graph: its extra tensors
+                # (attention MatMul inputs) exist only there
+                if "tensorrt" in targets:
+                    calib_model = tmp / CALIB_FILE
+                    onnx.save(m, str(calib_model))
+                if fuse_attention:
+                    heads = int(model.config.num_attention_heads)
+                    try:
+                        fused = fusion.fuse_attention(m, heads)
+                    except ValueError as e:
+                        raise HoloServeError(f"cannot fuse attention in {art.path} (pass --no-fuse-attention "
+                                             f"to keep standard ONNX ops): {e}") from None
+                    attention = {"op": f"{fusion.CONTRIB}.MultiHeadAttention", "blocks": fused, "num_heads": heads,
+                                 "unmasked_branch": "If min(attention_mask) == 1: no mask (flash-attention kernel)"}
+                else:
+                    attention = "standard ONNX ops (MatMul, Softmax)"
             onnx.save(m, str(path))
             built[target] = path
             entry = {
@@ -369,6 +393,8 @@ def export_checkpoint(
                 "ops": qdq.count_ops(m),
                 "word_embeddings": emb or "float32 (as in the checkpoint)",
             }
+            if attention is not None:
+                entry["attention"] = attention
             if target == "tensorrt":
                 entry["extra_ranges"] = {
                     "source": f"max |x| from the onnxruntime placement (checkpoint numerics) on {calib_source}",

@@ -491,3 +491,77 @@ def test_eval_cli_onnx_flag(exported, tmp_path, capsys):
     assert "model.trt.onnx" in out["numerics"] and out["rows"] == 8
     assert main(["eval", str(ckpt), "--data-dir", str(_tiny_sst2_dir(tmp_path)), "--onnx", "--fp32"]) != 0
     assert "do not combine" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ attention fusion (ORT)
+
+
+def _feeds(vocab: int, rows: int, seq: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(5, vocab, (rows, seq)).astype(np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+
+
+def test_onnxruntime_target_fuses_attention_into_multihead_attention(exported):
+    ckpt, res = exported
+    layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    m = onnx.load(str(ckpt / "model.onnx"))
+    ops = [n.op_type for n in m.graph.node]
+    assert "Softmax" not in ops and ops.count("If") == layers
+    inner = [sub.node[0] for n in m.graph.node if n.op_type == "If" for a in n.attribute for sub in [a.g]]
+    assert {(x.op_type, x.domain) for x in inner} == {("MultiHeadAttention", "com.microsoft")}
+    # then-branch without the mask (flash kernel), else-branch with the [batch, seq] padding mask
+    assert sorted(len([i for i in x.input if i]) for x in inner) == sorted([3, 4] * layers)
+    entry = res.entries["onnxruntime"]["attention"]
+    assert entry["blocks"] == layers and entry["num_heads"] == 2
+    # the mask-building subgraph of the eager export is gone with the blocks that read it
+    assert "Expand" not in ops and "Where" not in ops
+    # the TensorRT target keeps explicit attention MatMuls for its Q/DQ pairs
+    assert "Softmax" in {n.op_type for n in onnx.load(str(ckpt / "model.trt.onnx")).graph.node}
+
+
+def test_fused_attention_matches_the_unfused_graph_padded_or_not(exported, tmp_path):
+    from export.onnx_export import export_checkpoint
+    from export.verify import ort_session
+
+    ckpt, _ = exported
+    export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path, progress=False, polygraphy=False, verify_exports=False,
+                      fuse_attention=False)
+    plain = onnx.load(str(tmp_path / "model.onnx"))
+    assert "Softmax" in {n.op_type for n in plain.graph.node}
+    fused, unfused = ort_session(ckpt / "model.onnx"), ort_session(tmp_path / "model.onnx")
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    padded = _feeds(vocab, 4, 19, seed=1)
+    padded["attention_mask"][1, 7:] = 0
+    padded["attention_mask"][3, 12:] = 0
+    for feed in (_feeds(vocab, 3, 16), padded):  # unmasked branch, masked branch
+        a, b = fused.run(None, feed)[0], unfused.run(None, feed)[0]
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    # the masked branch really masks: a padded row scores as that row alone without padding
+    alone = {k: v[1:2, :7] for k, v in padded.items()}
+    junk = {k: v.copy() for k, v in padded.items()}
+    junk["input_ids"][1, 7:] = 7
+    np.testing.assert_allclose(fused.run(None, junk)[0][1], fused.run(None, alone)[0][0], atol=1e-4)
+    np.testing.assert_allclose(fused.run(None, padded)[0][1], fused.run(None, alone)[0][0], atol=1e-4)
+
+
+def test_fusion_refuses_an_attention_graph_it_cannot_match(exported, tmp_path):
+    from export.fusion import find_attention, fuse_attention
+    from export.onnx_export import export_checkpoint
+
+    ckpt, _ = exported
+    export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path, progress=False, polygraphy=False, verify_exports=False,
+                      fuse_attention=False)
+    m = onnx.load(str(tmp_path / "model.onnx"))
+    assert len(find_attention(m)) == 2
+    # a block whose attention probabilities are also read elsewhere is left alone ...
+    sm = [n for n in m.graph.node if n.op_type == "Softmax"]
+    m.graph.output.append(onnx.helper.make_empty_tensor_value_info(sm[0].output[0]))
+    assert len(find_attention(m)) == 1
+    # ... and a graph with Softmax nodes but no block to fuse is an error, not a silent no-op
+    for s in sm[1:]:
+        m.graph.output.append(onnx.helper.make_empty_tensor_value_info(s.output[0]))
+    with pytest.raises(ValueError, match="no eager self-attention block"):
+        fuse_attention(m, 2)
+    with pytest.raises(ValueError, match="num_heads"):
+        fuse_attention(m, 0)

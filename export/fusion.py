@@ -1,0 +1,224 @@
+"""Fuse each eager self-attention block of an exported BERT graph into ONNX Runtime's MultiHeadAttention.
+
+The TorchScript export of eager attention spells the block out: Reshape + Transpose of Q, K and V
+into heads, MatMul Q·Kᵀ, a scale Mul, the Add of a [batch, 1, seq, seq] float mask (which the
+graph builds from `attention_mask` with Range/Expand/Where on every run), Softmax, MatMul with V,
+Transpose + Reshape back. On a CPU that is float work around the INT8 GEMMs: at batch 32 /
+sequence 128 the attention MatMuls, the mask Adds and the softmax took about a quarter of the
+runtime. `com.microsoft.MultiHeadAttention` (ONNX Runtime contrib op, CPU kernel) does the same
+computation in one kernel from the [batch, seq, hidden] Q/K/V and the raw [batch, seq] padding
+mask, so the transposes and the mask construction disappear too.
+
+Numerics: identical up to float rounding, except that padded keys get ONNX Runtime's additive
+mask value (-10000 before softmax) instead of the float minimum; both give them a weight of
+exactly 0 after softmax for any realistic logit range. Padded *query* positions may differ, as
+they do between attention kernels in PyTorch; nothing downstream of the [CLS] pooler reads them.
+
+Only for the onnxruntime placement: TensorRT fuses attention itself, and the TensorRT placement
+needs the attention MatMuls explicit for their Q/DQ pairs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+CONTRIB = "com.microsoft"
+MASK_INPUT = "attention_mask"
+MASK_INT32 = "attention_mask.int32"
+MASK_MIN = "attention_mask.min"
+ONE = "attention_mask.one"
+NO_PADDING = "attention_mask.no_padding"
+
+
+@dataclass
+class AttentionBlock:
+    q: str  # [batch, seq, hidden] tensors the block reads (after the bias Add)
+    k: str
+    v: str
+    out: str  # [batch, seq, hidden] tensor the block writes (the final Reshape's output)
+    scale: float
+    nodes: list  # nodes the fused op replaces
+
+
+def _const_value(graph, name: str, producers) -> np.ndarray | None:
+    from onnx import numpy_helper
+
+    for init in graph.initializer:
+        if init.name == name:
+            return numpy_helper.to_array(init)
+    n = producers.get(name)
+    if n is not None and n.op_type == "Constant":
+        for a in n.attribute:
+            if a.name == "value":
+                return numpy_helper.to_array(a.t)
+    return None
+
+
+def _perm(node) -> list[int]:
+    for a in node.attribute:
+        if a.name == "perm":
+            return list(a.ints)
+    return []
+
+
+def _heads(producers, tensor: str, perm: list[int]):
+    """tensor = Transpose(perm)(Reshape(x)) -> (x, [transpose, reshape]) or None."""
+    t = producers.get(tensor)
+    if t is None or t.op_type != "Transpose" or _perm(t) != perm:
+        return None
+    r = producers.get(t.input[0])
+    if r is None or r.op_type != "Reshape":
+        return None
+    return r.input[0], [t, r]
+
+
+def find_attention(model) -> list[AttentionBlock]:
+    """Every Softmax that sits in the eager-attention pattern above, as an AttentionBlock."""
+    g = model.graph
+    producers = {o: n for n in g.node for o in n.output}
+    consumers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    graph_outputs = {o.name for o in g.output}
+
+    def only_consumer(t: str, op: str):
+        cs = consumers.get(t, [])
+        if len(cs) != 1 or cs[0].op_type != op or t in graph_outputs:
+            return None
+        return cs[0]
+
+    blocks = []
+    for sm in g.node:
+        if sm.op_type != "Softmax":
+            continue
+        add = producers.get(sm.input[0])
+        if add is None or add.op_type != "Add":
+            continue
+        scaled = next((producers.get(i) for i in add.input if producers.get(i) is not None
+                       and producers[i].op_type in ("Mul", "Div")), None)
+        if scaled is None:
+            continue
+        factor = next((v for v in (_const_value(g, i, producers) for i in scaled.input) if v is not None), None)
+        if factor is None or np.size(factor) != 1:
+            continue
+        factor = float(np.asarray(factor).reshape(()))
+        scale = factor if scaled.op_type == "Mul" else 1.0 / factor
+        qk = producers.get(next(i for i in scaled.input if _const_value(g, i, producers) is None))
+        if qk is None or qk.op_type != "MatMul":
+            continue
+        q = _heads(producers, qk.input[0], [0, 2, 1, 3])
+        k = _heads(producers, qk.input[1], [0, 2, 3, 1])
+        av = only_consumer(sm.output[0], "MatMul")
+        if q is None or k is None or av is None or av.input[0] != sm.output[0]:
+            continue
+        v = _heads(producers, av.input[1], [0, 2, 1, 3])
+        back = only_consumer(av.output[0], "Transpose")
+        if v is None or back is None or _perm(back) != [0, 2, 1, 3]:
+            continue
+        merge = only_consumer(back.output[0], "Reshape")
+        if merge is None:
+            continue
+        inner = [qk, scaled, add, sm, av, back, merge]
+        if any(len(consumers.get(n.output[0], [])) != 1 for n in inner[:-1] + q[1] + k[1] + v[1]):
+            continue  # an intermediate is read elsewhere: leave the block alone
+        blocks.append(AttentionBlock(q[0], k[0], v[0], merge.output[0], scale, inner + q[1] + k[1] + v[1]))
+    return blocks
+
+
+def _reads(node) -> set[str]:
+    """Tensors a node reads, including outer-scope names its subgraphs (If/Loop/Scan bodies) use."""
+    out = {i for i in node.input if i}
+    for a in node.attribute:
+        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+            inner = {o for n in sub.node for o in n.output} | {i.name for i in sub.input} | {t.name for t in sub.initializer}
+            out |= {t for n in sub.node for t in _reads(n)} - inner
+    return out
+
+
+def prune_dead(model) -> int:
+    """Remove nodes none of whose outputs reach a graph output (after a rewrite). Returns how many."""
+    g = model.graph
+    needed = {o.name for o in g.output}
+    keep = []
+    for n in reversed(list(g.node)):
+        if any(o in needed for o in n.output):
+            keep.append(n)
+            needed.update(_reads(n))
+    removed = len(g.node) - len(keep)
+    keep.reverse()
+    del g.node[:]
+    g.node.extend(keep)
+    used = {i for n in g.node for i in _reads(n)}
+    inits = [t for t in g.initializer if t.name in used or t.name in {o.name for o in g.output}]
+    del g.initializer[:]
+    g.initializer.extend(inits)
+    return removed
+
+
+def _mha(inputs: list[str], output: str, num_heads: int, scale: float, name: str):
+    from onnx import helper
+
+    return helper.make_node("MultiHeadAttention", inputs, [output], name=name, domain=CONTRIB,
+                            num_heads=int(num_heads), scale=float(scale))
+
+
+def _branch(node, name: str):
+    from onnx import TensorProto, helper
+
+    return helper.make_graph([node], name, [], [helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None)])
+
+
+def fuse_attention(model, num_heads: int) -> int:
+    """Replace every eager attention block with MultiHeadAttention. Returns the number fused.
+
+    Each block becomes an If on "no padding in this batch" (min(attention_mask) == 1, computed
+    once): then MultiHeadAttention without a mask — the only form for which ONNX Runtime's CPU
+    kernel takes its flash-attention path (measured about 10% faster end to end at sequence
+    128) — else MultiHeadAttention with the [batch, seq] key padding mask. Both give the same
+    result when nothing is padded.
+
+    Raises ValueError when the graph has Softmax nodes but none matches (an exporter change would
+    otherwise silently leave the slow path in place).
+    """
+    from onnx import TensorProto, helper
+
+    g = model.graph
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    blocks = find_attention(model)
+    softmaxes = sum(1 for n in g.node if n.op_type == "Softmax")
+    if softmaxes and not blocks:
+        raise ValueError(f"found {softmaxes} Softmax nodes but no eager self-attention block to fuse")
+    if not blocks:
+        return 0
+    if MASK_INPUT not in {i.name for i in g.input}:
+        raise ValueError(f"the graph has no {MASK_INPUT!r} input to build the key padding mask from")
+    dead = {id(n) for b in blocks for n in b.nodes}
+    by_out = {b.out: b for b in blocks}
+    nodes = [
+        helper.make_node("Cast", [MASK_INPUT], [MASK_INT32], name="attention_mask/CastInt32", to=TensorProto.INT32),
+        helper.make_node("ReduceMin", [MASK_INT32], [MASK_MIN], name="attention_mask/ReduceMin", keepdims=0),
+        helper.make_node("Constant", [], [ONE], name="attention_mask/One",
+                         value=helper.make_tensor(ONE, TensorProto.INT32, [], [1])),
+        helper.make_node("Equal", [MASK_MIN, ONE], [NO_PADDING], name="attention_mask/NoPadding"),
+    ]
+    for i, n in enumerate(g.node):
+        if id(n) not in dead:
+            nodes.append(n)
+        elif n.output[0] in by_out:  # the block's final Reshape: emit the fused op in its place
+            b = by_out[n.output[0]]
+            base = f"attention_{len(nodes)}_{i}"
+            flash = _mha([b.q, b.k, b.v], f"{base}.unmasked", num_heads, b.scale, f"{base}/MultiHeadAttention")
+            masked = _mha([b.q, b.k, b.v, "", MASK_INT32], f"{base}.masked", num_heads, b.scale,
+                          f"{base}/MultiHeadAttentionMasked")
+            nodes.append(helper.make_node("If", [NO_PADDING], [b.out], name=f"{base}/IfNoPadding",
+                                          then_branch=_branch(flash, f"{base}_unmasked"),
+                                          else_branch=_branch(masked, f"{base}_masked")))
+    del g.node[:]
+    g.node.extend(nodes)
+    if not any(o.domain == CONTRIB for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(CONTRIB, 1))
+    prune_dead(model)
+    return len(blocks)
