@@ -39,6 +39,7 @@ class AttentionBlock:
     out: str  # [batch, seq, hidden] tensor the block writes (the final Reshape's output)
     scale: float
     nodes: list  # nodes the fused op replaces
+    bias: np.ndarray | None = None  # [3 * hidden] Q, K, V projection biases, folded into the fused op
 
 
 def _const_value(graph, name: str, producers) -> np.ndarray | None:
@@ -48,6 +49,8 @@ def _const_value(graph, name: str, producers) -> np.ndarray | None:
         if init.name == name:
             return numpy_helper.to_array(init)
     n = producers.get(name)
+    if n is not None and n.op_type == "Identity":  # the exporter shares equal initializers this way
+        return _const_value(graph, n.input[0], producers)
     if n is not None and n.op_type == "Constant":
         for a in n.attribute:
             if a.name == "value":
@@ -71,6 +74,19 @@ def _heads(producers, tensor: str, perm: list[int]):
     if r is None or r.op_type != "Reshape":
         return None
     return r.input[0], [t, r]
+
+
+def _bias_add(graph, producers, consumers, tensor: str):
+    """tensor = Add(x, 1-D constant bias) read only by the head Reshape -> (x, bias, add) or None."""
+    add = producers.get(tensor)
+    if add is None or add.op_type != "Add" or len(consumers.get(tensor, [])) != 1:
+        return None
+    consts = [(i, _const_value(graph, i, producers)) for i in add.input]
+    bias = [v for _, v in consts if v is not None]
+    x = [i for i, v in consts if v is None]
+    if len(bias) != 1 or len(x) != 1 or bias[0].ndim != 1:
+        return None
+    return x[0], bias[0], add
 
 
 def find_attention(model) -> list[AttentionBlock]:
@@ -123,7 +139,13 @@ def find_attention(model) -> list[AttentionBlock]:
         inner = [qk, scaled, add, sm, av, back, merge]
         if any(len(consumers.get(n.output[0], [])) != 1 for n in inner[:-1] + q[1] + k[1] + v[1]):
             continue  # an intermediate is read elsewhere: leave the block alone
-        blocks.append(AttentionBlock(q[0], k[0], v[0], merge.output[0], scale, inner + q[1] + k[1] + v[1]))
+        block = AttentionBlock(q[0], k[0], v[0], merge.output[0], scale, inner + q[1] + k[1] + v[1])
+        biased = [_bias_add(g, producers, consumers, t) for t in (block.q, block.k, block.v)]
+        if all(biased) and len({b[1].shape for b in biased}) == 1:
+            block.q, block.k, block.v = (b[0] for b in biased)
+            block.bias = np.concatenate([b[1] for b in biased]).astype(np.float32)
+            block.nodes += [b[2] for b in biased]
+        blocks.append(block)
     return blocks
 
 
@@ -160,6 +182,8 @@ def prune_dead(model) -> int:
 def _mha(inputs: list[str], output: str, num_heads: int, scale: float, name: str):
     from onnx import helper
 
+    while inputs and not inputs[-1]:  # trailing optional inputs left out
+        inputs = inputs[:-1]
     return helper.make_node("MultiHeadAttention", inputs, [output], name=name, domain=CONTRIB,
                             num_heads=int(num_heads), scale=float(scale))
 
@@ -173,6 +197,7 @@ def _branch(node, name: str):
 def fuse_attention(model, num_heads: int) -> int:
     """Replace every eager attention block with MultiHeadAttention. Returns the number fused.
 
+    The Q, K and V projection biases move into the fused op's bias input (three Adds fewer).
     Each block becomes an If on "no padding in this batch" (min(attention_mask) == 1, computed
     once): then MultiHeadAttention without a mask — the only form for which ONNX Runtime's CPU
     kernel takes its flash-attention path (measured about 10% faster end to end at sequence
@@ -182,7 +207,7 @@ def fuse_attention(model, num_heads: int) -> int:
     Raises ValueError when the graph has Softmax nodes but none matches (an exporter change would
     otherwise silently leave the slow path in place).
     """
-    from onnx import TensorProto, helper
+    from onnx import TensorProto, helper, numpy_helper
 
     g = model.graph
     if num_heads < 1:
@@ -210,8 +235,12 @@ def fuse_attention(model, num_heads: int) -> int:
         elif n.output[0] in by_out:  # the block's final Reshape: emit the fused op in its place
             b = by_out[n.output[0]]
             base = f"attention_{len(nodes)}_{i}"
-            flash = _mha([b.q, b.k, b.v], f"{base}.unmasked", num_heads, b.scale, f"{base}/MultiHeadAttention")
-            masked = _mha([b.q, b.k, b.v, "", MASK_INT32], f"{base}.masked", num_heads, b.scale,
+            bias = ""
+            if b.bias is not None:
+                bias = f"{base}.qkv_bias"
+                g.initializer.append(numpy_helper.from_array(b.bias, bias))
+            flash = _mha([b.q, b.k, b.v, bias], f"{base}.unmasked", num_heads, b.scale, f"{base}/MultiHeadAttention")
+            masked = _mha([b.q, b.k, b.v, bias, MASK_INT32], f"{base}.masked", num_heads, b.scale,
                           f"{base}/MultiHeadAttentionMasked")
             nodes.append(helper.make_node("If", [NO_PADDING], [b.out], name=f"{base}/IfNoPadding",
                                           then_branch=_branch(flash, f"{base}_unmasked"),

@@ -510,8 +510,16 @@ def test_onnxruntime_target_fuses_attention_into_multihead_attention(exported):
     assert "Softmax" not in ops and ops.count("If") == layers
     inner = [sub.node[0] for n in m.graph.node if n.op_type == "If" for a in n.attribute for sub in [a.g]]
     assert {(x.op_type, x.domain) for x in inner} == {("MultiHeadAttention", "com.microsoft")}
-    # then-branch without the mask (flash kernel), else-branch with the [batch, seq] padding mask
-    assert sorted(len([i for i in x.input if i]) for x in inner) == sorted([3, 4] * layers)
+    # then-branch without the mask (flash kernel), else-branch with the [batch, seq] padding mask;
+    # both read the projections before their bias Adds and add the Q/K/V biases themselves
+    from export.fusion import MASK_INT32
+
+    assert sorted(MASK_INT32 in x.input for x in inner) == [False] * layers + [True] * layers
+    prod = {o: n for n in m.graph.node for o in n.output}
+    assert all(prod[t].op_type == "MatMul" for x in inner for t in x.input[:3])
+    inits = _inits(m)
+    hidden = json.loads((ckpt / "config.json").read_text())["hidden_size"]
+    assert all(inits[x.input[3]].shape == (3 * hidden,) for x in inner)
     entry = res.entries["onnxruntime"]["attention"]
     assert entry["blocks"] == layers and entry["num_heads"] == 2
     # the mask-building subgraph of the eager export is gone with the blocks that read it
