@@ -89,6 +89,41 @@ def _bias_add(graph, producers, consumers, tensor: str):
     return x[0], bias[0], add
 
 
+def _is_padding_mask(graph, tensor: str, producers) -> bool:
+    """True when `tensor`'s values come from the attention_mask input and small constants only.
+
+    That is what the exporter's mask construction looks like; an additive term built from a
+    learned table (e.g. a relative-position bias) reads a large initializer and would be lost
+    by the fusion, so such a block is left alone.
+    """
+    inits = {t.name: t for t in graph.initializer}
+    seen, stack, reads_mask = set(), [tensor], False
+    while stack:
+        t = stack.pop()
+        if t in seen or not t:
+            continue
+        seen.add(t)
+        if t == MASK_INPUT:
+            reads_mask = True
+            continue
+        if t in inits:
+            if int(np.prod(inits[t].dims)) > 4:
+                return False
+            continue
+        n = producers.get(t)
+        if n is None:
+            return False  # another graph input
+        if n.op_type == "Constant":
+            v = _const_value(graph, t, producers)
+            if v is None or v.size > 4:
+                return False
+            continue
+        if n.op_type in ("Shape", "Size"):  # reads only the shape of its input, never its values
+            continue
+        stack.extend(n.input)
+    return reads_mask
+
+
 def find_attention(model) -> list[AttentionBlock]:
     """Every Softmax that sits in the eager-attention pattern above, as an AttentionBlock."""
     g = model.graph
@@ -109,12 +144,16 @@ def find_attention(model) -> list[AttentionBlock]:
     for sm in g.node:
         if sm.op_type != "Softmax":
             continue
+        axis = next((a.i for a in sm.attribute if a.name == "axis"), -1)
         add = producers.get(sm.input[0])
-        if add is None or add.op_type != "Add":
+        if axis not in (-1, 3) or add is None or add.op_type != "Add":
             continue
         scaled = next((producers.get(i) for i in add.input if producers.get(i) is not None
                        and producers[i].op_type in ("Mul", "Div")), None)
         if scaled is None:
+            continue
+        mask = [i for i in add.input if i != scaled.output[0]]
+        if len(mask) != 1 or not _is_padding_mask(g, mask[0], producers):
             continue
         factor = next((v for v in (_const_value(g, i, producers) for i in scaled.input) if v is not None), None)
         if factor is None or np.size(factor) != 1:

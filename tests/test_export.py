@@ -566,6 +566,15 @@ def test_fusion_refuses_an_attention_graph_it_cannot_match(exported, tmp_path):
     sm = [n for n in m.graph.node if n.op_type == "Softmax"]
     m.graph.output.append(onnx.helper.make_empty_tensor_value_info(sm[0].output[0]))
     assert len(find_attention(m)) == 1
+    # ... so is one whose additive term is not the padding mask (a learned bias would be lost)
+    add = next(n for n in m.graph.node if n.output[0] == sm[1].input[0])
+    bias = onnx.numpy_helper.from_array(np.zeros((1, 2, 8, 8), np.float32), "relative_position_bias")
+    m.graph.initializer.append(bias)
+    saved = add.input[1]
+    add.input[1] = bias.name
+    assert len(find_attention(m)) == 0
+    add.input[1] = saved
+    assert len(find_attention(m)) == 1
     # ... and a graph with Softmax nodes but no block to fuse is an error, not a silent no-op
     for s in sm[1:]:
         m.graph.output.append(onnx.helper.make_empty_tensor_value_info(s.output[0]))
