@@ -584,15 +584,15 @@ def test_fusion_refuses_an_attention_graph_it_cannot_match(exported, tmp_path):
         fuse_attention(m, 0)
 
 
-def test_cpu_latency_bench_gives_the_baselines_the_same_attention_fusion(exported, tmp_path, monkeypatch):
-    """bench/cpu_latency end to end on the tiny export: every engine timed, fused ORT baselines."""
+def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(exported, tmp_path, monkeypatch):
+    """bench/cpu_latency end to end on the tiny export: every engine timed, fused ORT baselines on request."""
     from tests.bench_modules import bench_module
 
     monkeypatch.delenv("HOLOSERVE_DATA_DIR", raising=False)
     ckpt, _ = exported
     run = bench_module("cpu_latency", "run")
     rc = run.main([str(ckpt), "--out", str(tmp_path), "--name", "lat", "--runs", "2", "--warmup", "1",
-                   "--batches", "1,2", "--seqs", "8", "--threads", "1"])
+                   "--batches", "1,2", "--seqs", "8", "--threads", "1", "--fuse-baseline-attention"])
     assert rc == 0
     r = json.loads((tmp_path / "lat.json").read_text())
     assert r["method"]["baseline_attention"].startswith("2 blocks fused")
