@@ -219,7 +219,8 @@ class Runner:
         share = nm_share(model, layers) * 100
         rho_s = f" rho={rho:.3g}" if rho is not None else ""
         extra_s = "".join(f" {k}={v}" for k, v in extra.items())
-        log.info("[%s] steps=%d loss=%.4f dev %s | 2:4=%.1f%%%s%s | %.0fs", name, res["steps"], res["loss"],
+        loss = "n/a" if res["loss"] is None else f"{res['loss']:.4f}"
+        log.info("[%s] steps=%d loss=%s dev %s | 2:4=%.1f%%%s%s | %.0fs", name, res["steps"], loss,
                  _fmt(metrics), share, rho_s, extra_s, res["seconds"])
 
     def run_phase(self, name: str, model: nn.Module, layers, fn, meta_extra=None) -> dict[str, Any]:

@@ -44,7 +44,7 @@ def lr_at(cfg: PhaseConfig, step: int) -> float:
 class PhaseResult:
     steps: int
     seconds: float
-    loss: float  # mean training loss over the last 50 steps
+    loss: float | None  # mean training loss over the last 50 steps; None when the phase ran no steps
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -132,5 +132,5 @@ def train_phase(
             if state_dir is not None and preset.save_every and (step + 1) % preset.save_every == 0 and step + 1 < cfg.steps:
                 checkpoint(step + 1, time.perf_counter() - t0)
     bar.close()
-    tail = losses[-50:] or [float("nan")]
-    return PhaseResult(steps=cfg.steps, seconds=time.perf_counter() - t0, loss=sum(tail) / len(tail))
+    tail = losses[-50:]  # empty for a skipped (0-step) phase: no loss, not NaN (the manifest is strict JSON)
+    return PhaseResult(steps=cfg.steps, seconds=time.perf_counter() - t0, loss=sum(tail) / len(tail) if tail else None)

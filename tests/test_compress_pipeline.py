@@ -205,3 +205,22 @@ def test_fp16_carried_base_model_loads_as_float32(env, tmp_path):
     assert "float16" in dtypes and "float32" not in dtypes
     model = _load_hf(out / "base", get_task("sst2"))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def _no_nan(token):
+    raise AssertionError(f"{token} in a manifest: not valid JSON")
+
+
+def test_skipped_admm_phase_projects_the_teacher_and_writes_strict_json(admm_ckpt, env, caplog):
+    """--set admm.steps=0: the teacher is projected onto 2:4 ∩ INT8 and QAT follows; the skipped
+    phase has no loss (null, not NaN, which strict JSON readers reject)."""
+    out = env["root"] / "admm0"
+    with caplog.at_level("INFO"):
+        assert compress(env, out, "--set", "admm.steps=0", "--teacher",
+                        str(admm_ckpt.with_name("admm.state") / "teacher")) == 0
+    info = check_saved_checkpoint(out)
+    assert info["layers"] == 12 and info["quantized"]
+    m = json.loads((out / "manifest.json").read_text(), parse_constant=_no_nan)
+    assert m["training"]["phases"]["admm"]["steps"] == 0 and m["training"]["phases"]["admm"]["loss"] is None
+    assert isinstance(m["training"]["phases"]["qat"]["loss"], float)
+    assert "[admm] steps=0 loss=n/a" in caplog.text
