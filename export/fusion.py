@@ -23,7 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .qdq import _consumers, _producers
+
 CONTRIB = "com.microsoft"
+FUSED_OP = "MultiHeadAttention"
 MASK_INPUT = "attention_mask"
 MASK_INT32 = "attention_mask.int32"
 MASK_MIN = "attention_mask.min"
@@ -42,15 +45,15 @@ class AttentionBlock:
     bias: np.ndarray | None = None  # [3 * hidden] Q, K, V projection biases, folded into the fused op
 
 
-def _const_value(graph, name: str, producers) -> np.ndarray | None:
+def _const_value(inits, name: str, producers) -> np.ndarray | None:
+    """The value of `name` if it is a constant (initializer, Constant node, Identity of one); else None."""
     from onnx import numpy_helper
 
-    for init in graph.initializer:
-        if init.name == name:
-            return numpy_helper.to_array(init)
+    if name in inits:
+        return numpy_helper.to_array(inits[name])
     n = producers.get(name)
     if n is not None and n.op_type == "Identity":  # the exporter shares equal initializers this way
-        return _const_value(graph, n.input[0], producers)
+        return _const_value(inits, n.input[0], producers)
     if n is not None and n.op_type == "Constant":
         for a in n.attribute:
             if a.name == "value":
@@ -76,12 +79,12 @@ def _heads(producers, tensor: str, perm: list[int]):
     return r.input[0], [t, r]
 
 
-def _bias_add(graph, producers, consumers, tensor: str):
+def _bias_add(inits, producers, consumers, tensor: str):
     """tensor = Add(x, 1-D constant bias) read only by the head Reshape -> (x, bias, add) or None."""
     add = producers.get(tensor)
     if add is None or add.op_type != "Add" or len(consumers.get(tensor, [])) != 1:
         return None
-    consts = [(i, _const_value(graph, i, producers)) for i in add.input]
+    consts = [(i, _const_value(inits, i, producers)) for i in add.input]
     bias = [v for _, v in consts if v is not None]
     x = [i for i, v in consts if v is None]
     if len(bias) != 1 or len(x) != 1 or bias[0].ndim != 1:
@@ -89,14 +92,13 @@ def _bias_add(graph, producers, consumers, tensor: str):
     return x[0], bias[0], add
 
 
-def _is_padding_mask(graph, tensor: str, producers) -> bool:
+def _is_padding_mask(inits, tensor: str, producers) -> bool:
     """True when `tensor`'s values come from the attention_mask input and small constants only.
 
     That is what the exporter's mask construction looks like; an additive term built from a
     learned table (e.g. a relative-position bias) reads a large initializer and would be lost
     by the fusion, so such a block is left alone.
     """
-    inits = {t.name: t for t in graph.initializer}
     seen, stack, reads_mask = set(), [tensor], False
     while stack:
         t = stack.pop()
@@ -114,7 +116,7 @@ def _is_padding_mask(graph, tensor: str, producers) -> bool:
         if n is None:
             return False  # another graph input
         if n.op_type == "Constant":
-            v = _const_value(graph, t, producers)
+            v = _const_value(inits, t, producers)
             if v is None or v.size > 4:
                 return False
             continue
@@ -127,11 +129,8 @@ def _is_padding_mask(graph, tensor: str, producers) -> bool:
 def find_attention(model) -> list[AttentionBlock]:
     """Every Softmax that sits in the eager-attention pattern above, as an AttentionBlock."""
     g = model.graph
-    producers = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
+    producers, consumers = _producers(g), _consumers(g)
+    inits = {t.name: t for t in g.initializer}
     graph_outputs = {o.name for o in g.output}
 
     def only_consumer(t: str, op: str):
@@ -153,14 +152,16 @@ def find_attention(model) -> list[AttentionBlock]:
         if scaled is None:
             continue
         mask = [i for i in add.input if i != scaled.output[0]]
-        if len(mask) != 1 or not _is_padding_mask(g, mask[0], producers):
+        if len(mask) != 1 or not _is_padding_mask(inits, mask[0], producers):
             continue
-        factor = next((v for v in (_const_value(g, i, producers) for i in scaled.input) if v is not None), None)
-        if factor is None or np.size(factor) != 1:
+        values = [_const_value(inits, i, producers) for i in scaled.input]
+        factor = next((v for v in values if v is not None), None)
+        operand = next((i for i, v in zip(scaled.input, values) if v is None), None)
+        if factor is None or np.size(factor) != 1 or operand is None:
             continue
         factor = float(np.asarray(factor).reshape(()))
         scale = factor if scaled.op_type == "Mul" else 1.0 / factor
-        qk = producers.get(next(i for i in scaled.input if _const_value(g, i, producers) is None))
+        qk = producers.get(operand)
         if qk is None or qk.op_type != "MatMul":
             continue
         q = _heads(producers, qk.input[0], [0, 2, 1, 3])
@@ -179,7 +180,7 @@ def find_attention(model) -> list[AttentionBlock]:
         if any(len(consumers.get(n.output[0], [])) != 1 for n in inner[:-1] + q[1] + k[1] + v[1]):
             continue  # an intermediate is read elsewhere: leave the block alone
         block = AttentionBlock(q[0], k[0], v[0], merge.output[0], scale, inner + q[1] + k[1] + v[1])
-        biased = [_bias_add(g, producers, consumers, t) for t in (block.q, block.k, block.v)]
+        biased = [_bias_add(inits, producers, consumers, t) for t in (block.q, block.k, block.v)]
         if all(biased) and len({b[1].shape for b in biased}) == 1:
             block.q, block.k, block.v = (b[0] for b in biased)
             block.bias = np.concatenate([b[1] for b in biased]).astype(np.float32)
@@ -211,8 +212,8 @@ def prune_dead(model) -> int:
     keep.reverse()
     del g.node[:]
     g.node.extend(keep)
-    used = {i for n in g.node for i in _reads(n)}
-    inits = [t for t in g.initializer if t.name in used or t.name in {o.name for o in g.output}]
+    used = {i for n in g.node for i in _reads(n)} | {o.name for o in g.output}
+    inits = [t for t in g.initializer if t.name in used]
     del g.initializer[:]
     g.initializer.extend(inits)
     return removed
@@ -223,7 +224,7 @@ def _mha(inputs: list[str], output: str, num_heads: int, scale: float, name: str
 
     while inputs and not inputs[-1]:  # trailing optional inputs left out
         inputs = inputs[:-1]
-    return helper.make_node("MultiHeadAttention", inputs, [output], name=name, domain=CONTRIB,
+    return helper.make_node(FUSED_OP, inputs, [output], name=name, domain=CONTRIB,
                             num_heads=int(num_heads), scale=float(scale))
 
 

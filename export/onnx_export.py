@@ -369,7 +369,7 @@ def export_checkpoint(
                     except ValueError as e:
                         raise HoloServeError(f"cannot fuse attention in {art.path} (pass --no-fuse-attention "
                                              f"to keep standard ONNX ops): {e}") from None
-                    attention = {"op": f"{fusion.CONTRIB}.MultiHeadAttention", "blocks": fused, "num_heads": heads,
+                    attention = {"op": f"{fusion.CONTRIB}.{fusion.FUSED_OP}", "blocks": fused, "num_heads": heads,
                                  "unmasked_branch": "If min(attention_mask) == 1: no mask (flash-attention kernel)"}
                 else:
                     attention = "standard ONNX ops (MatMul, Softmax)"

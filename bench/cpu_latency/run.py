@@ -134,12 +134,12 @@ def main(argv=None) -> int:
     if args.fuse_baseline_attention:
         import onnx
 
-        from export.fusion import fuse_attention
+        from export.fusion import CONTRIB, FUSED_OP, fuse_attention
 
         m = onnx.load(str(fp32_onnx))
         fused = fuse_attention(m, int(dense_eager.config.num_attention_heads))
         onnx.save(m, str(fp32_onnx))
-        baseline_attention = f"{fused} blocks fused into com.microsoft.MultiHeadAttention, as in ours"
+        baseline_attention = f"{fused} blocks fused into {CONTRIB}.{FUSED_OP}, as in ours"
     dyn_onnx = work / "dense.dynamic-int8.onnx"
     quantize_dynamic(str(fp32_onnx), str(dyn_onnx), weight_type=QuantType.QInt8)
     del dense_eager
@@ -151,6 +151,8 @@ def main(argv=None) -> int:
         "ours_onnx_bytes": ours.stat().st_size,
     }
 
+    tok = make_tokenizer(art)
+
     # ---------------------------------------------------------------- accuracy (dev, through ORT)
     acc = {}
     try:
@@ -159,7 +161,6 @@ def main(argv=None) -> int:
 
         task = get_task(art.task_name)
         rows = read_split(task, "dev", args.data_dir, limit=args.dev_rows)
-        tok = make_tokenizer(art)
         idx_b = list(encode_batches(tok, [r.text for r in rows], [r.text_pair for r in rows] if task.is_pair else None))
         order = np.concatenate([np.asarray(i) for i, _ in idx_b])
         labels = np.asarray([r.label for r in rows])[order]
@@ -178,7 +179,6 @@ def main(argv=None) -> int:
     threads_ = [int(x) for x in args.threads.split(",")]
     rng = np.random.default_rng(0)
     vocab = dense.config.vocab_size
-    tok = make_tokenizer(art)
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     low = min(1000, vocab // 2)  # skip the special/unused ids at the start of a BERT vocabulary
     results = []
