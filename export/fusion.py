@@ -287,7 +287,209 @@ def fuse_attention(model, num_heads: int) -> int:
                                           else_branch=_branch(masked, f"{base}_masked")))
     del g.node[:]
     g.node.extend(nodes)
-    if not any(o.domain == CONTRIB for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(CONTRIB, 1))
+    _ensure_contrib(model)
     prune_dead(model)
     return len(blocks)
+
+
+# ------------------------------------------------------------------------------ integer MatMuls
+
+INT_MATMUL_OP = "MatMulIntegerToFloat"
+
+
+def _scalar_const(inits, name: str, producers) -> np.ndarray | None:
+    v = _const_value(inits, name, producers) if name else None
+    return v if v is not None and v.size == 1 else None
+
+
+def fuse_integer_matmuls(model) -> dict[str, int]:
+    """DequantizeLinear(x_q) · DequantizeLinear(W_int8) [+ bias] -> com.microsoft.MatMulIntegerToFloat.
+
+    ONNX Runtime turns each QDQ MatMul into MatMulIntegerToFloat itself when it loads the model,
+    but leaves the bias Add (and, for Q/K/V, the bias inside MultiHeadAttention) as a separate
+    pass over the [batch, seq, hidden] float output. Written out here, the bias becomes the op's
+    own bias input, added in the GEMM's output stage. The arithmetic is the same: int32
+    accumulation, times the activation scale and each column's weight scale, plus the bias.
+
+    Only sites ONNX Runtime would fuse anyway are rewritten: a uint8/int8 activation with a scalar
+    scale and zero point, int8 2-D weights with a per-column (or scalar) scale and zero point 0.
+    Returns {"matmuls": n, "bias_folded": k}.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = model.graph
+    producers, consumers = _producers(g), _consumers(g)
+    inits = {t.name: t for t in g.initializer}
+    graph_outputs = {o.name for o in g.output}
+    replace: dict[int, object] = {}  # id(MatMul) -> new node
+    dead: set[int] = set()  # ids of bias Adds folded into the new node
+    folded = 0
+    for mm in g.node:
+        if mm.op_type != "MatMul":
+            continue
+        a, b = (producers.get(i) for i in mm.input)
+        if a is None or b is None or a.op_type != "DequantizeLinear" or b.op_type != "DequantizeLinear":
+            continue
+        a_in = list(a.input) + [""] * (3 - len(a.input))
+        b_in = list(b.input) + [""] * (3 - len(b.input))
+        sx, zx = _scalar_const(inits, a_in[1], producers), _scalar_const(inits, a_in[2], producers)
+        if sx is None or zx is None or zx.dtype not in (np.uint8, np.int8):
+            continue
+        w = inits.get(b_in[0])
+        if w is None or w.data_type != TensorProto.INT8 or len(w.dims) != 2:
+            continue
+        n_out = int(w.dims[1])
+        sw = _const_value(inits, b_in[1], producers)
+        zw = _const_value(inits, b_in[2], producers) if b_in[2] else np.zeros(1, np.int8)
+        axis = next((x.i for x in b.attribute if x.name == "axis"), 1)
+        if sw is None or zw is None or np.any(zw):
+            continue
+        if sw.size != 1 and not (sw.shape == (n_out,) and axis in (1, -1)):
+            continue
+        inputs = [a_in[0], b_in[0], a_in[1], b_in[1], a_in[2], ""]  # b_zero_point 0: left out
+        out = mm.output[0]
+        users = consumers.get(out, [])
+        if out not in graph_outputs and len(users) == 1 and users[0].op_type == "Add":
+            add = users[0]
+            other = [i for i in add.input if i != out]
+            bias = _const_value(inits, other[0], producers) if len(other) == 1 else None
+            if bias is not None and bias.shape == (n_out,) and bias.dtype == np.float32:
+                name = other[0]
+                if name not in inits:
+                    name = f"{mm.name or out}.bias"
+                    g.initializer.append(numpy_helper.from_array(bias, name))
+                    inits[name] = g.initializer[-1]
+                inputs.append(name)
+                out = add.output[0]
+                dead.add(id(add))
+                folded += 1
+        while not inputs[-1]:
+            inputs.pop()
+        replace[id(mm)] = helper.make_node(INT_MATMUL_OP, inputs, [out], name=f"{mm.name or out}/Integer",
+                                           domain=CONTRIB)
+    if not replace:
+        return {"matmuls": 0, "bias_folded": 0}
+    nodes = [replace.get(id(n), n) for n in g.node if id(n) not in dead]
+    del g.node[:]
+    g.node.extend(nodes)
+    _ensure_contrib(model)
+    prune_dead(model)
+    return {"matmuls": len(replace), "bias_folded": folded}
+
+
+def _ensure_contrib(model) -> None:
+    from onnx import helper
+
+    if not any(o.domain == CONTRIB for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(CONTRIB, 1))
+
+
+# ----------------------------------------------------------------------------------- tanh GELU
+
+GELU_TANH_OP = "FastGelu"
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow"}
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _gelu_region(g, tanh, producers, consumers, inits, graph_outputs):
+    """The elementwise subgraph around one Tanh that computes y = gelu_tanh(x): (x, y, nodes) or None.
+
+    Found by structure (x: the one non-constant tensor the Tanh's elementwise ancestors read; the
+    region: every elementwise node reachable from x whose other inputs are constants or the
+    region's own tensors), then checked by evaluating the region on a sweep of x values, so any
+    spelling of the formula (x*x*x or Pow, constant order) is accepted and nothing else is.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    def is_const(t: str) -> bool:  # scalar constants only: a bias vector is not part of the formula
+        v = _const_value(inits, t, producers)
+        return v is not None and v.size == 1
+
+    def scalar_op(n) -> bool:
+        return n is not None and n.op_type in _ELEMENTWISE and all(
+            is_const(i) or _const_value(inits, i, producers) is None for i in n.input)
+
+    leaves, stack, seen = set(), [tanh.input[0]], set()
+    while stack:
+        t = stack.pop()
+        if t in seen or is_const(t):
+            continue
+        seen.add(t)
+        n = producers.get(t)
+        if scalar_op(n):
+            stack.extend(n.input)
+        else:
+            leaves.add(t)
+    if len(leaves) != 1:
+        return None
+    x = leaves.pop()
+    region, made = [], {x}
+    for n in g.node:  # graph order is topological
+        if n.op_type not in _ELEMENTWISE | {"Tanh"}:
+            continue
+        if any(i in made for i in n.input) and all(i in made or is_const(i) for i in n.input):
+            region.append(n)
+            made.update(n.output)
+    if tanh not in region:
+        return None
+    outs = {o for n in region for o in n.output}
+    ids = {id(n) for n in region}
+    read_outside = {t for t in outs if t in graph_outputs or any(id(c) not in ids for c in consumers.get(t, []))}
+    if len(read_outside) != 1:
+        return None
+    y = read_outside.pop()
+    consts = sorted({i for n in region for i in n.input if i not in made})
+    probe = helper.make_graph(
+        [helper.make_node(n.op_type, list(n.input), list(n.output)) for n in region], "probe",
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [None])],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, [None])],
+        [numpy_helper.from_array(np.asarray(_const_value(inits, c, producers)), c) for c in consts])
+    sweep = np.linspace(-8.0, 8.0, 2001, dtype=np.float32)
+    try:
+        got = ReferenceEvaluator(helper.make_model(probe)).run(None, {x: sweep})[0]
+    except Exception:  # noqa: BLE001 - a region that does not evaluate on its own is not a GELU
+        return None
+    if np.shape(got) != sweep.shape or np.abs(got - gelu_tanh(sweep)).max() > 1e-5:
+        return None
+    return x, y, region
+
+
+def fuse_gelu_tanh(model) -> int:
+    """Replace each tanh-approximated GELU spelled out in elementwise ops with com.microsoft.FastGelu.
+
+    The exporter writes gelu(approximate="tanh") as nine Mul/Add/Tanh nodes, each a full pass over
+    the [batch, seq, intermediate] tensor; ONNX Runtime does not recognise that spelling. FastGelu
+    computes the same formula in one kernel. The exact (erf) GELU is left to ONNX Runtime, which
+    fuses it itself. Returns the number fused.
+    """
+    from onnx import helper
+
+    g = model.graph
+    producers, consumers = _producers(g), _consumers(g)
+    inits = {t.name: t for t in g.initializer}
+    graph_outputs = {o.name for o in g.output}
+    fused: dict[int, object] = {}
+    dead: set[int] = set()
+    for t in [n for n in g.node if n.op_type == "Tanh"]:
+        if id(t) in dead:
+            continue
+        found = _gelu_region(g, t, producers, consumers, inits, graph_outputs)
+        if found is None:
+            continue
+        x, y, region = found
+        last = producers[y]
+        fused[id(last)] = helper.make_node(GELU_TANH_OP, [x], [y], name=f"{last.name or y}/FastGelu", domain=CONTRIB)
+        dead.update(id(n) for n in region if n is not last)
+    if not fused:
+        return 0
+    nodes = [fused.get(id(n), n) for n in g.node if id(n) not in dead]
+    del g.node[:]
+    g.node.extend(nodes)
+    _ensure_contrib(model)
+    prune_dead(model)
+    return len(fused)

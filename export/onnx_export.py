@@ -267,6 +267,8 @@ def export_checkpoint(
     max_metric_diff: float | None = 0.2,
     embeddings: str = "auto",
     fuse_attention: bool = True,
+    fuse_matmul: bool = True,
+    fuse_gelu: bool = True,
 ) -> ExportResult:
     """Export `targets` ("onnxruntime", "tensorrt"), verify, and record them in the checkpoint.
 
@@ -278,6 +280,10 @@ def export_checkpoint(
     when that is lossless, i.e. when the checkpoint's table already sits on a per-row int8 grid.
     fuse_attention: in the onnxruntime target, replace each eager attention block with ONNX
     Runtime's MultiHeadAttention contrib op (export/fusion.py); False keeps standard ONNX ops only.
+    fuse_matmul: in the onnxruntime target, write each QDQ MatMul as MatMulIntegerToFloat with the
+    Linear's bias folded in (what ONNX Runtime would build, minus a float pass per Linear).
+    fuse_gelu: in the onnxruntime target, write a tanh-approximated GELU (a student trained with
+    hidden_act=gelu_pytorch_tanh) as FastGelu; the exact GELU is left as exported.
     """
     from tqdm import tqdm
 
@@ -362,6 +368,11 @@ def export_checkpoint(
                 if "tensorrt" in targets:
                     calib_model = tmp / CALIB_FILE
                     onnx.save(m, str(calib_model))
+                fused_ops = {}
+                if fuse_matmul:
+                    fused_ops["integer_matmuls"] = fusion.fuse_integer_matmuls(m)
+                if fuse_gelu:
+                    fused_ops["fast_gelu"] = fusion.fuse_gelu_tanh(m)
                 if fuse_attention:
                     heads = int(model.config.num_attention_heads)
                     try:
@@ -382,7 +393,8 @@ def export_checkpoint(
                 "placement": target,
                 "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in verify.INPUT_NAMES},
                 "outputs": {verify.OUTPUT_NAME: {"dtype": "float32", "shape": ["batch", art.manifest["task"].get("num_labels", len(art.labels) or 1)]}},
-                "weights": "int8 initializers, per-output-channel scales, DequantizeLinear zero-point 0",
+                "weights": "int8 initializers, per-output-channel scales, zero-point 0, read by "
+                + ("MatMulIntegerToFloat" if target == "onnxruntime" and fuse_matmul else "DequantizeLinear"),
                 "activations": "uint8 zero-point 128 (MatMul inputs only)" if target == "onnxruntime"
                 else "int8 zero-point 0 (Linear inputs, attention MatMul inputs, residual Add inputs)",
                 "quantized_linears": len(rep.linears),
@@ -395,6 +407,8 @@ def export_checkpoint(
             }
             if attention is not None:
                 entry["attention"] = attention
+            if target == "onnxruntime":
+                entry["fused_ops"] = fused_ops
             if target == "tensorrt":
                 entry["extra_ranges"] = {
                     "source": f"max |x| from the onnxruntime placement (checkpoint numerics) on {calib_source}",

@@ -17,7 +17,7 @@ ort = pytest.importorskip("onnxruntime")
 
 
 def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = "sst2", name: str = "ckpt",
-                               tensorrt_qat: bool = False) -> Path:
+                               tensorrt_qat: bool = False, biases: bool = False, hidden_act: str = "") -> Path:
     """Tiny random BERT: encoder Linears projected to 2:4 + INT8 grid, input ranges calibrated, saved."""
     from transformers import AutoModelForSequenceClassification
 
@@ -32,7 +32,11 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
     src = make_tiny_bert(root / f"src-{name}", num_labels=task.num_labels, layers=layers)
     model = AutoModelForSequenceClassification.from_pretrained(str(src), local_files_only=True).eval()
     names = encoder_linear_names(model)
-    if tensorrt_qat:  # non-zero biases, as in a trained model (zero ones are folded away and leave no bias Add)
+    if hidden_act:
+        from compress.pipeline import set_hidden_act
+
+        set_hidden_act(model, hidden_act)
+    if tensorrt_qat or biases:  # non-zero biases, as in a trained model (zero ones are folded away and leave no bias Add)
         g0 = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for n in names:
@@ -59,7 +63,7 @@ def exported(tmp_path_factory):
     from export.onnx_export import export_checkpoint
 
     root = tmp_path_factory.mktemp("export")
-    ckpt = make_calibrated_checkpoint(root)
+    ckpt = make_calibrated_checkpoint(root, biases=True)
     res = export_checkpoint(ckpt, ["onnxruntime", "tensorrt"], progress=False, keep_float=True)
     return ckpt, res
 
@@ -105,7 +109,9 @@ def test_weights_are_int8_with_exact_2of4_zeros(exported):
             assert nm_violations(q.T, 2, 4) == 0  # stored [in, out]: groups of 4 along the input dim
             s = inits[f"{layer}.weight_scale"]
             np.testing.assert_array_equal(s, art.weight_scales(layer))
-            assert not np.any(inits[f"{layer}.weight_zero_point"])
+            # zero point 0: explicit for DequantizeLinear; MatMulIntegerToFloat leaves it out (= 0)
+            assert not np.any(inits.get(f"{layer}.weight_zero_point", 0))
+            assert f == "model.onnx" or f"{layer}.weight_zero_point" in inits
         # no fp32 copy of an encoder weight is left behind
         assert not [k for k in inits if k.endswith(".weight_t")]
 
@@ -118,11 +124,19 @@ def test_placements(exported):
     q_ort = [x for x in m_ort.graph.node if x.op_type == "QuantizeLinear"]
     # MatMul inputs only; Q, K and V read the same tensor with the same range and share one pair
     assert len(q_ort) == 4 * (n // 6)
+    # each Linear is one MatMulIntegerToFloat: the quantized activation, the int8 weights, their
+    # scales, the activation zero point, and the Linear's bias folded in (no float MatMul or Add left)
     prod = {o: x for x in m_ort.graph.node for o in x.output}
-    mm = [x for x in m_ort.graph.node if x.op_type == "MatMul" and x.input[1] in prod
-          and prod[x.input[1]].op_type == "DequantizeLinear"]
-    assert len(mm) == n and all(prod[x.input[0]].op_type == "DequantizeLinear" for x in mm)
     zps = _inits(m_ort)
+    mm = [x for x in m_ort.graph.node if x.op_type == "MatMulIntegerToFloat"]
+    assert len(mm) == n and all(x.domain == "com.microsoft" for x in mm)
+    assert all(prod[x.input[0]].op_type == "QuantizeLinear" and zps[x.input[1]].dtype == np.int8 for x in mm)
+    assert all(len(x.input) == 7 and zps[x.input[6]].shape == zps[x.input[3]].shape for x in mm)
+    ops = [x.op_type for x in m_ort.graph.node]
+    assert "MatMul" not in ops and "DequantizeLinear" not in ops
+    assert not [x for x in m_ort.graph.node if x.op_type == "Add" and any(zps.get(i, np.zeros(())).ndim == 1
+                                                                         for i in x.input)]  # no bias Add left
+    assert res.entries["onnxruntime"]["fused_ops"]["integer_matmuls"] == {"matmuls": n, "bias_folded": n}
     assert all(zps[x.input[2]].dtype == np.uint8 and zps[x.input[2]] == 128 for x in q_ort)
     m_trt = onnx.load(str(ckpt / "model.trt.onnx"))
     q_trt = [x for x in m_trt.graph.node if x.op_type == "QuantizeLinear"]
@@ -511,15 +525,13 @@ def test_onnxruntime_target_fuses_attention_into_multihead_attention(exported):
     inner = [sub.node[0] for n in m.graph.node if n.op_type == "If" for a in n.attribute for sub in [a.g]]
     assert {(x.op_type, x.domain) for x in inner} == {("MultiHeadAttention", "com.microsoft")}
     # then-branch without the mask (flash kernel), else-branch with the [batch, seq] padding mask;
-    # both read the projections before their bias Adds and add the Q/K/V biases themselves
+    # both read the Q/K/V projections, whose integer MatMuls already added the biases
     from export.fusion import MASK_INT32
 
     assert sorted(MASK_INT32 in x.input for x in inner) == [False] * layers + [True] * layers
     prod = {o: n for n in m.graph.node for o in n.output}
-    assert all(prod[t].op_type == "MatMul" for x in inner for t in x.input[:3])
-    inits = _inits(m)
-    hidden = json.loads((ckpt / "config.json").read_text())["hidden_size"]
-    assert all(inits[x.input[3]].shape == (3 * hidden,) for x in inner)
+    assert all(prod[t].op_type == "MatMulIntegerToFloat" for x in inner for t in x.input[:3])
+    assert all(len(x.input) < 4 or not x.input[3] for x in inner)
     entry = res.entries["onnxruntime"]["attention"]
     assert entry["blocks"] == layers and entry["num_heads"] == 2
     # the mask-building subgraph of the eager export is gone with the blocks that read it
@@ -601,3 +613,96 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
         assert all(x[k]["median_ms"] > 0 for k in run.ENGINES)
     assert "skipped" in r["dev_accuracy"]  # no data dir given: latency only, said so
     assert "Attention in the ORT baselines: 2 blocks fused" in (tmp_path / "lat.md").read_text()
+
+
+def test_fused_ops_match_standard_onnx_ops(exported, tmp_path):
+    """Every ORT-specific rewrite (integer MatMuls with folded biases, MultiHeadAttention) gives the
+    logits of the same export written with standard ONNX ops only, padded rows included."""
+    from export.onnx_export import export_checkpoint
+    from export.verify import ort_session
+
+    ckpt, _ = exported
+    kw = dict(progress=False, polygraphy=False, verify_exports=False)
+    export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "plain", fuse_attention=False, fuse_matmul=False,
+                      fuse_gelu=False, **kw)
+    export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "mha", fuse_matmul=False, **kw)
+    plain = onnx.load(str(tmp_path / "plain" / "model.onnx"))
+    assert not [n for n in plain.graph.node if n.domain]
+    assert {"MatMul", "DequantizeLinear", "Softmax"} <= {n.op_type for n in plain.graph.node}
+    # without the integer MatMuls, the attention fusion takes the Q/K/V biases into its own bias input
+    mha = onnx.load(str(tmp_path / "mha" / "model.onnx"))
+    inner = [sub.node[0] for n in mha.graph.node if n.op_type == "If" for a in n.attribute for sub in [a.g]]
+    hidden = json.loads((ckpt / "config.json").read_text())["hidden_size"]
+    assert inner and all(_inits(mha)[x.input[3]].shape == (3 * hidden,) for x in inner)
+    sessions = [ort_session(p) for p in (ckpt / "model.onnx", tmp_path / "mha" / "model.onnx",
+                                         tmp_path / "plain" / "model.onnx")]
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    padded = _feeds(vocab, 4, 19, seed=2)
+    padded["attention_mask"][2, 5:] = 0
+    for feed in (_feeds(vocab, 3, 16, seed=3), padded):
+        ref = sessions[-1].run(None, feed)[0]
+        assert np.abs(ref).max() > 0.01  # the biases were not all zero (else nothing was tested)
+        for s in sessions[:-1]:
+            np.testing.assert_allclose(s.run(None, feed)[0], ref, atol=1e-4)
+
+
+def test_tanh_gelu_student_exports_fast_gelu(tmp_path):
+    """A student trained with hidden_act=gelu_pytorch_tanh: the ORT target computes its GELU with
+    FastGelu, and scores as the elementwise spelling and the PyTorch fake-quant model do."""
+    from export.onnx_export import export_checkpoint
+    from export.verify import ort_session
+
+    ckpt = make_calibrated_checkpoint(tmp_path, biases=True, hidden_act="gelu_pytorch_tanh")
+    assert json.loads((ckpt / "config.json").read_text())["hidden_act"] == "gelu_pytorch_tanh"
+    res = export_checkpoint(ckpt, ["onnxruntime"], progress=False, polygraphy=False)
+    entry = res.entries["onnxruntime"]
+    assert entry["fused_ops"]["fast_gelu"] == 2
+    par = entry["verification"]["parity_vs_pytorch_fakequant"]
+    assert par["rows"] > 0 and par["max_abs_diff"] < 0.05  # as close as the exact-GELU export (above)
+    m = onnx.load(str(ckpt / "model.onnx"))
+    ops = [(n.op_type, n.domain) for n in m.graph.node]
+    assert ops.count(("FastGelu", "com.microsoft")) == 2 and ops.count(("Tanh", "")) == 1  # the pooler's
+    export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "plain", progress=False, polygraphy=False,
+                      verify_exports=False, fuse_gelu=False)
+    assert [n.op_type for n in onnx.load(str(tmp_path / "plain" / "model.onnx")).graph.node].count("Tanh") == 3
+    feed = _feeds(json.loads((ckpt / "config.json").read_text())["vocab_size"], 3, 16, seed=4)
+    np.testing.assert_allclose(ort_session(ckpt / "model.onnx").run(None, feed)[0],
+                               ort_session(tmp_path / "plain" / "model.onnx").run(None, feed)[0], atol=1e-4)
+
+
+def _gelu_graph(pow_form: bool = False, c: float = 0.044715, read_inner: bool = False):
+    from onnx import TensorProto, helper
+
+    k = lambda name, v: helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.FLOAT, [], [v]))  # noqa: E731
+    nodes = [k("c", c), k("s", 0.7978845608), k("one", 1.0), k("half", 0.5), k("three", 3.0)]
+    if pow_form:  # the gelu_new spelling: 0.5 * x * (1 + tanh(s * (x + c * x^3)))
+        nodes += [helper.make_node("Pow", ["x", "three"], ["x3"])]
+    else:  # torch's gelu(approximate="tanh"): x * x * x
+        nodes += [helper.make_node("Mul", ["x", "x"], ["x2"]), helper.make_node("Mul", ["x", "x2"], ["x3"])]
+    nodes += [helper.make_node("Mul", ["c", "x3"], ["cx3"]), helper.make_node("Add", ["x", "cx3"], ["inner"]),
+              helper.make_node("Mul", ["s", "inner"], ["arg"]), helper.make_node("Tanh", ["arg"], ["t"]),
+              helper.make_node("Add", ["one", "t"], ["t1"]), helper.make_node("Mul", ["half", "x"], ["hx"]),
+              helper.make_node("Mul", ["hx", "t1"], ["y"])]
+    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if read_inner:
+        outs.append(helper.make_tensor_value_info("t", TensorProto.FLOAT, None))
+    g = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 4])], outs)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8  # what the exporter writes; ONNX Runtime may lag the onnx package
+    return m
+
+
+def test_gelu_tanh_fusion_checks_the_formula_not_the_spelling():
+    from export.fusion import fuse_gelu_tanh, gelu_tanh
+
+    for pow_form in (False, True):
+        m = _gelu_graph(pow_form)
+        assert fuse_gelu_tanh(m) == 1
+        assert [(n.op_type, list(n.input), list(n.output)) for n in m.graph.node] == [("FastGelu", ["x"], ["y"])]
+        x = np.linspace(-5, 5, 40, dtype=np.float32).reshape(10, 4)
+        y = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        np.testing.assert_allclose(y, gelu_tanh(x), atol=1e-5)
+    # a lookalike with another constant, or one whose inner tensor is read elsewhere, is left alone
+    for m in (_gelu_graph(c=0.05), _gelu_graph(read_inner=True)):
+        before = [n.op_type for n in m.graph.node]
+        assert fuse_gelu_tanh(m) == 0 and [n.op_type for n in m.graph.node] == before
