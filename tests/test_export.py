@@ -706,3 +706,27 @@ def test_gelu_tanh_fusion_checks_the_formula_not_the_spelling():
     for m in (_gelu_graph(c=0.05), _gelu_graph(read_inner=True)):
         before = [n.op_type for n in m.graph.node]
         assert fuse_gelu_tanh(m) == 0 and [n.op_type for n in m.graph.node] == before
+
+
+def test_cpu_latency_compare_times_exports_side_by_side(exported, tmp_path, capsys):
+    from export.onnx_export import export_checkpoint
+    from tests.bench_modules import bench_module
+
+    ckpt, _ = exported
+    export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "plain", progress=False, polygraphy=False,
+                      verify_exports=False, fuse_attention=False, fuse_matmul=False)
+    compare = bench_module("cpu_latency", "compare")
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    models = [f"fused={ckpt / 'model.onnx'}", f"plain={tmp_path / 'plain' / 'model.onnx'}"]
+    rc = compare.main(models + ["--batch", "2", "--seq", "8", "--runs", "3", "--warmup", "1", "--rounds", "2",
+                                "--vocab", str(vocab), "--out", str(tmp_path), "--name", "ab"])
+    assert rc == 0
+    r = json.loads((tmp_path / "ab.json").read_text())
+    assert list(r["median_ms"]) == ["fused", "plain"] and r["speedup_vs_first"]["fused"] == 1.0
+    assert len(r["rounds"]) == 2 and all(v > 0 for v in r["median_ms"].values())
+    assert "| plain |" in (tmp_path / "ab.md").read_text()
+    for bad, msg in ((models[:1], "at least two"), ([str(ckpt / "model.onnx")] * 2, "LABEL=PATH"),
+                     ([models[0], "fused=" + str(tmp_path / "plain" / "model.onnx")], "labels must differ"),
+                     ([models[0], "x=" + str(tmp_path / "missing.onnx")], "no such ONNX file")):
+        with pytest.raises(SystemExit, match=msg):
+            compare.main(bad + ["--out", str(tmp_path)])

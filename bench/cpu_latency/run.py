@@ -42,7 +42,7 @@ LABELS = {
     "pytorch_fp32": "PyTorch fp32 (eager)",
     "ort_fp32": "ORT fp32",
     "ort_dynamic_int8": "ORT dynamic INT8",
-    "ours_qdq_int8": "ours: 2:4 + static INT8 QDQ (ORT)",
+    "ours_qdq_int8": "ours: 2:4 + static INT8 (ORT)",
 }
 
 

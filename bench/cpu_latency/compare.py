@@ -1,0 +1,144 @@
+"""A/B latency of ONNX exports of one model, alternating in one process (what one graph rewrite buys).
+
+    python bench/cpu_latency/compare.py LABEL=MODEL.onnx LABEL=MODEL.onnx [...] [--batch 32] [--seq 128]
+                                        [--threads 1] [--runs 40] [--rounds 2] [--name compare]
+
+Every model gets the same full-length rows of random token ids (after the first 1000 ids of the
+vocabulary); runs alternate model by model, so background load hits all alike; each round is a
+fresh interleaving. Prints and writes the median per model and its ratio to the first one, per
+round and over all runs, to bench/results/NAME.{json,md}, with the machine named and its load.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+
+from holoserve.machine import describe_cpu  # noqa: E402
+
+
+def _latency_module():
+    """bench/cpu_latency/run.py, loaded by path (its session options and helpers are shared)."""
+    spec = importlib.util.spec_from_file_location("holoserve_bench_cpu_latency_run", HERE / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_lat = _latency_module()
+load_avg, ort_session, percentile, uptime_text = _lat.load_avg, _lat.ort_session, _lat.percentile, _lat.uptime_text
+
+
+def parse_models(items: list[str]) -> list[tuple[str, Path]]:
+    out = []
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise SystemExit(f"{item!r}: expected LABEL=PATH, e.g. fused=runs/ckpt/model.onnx")
+        if not Path(path).is_file():
+            raise SystemExit(f"{path}: no such ONNX file")
+        out.append((label, Path(path)))
+    if len(out) < 2:
+        raise SystemExit("give at least two LABEL=PATH models to compare")
+    if len({lbl for lbl, _ in out}) != len(out):
+        raise SystemExit("labels must differ")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("models", nargs="+", help="LABEL=PATH to an ONNX model (inputs input_ids, attention_mask, token_type_ids)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=40, help="timed runs per model and round")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=30522, help="token ids are drawn from [1000, vocab)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--name", default="compare")
+    args = ap.parse_args(argv)
+    models = parse_models(args.models)
+    if min(args.batch, args.seq, args.threads, args.runs, args.rounds) < 1:
+        raise SystemExit("--batch, --seq, --threads, --runs and --rounds must be at least 1")
+
+    started = datetime.now(timezone.utc)
+    uptime_before, load_before = uptime_text(), load_avg()
+    sessions = [(label, ort_session(path, args.threads)) for label, path in models]
+    rng = np.random.default_rng(0)
+    low = min(1000, args.vocab // 2)
+    ids = rng.integers(low, args.vocab, size=(args.batch, args.seq), dtype=np.int64)
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+    for label, sess in sessions:
+        names = {i.name for i in sess.get_inputs()}
+        missing = {"input_ids", "attention_mask"} - names
+        if missing:
+            raise SystemExit(f"{label}: the model has no input(s) {sorted(missing)}")
+    feeds = {label: {k: v for k, v in feed.items() if k in {i.name for i in s.get_inputs()}} for label, s in sessions}
+    times = {label: [] for label, _ in sessions}
+    rounds = []
+    for r in range(args.rounds):
+        for label, sess in sessions:
+            for _ in range(args.warmup):
+                sess.run(None, feeds[label])
+        this = {label: [] for label, _ in sessions}
+        for _ in range(args.runs):
+            for label, sess in sessions:
+                t0 = time.perf_counter()
+                sess.run(None, feeds[label])
+                this[label].append((time.perf_counter() - t0) * 1000.0)
+        med = {label: round(percentile(v, 50), 2) for label, v in this.items()}
+        first = med[models[0][0]]
+        rounds.append({"median_ms": med, "ratio_to_first": {k: round(first / v, 3) for k, v in med.items()}})
+        print(f"round {r + 1}: " + "  ".join(f"{k} {v:.1f} ms (x{first / v:.3f})" for k, v in med.items()), flush=True)
+        for label in this:
+            times[label].extend(this[label])
+    med = {label: round(percentile(v, 50), 2) for label, v in times.items()}
+    first = med[models[0][0]]
+    import onnxruntime
+
+    report = {
+        "benchmark": "cpu_latency_compare",
+        "date": started.date().isoformat(),
+        "started": started.isoformat(timespec="seconds"),
+        "machine": describe_cpu(),
+        "load": {"uptime_before": uptime_before, "uptime_after": uptime_text(), "loadavg_before": load_before,
+                 "loadavg_after": load_avg()},
+        "onnxruntime": onnxruntime.__version__,
+        "shape": {"batch": args.batch, "seq": args.seq, "threads": args.threads},
+        "method": {"runs_per_round": args.runs, "warmup": args.warmup, "rounds": args.rounds, "interleaved": True,
+                   "inputs": "random token ids, full-length rows (no padding)"},
+        "models": {label: str(path) for label, path in models},
+        "rounds": rounds,
+        "median_ms": med,
+        "speedup_vs_first": {k: round(first / v, 3) for k, v in med.items()},
+    }
+    from holoserve.artifact import atomic_write_json, atomic_write_text
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out / f"{args.name}.json", report)
+    lines = [f"# A/B latency — {report['date']}, {report['machine']}", "",
+             f"batch {args.batch}, seq {args.seq}, {args.threads} thread(s); {args.rounds} rounds × {args.runs} runs per "
+             f"model after {args.warmup} warm-up runs, alternating; onnxruntime {onnxruntime.__version__}.",
+             f"Load before: `{uptime_before}`; after: `{report['load']['uptime_after']}`.", "",
+             "| model | file | median ms | speed-up vs first | per round |", "|---|---|---:|---:|---|"]
+    for label, path in models:
+        per = ", ".join(f"{x['median_ms'][label]:.1f}" for x in rounds)
+        lines.append(f"| {label} | `{path.parent.name}/{path.name}` | {med[label]:.1f} | ×{first / med[label]:.3f} | {per} |")
+    atomic_write_text(args.out / f"{args.name}.md", "\n".join(lines) + "\n")
+    print(f"overall: " + "  ".join(f"{k} {v:.1f} ms (x{first / v:.3f})" for k, v in med.items()))
+    print(f"wrote {args.out / args.name}.{{json,md}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
