@@ -371,6 +371,11 @@ def export_checkpoint(
                 fused_ops = {}
                 if fuse_matmul:
                     fused_ops["integer_matmuls"] = fusion.fuse_integer_matmuls(m)
+                    if fused_ops["integer_matmuls"]["matmuls"] != len(rep.linears):
+                        raise HoloServeError(
+                            f"cannot write {art.path}'s quantized Linears as integer MatMuls: matched "
+                            f"{fused_ops['integer_matmuls']['matmuls']} of {len(rep.linears)} (pass --no-fuse-matmul "
+                            "to keep the QDQ form, which ONNX Runtime fuses itself)")
                 if fuse_gelu:
                     fused_ops["fast_gelu"] = fusion.fuse_gelu_tanh(m)
                 if fuse_attention:

@@ -730,3 +730,22 @@ def test_cpu_latency_compare_times_exports_side_by_side(exported, tmp_path, caps
                      ([models[0], "x=" + str(tmp_path / "missing.onnx")], "no such ONNX file")):
         with pytest.raises(SystemExit, match=msg):
             compare.main(bad + ["--out", str(tmp_path)])
+
+
+def test_export_refuses_when_the_integer_matmul_rewrite_misses_a_linear(exported, tmp_path, monkeypatch):
+    """An exporter change that the rewrite no longer matches must not silently ship the slower graph."""
+    from export import fusion
+    from export.onnx_export import export_checkpoint
+    from holoserve import HoloServeError
+
+    ckpt, _ = exported
+    real = fusion.fuse_integer_matmuls
+
+    def misses_one(model):  # as if one Linear's pattern were not recognised: undo nothing, under-report
+        got = real(model)
+        return {**got, "matmuls": got["matmuls"] - 1}
+
+    monkeypatch.setattr(fusion, "fuse_integer_matmuls", misses_one)
+    with pytest.raises(HoloServeError, match=r"matched 11 of 12.*--no-fuse-matmul"):
+        export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path, progress=False, verify_exports=False)
+    assert not (tmp_path / "model.onnx").exists()
