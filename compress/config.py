@@ -64,11 +64,6 @@ class Preset:
     # TensorRT placement 82.91; without: 85.44 and 82.57), because one per-tensor INT8 scale on BERT's
     # residual stream, with its outlier channels, is too coarse for 200 QAT steps to absorb.
     tensorrt_qat: bool = False
-    # The student's feed-forward activation: "" keeps the base model's (MiniLM: exact erf GELU);
-    # "gelu_pytorch_tanh" switches the student to the tanh approximation before compression, so that
-    # fine-tuning absorbs the (<5e-4) difference and the ONNX Runtime export can use the cheaper
-    # FastGelu kernel exactly (the checkpoint's config.json records it; the teacher is untouched).
-    hidden_act: str = ""
     group_size: int = 50  # batches per length-sorted mega-batch (length grouping)
     save_every: int = 200  # steps between mid-phase state saves
     notes: str = ""

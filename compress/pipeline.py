@@ -126,26 +126,6 @@ def _freeze(model: nn.Module, preset: Preset) -> nn.Module:
     return model
 
 
-def set_hidden_act(model: nn.Module, act: str) -> int:
-    """Give every feed-forward block the activation `act` (a transformers ACT2FN name) and record it
-    in the config. Returns how many blocks changed; "" changes nothing."""
-    if not act:
-        return 0
-    from transformers.activations import ACT2FN
-
-    if act not in ACT2FN:
-        raise HoloServeError(f"hidden_act {act!r} is not an activation transformers knows; "
-                             f"e.g. gelu, gelu_pytorch_tanh, gelu_new")
-    blocks = [m for m in model.modules() if hasattr(m, "intermediate_act_fn")]
-    if not blocks:
-        raise HoloServeError(f"hidden_act={act}: {type(model).__name__} has no BERT-style feed-forward "
-                             "blocks (intermediate_act_fn) to change; leave hidden_act empty")
-    for m in blocks:
-        m.intermediate_act_fn = ACT2FN[act]
-    model.config.hidden_act = act
-    return len(blocks)
-
-
 def _save_hf(model: nn.Module, folder: Path, tokenizer_dir: Path, meta: Mapping[str, Any]) -> None:
     """A plain HF folder (the teacher) written atomically: temp sibling, then rename."""
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -337,9 +317,6 @@ class Runner:
                                           teacher=str(job.teacher) if job.teacher else None, base=base.name))
         teacher, dense_metrics, teacher_dir = self.teacher(base)
         student = _freeze(self.hf(teacher_dir), p)
-        if set_hidden_act(student, p.hidden_act):
-            log.info("[student] feed-forward activation: %s (teacher keeps %s)", p.hidden_act,
-                     getattr(teacher.config, "hidden_act", "?"))
         layers = encoder_linear_names(student)
         if job.method == "admm":
             scales, amax, extra = self.admm(student, teacher, layers)

@@ -80,6 +80,12 @@ def run(args: argparse.Namespace) -> int:
               f"{e['activation_qdq_pairs']} activation Q/DQ, {e['weight_dequantize']} int8 weights, {emb} word embeddings")
         if isinstance(e.get("attention"), dict):
             print(f"  attention: {e['attention']['blocks']} blocks fused into {e['attention']['op']}")
+        ops = e.get("fused_ops") or {}
+        if ops.get("integer_matmuls"):
+            mm = ops["integer_matmuls"]
+            print(f"  Linears: {mm['matmuls']} written as MatMulIntegerToFloat, {mm['bias_folded']} with the bias folded in")
+        if ops.get("fast_gelu"):
+            print(f"  tanh GELU: {ops['fast_gelu']} written as FastGelu")
         v = e.get("verification")
         if not v:
             continue

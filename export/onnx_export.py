@@ -282,8 +282,8 @@ def export_checkpoint(
     Runtime's MultiHeadAttention contrib op (export/fusion.py); False keeps standard ONNX ops only.
     fuse_matmul: in the onnxruntime target, write each QDQ MatMul as MatMulIntegerToFloat with the
     Linear's bias folded in (what ONNX Runtime would build, minus a float pass per Linear).
-    fuse_gelu: in the onnxruntime target, write a tanh-approximated GELU (a student trained with
-    hidden_act=gelu_pytorch_tanh) as FastGelu; the exact GELU is left as exported.
+    fuse_gelu: in the onnxruntime target, write a tanh-approximated GELU (hidden_act gelu_new or
+    gelu_pytorch_tanh, as in ALBERT or GPT-style encoders) as FastGelu; the exact GELU is left as exported.
     """
     from tqdm import tqdm
 

@@ -224,33 +224,3 @@ def test_skipped_admm_phase_projects_the_teacher_and_writes_strict_json(admm_ckp
     assert m["training"]["phases"]["admm"]["steps"] == 0 and m["training"]["phases"]["admm"]["loss"] is None
     assert isinstance(m["training"]["phases"]["qat"]["loss"], float)
     assert "[admm] steps=0 loss=n/a" in caplog.text
-
-
-def test_set_hidden_act_switches_every_feed_forward_block(tmp_path):
-    import torch
-    from transformers import AutoModelForSequenceClassification
-
-    from compress.pipeline import set_hidden_act
-    from holoserve import HoloServeError
-    from tests.tiny import make_tiny_bert
-
-    model = AutoModelForSequenceClassification.from_pretrained(str(make_tiny_bert(tmp_path / "m")),
-                                                               local_files_only=True).eval()
-    ids = torch.randint(5, model.config.vocab_size, (2, 9))
-    with torch.no_grad():
-        before = model(input_ids=ids).logits
-    assert set_hidden_act(model, "") == 0 and model.config.hidden_act == "gelu"
-    with pytest.raises(HoloServeError, match="not an activation"):
-        set_hidden_act(model, "gelu_fast_made_up")
-    assert set_hidden_act(model, "gelu_pytorch_tanh") == model.config.num_hidden_layers
-    assert model.config.hidden_act == "gelu_pytorch_tanh"
-    with torch.no_grad():
-        after = model(input_ids=ids).logits
-    assert not torch.equal(before, after) and torch.allclose(before, after, atol=1e-2)
-    # the saved config rebuilds the same activation
-    model.save_pretrained(str(tmp_path / "saved"))
-    again = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "saved"), local_files_only=True).eval()
-    with torch.no_grad():
-        assert torch.allclose(again(input_ids=ids).logits, after, atol=1e-6)
-    with pytest.raises(HoloServeError, match="no BERT-style feed-forward"):
-        set_hidden_act(torch.nn.Linear(2, 2), "gelu_pytorch_tanh")

@@ -63,7 +63,7 @@ def test_table_off_its_grid_is_refused(ckpt, tmp_path):
         load_artifact(bad)
 
 
-def test_export_stores_the_table_as_int8_losslessly(ckpt, tmp_path):
+def test_export_stores_the_table_as_int8_losslessly(ckpt, tmp_path, capsys):
     pytest.importorskip("onnx")
     import shutil
 
@@ -74,6 +74,8 @@ def test_export_stores_the_table_as_int8_losslessly(ckpt, tmp_path):
     shutil.copytree(ckpt["path"], path)
     # default --embeddings auto: int8 only when lossless, which the checkpoint's own scales make it
     assert main(["export", str(path), "--target", "onnxruntime", "--data-dir", str(ckpt["glue"])]) == 0
+    out = capsys.readouterr().out
+    assert "int8 word embeddings" in out and "written as MatMulIntegerToFloat" in out
     model = onnx.load(str(path / "model.onnx"))
     inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     codes = inits["word_embeddings.int8"]

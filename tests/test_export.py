@@ -29,13 +29,9 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
     from tests.tiny import make_tiny_bert
 
     task = get_task(task_name)
-    src = make_tiny_bert(root / f"src-{name}", num_labels=task.num_labels, layers=layers)
+    src = make_tiny_bert(root / f"src-{name}", num_labels=task.num_labels, layers=layers, hidden_act=hidden_act or "gelu")
     model = AutoModelForSequenceClassification.from_pretrained(str(src), local_files_only=True).eval()
     names = encoder_linear_names(model)
-    if hidden_act:
-        from compress.pipeline import set_hidden_act
-
-        set_hidden_act(model, hidden_act)
     if tensorrt_qat or biases:  # non-zero biases, as in a trained model (zero ones are folded away and leave no bias Add)
         g0 = torch.Generator().manual_seed(1)
         with torch.no_grad():
@@ -646,14 +642,16 @@ def test_fused_ops_match_standard_onnx_ops(exported, tmp_path):
             np.testing.assert_allclose(s.run(None, feed)[0], ref, atol=1e-4)
 
 
-def test_tanh_gelu_student_exports_fast_gelu(tmp_path):
-    """A student trained with hidden_act=gelu_pytorch_tanh: the ORT target computes its GELU with
-    FastGelu, and scores as the elementwise spelling and the PyTorch fake-quant model do."""
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu_new"])
+def test_tanh_gelu_model_exports_fast_gelu(tmp_path, act):
+    """A model whose feed-forward activation is the tanh GELU (torch's spelling, or the Pow one of
+    gelu_new): the ORT target computes it with FastGelu and scores as the elementwise spelling and
+    the PyTorch fake-quant model do."""
     from export.onnx_export import export_checkpoint
     from export.verify import ort_session
 
-    ckpt = make_calibrated_checkpoint(tmp_path, biases=True, hidden_act="gelu_pytorch_tanh")
-    assert json.loads((ckpt / "config.json").read_text())["hidden_act"] == "gelu_pytorch_tanh"
+    ckpt = make_calibrated_checkpoint(tmp_path, biases=True, hidden_act=act)
+    assert json.loads((ckpt / "config.json").read_text())["hidden_act"] == act
     res = export_checkpoint(ckpt, ["onnxruntime"], progress=False, polygraphy=False)
     entry = res.entries["onnxruntime"]
     assert entry["fused_ops"]["fast_gelu"] == 2

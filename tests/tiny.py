@@ -27,7 +27,7 @@ def make_tokenizer_dir(path: Path) -> Path:
 
 
 def make_tiny_bert(path: Path, num_labels: int = 2, hidden: int = 32, layers: int = 2, heads: int = 2,
-                   intermediate: int = 64, seed: int = 0) -> Path:
+                   intermediate: int = 64, seed: int = 0, hidden_act: str = "gelu") -> Path:
     """A random BertForSequenceClassification folder (config.json, model.safetensors, tokenizer files)."""
     import torch
     from transformers import BertConfig, BertForSequenceClassification
@@ -37,7 +37,7 @@ def make_tiny_bert(path: Path, num_labels: int = 2, hidden: int = 32, layers: in
     torch.manual_seed(seed)
     cfg = BertConfig(
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=intermediate, max_position_embeddings=128, num_labels=num_labels,
+        intermediate_size=intermediate, max_position_embeddings=128, num_labels=num_labels, hidden_act=hidden_act,
     )
     BertForSequenceClassification(cfg).save_pretrained(str(path), safe_serialization=True)
     return path
