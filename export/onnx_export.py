@@ -3,8 +3,9 @@
 Route: torch.onnx.export of the fp32 Hugging Face model (eager attention, so the attention
 MatMuls are explicit nodes) -> locate the encoder Linears' weights by value -> rewrite with the
 onnx library (export/qdq.py): int8 weight initializers + per-channel DequantizeLinear, Q/DQ on
-activations with the manifest's calibrated ranges -> for the onnxruntime target, fuse each
-attention block into ONNX Runtime's MultiHeadAttention (export/fusion.py) -> verify
+activations with the manifest's calibrated ranges -> for the onnxruntime target, rewrite into
+ONNX Runtime contrib ops (export/fusion.py): each QDQ Linear into MatMulIntegerToFloat with its
+bias, a tanh GELU into FastGelu, each attention block into MultiHeadAttention -> verify
 (export/verify.py).
 
 Ranges of the tensors only the TensorRT placement quantizes (attention MatMul inputs, residual
