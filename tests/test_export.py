@@ -618,7 +618,7 @@ def test_fused_ops_match_standard_onnx_ops(exported, tmp_path):
     from export.verify import ort_session
 
     ckpt, _ = exported
-    kw = dict(progress=False, polygraphy=False, verify_exports=False)
+    kw = {"progress": False, "polygraphy": False, "verify_exports": False}
     export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "plain", fuse_attention=False, fuse_matmul=False,
                       fuse_gelu=False, **kw)
     export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "mha", fuse_matmul=False, **kw)

@@ -100,8 +100,8 @@ def main(argv=None) -> int:
         first = med[models[0][0]]
         rounds.append({"median_ms": med, "ratio_to_first": {k: round(first / v, 3) for k, v in med.items()}})
         print(f"round {r + 1}: " + "  ".join(f"{k} {v:.1f} ms (x{first / v:.3f})" for k, v in med.items()), flush=True)
-        for label in this:
-            times[label].extend(this[label])
+        for label, xs in this.items():
+            times[label].extend(xs)
     med = {label: round(percentile(v, 50), 2) for label, v in times.items()}
     first = med[models[0][0]]
     import onnxruntime
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         per = ", ".join(f"{x['median_ms'][label]:.1f}" for x in rounds)
         lines.append(f"| {label} | `{path.parent.name}/{path.name}` | {med[label]:.1f} | ×{first / med[label]:.3f} | {per} |")
     atomic_write_text(args.out / f"{args.name}.md", "\n".join(lines) + "\n")
-    print(f"overall: " + "  ".join(f"{k} {v:.1f} ms (x{first / v:.3f})" for k, v in med.items()))
+    print("overall: " + "  ".join(f"{k} {v:.1f} ms (x{first / v:.3f})" for k, v in med.items()))
     print(f"wrote {args.out / args.name}.{{json,md}}")
     return 0
 
