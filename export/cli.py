@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "MultiHeadAttention contrib op (about 10%% slower at sequence 128 on a CPU)")
     p.add_argument("--no-fuse-matmul", action="store_true",
                    help="onnxruntime target: keep QDQ MatMul + bias Add instead of MatMulIntegerToFloat with the "
-                        "bias folded in (about 3%% slower at batch 32 / sequence 128 on a CPU)")
+                        "bias folded in (about 8%% slower at batch 32 / sequence 128 on a CPU)")
     p.add_argument("--no-fuse-gelu", action="store_true",
                    help="onnxruntime target: keep a tanh-approximated GELU as elementwise ops instead of FastGelu")
     p.add_argument("--no-verify", action="store_true", help="skip checker/parity/fusion/Polygraphy checks")

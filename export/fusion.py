@@ -290,10 +290,7 @@ def fuse_attention(model, num_heads: int) -> int:
             nodes.append(helper.make_node("If", [NO_PADDING], [b.out], name=f"{base}/IfNoPadding",
                                           then_branch=_branch(flash, f"{base}_unmasked"),
                                           else_branch=_branch(masked, f"{base}_masked")))
-    del g.node[:]
-    g.node.extend(nodes)
-    _ensure_contrib(model)
-    prune_dead(model)
+    _install(model, nodes)
     return len(blocks)
 
 
@@ -374,19 +371,21 @@ def fuse_integer_matmuls(model) -> dict[str, int]:
                                            domain=CONTRIB)
     if not replace:
         return {"matmuls": 0, "bias_folded": 0}
-    nodes = [replace.get(id(n), n) for n in g.node if id(n) not in dead]
-    del g.node[:]
-    g.node.extend(nodes)
-    _ensure_contrib(model)
-    prune_dead(model)
+    _install(model, [replace.get(id(n), n) for n in g.node if id(n) not in dead])
     return {"matmuls": len(replace), "bias_folded": folded}
 
 
-def _ensure_contrib(model) -> None:
+def _install(model, nodes: list) -> None:
+    """Make `nodes` (topologically ordered) the graph's nodes, declare the contrib domain, and
+    drop what no graph output reads any more."""
     from onnx import helper
 
+    g = model.graph
+    del g.node[:]
+    g.node.extend(nodes)
     if not any(o.domain == CONTRIB for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(CONTRIB, 1))
+    prune_dead(model)
 
 
 # ----------------------------------------------------------------------------------- tanh GELU
@@ -492,9 +491,5 @@ def fuse_gelu_tanh(model) -> int:
         dead.update(id(n) for n in region if n is not last)
     if not fused:
         return 0
-    nodes = [fused.get(id(n), n) for n in g.node if id(n) not in dead]
-    del g.node[:]
-    g.node.extend(nodes)
-    _ensure_contrib(model)
-    prune_dead(model)
+    _install(model, [fused.get(id(n), n) for n in g.node if id(n) not in dead])
     return len(fused)

@@ -34,7 +34,7 @@ OPSET = 17
 TARGET_FILES = {"onnxruntime": "model.onnx", "tensorrt": "model.trt.onnx"}
 MANIFEST_KEYS = {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt-onnx"}
 FLOAT_FILE = "model.float.onnx"  # optional, with keep_float: fp32 export Polygraphy checks
-CALIB_FILE = "model.calib.onnx"  # temporary: the onnxruntime placement before attention fusion
+CALIB_FILE = "model.calib.onnx"  # temporary: the onnxruntime placement before the contrib-op rewrites
 
 # Used for TensorRT-placement calibration when no GLUE data dir is available (documented fallback).
 BUILTIN_SENTENCES = (

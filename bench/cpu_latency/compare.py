@@ -36,6 +36,7 @@ def _latency_module():
 
 _lat = _latency_module()
 load_avg, ort_session, percentile, uptime_text = _lat.load_avg, _lat.ort_session, _lat.percentile, _lat.uptime_text
+random_rows = _lat.random_rows
 
 
 def parse_models(items: list[str]) -> list[tuple[str, Path]]:
@@ -74,16 +75,14 @@ def main(argv=None) -> int:
     started = datetime.now(timezone.utc)
     uptime_before, load_before = uptime_text(), load_avg()
     sessions = [(label, ort_session(path, args.threads)) for label, path in models]
-    rng = np.random.default_rng(0)
-    low = min(1000, args.vocab // 2)
-    ids = rng.integers(low, args.vocab, size=(args.batch, args.seq), dtype=np.int64)
-    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+    feed = random_rows(np.random.default_rng(0), args.vocab, args.batch, args.seq)
+    feeds = {}
     for label, sess in sessions:
         names = {i.name for i in sess.get_inputs()}
         missing = {"input_ids", "attention_mask"} - names
         if missing:
             raise SystemExit(f"{label}: the model has no input(s) {sorted(missing)}")
-    feeds = {label: {k: v for k, v in feed.items() if k in {i.name for i in s.get_inputs()}} for label, s in sessions}
+        feeds[label] = {k: v for k, v in feed.items() if k in names}
     times = {label: [] for label, _ in sessions}
     rounds = []
     for r in range(args.rounds):

@@ -76,6 +76,16 @@ def ort_session(path: Path, threads: int):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
+def random_rows(rng, vocab: int, batch: int, seq: int, cls_id: int | None = None,
+                sep_id: int | None = None) -> dict[str, np.ndarray]:
+    """Full-length rows of random token ids, skipping the special/unused ids at the start of a BERT
+    vocabulary; [CLS] ... [SEP] when both ids are given. No padding."""
+    ids = rng.integers(min(1000, vocab // 2), vocab, size=(batch, seq), dtype=np.int64)
+    if cls_id is not None and sep_id is not None:
+        ids[:, 0], ids[:, -1] = cls_id, sep_id
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+
+
 def percentile(xs, q):
     return float(np.percentile(np.asarray(xs), q))
 
@@ -180,7 +190,6 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     vocab = dense.config.vocab_size
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    low = min(1000, vocab // 2)  # skip the special/unused ids at the start of a BERT vocabulary
     results = []
     for th in threads_:
         torch.set_num_threads(th)
@@ -191,10 +200,7 @@ def main(argv=None) -> int:
         }
         for b in batches_:
             for s in seqs:
-                ids = rng.integers(low, vocab, size=(b, s), dtype=np.int64)
-                if cls_id is not None and sep_id is not None:
-                    ids[:, 0], ids[:, -1] = cls_id, sep_id
-                feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+                feed = random_rows(rng, vocab, b, s, cls_id, sep_id)
                 tfeed = {k: torch.from_numpy(v) for k, v in feed.items()}
 
                 def run_torch():
