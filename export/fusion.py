@@ -493,3 +493,178 @@ def fuse_gelu_tanh(model) -> int:
         return 0
     _install(model, [fused.get(id(n), n) for n in g.node if id(n) not in dead])
     return len(fused)
+
+
+# ------------------------------------------------------------------ the classifier's row only
+
+CLS_SUFFIX = "/cls_row"
+_ROW_UNARY = {"Erf", "Tanh", "Relu", "Sigmoid", "Sqrt", "Neg", "Abs", "Exp", "Cast", "Identity", "Gelu", GELU_TANH_OP}
+_ROW_BINARY = {"Add", "Sub", "Mul", "Div", "Pow"}
+
+
+def tensor_ranks(model) -> dict[str, int]:
+    """Rank of every tensor ONNX shape inference can type (graph inputs, outputs, intermediates).
+
+    Run on the graph before the contrib-op rewrites (ONNX does not know their schemas); the
+    rewrites keep the names of the tensors they do not remove.
+    """
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(model)
+    g = inferred.graph
+    out = {}
+    for v in list(g.input) + list(g.value_info) + list(g.output):
+        t = v.type.tensor_type
+        if t.HasField("shape"):
+            out[v.name] = len(t.shape.dim)
+    return out
+
+
+def _attr(node, name: str, default=None):
+    from onnx import helper
+
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _attention_if(node):
+    """The MultiHeadAttention nodes of an If written by fuse_attention (one per branch), or None."""
+    if node.op_type != "If":
+        return None
+    branches = [a.g for a in node.attribute if a.HasField("g")]
+    if len(branches) != 2:
+        return None
+    mhas = []
+    for b in branches:
+        if len(b.node) != 1 or b.node[0].op_type != FUSED_OP or b.node[0].domain != CONTRIB \
+                or [o.name for o in b.output] != list(b.node[0].output):
+            return None
+        mhas.append(b.node[0])
+    # query, key, value, bias, key padding mask: nothing that has a query axis besides the query
+    if any(len(m.input) > 5 for m in mhas) or len({m.input[0] for m in mhas}) != 1:
+        return None
+    return mhas
+
+
+def _row_inputs(node, inits, producers, ranks) -> list[str] | None:
+    """The inputs of `node` that carry one row per token, if the node computes each token's output
+    from that token's row alone (so the [B, 1, ...] slice in gives the [B, 1, ...] slice out); else None."""
+    def const(t: str) -> np.ndarray | None:
+        return _const_value(inits, t, producers) if t else None
+
+    def act(t: str) -> bool:  # a per-token activation: [batch, seq, features]
+        return bool(t) and const(t) is None and ranks.get(t) == 3
+
+    if not all(ranks.get(o) == 3 for o in node.output if o):
+        return None
+    op, ins = node.op_type, list(node.input)
+    if op == INT_MATMUL_OP:
+        b = const(ins[1])
+        ok = act(ins[0]) and b is not None and b.ndim == 2 and all(const(t) is not None for t in ins[2:] if t)
+        return [ins[0]] if ok else None
+    if op == "MatMul":
+        b = producers.get(ins[1])
+        weight = const(ins[1]) is not None or (b is not None and b.op_type == "DequantizeLinear" and const(b.input[0]) is not None)
+        return [ins[0]] if act(ins[0]) and weight and ranks.get(ins[1]) == 2 else None
+    if op in ("QuantizeLinear", "DequantizeLinear"):
+        params = [const(t) for t in ins[1:] if t]
+        per_tensor = all(p is not None and p.size == 1 for p in params)
+        per_feature = all(p is not None and p.ndim <= 1 for p in params) and _attr(node, "axis", 1) in (-1, 2)
+        return [ins[0]] if act(ins[0]) and (per_tensor or per_feature) else None
+    if op == "LayerNormalization":
+        ok = act(ins[0]) and _attr(node, "axis", -1) in (-1, 2) and all(const(t) is not None for t in ins[1:] if t)
+        return [ins[0]] if ok else None
+    if op in _ROW_UNARY:
+        ok = act(ins[0]) and all(const(t) is not None and const(t).ndim <= 1 for t in ins[1:] if t)
+        return [ins[0]] if ok else None
+    if op in _ROW_BINARY:
+        rows = [t for t in ins if act(t)]
+        consts_ok = all(const(t) is not None and const(t).ndim <= 1 for t in ins if t not in rows)
+        return rows if rows and consts_ok else None
+    mhas = _attention_if(node)
+    if mhas is not None:
+        q = mhas[0].input[0]
+        return [q] if act(q) else None
+    return None
+
+
+def _classifier_rows(g, inits, producers) -> list:
+    """Gather(axis=1, index 0) of a rank-3 tensor: the [CLS] row a BERT-style pooler/classifier reads."""
+    seeds = []
+    for n in g.node:
+        if n.op_type == "Gather" and _attr(n, "axis", 0) == 1:
+            idx = _const_value(inits, n.input[1], producers)
+            if idx is not None and idx.shape == () and int(idx) == 0:
+                seeds.append(n)
+    return seeds
+
+
+def keep_classifier_row(model, ranks: dict[str, int]) -> dict[str, int]:
+    """Compute the last layers only for the one token the classifier reads.
+
+    A sequence classifier reads the final hidden state of token 0 ([CLS]) and nothing else, yet the
+    exported graph computes all `seq` rows of the last encoder layer. Walking back from that
+    Gather(axis=1, index 0), every node that computes each token's output from the same token's
+    inputs alone (the Linears, LayerNorms, residual Adds, GELU, activation quantizers) is made to
+    run on the [batch, 1, ...] slice; the walk stops at a tensor something else needs in full
+    (the keys and values of the last attention, the previous layer's output) and reads a Slice of
+    it there. The last attention keeps all keys and values and computes one query row. In a
+    BERT-base-shaped layer that removes about 10/12 of the last layer's GEMM work and nearly all of
+    its attention, LayerNorm and GELU work. Exact: every kept row is computed from the same inputs
+    by the same kernels. Returns {"row_nodes": nodes now run on one row, "slices": Slices added}.
+    """
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    nodes = list(g.node)
+    producers = _producers(g)
+    inits = {t.name: t for t in g.initializer}
+    seeds = {id(n) for n in _classifier_rows(g, inits, producers) if ranks.get(n.input[0]) == 3}
+    if not seeds:
+        return {"row_nodes": 0, "slices": 0}
+    wants: dict[str, set] = {o.name: {"full"} for o in g.output}
+    row_nodes: dict[int, list[str]] = {}
+    for n in reversed(nodes):  # graph order is topological
+        demand = set().union(*(wants.get(o, set()) for o in n.output if o))
+        rows = None
+        if id(n) in seeds:
+            rows = [n.input[0]]
+        elif demand == {"row"}:
+            rows = _row_inputs(n, inits, producers, ranks)
+            if rows is not None:
+                row_nodes[id(n)] = rows
+        for t in _reads(n):
+            wants.setdefault(t, set()).add("row" if rows is not None and t in rows else "full")
+    if not row_nodes:
+        return {"row_nodes": 0, "slices": 0}
+    row_ids = set(row_nodes)
+    by_id = {id(n): n for n in nodes}
+    row_outputs = {o for i in row_ids for o in by_id[i].output}
+    consts = [numpy_helper.from_array(np.asarray([v], np.int64), f"cls_row.{k}") for k, v in
+              (("start", 0), ("end", 1), ("axis", 1))]
+    g.initializer.extend(consts)
+    out, sliced = [], {}
+    for n in nodes:
+        rows = row_nodes.get(id(n))
+        if rows is not None:
+            for t in rows:
+                if t not in row_outputs and t not in sliced:
+                    sliced[t] = f"{t}{CLS_SUFFIX}"
+                    out.append(helper.make_node("Slice", [t, "cls_row.start", "cls_row.end", "cls_row.axis"],
+                                                [sliced[t]], name=f"{t}{CLS_SUFFIX}/Slice"))
+            mhas = _attention_if(n)
+            if mhas is not None:
+                for m in mhas:
+                    m.input[0] = sliced.get(m.input[0], m.input[0])
+            else:
+                for k, t in enumerate(n.input):
+                    if t in rows:
+                        n.input[k] = sliced.get(t, t)
+        out.append(n)
+    keep_vi = [v for v in g.value_info if v.name not in row_outputs]
+    del g.value_info[:]
+    g.value_info.extend(keep_vi)
+    _install(model, out)
+    return {"row_nodes": len(row_nodes), "slices": len(sliced)}

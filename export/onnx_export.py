@@ -270,6 +270,7 @@ def export_checkpoint(
     fuse_attention: bool = True,
     fuse_matmul: bool = True,
     fuse_gelu: bool = True,
+    classifier_row: bool = True,
 ) -> ExportResult:
     """Export `targets` ("onnxruntime", "tensorrt"), verify, and record them in the checkpoint.
 
@@ -285,6 +286,8 @@ def export_checkpoint(
     Linear's bias folded in (what ONNX Runtime would build, minus a float pass per Linear).
     fuse_gelu: in the onnxruntime target, write a tanh-approximated GELU (hidden_act gelu_new or
     gelu_pytorch_tanh, as in ALBERT or GPT-style encoders) as FastGelu; the exact GELU is left as exported.
+    classifier_row: in the onnxruntime target, compute the last layer only for the [CLS] row the
+    classifier reads (export/fusion.py keep_classifier_row; exact).
     """
     from tqdm import tqdm
 
@@ -370,6 +373,7 @@ def export_checkpoint(
                     calib_model = tmp / CALIB_FILE
                     onnx.save(m, str(calib_model))
                 fused_ops = {}
+                ranks = fusion.tensor_ranks(m) if classifier_row else {}  # before contrib ops hide shapes
                 if fuse_matmul:
                     fused_ops["integer_matmuls"] = fusion.fuse_integer_matmuls(m)
                     if fused_ops["integer_matmuls"]["matmuls"] != len(rep.linears):
@@ -390,6 +394,8 @@ def export_checkpoint(
                                  "unmasked_branch": "If min(attention_mask) == 1: no mask (flash-attention kernel)"}
                 else:
                     attention = "standard ONNX ops (MatMul, Softmax)"
+                if classifier_row:
+                    fused_ops["classifier_row"] = fusion.keep_classifier_row(m, ranks)
             onnx.save(m, str(path))
             built[target] = path
             entry = {

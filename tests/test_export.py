@@ -126,7 +126,12 @@ def test_placements(exported):
     zps = _inits(m_ort)
     mm = [x for x in m_ort.graph.node if x.op_type == "MatMulIntegerToFloat"]
     assert len(mm) == n and all(x.domain == "com.microsoft" for x in mm)
-    assert all(prod[x.input[0]].op_type == "QuantizeLinear" and zps[x.input[1]].dtype == np.int8 for x in mm)
+    # (the last query projection reads its one [CLS] row through a Slice: see the classifier-row test)
+    def quantized(t):
+        return prod[t].op_type == "QuantizeLinear" or (
+            prod[t].op_type == "Slice" and prod[prod[t].input[0]].op_type == "QuantizeLinear")
+
+    assert all(quantized(x.input[0]) and zps[x.input[1]].dtype == np.int8 for x in mm)
     assert all(len(x.input) == 7 and zps[x.input[6]].shape == zps[x.input[3]].shape for x in mm)
     ops = [x.op_type for x in m_ort.graph.node]
     assert "MatMul" not in ops and "DequantizeLinear" not in ops
@@ -612,15 +617,16 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
 
 
 def test_fused_ops_match_standard_onnx_ops(exported, tmp_path):
-    """Every ORT-specific rewrite (integer MatMuls with folded biases, MultiHeadAttention) gives the
-    logits of the same export written with standard ONNX ops only, padded rows included."""
+    """Every ORT-specific rewrite (integer MatMuls with folded biases, MultiHeadAttention, the
+    classifier row) gives the logits of the same export written with standard ONNX ops only and
+    all rows computed, padded rows included."""
     from export.onnx_export import export_checkpoint
     from export.verify import ort_session
 
     ckpt, _ = exported
     kw = {"progress": False, "polygraphy": False, "verify_exports": False}
     export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "plain", fuse_attention=False, fuse_matmul=False,
-                      fuse_gelu=False, **kw)
+                      fuse_gelu=False, classifier_row=False, **kw)
     export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "mha", fuse_matmul=False, **kw)
     plain = onnx.load(str(tmp_path / "plain" / "model.onnx"))
     assert not [n for n in plain.graph.node if n.domain]
@@ -747,3 +753,89 @@ def test_export_refuses_when_the_integer_matmul_rewrite_misses_a_linear(exported
     with pytest.raises(HoloServeError, match=r"matched 11 of 12.*--no-fuse-matmul"):
         export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path, progress=False, verify_exports=False)
     assert not (tmp_path / "model.onnx").exists()
+
+
+# ------------------------------------------------------------------------ classifier row (ORT)
+
+
+def test_last_layer_computes_only_the_classifier_row(exported, tmp_path):
+    """The last layer runs its Q projection, attention query, output projection, LayerNorms and
+    feed-forward on the [CLS] row only, keys and values on every token; logits are unchanged."""
+    from export.fusion import CLS_SUFFIX
+    from export.onnx_export import export_checkpoint
+    from export.verify import ort_session
+
+    ckpt, res = exported
+    got = res.entries["onnxruntime"]["fused_ops"]["classifier_row"]
+    # Q projection, attention (If), output projection, residual Add, LayerNorm, 2 x (quantizer +
+    # projection), the 5 ops of the erf GELU, residual Add, LayerNorm
+    assert got == {"row_nodes": 17, "slices": 2}
+    m = onnx.load(str(ckpt / "model.onnx"))
+    prod = {o: n for n in m.graph.node for o in n.output}
+    slices = [n for n in m.graph.node if n.op_type == "Slice" and n.output[0].endswith(CLS_SUFFIX)]
+    assert len(slices) == 2
+    # one Slice feeds the last query projection its input row (uint8, shared with K and V) ...
+    last_if = [n for n in m.graph.node if n.op_type == "If"][-1]
+    q = last_if.attribute[0].g.node[0].input[0]
+    assert prod[q].op_type == "MatMulIntegerToFloat" and prod[prod[q].input[0]].op_type == "Slice"
+    k = last_if.attribute[0].g.node[0].input[1]
+    assert prod[prod[k].input[0]].op_type == "QuantizeLinear"  # ... keys (and values) read every row
+    # ... the other feeds the residual its row of the previous layer's output
+    assert prod[slices[1].input[0]].op_type == "LayerNormalization"
+    export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path, progress=False, polygraphy=False, verify_exports=False,
+                      classifier_row=False)
+    assert not [n for n in onnx.load(str(tmp_path / "model.onnx")).graph.node if n.output[0].endswith(CLS_SUFFIX)]
+    a, b = ort_session(ckpt / "model.onnx"), ort_session(tmp_path / "model.onnx")
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    padded = _feeds(vocab, 4, 19, seed=5)
+    padded["attention_mask"][0, 3:] = 0
+    padded["attention_mask"][2, 11:] = 0
+    for feed in (_feeds(vocab, 3, 16, seed=6), padded, _feeds(vocab, 1, 1, seed=7)):
+        np.testing.assert_allclose(a.run(None, feed)[0], b.run(None, feed)[0], rtol=0, atol=1e-6)
+
+
+def _row_graph(index: int = 0, axis: int = 1):
+    """x [B, S, 4] -> MatMul W -> + b = h; mean over the sequence; LayerNorm(h + mean) -> Gather."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b"),
+             numpy_helper.from_array(np.ones(4, np.float32), "g"),
+             numpy_helper.from_array(np.asarray(index, np.int64), "idx")]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["h"]),
+             helper.make_node("ReduceMean", ["h"], ["mean"], axes=[1], keepdims=1),
+             helper.make_node("Add", ["h", "mean"], ["r"]),
+             helper.make_node("LayerNormalization", ["r", "g"], ["n"], axis=-1),
+             helper.make_node("Gather", ["n", "idx"], ["y"], axis=axis)]
+    g = helper.make_graph(nodes, "rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_classifier_row_walk_stops_where_a_tensor_is_needed_whole():
+    """Row-wise nodes behind the Gather run on one row; a node that mixes rows (here a mean over the
+    sequence) keeps its full input, and the rows-only part reads a Slice of it."""
+    from export.fusion import keep_classifier_row, tensor_ranks
+
+    x = np.random.default_rng(1).standard_normal((3, 5, 4)).astype(np.float32)
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    m = _row_graph()
+    ref = run(m)
+    assert keep_classifier_row(m, tensor_ranks(m)) == {"row_nodes": 2, "slices": 2}  # the Add and the LayerNorm
+    by_out = {n.output[0]: n for n in m.graph.node}
+    # both Add inputs are sliced: [B, 1, 4] mean broadcasts over the sequence, so its slice is itself
+    assert list(by_out["r"].input) == ["h/cls_row", "mean/cls_row"]
+    assert by_out["h"].op_type == "Add" and by_out["mean"].input == ["h"]
+    np.testing.assert_allclose(run(m), ref, rtol=0, atol=1e-6)
+    # another row, another axis, or no shapes known: nothing to do
+    for m in (_row_graph(index=1), _row_graph(axis=2)):
+        before = [(n.op_type, list(n.input)) for n in m.graph.node]
+        assert keep_classifier_row(m, tensor_ranks(m)) == {"row_nodes": 0, "slices": 0}
+        assert [(n.op_type, list(n.input)) for n in m.graph.node] == before
+    assert keep_classifier_row(_row_graph(), {}) == {"row_nodes": 0, "slices": 0}
