@@ -564,10 +564,11 @@ def _row_inputs(node, inits, producers, ranks) -> list[str] | None:
         b = const(ins[1])
         ok = act(ins[0]) and b is not None and b.ndim == 2 and all(const(t) is not None for t in ins[2:] if t)
         return [ins[0]] if ok else None
-    if op == "MatMul":
-        b = producers.get(ins[1])
-        weight = const(ins[1]) is not None or (b is not None and b.op_type == "DequantizeLinear" and const(b.input[0]) is not None)
-        return [ins[0]] if act(ins[0]) and weight and ranks.get(ins[1]) == 2 else None
+    if op == "MatMul":  # a float Linear: constant [in, out] weights, or int8 ones through DequantizeLinear
+        b, w = producers.get(ins[1]), const(ins[1])
+        if w is None and b is not None and b.op_type == "DequantizeLinear":
+            w = const(b.input[0])
+        return [ins[0]] if act(ins[0]) and w is not None and w.ndim == 2 else None
     if op in ("QuantizeLinear", "DequantizeLinear"):
         params = [const(t) for t in ins[1:] if t]
         per_tensor = all(p is not None and p.size == 1 for p in params)

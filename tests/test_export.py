@@ -598,14 +598,16 @@ def test_fusion_refuses_an_attention_graph_it_cannot_match(exported, tmp_path):
 
 
 def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(exported, tmp_path, monkeypatch):
-    """bench/cpu_latency end to end on the tiny export: every engine timed, fused ORT baselines on request."""
+    """bench/cpu_latency end to end on the tiny export: every engine timed, ORT baselines given our
+    attention fusion and classifier-row rewrite on request."""
     from tests.bench_modules import bench_module
 
     monkeypatch.delenv("HOLOSERVE_DATA_DIR", raising=False)
     ckpt, _ = exported
     run = bench_module("cpu_latency", "run")
     rc = run.main([str(ckpt), "--out", str(tmp_path), "--name", "lat", "--runs", "2", "--warmup", "1",
-                   "--batches", "1,2", "--seqs", "8", "--threads", "1", "--fuse-baseline-attention"])
+                   "--batches", "1,2", "--seqs", "8", "--threads", "1", "--fuse-baseline-attention",
+                   "--baseline-classifier-row"])
     assert rc == 0
     r = json.loads((tmp_path / "lat.json").read_text())
     assert r["method"]["baseline_attention"].startswith("2 blocks fused")
@@ -613,7 +615,9 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
     for x in r["results"]:
         assert all(x[k]["median_ms"] > 0 for k in run.ENGINES)
     assert "skipped" in r["dev_accuracy"]  # no data dir given: latency only, said so
-    assert "Attention in the ORT baselines: 2 blocks fused" in (tmp_path / "lat.md").read_text()
+    assert r["method"]["baseline_classifier_row"] == "last layer on the [CLS] row only, as in ours (17 nodes)"
+    md = (tmp_path / "lat.md").read_text()
+    assert "Attention in the ORT baselines: 2 blocks fused" in md and "their last layer: last layer on the [CLS]" in md
 
 
 def test_fused_ops_match_standard_onnx_ops(exported, tmp_path):
@@ -627,7 +631,14 @@ def test_fused_ops_match_standard_onnx_ops(exported, tmp_path):
     kw = {"progress": False, "polygraphy": False, "verify_exports": False}
     export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "plain", fuse_attention=False, fuse_matmul=False,
                       fuse_gelu=False, classifier_row=False, **kw)
-    export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "mha", fuse_matmul=False, **kw)
+    mha_res = export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "mha", fuse_matmul=False, **kw)
+    # standard ops, last layer on the [CLS] row: the walk stops at the attention output (a Reshape)
+    rows_res = export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "rows", fuse_attention=False,
+                                 fuse_matmul=False, fuse_gelu=False, **kw)
+    # output projection (activation Q, DQ, MatMul, bias Add), residual Add, LayerNorm, feed-forward
+    # 2 x (Q, DQ, MatMul, bias Add) around the 5-op GELU, residual Add, LayerNorm
+    assert rows_res.entries["onnxruntime"]["fused_ops"]["classifier_row"] == {"row_nodes": 21, "slices": 2}
+    assert mha_res.entries["onnxruntime"]["fused_ops"]["classifier_row"]["row_nodes"] > 21
     plain = onnx.load(str(tmp_path / "plain" / "model.onnx"))
     assert not [n for n in plain.graph.node if n.domain]
     assert {"MatMul", "DequantizeLinear", "Softmax"} <= {n.op_type for n in plain.graph.node}
@@ -637,7 +648,7 @@ def test_fused_ops_match_standard_onnx_ops(exported, tmp_path):
     hidden = json.loads((ckpt / "config.json").read_text())["hidden_size"]
     assert inner and all(_inits(mha)[x.input[3]].shape == (3 * hidden,) for x in inner)
     sessions = [ort_session(p) for p in (ckpt / "model.onnx", tmp_path / "mha" / "model.onnx",
-                                         tmp_path / "plain" / "model.onnx")]
+                                         tmp_path / "rows" / "model.onnx", tmp_path / "plain" / "model.onnx")]
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
     padded = _feeds(vocab, 4, 19, seed=2)
     padded["attention_mask"][2, 5:] = 0

@@ -39,6 +39,14 @@ load_avg, ort_session, percentile, uptime_text = _lat.load_avg, _lat.ort_session
 random_rows = _lat.random_rows
 
 
+def _shown(path: Path) -> str:
+    """The model's path relative to the working directory, or its folder/name when it lies outside."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return f"{path.parent.name}/{path.name}"
+
+
 def parse_models(items: list[str]) -> list[tuple[str, Path]]:
     out = []
     for item in items:
@@ -116,7 +124,7 @@ def main(argv=None) -> int:
         "shape": {"batch": args.batch, "seq": args.seq, "threads": args.threads},
         "method": {"runs_per_round": args.runs, "warmup": args.warmup, "rounds": args.rounds, "interleaved": True,
                    "inputs": "random token ids, full-length rows (no padding)"},
-        "models": {label: str(path) for label, path in models},
+        "models": {label: _shown(path) for label, path in models},
         "rounds": rounds,
         "median_ms": med,
         "speedup_vs_first": {k: round(first / v, 3) for k, v in med.items()},
