@@ -3,7 +3,9 @@
 Three rewrites, each exact up to float rounding and each checked against the standard-op export
 in the tests: QDQ Linears -> MatMulIntegerToFloat with the bias folded in
 (fuse_integer_matmuls), a tanh-approximated GELU -> FastGelu (fuse_gelu_tanh), and each eager
-self-attention block -> MultiHeadAttention (fuse_attention), described next.
+self-attention block -> MultiHeadAttention (fuse_attention), described next. A fourth uses only
+standard ops (Slice) and runs last: the final layer computes only the [CLS] row the classifier
+reads (keep_classifier_row).
 
 The TorchScript export of eager attention spells the block out: Reshape + Transpose of Q, K and V
 into heads, MatMul Q·Kᵀ, a scale Mul, the Add of a [batch, 1, seq, seq] float mask (which the

@@ -5,8 +5,8 @@ MatMuls are explicit nodes) -> locate the encoder Linears' weights by value -> r
 onnx library (export/qdq.py): int8 weight initializers + per-channel DequantizeLinear, Q/DQ on
 activations with the manifest's calibrated ranges -> for the onnxruntime target, rewrite into
 ONNX Runtime contrib ops (export/fusion.py): each QDQ Linear into MatMulIntegerToFloat with its
-bias, a tanh GELU into FastGelu, each attention block into MultiHeadAttention -> verify
-(export/verify.py).
+bias, a tanh GELU into FastGelu, each attention block into MultiHeadAttention, and the last layer
+cut down to the [CLS] row the classifier reads -> verify (export/verify.py).
 
 Ranges of the tensors only the TensorRT placement quantizes (attention MatMul inputs, residual
 Add inputs) are not in the manifest: they are calibrated here by running the ONNX Runtime
