@@ -844,6 +844,9 @@ def test_classifier_row_walk_stops_where_a_tensor_is_needed_whole():
     assert list(by_out["r"].input) == ["h/cls_row", "mean/cls_row"]
     assert by_out["h"].op_type == "Add" and by_out["mean"].input == ["h"]
     np.testing.assert_allclose(run(m), ref, rtol=0, atol=1e-6)
+    n_nodes = len(m.graph.node)
+    assert keep_classifier_row(m, tensor_ranks(_row_graph())) == {"row_nodes": 0, "slices": 0}  # applied once only
+    assert len(m.graph.node) == n_nodes
     # another row, another axis, or no shapes known: nothing to do
     for m in (_row_graph(index=1), _row_graph(axis=2)):
         before = [(n.op_type, list(n.input)) for n in m.graph.node]
