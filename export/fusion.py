@@ -68,11 +68,17 @@ def _const_value(inits, name: str, producers) -> np.ndarray | None:
     return None
 
 
-def _perm(node) -> list[int]:
+def _attr(node, name: str, default=None):
+    from onnx import helper
+
     for a in node.attribute:
-        if a.name == "perm":
-            return list(a.ints)
-    return []
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _perm(node) -> list[int]:
+    return list(_attr(node, "perm", []))
 
 
 def _heads(producers, tensor: str, perm: list[int]):
@@ -150,7 +156,7 @@ def find_attention(model) -> list[AttentionBlock]:
     for sm in g.node:
         if sm.op_type != "Softmax":
             continue
-        axis = next((a.i for a in sm.attribute if a.name == "axis"), -1)
+        axis = _attr(sm, "axis", -1)
         add = producers.get(sm.input[0])
         if axis not in (-1, 3) or add is None or add.op_type != "Add":
             continue
@@ -522,15 +528,6 @@ def tensor_ranks(model) -> dict[str, int]:
     return out
 
 
-def _attr(node, name: str, default=None):
-    from onnx import helper
-
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
 def _attention_if(node):
     """The MultiHeadAttention nodes of an If written by fuse_attention (one per branch), or None."""
     if node.op_type != "If":
@@ -559,6 +556,10 @@ def _row_inputs(node, inits, producers, ranks) -> list[str] | None:
     def act(t: str) -> bool:  # a per-token activation: [batch, seq, features]
         return bool(t) and const(t) is None and ranks.get(t) == 3
 
+    def vector(t: str) -> bool:  # a constant that broadcasts along the features only
+        v = const(t)
+        return v is not None and v.ndim <= 1
+
     if not all(ranks.get(o) == 3 for o in node.output if o):
         return None
     op, ins = node.op_type, list(node.input)
@@ -580,11 +581,11 @@ def _row_inputs(node, inits, producers, ranks) -> list[str] | None:
         ok = act(ins[0]) and _attr(node, "axis", -1) in (-1, 2) and all(const(t) is not None for t in ins[1:] if t)
         return [ins[0]] if ok else None
     if op in _ROW_UNARY:
-        ok = act(ins[0]) and all(const(t) is not None and const(t).ndim <= 1 for t in ins[1:] if t)
+        ok = act(ins[0]) and all(vector(t) for t in ins[1:] if t)
         return [ins[0]] if ok else None
     if op in _ROW_BINARY:
         rows = [t for t in ins if act(t)]
-        consts_ok = all(const(t) is not None and const(t).ndim <= 1 for t in ins if t not in rows)
+        consts_ok = all(vector(t) for t in ins if t not in rows)
         return rows if rows and consts_ok else None
     mhas = _attention_if(node)
     if mhas is not None:
@@ -593,11 +594,11 @@ def _row_inputs(node, inits, producers, ranks) -> list[str] | None:
     return None
 
 
-def _classifier_rows(g, inits, producers) -> list:
+def _classifier_rows(g, inits, producers, ranks) -> list:
     """Gather(axis=1, index 0) of a rank-3 tensor: the [CLS] row a BERT-style pooler/classifier reads."""
     seeds = []
     for n in g.node:
-        if n.op_type == "Gather" and _attr(n, "axis", 0) == 1:
+        if n.op_type == "Gather" and _attr(n, "axis", 0) == 1 and ranks.get(n.input[0]) == 3:
             idx = _const_value(inits, n.input[1], producers)
             if idx is not None and idx.shape == () and int(idx) == 0:
                 seeds.append(n)
@@ -625,7 +626,7 @@ def keep_classifier_row(model, ranks: dict[str, int]) -> dict[str, int]:
     nodes = list(g.node)
     producers = _producers(g)
     inits = {t.name: t for t in g.initializer}
-    seeds = {id(n) for n in _classifier_rows(g, inits, producers) if ranks.get(n.input[0]) == 3}
+    seeds = {id(n) for n in _classifier_rows(g, inits, producers, ranks)}
     if not seeds or any(o.endswith(CLS_SUFFIX) for n in nodes for o in n.output):  # none, or done already
         return {"row_nodes": 0, "slices": 0}
     wants: dict[str, set] = {o.name: {"full"} for o in g.output}
@@ -643,9 +644,7 @@ def keep_classifier_row(model, ranks: dict[str, int]) -> dict[str, int]:
             wants.setdefault(t, set()).add("row" if rows is not None and t in rows else "full")
     if not row_nodes:
         return {"row_nodes": 0, "slices": 0}
-    row_ids = set(row_nodes)
-    by_id = {id(n): n for n in nodes}
-    row_outputs = {o for i in row_ids for o in by_id[i].output}
+    row_outputs = {o for n in nodes if id(n) in row_nodes for o in n.output}
     consts = [numpy_helper.from_array(np.asarray([v], np.int64), f"cls_row.{k}") for k, v in
               (("start", 0), ("end", 1), ("axis", 1))]
     g.initializer.extend(consts)

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
              "| model | file | median ms | speed-up vs first | per round |", "|---|---|---:|---:|---|"]
     for label, path in models:
         per = ", ".join(f"{x['median_ms'][label]:.1f}" for x in rounds)
-        lines.append(f"| {label} | `{path.parent.name}/{path.name}` | {med[label]:.1f} | ×{first / med[label]:.3f} | {per} |")
+        lines.append(f"| {label} | `{report['models'][label]}` | {med[label]:.1f} | ×{first / med[label]:.3f} | {per} |")
     atomic_write_text(args.out / f"{args.name}.md", "\n".join(lines) + "\n")
     print("overall: " + "  ".join(f"{k} {v:.1f} ms (x{first / v:.3f})" for k, v in med.items()))
     print(f"wrote {args.out / args.name}.{{json,md}}")
