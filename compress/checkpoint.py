@@ -9,8 +9,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from holoserve.artifact import Artifact, ArtifactError, load_artifact, new_manifest, write_artifact
-from holoserve.tasks import Task
+from holoserve.core.artifact import Artifact, ArtifactError, load_artifact, new_manifest, write_artifact
+from holoserve.data.tasks import Task
 
 # Tokenizer files copied from the base model folder when present; tokenizer.json is required.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")

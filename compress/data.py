@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from holoserve import HoloServeError
-from holoserve.glue import Example
+from holoserve.data.glue import Example
 
 
 def load_tokenizer(model_dir: str | os.PathLike, max_len: int):

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from holoserve.metrics import compute
-from holoserve.tasks import Task
+from holoserve.data.metrics import compute
+from holoserve.data.tasks import Task
 
 from .data import Encoded, eval_batches, to_device
 from .quant import input_quantizers

@@ -34,8 +34,8 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     import time
 
     from holoserve import HoloServeError
-    from holoserve.glue import read_split
-    from holoserve.tasks import get_task
+    from holoserve.data.glue import read_split
+    from holoserve.data.tasks import get_task
 
     from .checkpoint import load_model
     from .data import encode, load_tokenizer
@@ -44,7 +44,7 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     if onnx and fp32:
         raise HoloServeError("--fp32 and --onnx do not combine: the ONNX export always has the checkpoint's numerics")
     if onnx:
-        from holoserve.artifact import load_artifact
+        from holoserve.core.artifact import load_artifact
 
         art = load_artifact(path)
         model = None
@@ -62,7 +62,7 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     if onnx:
         metrics, numerics = _evaluate_onnx(art, task_obj, data, batch_size, threads, onnx_export)
     else:
-        from holoserve.artifact import input_layers
+        from holoserve.core.artifact import input_layers
 
         amax = art.activation_amax()
         layers = input_layers(amax)

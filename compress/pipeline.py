@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from holoserve import HoloServeError
-from holoserve.artifact import Artifact, MANIFEST, atomic_write_json
-from holoserve.glue import read_split
-from holoserve.machine import describe_cpu
-from holoserve.tasks import Task, get_task
+from holoserve.core.artifact import Artifact, MANIFEST, atomic_write_json
+from holoserve.data.glue import read_split
+from holoserve.core.machine import describe_cpu
+from holoserve.data.tasks import Task, get_task
 
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
 from .config import Preset, apply_overrides, get_preset

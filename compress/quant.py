@@ -6,7 +6,7 @@ Activations: per-tensor symmetric, scale = amax / 127, zero-point 0, codes satur
 uint8 QuantizeLinear with zero-point 128 computes after the shift, so the exported ONNX model
 reproduces these numerics.
 
-Activation ranges are keyed "<linear name>.input" in the manifest (holoserve.artifact.act_key).
+Activation ranges are keyed "<linear name>.input" in the manifest (holoserve.core.artifact.act_key).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from holoserve.artifact import act_key, output_key, residual_key
+from holoserve.core.artifact import act_key, output_key, residual_key
 
 from .data import to_device
 

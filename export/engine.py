@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from holoserve import HoloServeError
-from holoserve.artifact import atomic_write_bytes, atomic_write_json
-from holoserve.engine_sidecar import SIDECAR_FORMAT, SIDECAR_VERSION
+from holoserve.core.artifact import atomic_write_bytes, atomic_write_json
+from holoserve.core.sidecar import SIDECAR_FORMAT, SIDECAR_VERSION
 
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 RTX_COMPUTE_CAPABILITIES = ("SM75", "SM80", "SM86", "SM89", "SM120")  # what TensorRT-RTX AOT-builds for
@@ -330,7 +330,7 @@ def _logger(trt, lines: list[str], verbose: bool):
 
 
 def _sha256(path: Path) -> str:
-    from holoserve.artifact import sha256_file
+    from holoserve.core.artifact import sha256_file
 
     return sha256_file(path)
 

@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from holoserve import HoloServeError
-    from holoserve.artifact import MANIFEST, add_files, load_artifact
+    from holoserve.core.artifact import MANIFEST, add_files, load_artifact
 
     from .engine import ShapeProfile, build_engine, parse_shape, parse_size
 

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from holoserve import HoloServeError
-from holoserve.artifact import Artifact, ArtifactError, add_files, atomic_copy, atomic_write_json, load_artifact
+from holoserve.core.artifact import Artifact, ArtifactError, add_files, atomic_copy, atomic_write_json, load_artifact
 
 from . import fusion, qdq, verify
 
@@ -96,8 +96,8 @@ def encode_batches(tok, texts: Sequence[str], pairs: Sequence[str] | None = None
 
 
 def _rows(art: Artifact, split: str, data_dir, limit: int | None):
-    from holoserve.glue import read_split
-    from holoserve.tasks import get_task
+    from holoserve.data.glue import read_split
+    from holoserve.data.tasks import get_task
 
     task = get_task(art.task_name)
     ex = read_split(task, split, data_dir, limit=limit)
@@ -109,9 +109,9 @@ EVAL_BATCH_SIZE = 128  # `holoserve eval`'s default --batch-size
 
 def eval_batches_np(art: Artifact, split: str, data_dir, limit: int | None = None, batch_size: int = EVAL_BATCH_SIZE):
     """(task, [(row indices, numpy batch)], labels) exactly as `holoserve eval` batches the split."""
-    from compress.data import encode, eval_batches, load_tokenizer
-    from holoserve.glue import read_split
-    from holoserve.tasks import get_task
+    from holoserve.compress.data import encode, eval_batches, load_tokenizer
+    from holoserve.data.glue import read_split
+    from holoserve.data.tasks import get_task
 
     task = get_task(art.task_name)
     data = encode(load_tokenizer(art.path, art.max_seq_length), read_split(task, split, data_dir, limit=limit),
@@ -124,7 +124,7 @@ def eval_batches_np(art: Artifact, split: str, data_dir, limit: int | None = Non
 
 
 def data_available(data_dir) -> bool:
-    from holoserve.glue import resolve_data_dir
+    from holoserve.data.glue import resolve_data_dir
 
     try:
         resolve_data_dir(data_dir)
@@ -201,7 +201,7 @@ def reference_logits(model, art: Artifact, batches) -> np.ndarray:
     """
     import torch
 
-    from compress.quant import input_quantizers
+    from holoserve.compress.quant import input_quantizers
 
     layers = quantized_layers(art)
     out = []
@@ -246,7 +246,7 @@ def _calibrate_extra(ort_onnx: Path, tensors: list[str], batches) -> dict[str, f
 
 
 def _metric(task, logits: np.ndarray, labels) -> dict[str, float]:
-    from holoserve.metrics import compute
+    from holoserve.data.metrics import compute
 
     pred = logits[:, 0] if task.is_regression else logits.argmax(1)
     return compute(task.metrics, pred, np.asarray(labels))
@@ -435,7 +435,7 @@ def export_checkpoint(
             bar.set_postfix_str("verify")
             # the reference is exactly what `holoserve eval` runs: compress.checkpoint.load_model
             # (default attention kernel) + compress.quant.input_quantizers
-            from compress.checkpoint import load_model
+            from holoserve.compress.checkpoint import load_model
 
             ref_model, _ = load_model(art, verify=False)
             del model
@@ -469,7 +469,7 @@ def export_checkpoint(
 
 
 def _splits(art: Artifact):
-    from holoserve.tasks import get_task
+    from holoserve.data.tasks import get_task
 
     return get_task(art.task_name).splits
 

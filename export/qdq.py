@@ -23,7 +23,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from holoserve.artifact import act_key, output_key, residual_key
+from holoserve.core.artifact import act_key, output_key, residual_key
 
 PLACEMENTS = ("onnxruntime", "tensorrt")
 ACT_SCALE_DIV = 127.0  # scale = amax / 127, as in compress/quant.py
@@ -160,7 +160,7 @@ def _rename_tensors(model, renames: Mapping[str, str]) -> None:
 
 def weight_codes(w: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """int8 codes of a weight that is already on its per-channel grid (W == q * s exactly)."""
-    from holoserve.sparsity import int8_codes
+    from holoserve.core.numerics import int8_codes
 
     q = int8_codes(np.asarray(w, np.float32), np.asarray(scales, np.float32))
     if q is None:

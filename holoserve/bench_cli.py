@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from . import HoloServeError
-    from .artifact import atomic_write_json, atomic_write_text, load_artifact
+    from holoserve.core.artifact import atomic_write_json, atomic_write_text, load_artifact
     from .backends import BackendUnavailable
 
     if args.iters < 1 or args.warmup < 0:
@@ -278,7 +278,7 @@ def write_plot(results: list[dict[str, Any]], path, *, title: str) -> bool:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    from .artifact import atomic_savefig
+    from holoserve.core.artifact import atomic_savefig
 
     try:
         atomic_savefig(fig, path, dpi=120)

@@ -73,7 +73,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .artifact import load_artifact
+    from holoserve.core.artifact import load_artifact
     from .server.app import create_app, open_backend
     from .server.logs import setup_logging
 

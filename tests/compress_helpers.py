@@ -46,7 +46,7 @@ ENCODER_LINEAR = re.compile(r"encoder\.layer\.\d+\..*\.weight$")
 def check_saved_checkpoint(path: Path, n: int = 2, m: int = 4) -> dict:
     """Read manifest.json and model.safetensors directly and prove the two weight constraints.
 
-    Independent of holoserve.artifact: it re-derives int8 codes with numpy and checks every
+    Independent of holoserve.core.artifact: it re-derives int8 codes with numpy and checks every
     2-D encoder weight is listed as sparse, is N:M along the input dimension, and (if quantized)
     equals float32(int8 code) * per-channel scale bit for bit. Returns a summary.
     """

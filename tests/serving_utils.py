@@ -51,11 +51,11 @@ def export_onnx(model, out: Path, opset: int = 17) -> Path:
 def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: int = 32, onnx: bool = True) -> Path:
     """A tiny random BERT, projected to 2:4 + INT8 grid and calibrated, saved as a checkpoint and exported to ONNX."""
     import torch
-    from compress.checkpoint import save_checkpoint
-    from compress.layers import encoder_linear_names
-    from compress.sparsify import project_layers
-    from holoserve.artifact import add_files
-    from holoserve.tasks import get_task
+    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.layers import encoder_linear_names
+    from holoserve.compress.sparsify import project_layers
+    from holoserve.core.artifact import add_files
+    from holoserve.data.tasks import get_task
     from tests.tiny import make_tiny_bert
     from transformers import AutoModelForSequenceClassification
 
@@ -64,7 +64,7 @@ def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: in
     model = AutoModelForSequenceClassification.from_pretrained(str(src), local_files_only=True)
     names = encoder_linear_names(model)
     scales = project_layers(model, names)
-    from compress.quant import calibrate_amax
+    from holoserve.compress.quant import calibrate_amax
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
@@ -79,7 +79,7 @@ def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: in
                           metrics={"primary": task.primary_metric, "dense": {}, "compressed": {}})
     if onnx:
         try:  # the product's exporter (QDQ, int8 weights) when the export package is installed
-            from export.onnx_export import export_checkpoint
+            from holoserve.export.onnx_export import export_checkpoint
         except ImportError:
             export_checkpoint = None
         if export_checkpoint is not None:

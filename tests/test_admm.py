@@ -5,14 +5,14 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from compress.config import AdmmConfig, PhaseConfig, Preset
-from compress.data import encode, load_tokenizer
-from compress.layers import encoder_linear_names
-from compress.project import project
-from compress.sparsify import Admm
-from compress.trainer import train_phase
-from holoserve.glue import read_split
-from holoserve.sparsity import int8_codes, is_nm_sparse
+from holoserve.compress.config import AdmmConfig, PhaseConfig, Preset
+from holoserve.compress.data import encode, load_tokenizer
+from holoserve.compress.layers import encoder_linear_names
+from holoserve.compress.project import project
+from holoserve.compress.sparsify import Admm
+from holoserve.compress.trainer import train_phase
+from holoserve.data.glue import read_split
+from holoserve.core.numerics import int8_codes, is_nm_sparse
 
 from .compress_helpers import write_glue
 from .tiny import make_tiny_bert

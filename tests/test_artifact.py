@@ -8,12 +8,12 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForSequenceClassification
 
-from compress.checkpoint import load_model, save_checkpoint
-from compress.layers import encoder_linear_names
-from compress.sparsify import finalize, hard_masks
-from holoserve.artifact import ArtifactError, file_entry, load_artifact
+from holoserve.compress.checkpoint import load_model, save_checkpoint
+from holoserve.compress.layers import encoder_linear_names
+from holoserve.compress.sparsify import finalize, hard_masks
+from holoserve.core.artifact import ArtifactError, file_entry, load_artifact
 from holoserve.cli import main
-from holoserve.tasks import get_task
+from holoserve.data.tasks import get_task
 
 from .compress_helpers import check_saved_checkpoint
 from .tiny import make_tiny_bert
@@ -196,7 +196,7 @@ def test_checkpoint_files_are_readable_by_other_users(good, tmp_path):
     import os
     import stat
 
-    from holoserve.artifact import atomic_copy, atomic_write_bytes
+    from holoserve.core.artifact import atomic_copy, atomic_write_bytes
 
     old = os.umask(0o022)
     try:
@@ -205,7 +205,7 @@ def test_checkpoint_files_are_readable_by_other_users(good, tmp_path):
         out = tmp_path / "ckpt"
         shutil.copytree(good[0], tmp_path / "src")
         m = _manifest(tmp_path / "src")
-        from holoserve.artifact import write_artifact
+        from holoserve.core.artifact import write_artifact
 
         write_artifact(out, m, {n: tmp_path / "src" / n for n in m["files"]})
     finally:

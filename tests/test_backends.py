@@ -9,12 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from holoserve.artifact import add_files, load_artifact
+from holoserve.core.artifact import add_files, load_artifact
 from holoserve.backends import BackendUnavailable, load_backend
 from holoserve.backends import tensorrt as trt_backend
 from holoserve.backends.auto import select_backend
 from holoserve.backends.onnxruntime import choose_providers
-from holoserve.tokenization import TextEncoder, pad_batch
+from holoserve.core.tokenizer import TextEncoder, pad_batch
 from tests.serving_utils import REPO, server_env, tiny_checkpoint
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -115,7 +115,7 @@ def test_unknown_backend():
 def test_auto_picks_onnxruntime_on_a_cpu_machine_without_importing_torch(sst2):
     code = (
         "import sys, json\n"
-        "from holoserve.artifact import load_artifact\n"
+        "from holoserve.core.artifact import load_artifact\n"
         "from holoserve.backends.auto import select_backend\n"
         f"b, d = select_backend(load_artifact({str(sst2)!r}))\n"
         "print(json.dumps({'name': b.name, 'd': d, 'torch': 'torch' in sys.modules, 'trt': any(m.startswith('tensorrt') for m in sys.modules)}))\n"
@@ -157,7 +157,7 @@ def test_auto_falls_back_when_a_backend_breaks(sst2, monkeypatch):
 
 
 def sidecar(flavour="tensorrt", version="10.5.0.18", cc="SM86", **extra):
-    from holoserve import engine_sidecar
+    from holoserve.core import sidecar as engine_sidecar
 
     module = flavour.replace("-", "_")
     return {"format": engine_sidecar.SIDECAR_FORMAT, "version": engine_sidecar.SIDECAR_VERSION,

@@ -54,9 +54,9 @@ def checkpoint(tmp_path_factory):
     pytest.importorskip("transformers")
     from transformers import AutoModelForSequenceClassification
 
-    from compress.checkpoint import save_checkpoint
-    from compress.sparsify import project_layers
-    from holoserve.tasks import get_task
+    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.sparsify import project_layers
+    from holoserve.data.tasks import get_task
     from tests.tiny import make_tiny_bert
 
     root = tmp_path_factory.mktemp("bench")

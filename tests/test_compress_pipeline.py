@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from holoserve.artifact import load_artifact, sha256_file
+from holoserve.core.artifact import load_artifact, sha256_file
 from holoserve.cli import main
 
 from .compress_helpers import check_saved_checkpoint, write_glue
@@ -190,8 +190,8 @@ def test_fp16_carried_base_model_loads_as_float32(env, tmp_path):
     """bench/gpu/prepare_train.py ships the base model's weights as FP16; compress trains in float32."""
     from safetensors import safe_open
 
-    from compress.pipeline import _load_hf
-    from holoserve.tasks import get_task
+    from holoserve.compress.pipeline import _load_hf
+    from holoserve.data.tasks import get_task
 
     from .bench_modules import gpu_module
 

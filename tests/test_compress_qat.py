@@ -4,15 +4,15 @@ import torch
 from torch.nn.utils import parametrize
 from transformers import AutoModelForSequenceClassification
 
-from compress.config import PhaseConfig, Preset
-from compress.data import encode, load_tokenizer, train_batches
-from compress.layers import encoder_linear_names, get_linear
-from compress.project import project
-from compress.quant import calibrate_amax, input_quantizers
-from compress.sparsify import MaskedWeight, attach_masks, finalize, hard_masks, nm_share
-from compress.trainer import train_phase
-from holoserve.glue import read_split
-from holoserve.sparsity import int8_codes, is_nm_sparse
+from holoserve.compress.config import PhaseConfig, Preset
+from holoserve.compress.data import encode, load_tokenizer, train_batches
+from holoserve.compress.layers import encoder_linear_names, get_linear
+from holoserve.compress.project import project
+from holoserve.compress.quant import calibrate_amax, input_quantizers
+from holoserve.compress.sparsify import MaskedWeight, attach_masks, finalize, hard_masks, nm_share
+from holoserve.compress.trainer import train_phase
+from holoserve.data.glue import read_split
+from holoserve.core.numerics import int8_codes, is_nm_sparse
 
 from .compress_helpers import write_glue
 from .tiny import make_tiny_bert
@@ -83,7 +83,7 @@ def test_plain_training_breaks_the_mask(setup):
 
 
 def test_preset_overrides():
-    from compress.config import PRESETS, apply_overrides
+    from holoserve.compress.config import PRESETS, apply_overrides
     from holoserve import HoloServeError
 
     p = apply_overrides(PRESETS["quick"], ["qat.lr=3e-4", "admm_cfg.rho_end=0.1", "calib_percentile=none",
@@ -98,7 +98,7 @@ def test_preset_overrides():
 
 def test_exact_input_quantizers_equal_the_integer_gemm():
     """exact=True: int8 input x int8 weight summed without float32 rounding, like an int32 accumulator."""
-    from compress.quant import ACT_QMAX, ACT_QMIN, act_scale, fake_quant_weight
+    from holoserve.compress.quant import ACT_QMAX, ACT_QMIN, act_scale, fake_quant_weight
 
     g = torch.Generator().manual_seed(0)
     lin = torch.nn.Linear(4096, 8)
@@ -127,7 +127,7 @@ def test_exact_input_quantizers_equal_the_integer_gemm():
 
 def test_tensorrt_quantizers_quantize_qkv_and_both_add_inputs(setup):
     """TensorRT QAT: LayerNorm sees fq(dense output) + fq(skip input); Q/K/V leave their Linears quantized."""
-    from compress.quant import (act_scale, calibrate_tensorrt_amax, fake_quant_act, output_key, residual_key,
+    from holoserve.compress.quant import (act_scale, calibrate_tensorrt_amax, fake_quant_act, output_key, residual_key,
                                 tensorrt_quantizers, tensorrt_sites)
 
     model_dir, data = setup

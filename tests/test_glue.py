@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from holoserve import HoloServeError
-from holoserve.glue import read_split, resolve_data_dir
-from holoserve.metrics import accuracy, compute, f1, mcc, pearson, spearman
-from holoserve.tasks import get_task
+from holoserve.data.glue import read_split, resolve_data_dir
+from holoserve.data.metrics import accuracy, compute, f1, mcc, pearson, spearman
+from holoserve.data.tasks import get_task
 
 
 def _write(path, text, encoding="utf-8"):

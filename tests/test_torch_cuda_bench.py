@@ -64,7 +64,7 @@ def test_pack_round_trip_is_exact_and_smaller(tiny_ckpt, tmp_path):
     carry = gpu_module("carry")
     from safetensors.numpy import load_file
 
-    from holoserve.artifact import load_artifact
+    from holoserve.core.artifact import load_artifact
 
     info = carry.pack(tiny_ckpt, tmp_path / "packed")
     kinds = info["kinds"]

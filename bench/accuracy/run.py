@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from holoserve.artifact import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
+from holoserve.core.artifact import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
 
 METHODS = {  # row key -> (label, extra CLI arguments)
     "admm_int8": ("ADMM 2:4 ∩ INT8 + KD", []),
@@ -64,7 +64,7 @@ def scored(path: Path, data_dir: str | None, manifest: dict) -> tuple[dict, str]
     if not data_dir or not (manifest.get("quantization") or {}).get("activations"):
         return manifest["metrics"]["compressed"], "manifest"
     if path not in _SCORES:
-        from compress.evaluate_cli import evaluate_checkpoint
+        from holoserve.compress.evaluate_cli import evaluate_checkpoint
 
         _SCORES[path] = evaluate_checkpoint(path, data_dir=data_dir)["metrics"]
     return _SCORES[path], "holoserve eval"

@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from holoserve.machine import describe_cpu  # noqa: E402
+from holoserve.core.machine import describe_cpu  # noqa: E402
 
 
 def _latency_module():
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         "median_ms": med,
         "speedup_vs_first": {k: round(first / v, 3) for k, v in med.items()},
     }
-    from holoserve.artifact import atomic_write_json, atomic_write_text
+    from holoserve.core.artifact import atomic_write_json, atomic_write_text
 
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / f"{args.name}.json", report)

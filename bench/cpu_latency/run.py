@@ -35,8 +35,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from holoserve.artifact import atomic_savefig  # noqa: E402
-from holoserve.machine import describe_cpu  # noqa: E402
+from holoserve.core.artifact import atomic_savefig  # noqa: E402
+from holoserve.core.machine import describe_cpu  # noqa: E402
 
 ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "ours_qdq_int8")
 LABELS = {
@@ -128,8 +128,8 @@ def main(argv=None) -> int:
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from transformers import AutoModelForSequenceClassification
 
-    from export.onnx_export import encode_batches, make_tokenizer, torch_export_fp32
-    from holoserve.artifact import load_artifact
+    from holoserve.export.onnx_export import encode_batches, make_tokenizer, torch_export_fp32
+    from holoserve.core.artifact import load_artifact
 
     art = load_artifact(args.checkpoint)
     ours = art.export_path("onnxruntime")
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     if args.fuse_baseline_attention or args.baseline_classifier_row:
         import onnx
 
-        from export.fusion import CONTRIB, FUSED_OP, fuse_attention, keep_classifier_row, tensor_ranks
+        from holoserve.export.fusion import CONTRIB, FUSED_OP, fuse_attention, keep_classifier_row, tensor_ranks
 
         m = onnx.load(str(fp32_onnx))
         ranks = tensor_ranks(m) if args.baseline_classifier_row else {}  # before contrib ops hide shapes
@@ -177,8 +177,8 @@ def main(argv=None) -> int:
     # ---------------------------------------------------------------- accuracy (dev, through ORT)
     acc = {}
     try:
-        from holoserve.glue import read_split
-        from holoserve.tasks import get_task
+        from holoserve.data.glue import read_split
+        from holoserve.data.tasks import get_task
 
         task = get_task(art.task_name)
         rows = read_split(task, "dev", args.data_dir, limit=args.dev_rows)
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    from holoserve.artifact import atomic_write_json, atomic_write_text
+    from holoserve.core.artifact import atomic_write_json, atomic_write_text
 
     atomic_write_json(args.out / f"{args.name}.json", report)
     atomic_write_text(args.out / f"{args.name}.md", markdown(report))

@@ -6,7 +6,7 @@ The fp32 checkpoint of MiniLM is ~90 MB; the GPU machine takes 64 MiB per call. 
     embedding tables the checkpoint put on a per-row INT8 grid travel the same way;
   - other large float tensors (fp32 embedding tables) as fp16;
   - everything else (biases, LayerNorm, pooler, classifier) as fp32.
-Unpacking writes a real checkpoint with holoserve.artifact.write_artifact, so the GPU run loads it
+Unpacking writes a real checkpoint with holoserve.core.artifact.write_artifact, so the GPU run loads it
 through the same validated path as the server. Only fp32 embedding tables differ from the original
 (fp16 rounding, recorded in pack.json); the parity check on the GPU compares both sides on the
 unpacked weights.
@@ -49,7 +49,7 @@ def pack(checkpoint: str | Path, out: str | Path, *, fp16_min_elements: int | No
     fp16_min = FP16_MIN_ELEMENTS if fp16_min_elements is None else fp16_min_elements
     from safetensors.numpy import load_file, save_file
 
-    from holoserve.artifact import atomic_write_json, load_artifact
+    from holoserve.core.artifact import atomic_write_json, load_artifact
 
     art = load_artifact(checkpoint)
     scales = _int8_scales(art.manifest)
@@ -106,7 +106,7 @@ def unpack(packed_dir: str | Path, dest: str | Path):
     """Rebuild a valid checkpoint folder at `dest` from a packed folder; returns its Artifact."""
     from safetensors.numpy import load_file, save_file
 
-    from holoserve.artifact import write_artifact
+    from holoserve.core.artifact import write_artifact
 
     src = Path(packed_dir)
     manifest = json.loads((src / "manifest.json").read_text())

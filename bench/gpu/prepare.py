@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="GLUE folder (default $HOLOSERVE_DATA_DIR); its dev split travels for the parity check")
     args = ap.parse_args(argv)
 
-    from holoserve.artifact import atomic_write_json, load_artifact
-    from holoserve.tasks import get_task
+    from holoserve.core.artifact import atomic_write_json, load_artifact
+    from holoserve.data.tasks import get_task
 
     art = load_artifact(args.checkpoint)
     out = Path(args.carry)

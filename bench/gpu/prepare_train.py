@@ -35,7 +35,7 @@ def pack_base(src: Path, dest: Path) -> dict:
     import numpy as np
     from safetensors.numpy import load_file, save
 
-    from holoserve.artifact import atomic_write_bytes
+    from holoserve.core.artifact import atomic_write_bytes
 
     dest.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
@@ -67,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.data_dir:
         ap.error("--data-dir (or HOLOSERVE_DATA_DIR) is required")
 
-    from holoserve.tasks import get_task
+    from holoserve.data.tasks import get_task
 
     name = args.model.name if args.model else None
     if args.model is None:
-        from compress.pipeline import DEFAULT_MODEL_NAME, default_model_dir
+        from holoserve.compress.pipeline import DEFAULT_MODEL_NAME, default_model_dir
 
         args.model, name = default_model_dir(), DEFAULT_MODEL_NAME
     if args.out.exists():
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy2(src, dst)
             copied[f"{task.folder}/{src.name}"] = src.stat().st_size
     sizes = {"carry": folder_bytes(args.out), "tree": tree_bytes()}
-    from holoserve.artifact import atomic_write_json
+    from holoserve.core.artifact import atomic_write_json
 
     atomic_write_json(args.out / "carry.json", {"base_model": name, "glue": copied, "bytes": sizes, **info})
     return report_sizes(sizes)

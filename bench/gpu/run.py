@@ -278,7 +278,7 @@ def _rand_nonzero_int8(shape, device, gen=None):
 
 def _prune_24(w):
     """Keep the 2 largest |w| of every 4 along the input dimension (same rule as compress.project)."""
-    from compress.project import nm_mask
+    from holoserve.compress.project import nm_mask
 
     return w * nm_mask(w.float(), 2, 4).to(w.dtype)
 
@@ -463,7 +463,7 @@ def _load_carried_checkpoint(run: Run):
     """The carried checkpoint unpacked into a temp folder (cpu-smoke: a tiny one built here)."""
     import carry
 
-    from holoserve.artifact import load_artifact
+    from holoserve.core.artifact import load_artifact
 
     tmp = Path(tempfile.mkdtemp(prefix="holoserve-gpu-bench-"))
     if run.smoke:
@@ -483,11 +483,11 @@ def _tiny_checkpoint(tmp: Path) -> Path:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from compress.checkpoint import save_checkpoint
-    from compress.layers import encoder_linear_names
-    from compress.sparsify import project_layers
-    from compress.quant import calibrate_amax
-    from holoserve.tasks import get_task
+    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.layers import encoder_linear_names
+    from holoserve.compress.sparsify import project_layers
+    from holoserve.compress.quant import calibrate_amax
+    from holoserve.data.tasks import get_task
     from tests.tiny import make_tiny_bert
 
     src = make_tiny_bert(tmp / "base", hidden=64, layers=2, heads=2, intermediate=128)
@@ -515,9 +515,9 @@ def _bert_base_random(run: Run):
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    from compress.layers import encoder_linear_names
-    from compress.sparsify import project_layers
-    from compress.quant import calibrate_amax
+    from holoserve.compress.layers import encoder_linear_names
+    from holoserve.compress.sparsify import project_layers
+    from holoserve.compress.quant import calibrate_amax
 
     if run.smoke:
         cfg = BertConfig(vocab_size=2000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -797,11 +797,11 @@ def section_parity(run: Run) -> dict[str, Any]:
     import torch
     from tokenizers import Tokenizer
 
-    from compress.checkpoint import load_model
-    from compress.quant import input_quantizers
+    from holoserve.compress.checkpoint import load_model
+    from holoserve.compress.quant import input_quantizers
     from holoserve.backends import torch_cuda as tc
-    from holoserve.glue import read_split
-    from holoserve.tasks import get_task
+    from holoserve.data.glue import read_split
+    from holoserve.data.tasks import get_task
 
     art, _ = _load_carried_checkpoint(run)
     task = get_task(art.task_name)

@@ -33,8 +33,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from holoserve.artifact import atomic_savefig, atomic_write_json, atomic_write_text, load_artifact  # noqa: E402
-from holoserve.machine import cpu_name  # noqa: E402
+from holoserve.core.artifact import atomic_savefig, atomic_write_json, atomic_write_text, load_artifact  # noqa: E402
+from holoserve.core.machine import cpu_name  # noqa: E402
 
 FALLBACK = [
     "it 's a charming and often affecting journey .", "unflinchingly bleak and desperate",
@@ -47,7 +47,7 @@ FALLBACK = [
 
 def sst2_sentences(data_dir: str | None, limit: int = 872) -> tuple[list[str], str]:
     if data_dir:
-        from holoserve.glue import read_split
+        from holoserve.data.glue import read_split
 
         texts = [ex.text for ex in read_split("sst2", "dev", data_dir, limit=limit)]
         return texts, f"SST-2 dev ({len(texts)} sentences)"
@@ -284,14 +284,14 @@ class Bare:
 
     def __init__(self, ckpt: Path, threads: int, backend: str = "onnxruntime"):
         from holoserve.backends import load_backend
-        from holoserve.tokenization import TextEncoder
+        from holoserve.core.tokenizer import TextEncoder
 
         art = load_artifact(ckpt)
         self.be = load_backend(backend, art, threads=threads, max_batch=32)
         self.enc = TextEncoder(ckpt / "tokenizer.json", art.max_seq_length)
 
     def chunk(self, texts: list[str], start: int, n: int) -> tuple[list[float], list[float]]:
-        from holoserve.tokenization import pad_batch
+        from holoserve.core.tokenizer import pad_batch
 
         total, infer = [], []
         for i in range(start, start + n):
@@ -308,7 +308,7 @@ class Bare:
         """The ceiling for dynamic batching: the backend's own throughput at batch 1 vs 32 (consecutive
         dev sentences, so lengths are mixed as in a merged batch), padded to the longest or length-grouped."""
         from holoserve.server.batcher import split_by_length
-        from holoserve.tokenization import pad_batch
+        from holoserve.core.tokenizer import pad_batch
 
         encs = self.enc.encode(texts)
         out = {}

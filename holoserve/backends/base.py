@@ -12,7 +12,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from .. import HoloServeError
-from ..artifact import Artifact
+from holoserve.core.artifact import Artifact
 
 
 class BackendUnavailable(HoloServeError):

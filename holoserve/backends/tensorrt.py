@@ -2,7 +2,7 @@
 
 The library is imported only when this backend is loaded. Engines are specific to the TensorRT
 version and the GPU they were built for, so before deserializing anything the engine's JSON
-sidecar (written by `holoserve build-engine`, format in holoserve/engine_sidecar.py) is checked
+sidecar (written by `holoserve build-engine`, format in holoserve/core/sidecar.py) is checked
 against this machine and a plan built elsewhere is refused with a message that says how to
 rebuild it. The sidecar names the runtime that must load it: datacenter TensorRT (libnvinfer,
 module `tensorrt`) or TensorRT-RTX (module `tensorrt_rtx`, same Python API).
@@ -22,8 +22,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import engine_sidecar
-from ..artifact import Artifact
+from ..core import sidecar as engine_sidecar
+from holoserve.core.artifact import Artifact
 from .base import BackendUnavailable
 
 EXPORT_KEY = "tensorrt"
@@ -54,7 +54,7 @@ def engine_files(artifact: Artifact) -> tuple[Path, Path]:
 
 
 def read_sidecar(path: Path) -> dict[str, Any]:
-    """The engine's sidecar JSON (format owned by holoserve.engine_sidecar), as a BackendUnavailable on error."""
+    """The engine's sidecar JSON (format owned by holoserve.core.sidecar), as a BackendUnavailable on error."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:

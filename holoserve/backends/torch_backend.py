@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..artifact import Artifact
+from holoserve.core.artifact import Artifact
 from .base import BackendUnavailable
 
 

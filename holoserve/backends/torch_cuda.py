@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from .. import HoloServeError
-from ..artifact import Artifact, act_key
+from holoserve.core.artifact import Artifact, act_key
 from .base import BackendUnavailable
 
 try:  # torch is optional for the server; every entry point checks `_torch_or_raise()` first.

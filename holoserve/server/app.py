@@ -26,9 +26,9 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import HoloServeError, __version__
-from ..artifact import MANIFEST, Artifact, load_artifact
+from holoserve.core.artifact import MANIFEST, Artifact, load_artifact
 from ..backends.base import Backend, load_backend
-from ..tokenization import TextEncoder
+from holoserve.core.tokenizer import TextEncoder
 from .batcher import DynamicBatcher, QueueFull, ShuttingDown
 from .config import ServerConfig
 from .metrics import CONTENT_TYPE, ServerMetrics

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..tokenization import Encoded, pad_batch
+from holoserve.core.tokenizer import Encoded, pad_batch
 from .metrics import ServerMetrics
 
 InferFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]

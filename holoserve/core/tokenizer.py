@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import HoloServeError
+from .. import HoloServeError
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import HoloServeError
+from .. import HoloServeError
 from .tasks import Task, get_task
 
 DATA_DIR_ENV = "HOLOSERVE_DATA_DIR"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import HoloServeError
+from .. import HoloServeError
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from typing import Any, BinaryIO, Callable, Iterable, Mapping
 
 import numpy as np
 
-from . import HoloServeError, __version__
-from .sparsity import int8_codes, nm_violations
+from .. import HoloServeError, __version__
+from .numerics import int8_codes, nm_violations
 
 SCHEMA_VERSION = 1
 FORMAT = "holoserve-checkpoint"

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import HoloServeError
+from .. import HoloServeError
 
 SIDECAR_FORMAT = "holoserve-tensorrt-engine"
 SIDECAR_VERSION = 1

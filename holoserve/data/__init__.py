@@ -1,0 +1,1 @@
+"""Tasks, labelled rows and metrics (torch-free): what compress, eval, export and the benchmarks score."""
