@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from holoserve.core.artifact import Artifact, ArtifactError, load_artifact, new_manifest, write_artifact
+from holoserve.core.manifest import ActivationQuant, EmbeddingQuant, Quantization, WeightQuant
 from holoserve.data.tasks import Task
 
 # Tokenizer files copied from the base model folder when present; tokenizer.json is required.
@@ -25,6 +26,10 @@ def task_manifest(task: Task) -> dict[str, Any]:
         "regression": task.is_regression,
         "metrics": list(task.metrics),
     }
+
+
+def _floats(t: torch.Tensor) -> list[float]:
+    return [float(x) for x in t.detach().float().cpu().tolist()]
 
 
 def set_label_config(model: nn.Module, task: Task) -> None:
@@ -69,33 +74,13 @@ def save_checkpoint(
         sparsity = {"pattern": f"{nm[0]}:{nm[1]}", "n": nm[0], "m": nm[1], "axis": "input", "layers": list(sparse_layers)}
     quantization = None
     if weight_scales:
-        quantization = {
-            "weights": {
-                "dtype": "int8",
-                "scheme": "symmetric",
-                "granularity": "per_output_channel",
-                "qmax": 127,
-                "scales": {k: [float(x) for x in v.detach().float().cpu().tolist()] for k, v in weight_scales.items()},
-            },
-            "embeddings": None
-            if not embedding_scales
-            else {
-                k: {"dtype": "int8", "scheme": "symmetric", "granularity": "per_row", "qmax": 127,
-                    "scales": [float(x) for x in v.detach().float().cpu().tolist()]}
-                for k, v in embedding_scales.items()
-            },
-            "activations": None
-            if act_amax is None
-            else {
-                "dtype": "int8",
-                "scheme": "symmetric",
-                "granularity": "per_tensor",
-                "qmin": -128,
-                "qmax": 127,
-                "scale": "amax / 127",
-                "amax": {k: float(v) for k, v in act_amax.items()},
-            },
-        }
+        quantization = Quantization(
+            weights=WeightQuant(scales={k: _floats(v) for k, v in weight_scales.items()}),
+            embeddings={k: EmbeddingQuant(scales=_floats(v)) for k, v in embedding_scales.items()}
+            if embedding_scales else None,
+            activations=None if act_amax is None
+            else ActivationQuant(amax={k: float(v) for k, v in act_amax.items()}),
+        ).model_dump(mode="json")
     manifest = new_manifest(
         base_model=base_model,
         task=task_manifest(task),

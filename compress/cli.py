@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         overrides=tuple(args.overrides), device=args.device,
     )
     art = compress(job)
-    m = art.manifest["metrics"]
-    print(f"{art.path}: {m['primary']} dense {m['dense'].get(m['primary'], float('nan')):.4f} -> "
-          f"compressed {m['compressed'][m['primary']]:.4f}")
+    m = art.manifest.metrics
+    print(f"{art.path}: {m.primary} dense {(m.dense or {}).get(m.primary, float('nan')):.4f} -> "
+          f"compressed {m.compressed[m.primary]:.4f}")
     return 0

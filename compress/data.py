@@ -1,29 +1,13 @@
 """Tokenized GLUE splits and fast CPU batches: length-grouped order, padding to the batch's longest row."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from holoserve import HoloServeError
 from holoserve.data.glue import Example
-
-
-def load_tokenizer(model_dir: str | os.PathLike, max_len: int):
-    """The fast tokenizer from tokenizer.json, truncating to max_len and never padding (batches pad)."""
-    from tokenizers import Tokenizer
-
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise HoloServeError(f"{model_dir} has no tokenizer.json (a fast tokenizer is required)")
-    tok = Tokenizer.from_file(str(path))
-    tok.no_padding()
-    tok.enable_truncation(max_length=max_len, strategy="longest_first")
-    return tok
 
 
 @dataclass

@@ -38,7 +38,9 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     from holoserve.data.tasks import get_task
 
     from .checkpoint import load_model
-    from .data import encode, load_tokenizer
+    from holoserve.core.tokenizer import load_tokenizer
+
+    from .data import encode
     from .evaluate import evaluate
 
     if onnx and fp32:
@@ -79,7 +81,7 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
         "numerics": numerics,
         "metrics": metrics,
         "primary": task_obj.primary_metric,
-        "manifest_metrics": art.manifest.get("metrics", {}),
+        "manifest_metrics": art.manifest.metrics.model_dump(mode="json", exclude_none=True),
         "seconds": round(time.perf_counter() - t0, 2),
     }
 

@@ -23,14 +23,16 @@ import torch
 from torch import nn
 
 from holoserve import HoloServeError
-from holoserve.core.artifact import Artifact, MANIFEST, atomic_write_json
+from holoserve.core.artifact import Artifact, MANIFEST
+from holoserve.core.files import atomic_write_json
+from holoserve.core.tokenizer import load_tokenizer
 from holoserve.data.glue import read_split
 from holoserve.core.machine import describe_cpu
 from holoserve.data.tasks import Task, get_task
 
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
 from .config import Preset, apply_overrides, get_preset
-from .data import encode, load_tokenizer, train_batches
+from .data import encode, train_batches
 from .evaluate import evaluate
 from .layers import encoder_linear_names
 from .quant import calibrate_amax, calibrate_tensorrt_amax, input_quantizers, tensorrt_quantizers
@@ -425,14 +427,14 @@ class Runner:
                 raise HoloServeError(f"{src} is a {art.task_name} checkpoint, not {self.task.name}")
             if art.quantized:
                 raise HoloServeError(f"{src} is already INT8; post-training quantization needs an fp32 model")
-            self.base_name = source_manifest.get("base_model", src.name)
+            self.base_name = source_manifest.base_model
         else:
             model = self.hf(src)
             self.base_name = src.name
         model.eval()
         self.load_data(src)
         layers = encoder_linear_names(model)
-        sparse = list(source_manifest["sparsity"]["layers"]) if source_manifest and source_manifest.get("sparsity") else []
+        sparse = list(source_manifest.sparsity.layers) if source_manifest and source_manifest.sparsity else []
         source_metrics = self.dev_metrics(model)
         masks = {name: (model.get_submodule(name).weight != 0) for name in sparse} if sparse else None
         if masks:  # keep a pruned model's zeros exactly: the mask is its non-zeros (at most 2 of every 4)
@@ -441,7 +443,7 @@ class Runner:
         self.quantize_embeddings(model)
         amax = self.calibrate(model, layers)
         compressed = self.dev_metrics(model, amax, layers)
-        dense = (source_manifest or {}).get("metrics", {}).get("dense") or source_metrics
+        dense = (source_manifest.metrics.dense if source_manifest else None) or source_metrics
         log.info("[ptq] source %s | int8 %s", _fmt(source_metrics), _fmt(compressed))
         metrics = {"primary": self.task.primary_metric, "split": "dev", "dev_rows": len(self.dev),
                    "dense": dense, "source_fp32": source_metrics, "compressed": compressed}

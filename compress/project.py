@@ -11,7 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-WEIGHT_QMAX = 127
+from holoserve.core.numerics import WEIGHT_QMAX
+
 # Smallest scale used for an all-zero output channel (its codes are all zero anyway).
 _MIN_SCALE = 1e-12
 
@@ -46,11 +47,6 @@ def to_grid(w: torch.Tensor, scales: torch.Tensor, qmax: int = WEIGHT_QMAX) -> t
     s = scales.float().reshape(-1, 1)
     q = torch.clamp(torch.round(w.float() / s), -qmax, qmax)
     return (q * s).to(w.dtype)
-
-
-def int8_codes(w: torch.Tensor, scales: torch.Tensor, qmax: int = WEIGHT_QMAX) -> torch.Tensor:
-    s = scales.float().reshape(-1, 1)
-    return torch.clamp(torch.round(w.float() / s), -qmax, qmax).to(torch.int8)
 
 
 def project(

@@ -1,10 +1,8 @@
 """Fake quantization with a straight-through estimator, matching ONNX QuantizeLinear numerics.
 
-Weights: per-output-channel symmetric int8, codes in [-127, 127] (see project.py).
-Activations: per-tensor symmetric, scale = amax / 127, zero-point 0, codes saturated to
-[-128, 127] and rounded half-to-even — exactly what QuantizeLinear(int8) computes, and what a
-uint8 QuantizeLinear with zero-point 128 computes after the shift, so the exported ONNX model
-reproduces these numerics.
+The scheme (weights per output channel, activations per tensor, both symmetric with zero-point 0)
+is defined once in holoserve.core.numerics; these are its torch forms, with a straight-through
+estimator for training. The exported ONNX model reproduces these numerics.
 
 Activation ranges are keyed "<linear name>.input" in the manifest (holoserve.core.artifact.act_key).
 """
@@ -17,12 +15,9 @@ import torch
 from torch import nn
 
 from holoserve.core.artifact import act_key, output_key, residual_key
+from holoserve.core.numerics import ACT_QMAX, ACT_QMIN, ACT_SCALE_DIV, WEIGHT_QMAX
 
 from .data import to_device
-
-ACT_QMIN, ACT_QMAX = -128, 127
-ACT_SCALE_DIV = 127.0
-
 
 def act_scale(amax: float | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(amax, dtype=torch.float32) / ACT_SCALE_DIV
@@ -45,7 +40,7 @@ def fake_quant_act(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q * s
 
 
-def fake_quant_weight(w: torch.Tensor, scales: torch.Tensor, qmax: int = 127) -> torch.Tensor:
+def fake_quant_weight(w: torch.Tensor, scales: torch.Tensor, qmax: int = WEIGHT_QMAX) -> torch.Tensor:
     s = scales.to(w.dtype).reshape(-1, 1)
     return torch.clamp(_RoundSTE.apply(w / s), -qmax, qmax) * s
 

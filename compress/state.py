@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load, save
 
 from holoserve import HoloServeError
-from holoserve.core.artifact import atomic_write_bytes, atomic_write_json, sha256_file
+from holoserve.core.files import atomic_write_bytes, atomic_write_json, sha256_file
 
 
 def _contiguous(t: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

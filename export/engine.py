@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from holoserve import HoloServeError
-from holoserve.core.artifact import atomic_write_bytes, atomic_write_json
+from holoserve.core.files import atomic_write_bytes, atomic_write_json
 from holoserve.core.sidecar import SIDECAR_FORMAT, SIDECAR_VERSION
 
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
@@ -330,7 +330,7 @@ def _logger(trt, lines: list[str], verbose: bool):
 
 
 def _sha256(path: Path) -> str:
-    from holoserve.core.artifact import sha256_file
+    from holoserve.core.files import sha256_file
 
     return sha256_file(path)
 

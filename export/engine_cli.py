@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from holoserve import HoloServeError
     from holoserve.core.artifact import MANIFEST, add_files, load_artifact
+    from holoserve.core.manifest import TENSORRT_ENGINE
 
     from .engine import ShapeProfile, build_engine, parse_shape, parse_size
 
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             res = _build(build_engine, onnx_path, plan, profile, args, parse_size)
             side = res.sidecar
             add_files(art, {"model.plan": plan, "model.plan.json": res.sidecar_path}, exports={
-                "tensorrt": {
+                TENSORRT_ENGINE: {
                     "file": "model.plan", "sidecar": "model.plan.json", "onnx": onnx_path.name,
                     "tensorrt": side["tensorrt"], "target": side["target"], "profiles": side["profiles"],
                     "precision": side["precision"], "builder_flags": side["builder_flags"],

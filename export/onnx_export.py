@@ -26,13 +26,17 @@ from typing import Any, Sequence
 import numpy as np
 
 from holoserve import HoloServeError
-from holoserve.core.artifact import Artifact, ArtifactError, add_files, atomic_copy, atomic_write_json, load_artifact
+from holoserve.core.artifact import Artifact, ArtifactError, add_files, load_artifact
+from holoserve.core.files import atomic_copy, atomic_write_json
+from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ONNX
+from holoserve.core.ort import session as ort_session
+from holoserve.core.tokenizer import load_tokenizer
 
 from . import fusion, qdq, verify
 
 OPSET = 17
 TARGET_FILES = {"onnxruntime": "model.onnx", "tensorrt": "model.trt.onnx"}
-MANIFEST_KEYS = {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt-onnx"}
+MANIFEST_KEYS = {"onnxruntime": ONNXRUNTIME, "tensorrt": TENSORRT_ONNX}
 FLOAT_FILE = "model.float.onnx"  # optional, with keep_float: fp32 export Polygraphy checks
 CALIB_FILE = "model.calib.onnx"  # temporary: the onnxruntime placement before the contrib-op rewrites
 
@@ -70,13 +74,8 @@ class ExportResult:
 
 
 def make_tokenizer(art: Artifact, max_length: int | None = None):
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(art.path / "tokenizer.json"))
-    tok.enable_truncation(max_length=max_length or art.max_seq_length)
-    pad_id = tok.token_to_id("[PAD]")
-    tok.enable_padding(pad_id=0 if pad_id is None else pad_id, pad_token="[PAD]")
-    return tok
+    """The checkpoint's tokenizer, padding each batch to its longest row (the export's fixed-shape batches)."""
+    return load_tokenizer(art.path, max_length or art.max_seq_length, pad=True)
 
 
 def encode_batches(tok, texts: Sequence[str], pairs: Sequence[str] | None = None, batch_size: int = 32):
@@ -109,7 +108,7 @@ EVAL_BATCH_SIZE = 128  # `holoserve eval`'s default --batch-size
 
 def eval_batches_np(art: Artifact, split: str, data_dir, limit: int | None = None, batch_size: int = EVAL_BATCH_SIZE):
     """(task, [(row indices, numpy batch)], labels) exactly as `holoserve eval` batches the split."""
-    from holoserve.compress.data import encode, eval_batches, load_tokenizer
+    from holoserve.compress.data import encode, eval_batches
     from holoserve.data.glue import read_split
     from holoserve.data.tasks import get_task
 
@@ -150,18 +149,18 @@ def load_torch_model(art: Artifact):
 
 
 def quantized_layers(art: Artifact) -> list[str]:
-    q = art.manifest.get("quantization")
+    q = art.manifest.quantization
     if not q:
         raise ArtifactError(
             f"{art.path}: the manifest has no INT8 quantization section; only compressed (INT8) checkpoints "
             "can be exported with QDQ nodes — run `holoserve compress` first"
         )
-    if not (q.get("activations") or {}).get("amax"):
+    if not (q.activations and q.activations.amax):
         raise ArtifactError(
             f"{art.path}: the manifest has no calibrated activation ranges (quantization.activations.amax); "
             "re-run `holoserve compress` (calibration) before exporting"
         )
-    return list(q["weights"]["scales"])
+    return list(q.weights.scales)
 
 
 def torch_export_fp32(model, path: Path, opset: int = OPSET) -> None:
@@ -229,12 +228,7 @@ def _calibrate_extra(ort_onnx: Path, tensors: list[str], batches) -> dict[str, f
     tmp = ort_onnx.with_suffix(".calib.onnx")
     onnx.save(m, str(tmp))
     try:
-        import onnxruntime as ort
-
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = max(1, min(2, os.cpu_count() or 1))
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        sess = ort.InferenceSession(str(tmp), so, providers=["CPUExecutionProvider"])
+        sess = ort_session(tmp, threads=max(1, min(2, os.cpu_count() or 1)), optimize=False)
         amax = {t: 0.0 for t in tensors}
         for b in batches:
             vals = sess.run(tensors, b)
@@ -404,7 +398,7 @@ def export_checkpoint(
                 "opset": OPSET,
                 "placement": target,
                 "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in verify.INPUT_NAMES},
-                "outputs": {verify.OUTPUT_NAME: {"dtype": "float32", "shape": ["batch", art.manifest["task"].get("num_labels", len(art.labels) or 1)]}},
+                "outputs": {verify.OUTPUT_NAME: {"dtype": "float32", "shape": ["batch", art.num_labels]}},
                 "weights": "int8 initializers, per-output-channel scales, zero-point 0, read by "
                 + ("MatMulIntegerToFloat" if target == "onnxruntime" and fuse_matmul else "DequantizeLinear"),
                 "activations": "uint8 zero-point 128 (MatMul inputs only)" if target == "onnxruntime"

@@ -24,9 +24,9 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from holoserve.core.artifact import act_key, output_key, residual_key
+from holoserve.core.numerics import UINT8_ZERO_POINT, WEIGHT_QMAX, activation_scale, grid_codes, round_codes
 
 PLACEMENTS = ("onnxruntime", "tensorrt")
-ACT_SCALE_DIV = 127.0  # scale = amax / 127, as in compress/quant.py
 
 
 @dataclass
@@ -160,9 +160,7 @@ def _rename_tensors(model, renames: Mapping[str, str]) -> None:
 
 def weight_codes(w: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """int8 codes of a weight that is already on its per-channel grid (W == q * s exactly)."""
-    from holoserve.core.numerics import int8_codes
-
-    q = int8_codes(np.asarray(w, np.float32), np.asarray(scales, np.float32))
+    q = grid_codes(np.asarray(w, np.float32), np.asarray(scales, np.float32))
     if q is None:
         raise ValueError("weight is not exactly int8 x per-channel scale; the checkpoint is not on its INT8 grid")
     return q
@@ -220,8 +218,8 @@ def insert_qdq(model, tensor: str, amax: float, consumer_inputs: Iterable[tuple[
     if not (amax > 0 and np.isfinite(amax)):
         raise ValueError(f"activation range for {tensor!r} must be a positive number, got {amax}")
     g = model.graph
-    scale = np.asarray(np.float32(amax) / np.float32(ACT_SCALE_DIV), dtype=np.float32)
-    zp = np.asarray(128, np.uint8) if unsigned else np.asarray(0, np.int8)
+    scale = np.asarray(activation_scale(amax), dtype=np.float32)
+    zp = np.asarray(UINT8_ZERO_POINT, np.uint8) if unsigned else np.asarray(0, np.int8)
     s_name, z_name = f"{name}.scale", f"{name}.zero_point"
     q_out, dq_out = f"{name}.quantized", f"{name}.dequantized"
     g.initializer.extend([numpy_helper.from_array(scale, s_name), numpy_helper.from_array(zp, z_name)])
@@ -458,9 +456,9 @@ def embedding_codes(table: np.ndarray, scales: np.ndarray | None = None) -> tupl
     table = np.asarray(table, np.float32)
     if scales is None:
         amax = np.abs(table).max(axis=1)
-        scales = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+        scales = np.where(amax > 0, amax / np.float32(WEIGHT_QMAX), np.float32(1.0)).astype(np.float32)
     scales = np.asarray(scales, np.float32)
-    codes = np.clip(np.rint(table / scales[:, None]), -127, 127).astype(np.int8)
+    codes = round_codes(table, scales)
     return codes, scales
 
 

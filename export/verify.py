@@ -16,6 +16,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from holoserve import HoloServeError
+from holoserve.core.ort import session
 
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 OUTPUT_NAME = "logits"
@@ -39,15 +40,7 @@ def check_onnx(path: str | os.PathLike) -> dict:
 
 
 def ort_session(path: str | os.PathLike, threads: int = 1, optimized_path: str | os.PathLike | None = None):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if optimized_path:
-        so.optimized_model_filepath = str(optimized_path)
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return session(path, threads=threads, optimized_path=optimized_path)
 
 
 def ort_logits(sess, batches: Iterable[Mapping[str, np.ndarray]]) -> np.ndarray:

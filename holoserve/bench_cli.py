@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from . import HoloServeError
-    from holoserve.core.artifact import atomic_write_json, atomic_write_text, load_artifact
+    from holoserve.core.artifact import load_artifact
+    from holoserve.core.files import atomic_write_json, atomic_write_text
     from .backends import BackendUnavailable
 
     if args.iters < 1 or args.warmup < 0:
@@ -215,8 +216,9 @@ def run(args: argparse.Namespace) -> int:
         "kind": "holoserve-bench",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
-        "checkpoint": {"path": str(art.path), "task": art.task_name, "base_model": art.manifest.get("base_model"),
-                       "max_seq_length": art.max_seq_length, "sparsity": (art.manifest.get("sparsity") or {}).get("pattern"),
+        "checkpoint": {"path": str(art.path), "task": art.task_name, "base_model": art.base_model,
+                       "max_seq_length": art.max_seq_length,
+                       "sparsity": art.manifest.sparsity.pattern if art.manifest.sparsity else None,
                        "precision": "int8" if art.quantized else "fp32"},
         "method": {"timer": "time.perf_counter around backend.infer (host arrays in, logits out)",
                    "warmup": args.warmup, "iters": args.iters, "statistic": "median",
@@ -278,7 +280,7 @@ def write_plot(results: list[dict[str, Any]], path, *, title: str) -> bool:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    from holoserve.core.artifact import atomic_savefig
+    from holoserve.core.files import atomic_savefig
 
     try:
         atomic_savefig(fig, path, dpi=120)

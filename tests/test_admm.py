@@ -6,13 +6,14 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from holoserve.compress.config import AdmmConfig, PhaseConfig, Preset
-from holoserve.compress.data import encode, load_tokenizer
+from holoserve.compress.data import encode
+from holoserve.core.tokenizer import load_tokenizer
 from holoserve.compress.layers import encoder_linear_names
 from holoserve.compress.project import project
 from holoserve.compress.sparsify import Admm
 from holoserve.compress.trainer import train_phase
 from holoserve.data.glue import read_split
-from holoserve.core.numerics import int8_codes, is_nm_sparse
+from holoserve.core.numerics import grid_codes, is_nm_sparse
 
 from .compress_helpers import write_glue
 from .tiny import make_tiny_bert
@@ -52,7 +53,7 @@ def test_admm_drives_w_onto_the_constraint_set(setup):
     for name, z in admm.Z.items():  # Z always lies in S ∩ Q
         zz = z.numpy()
         assert is_nm_sparse(zz)
-        assert int8_codes(zz, project(z).scales.numpy()) is not None
+        assert grid_codes(zz, project(z).scales.numpy()) is not None
     # the duals are non-zero: they carry the accumulated constraint violation
     assert sum(float(u.abs().sum()) for u in admm.U.values()) > 0
 

@@ -11,7 +11,8 @@ from transformers import AutoModelForSequenceClassification
 from holoserve.compress.checkpoint import load_model, save_checkpoint
 from holoserve.compress.layers import encoder_linear_names
 from holoserve.compress.sparsify import finalize, hard_masks
-from holoserve.core.artifact import ArtifactError, file_entry, load_artifact
+from holoserve.core.artifact import ArtifactError, load_artifact
+from holoserve.core.files import file_entry
 from holoserve.cli import main
 from holoserve.data.tasks import get_task
 
@@ -152,6 +153,52 @@ def test_schema_versions(ckpt, version, msg):
     _fails(ckpt, msg)
 
 
+def test_schema_v1_checkpoint_still_loads(ckpt):
+    """A manifest written before the typed schema (v1: no task.num_labels) loads, upgraded in memory;
+    the next write stores the current version."""
+    from holoserve.core.artifact import add_files
+    from holoserve.core.manifest import SCHEMA_VERSION
+
+    m = _manifest(ckpt)
+    m["schema_version"] = 1
+    del m["task"]["num_labels"]
+    m["exports"] = {}
+    _write_manifest(ckpt, m)
+    art = load_artifact(ckpt)
+    assert art.manifest.schema_version == SCHEMA_VERSION == 2
+    assert art.num_labels == 2 and art.labels == ["negative", "positive"]
+    (ckpt / "notes.txt").write_text("x")
+    add_files(art, {"notes.txt": ckpt / "notes.txt"})
+    assert _manifest(ckpt)["schema_version"] == 2 and _manifest(ckpt)["task"]["num_labels"] == 2
+
+
+@pytest.mark.parametrize("where,value,msg", [
+    ((), ("surprise", 1), "surprise: Extra inputs are not permitted"),
+    (("task",), ("pair", "maybe"), "task.pair: Input should be a valid boolean"),
+    (("quantization", "activations"), ("qmax", 255), "quantization.activations.qmax"),
+    (("sparsity",), ("n", 4), "sparsity n/m invalid (4/4)"),
+])
+def test_manifest_fields_are_typed_and_closed(ckpt, where, value, msg):
+    """Unknown fields are refused and every field is type-checked, naming the field in the error."""
+    m = _manifest(ckpt)
+    section = m
+    for key in where:
+        section = section[key]
+    section[value[0]] = value[1]
+    _write_manifest(ckpt, m)
+    _fails(ckpt, "does not follow schema 2", msg)
+
+
+def test_export_entries_are_typed(ckpt):
+    from holoserve.core.artifact import add_files
+
+    (ckpt / "model.onnx").write_bytes(b"onnx")
+    with pytest.raises(ArtifactError, match="exports.onnxruntime.opset"):
+        add_files(ckpt, {"model.onnx": ckpt / "model.onnx"}, exports={"onnxruntime": {"file": "model.onnx",
+                                                                                     "opset": "seventeen"}})
+    assert "model.onnx" not in _manifest(ckpt)["files"], "a refused entry must leave the manifest alone"
+
+
 def test_invalid_json(ckpt):
     (ckpt / "manifest.json").write_text('{"format": "holoserve-checkpoint", ')
     _fails(ckpt, "manifest.json is not valid JSON")
@@ -196,7 +243,7 @@ def test_checkpoint_files_are_readable_by_other_users(good, tmp_path):
     import os
     import stat
 
-    from holoserve.core.artifact import atomic_copy, atomic_write_bytes
+    from holoserve.core.files import atomic_copy, atomic_write_bytes
 
     old = os.umask(0o022)
     try:

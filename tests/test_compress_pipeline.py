@@ -9,7 +9,9 @@ import os
 import pytest
 import torch
 
-from holoserve.core.artifact import load_artifact, sha256_file
+from holoserve.core.artifact import load_artifact
+
+from holoserve.core.files import sha256_file
 from holoserve.cli import main
 
 from .compress_helpers import check_saved_checkpoint, write_glue

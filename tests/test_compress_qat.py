@@ -5,14 +5,15 @@ from torch.nn.utils import parametrize
 from transformers import AutoModelForSequenceClassification
 
 from holoserve.compress.config import PhaseConfig, Preset
-from holoserve.compress.data import encode, load_tokenizer, train_batches
+from holoserve.compress.data import encode, train_batches
+from holoserve.core.tokenizer import load_tokenizer
 from holoserve.compress.layers import encoder_linear_names, get_linear
 from holoserve.compress.project import project
 from holoserve.compress.quant import calibrate_amax, input_quantizers
 from holoserve.compress.sparsify import MaskedWeight, attach_masks, finalize, hard_masks, nm_share
 from holoserve.compress.trainer import train_phase
 from holoserve.data.glue import read_split
-from holoserve.core.numerics import int8_codes, is_nm_sparse
+from holoserve.core.numerics import grid_codes, is_nm_sparse
 
 from .compress_helpers import write_glue
 from .tiny import make_tiny_bert
@@ -67,7 +68,7 @@ def test_mask_survives_qat(setup):
         w = lin.weight.detach()
         assert is_nm_sparse(w.numpy()), n
         assert (w[~masks[n]] == 0).all()
-        assert int8_codes(w.numpy(), scales[n].numpy()) is not None, n
+        assert grid_codes(w.numpy(), scales[n].numpy()) is not None, n
         changed += int(not torch.equal(w, before[n]))
     assert changed == len(layers)  # QAT really trained every layer
     assert nm_share(model, layers) == 1.0

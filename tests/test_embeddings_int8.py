@@ -6,7 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from holoserve.core.artifact import ArtifactError, atomic_write_json, load_artifact
+from holoserve.core.artifact import ArtifactError, load_artifact
+
+from holoserve.core.files import atomic_write_json
 from holoserve.cli import main
 
 from .compress_helpers import check_saved_checkpoint, write_glue

@@ -189,9 +189,9 @@ def test_build_engine_cli_records_plan_in_checkpoint(trt_export, capsys):
     assert rc == 0, out
     assert "parser accepted" in out and "SM80" in out
     art = load_artifact(trt_export)
-    e = art.manifest["exports"]["tensorrt"]
-    assert e["file"] == "model.plan" and e["sidecar"] == "model.plan.json"
-    assert "model.plan" in art.manifest["files"] and "model.plan.json" in art.manifest["files"]
+    e = art.export("tensorrt")
+    assert e.file == "model.plan" and e.sidecar == "model.plan.json"
+    assert "model.plan" in art.manifest.files and "model.plan.json" in art.manifest.files
 
 
 @needs_rtx

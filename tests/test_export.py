@@ -73,11 +73,11 @@ def _inits(model):
 def test_export_records_both_targets_in_manifest(exported):
     ckpt, res = exported
     art = load_artifact(ckpt)  # sha256 of the new files is checked here
-    assert set(art.manifest["exports"]) >= {"onnxruntime", "tensorrt-onnx"}
-    assert art.manifest["exports"]["onnxruntime"]["file"] == "model.onnx"
-    assert art.manifest["exports"]["tensorrt-onnx"]["file"] == "model.trt.onnx"
+    assert set(art.manifest.exports.recorded()) >= {"onnxruntime", "tensorrt-onnx"}
+    assert art.export("onnxruntime").file == "model.onnx"
+    assert art.export("tensorrt-onnx").file == "model.trt.onnx"
     for f in ("model.onnx", "model.trt.onnx", "model.float.onnx"):
-        assert f in art.manifest["files"] and (ckpt / f).is_file()
+        assert f in art.manifest.files and (ckpt / f).is_file()
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".")], "temporary files left behind"
 
 
@@ -230,7 +230,7 @@ def test_not_2of4_checkpoint_is_refused_with_clear_message(tmp_path, capsys):
     """A weight edited after compression (manifest sha updated, so only the 2:4 proof can catch it)."""
     from safetensors.numpy import load_file, save_file
 
-    from holoserve.core.artifact import atomic_write_json, file_entry
+    from holoserve.core.files import atomic_write_json, file_entry
     from holoserve.cli import main
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
@@ -255,7 +255,7 @@ def test_not_2of4_checkpoint_is_refused_with_clear_message(tmp_path, capsys):
 def test_checkpoint_without_activation_ranges_is_refused(tmp_path):
     from holoserve.export.onnx_export import export_checkpoint
     from holoserve import HoloServeError
-    from holoserve.core.artifact import atomic_write_json
+    from holoserve.core.files import atomic_write_json
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
     m = json.loads((ckpt / "manifest.json").read_text())
@@ -393,7 +393,7 @@ def test_word_embeddings_int8_only_when_lossless_by_default(tmp_path):
 
     from holoserve.export.onnx_export import export_checkpoint
     from holoserve.export.qdq import dequantized_embedding, embedding_is_int8_exact
-    from holoserve.core.artifact import atomic_write_json, file_entry
+    from holoserve.core.files import atomic_write_json, file_entry
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
     res = export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "auto", progress=False, polygraphy=False)
@@ -434,7 +434,8 @@ def test_eval_onnx_scores_the_export_on_eval_batches(exported, tmp_path):
     """`holoserve eval --onnx` runs the server's ORT backend on the batches `holoserve eval` uses,
     and with integer-exact GEMMs in the PyTorch reference both give the same predictions."""
     from holoserve.compress.checkpoint import load_model
-    from holoserve.compress.data import encode, eval_batches, load_tokenizer
+    from holoserve.compress.data import encode, eval_batches
+    from holoserve.core.tokenizer import load_tokenizer
     from holoserve.compress.evaluate import predict
     from holoserve.compress.evaluate_cli import evaluate_checkpoint
     from holoserve.compress.quant import input_quantizers

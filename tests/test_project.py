@@ -2,8 +2,12 @@
 import pytest
 import torch
 
-from holoserve.compress.project import channel_scales, int8_codes, nm_mask, project, to_grid
-from holoserve.core.numerics import int8_codes as np_codes, is_nm_sparse
+from holoserve.compress.project import channel_scales, nm_mask, project, to_grid
+from holoserve.core.numerics import grid_codes as np_codes, is_nm_sparse, round_codes
+
+
+def int8_codes(w, scales):
+    return torch.from_numpy(round_codes(w.numpy(), scales.numpy()))
 
 
 @pytest.fixture

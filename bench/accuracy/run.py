@@ -10,7 +10,6 @@ re-run to fill in what is missing. Results: bench/results/accuracy.{json,md,png}
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from holoserve.core.artifact import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
+from holoserve.core.artifact import read_manifest  # noqa: E402
+from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
+from holoserve.core.manifest import Manifest  # noqa: E402
 
 METHODS = {  # row key -> (label, extra CLI arguments)
     "admm_int8": ("ADMM 2:4 ∩ INT8 + KD", []),
@@ -58,11 +59,11 @@ def run_one(task: str, key: str, args, runs: Path, teacher: Path | None, reuse: 
 _SCORES: dict[Path, dict] = {}
 
 
-def scored(path: Path, data_dir: str | None, manifest: dict) -> tuple[dict, str]:
+def scored(path: Path, data_dir: str | None, manifest: Manifest) -> tuple[dict, str]:
     """The checkpoint's dev metrics as `holoserve eval` computes them now (INT8 checkpoints: integer-exact
     GEMMs, the numerics ONNX Runtime reproduces), or the manifest's when there is nothing to re-score."""
-    if not data_dir or not (manifest.get("quantization") or {}).get("activations"):
-        return manifest["metrics"]["compressed"], "manifest"
+    if not data_dir or not (manifest.quantization and manifest.quantization.activations):
+        return manifest.metrics.compressed, "manifest"
     if path not in _SCORES:
         from holoserve.compress.evaluate_cli import evaluate_checkpoint
 
@@ -75,25 +76,25 @@ def summarize(task: str, ckpts: dict[str, Path | None], data_dir: str | None = N
     for key, path in ckpts.items():
         if path is None:
             continue
-        m = json.loads((path / "manifest.json").read_text())
-        primary = m["metrics"]["primary"]
+        m = read_manifest(path)
+        primary = m.metrics.primary
         row["metric"] = primary
-        row["dev_rows"] = m["metrics"].get("dev_rows")
-        row["dense"] = m["metrics"]["dense"][primary]
-        t = m["training"]
+        row["dev_rows"] = m.metrics.dev_rows
+        row["dense"] = m.metrics.dense[primary]
+        t = m.training
         metrics, source = scored(path, data_dir, m)
         row["runs"][key] = {
             "value": metrics[primary],
             "all": metrics,
             "scored_by": source,
-            "manifest_value": m["metrics"]["compressed"][primary],
+            "manifest_value": m.metrics.compressed[primary],
             "preset": t.get("preset"),
             "steps": {k: v.get("steps") for k, v in t.get("phases", {}).items() if isinstance(v, dict) and "steps" in v},
             "wall_seconds": t.get("wall_seconds"),
             "machine": t.get("machine"),
             "train_rows": t.get("train_rows"),
             "checkpoint": path.name,
-            "extra": {k: v for k, v in m["metrics"].items() if k in ("after_projection", "one_shot", "sparse_fp32")},
+            "extra": m.metrics.model_dump(include={"after_projection", "one_shot", "sparse_fp32"}, exclude_none=True),
         }
         if key == "admm_int8":
             row["dense_phase"] = t.get("phases", {}).get("dense")
@@ -162,16 +163,16 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def variant(name: str, path: Path, data_dir: str | None = None) -> dict:
-    m = json.loads((path / "manifest.json").read_text())
-    t, met = m["training"], m["metrics"]
-    pc, primary = t["preset_config"], met["primary"]
+    m = read_manifest(path)
+    t, met = m.training, m.metrics
+    pc, primary = t["preset_config"], met.primary
     admm = t["phases"].get("admm", {})
     return {
-        "task": m["task"]["name"], "name": name, "checkpoint": path.name,
+        "task": m.task.name, "name": name, "checkpoint": path.name,
         "admm": f"{pc['admm']['steps']} @ {pc['admm']['lr']:g}", "qat": f"{pc['qat']['steps']} @ {pc['qat']['lr']:g}",
         "after_admm": (admm.get("dev_before_projection") or {}).get(primary),
-        "after_projection": (met.get("after_projection") or {}).get(primary),
-        "value": scored(path, data_dir, m)[0][primary], "manifest_value": met["compressed"][primary],
+        "after_projection": (met.after_projection or {}).get(primary),
+        "value": scored(path, data_dir, m)[0][primary], "manifest_value": met.compressed[primary],
         "wall_seconds": t.get("wall_seconds"),
     }
 

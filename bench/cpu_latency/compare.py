@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         "median_ms": med,
         "speedup_vs_first": {k: round(first / v, 3) for k, v in med.items()},
     }
-    from holoserve.core.artifact import atomic_write_json, atomic_write_text
+    from holoserve.core.files import atomic_write_json, atomic_write_text
 
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / f"{args.name}.json", report)

@@ -35,8 +35,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from holoserve.core.artifact import atomic_savefig  # noqa: E402
+from holoserve.core.files import atomic_savefig  # noqa: E402
 from holoserve.core.machine import describe_cpu  # noqa: E402
+from holoserve.core.ort import session  # noqa: E402
 
 ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "ours_qdq_int8")
 LABELS = {
@@ -62,19 +63,10 @@ def uptime_text() -> str:
 
 
 def ort_session(path: Path, threads: int):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.log_severity_level = 3
     # ORT's pool threads spin-wait after each run; with engines interleaved in one process on a
     # small CPU that spinning starves the next engine's threads (PyTorch at 2 threads measured
     # 5x slower than at 1). Parked threads keep the comparison fair.
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return session(path, threads=threads, spinning=False, quiet=True)
 
 
 def random_rows(rng, vocab: int, batch: int, seq: int, cls_id: int | None = None,
@@ -262,7 +254,7 @@ def main(argv=None) -> int:
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    from holoserve.core.artifact import atomic_write_json, atomic_write_text
+    from holoserve.core.files import atomic_write_json, atomic_write_text
 
     atomic_write_json(args.out / f"{args.name}.json", report)
     atomic_write_text(args.out / f"{args.name}.md", markdown(report))

@@ -28,17 +28,14 @@ FP16_MIN_ELEMENTS = 1_000_000  # float tensors at least this large travel as fp1
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
-def _int8_scales(manifest: dict) -> dict[str, list]:
+def _int8_scales(manifest) -> dict[str, list]:
     """Per-channel scales of the encoder Linears and per-row scales of INT8 embedding tables, by module."""
-    q = manifest.get("quantization") or {}
-    scales = dict((q.get("weights") or {}).get("scales") or {})
-    scales.update({k: v["scales"] for k, v in (q.get("embeddings") or {}).items()})
+    q = manifest.quantization
+    if q is None:
+        return {}
+    scales = dict(q.weights.scales)
+    scales.update({k: v.scales for k, v in (q.embeddings or {}).items()})
     return scales
-
-
-def _codes(w: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    s = scales.astype(np.float32).reshape(-1, 1)
-    return np.clip(np.rint(w.astype(np.float32) / s), -127, 127).astype(np.int8)
 
 
 def pack(checkpoint: str | Path, out: str | Path, *, fp16_min_elements: int | None = None) -> dict[str, Any]:
@@ -49,7 +46,9 @@ def pack(checkpoint: str | Path, out: str | Path, *, fp16_min_elements: int | No
     fp16_min = FP16_MIN_ELEMENTS if fp16_min_elements is None else fp16_min_elements
     from safetensors.numpy import load_file, save_file
 
-    from holoserve.core.artifact import atomic_write_json, load_artifact
+    from holoserve.core.artifact import load_artifact
+    from holoserve.core.files import atomic_write_json
+    from holoserve.core.numerics import grid_codes
 
     art = load_artifact(checkpoint)
     scales = _int8_scales(art.manifest)
@@ -61,8 +60,8 @@ def pack(checkpoint: str | Path, out: str | Path, *, fp16_min_elements: int | No
         layer = key[: -len(".weight")] if key.endswith(".weight") else None
         if layer in scales:
             s = np.asarray(scales[layer], dtype=np.float32)
-            codes = _codes(w, s)
-            if not np.array_equal(codes.astype(np.float32) * s.reshape(-1, 1), w.astype(np.float32)):
+            codes = grid_codes(w, s)
+            if codes is None:
                 raise ValueError(f"{key} is not exactly int8 codes x scale; the checkpoint breaks the contract")
             packed[layer + CODES_SUFFIX] = codes
             kinds[key] = "int8"
@@ -81,12 +80,12 @@ def pack(checkpoint: str | Path, out: str | Path, *, fp16_min_elements: int | No
         for name in SIDE_FILES:
             if (art.path / name).is_file():
                 shutil.copy2(art.path / name, tmp / name)
-        manifest = dict(art.manifest)
+        manifest = art.manifest.to_json()
         manifest["exports"] = {}  # exported files do not travel
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         info = {
             "source": art.path.name,
-            "source_sha256": art.manifest["files"]["model.safetensors"]["sha256"],
+            "source_sha256": art.manifest.files["model.safetensors"].sha256,
             "kinds": kinds,
             "fp16_max_abs_error": fp16_err,
             "bytes": (tmp / WEIGHTS).stat().st_size,
@@ -106,10 +105,10 @@ def unpack(packed_dir: str | Path, dest: str | Path):
     """Rebuild a valid checkpoint folder at `dest` from a packed folder; returns its Artifact."""
     from safetensors.numpy import load_file, save_file
 
-    from holoserve.core.artifact import write_artifact
+    from holoserve.core.artifact import read_manifest, write_artifact
 
     src = Path(packed_dir)
-    manifest = json.loads((src / "manifest.json").read_text())
+    manifest = read_manifest(src)
     scales = _int8_scales(manifest)
     packed = load_file(str(src / WEIGHTS))
     tensors: dict[str, np.ndarray] = {}

@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="GLUE folder (default $HOLOSERVE_DATA_DIR); its dev split travels for the parity check")
     args = ap.parse_args(argv)
 
-    from holoserve.core.artifact import atomic_write_json, load_artifact
+    from holoserve.core.artifact import load_artifact
+
+    from holoserve.core.files import atomic_write_json
     from holoserve.data.tasks import get_task
 
     art = load_artifact(args.checkpoint)

@@ -35,7 +35,7 @@ def pack_base(src: Path, dest: Path) -> dict:
     import numpy as np
     from safetensors.numpy import load_file, save
 
-    from holoserve.core.artifact import atomic_write_bytes
+    from holoserve.core.files import atomic_write_bytes
 
     dest.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy2(src, dst)
             copied[f"{task.folder}/{src.name}"] = src.stat().st_size
     sizes = {"carry": folder_bytes(args.out), "tree": tree_bytes()}
-    from holoserve.core.artifact import atomic_write_json
+    from holoserve.core.files import atomic_write_json
 
     atomic_write_json(args.out / "carry.json", {"base_model": name, "glue": copied, "bytes": sizes, **info})
     return report_sizes(sizes)

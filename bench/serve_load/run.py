@@ -33,7 +33,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from holoserve.core.artifact import atomic_savefig, atomic_write_json, atomic_write_text, load_artifact  # noqa: E402
+from holoserve import HoloServeError  # noqa: E402
+from holoserve.core.artifact import load_artifact, read_manifest  # noqa: E402
+
+from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text
 from holoserve.core.machine import cpu_name  # noqa: E402
 
 FALLBACK = [
@@ -454,9 +457,8 @@ def main() -> int:
 
     def exported(p: Path) -> bool:
         try:
-            exports = json.loads((p / "manifest.json").read_text()).get("exports") or {}
-            return args.backend != "onnxruntime" or "onnxruntime" in exports
-        except (OSError, json.JSONDecodeError):
+            return args.backend != "onnxruntime" or read_manifest(p).exports.onnxruntime is not None
+        except HoloServeError:
             return False
 
     ckpt = Path(args.checkpoint) if args.checkpoint else next(
@@ -473,10 +475,10 @@ def main() -> int:
         "benchmark": "serve_load",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
-        "checkpoint": {"name": ckpt.name, "base_model": art.manifest.get("base_model"),
+        "checkpoint": {"name": ckpt.name, "base_model": art.base_model,
                        "task": art.task_name, "max_seq_length": art.max_seq_length,
-                       "training": art.manifest.get("training", {}).get("method"),
-                       "export": (art.manifest.get("exports") or {}).get("onnxruntime", {}).get("file")},
+                       "training": art.manifest.training.get("method"),
+                       "export": art.manifest.exports.onnxruntime.file if art.manifest.exports.onnxruntime else None},
         "texts": text_source, "threads": args.threads, "duration_s": args.duration, "rounds": args.rounds, "max_requests": args.max_requests,
         "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop",
         "modes": {},

@@ -31,7 +31,7 @@ def nvidia_gpu_visible() -> bool:
 
 def _precheck(name: str, artifact: Artifact, gpu: bool) -> str | None:
     """A reason to skip `name` without importing anything heavy, or None to try loading it."""
-    exports = artifact.manifest.get("exports") or {}
+    exports = artifact.manifest.exports.recorded()
     if name == "tensorrt":
         if "tensorrt" not in exports:
             return "the checkpoint has no TensorRT engine (holoserve build-engine)"

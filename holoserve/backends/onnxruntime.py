@@ -8,24 +8,26 @@ from typing import Any
 import numpy as np
 
 from holoserve.core.artifact import Artifact
+from holoserve.core.manifest import ONNXRUNTIME
+from holoserve.core.ort import session as ort_session
 from .base import BackendUnavailable
 
-EXPORT_KEY = "onnxruntime"
+EXPORT_KEY = ONNXRUNTIME
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
 def onnx_path(artifact: Artifact, export_key: str = EXPORT_KEY) -> Path:
     """The ONNX file recorded under exports[export_key], or a clear error saying how to make it."""
-    entry = (artifact.manifest.get("exports") or {}).get(export_key)
-    if not entry or not entry.get("file"):
+    entry = artifact.export(export_key)
+    if entry is None:
         raise BackendUnavailable(
             f"{artifact.path} has no {export_key!r} export (manifest exports['{export_key}'] is missing): "
             f"run `holoserve export {artifact.path}` first"
         )
-    path = artifact.path / entry["file"]
+    path = artifact.path / entry.file
     if not path.is_file():
         raise BackendUnavailable(
-            f"{artifact.path}: the manifest lists ONNX export {entry['file']!r} but the file is missing; "
+            f"{artifact.path}: the manifest lists ONNX export {entry.file!r} but the file is missing; "
             f"re-run `holoserve export {artifact.path}`"
         )
     return path
@@ -55,15 +57,10 @@ class OrtBackend:
         except ImportError as e:  # pragma: no cover - part of the base install
             raise BackendUnavailable(f"onnxruntime is not installed ({e}): pip install onnxruntime") from None
         self.path = onnx_path(artifact, export_key)
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         threads = threads if threads is not None else int(os.environ.get("HOLOSERVE_ORT_THREADS", "0") or 0)
-        if threads > 0:
-            opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
         providers = choose_providers(ort.get_available_providers(), device)
         try:
-            self.session = ort.InferenceSession(str(self.path), sess_options=opts, providers=providers)
+            self.session = ort_session(self.path, threads=threads, providers=providers)
         except Exception as e:  # ORT raises its own exception types
             raise BackendUnavailable(f"ONNX Runtime cannot load {self.path}: {e}") from None
         self.providers = self.session.get_providers()

@@ -24,9 +24,10 @@ import numpy as np
 
 from ..core import sidecar as engine_sidecar
 from holoserve.core.artifact import Artifact
+from holoserve.core.manifest import TENSORRT_ENGINE
 from .base import BackendUnavailable
 
-EXPORT_KEY = "tensorrt"
+EXPORT_KEY = TENSORRT_ENGINE
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 OUTPUT = "logits"
 LIBRARIES = ("tensorrt", "tensorrt_rtx")
@@ -36,14 +37,14 @@ LIBRARIES = ("tensorrt", "tensorrt_rtx")
 
 
 def engine_files(artifact: Artifact) -> tuple[Path, Path]:
-    entry = (artifact.manifest.get("exports") or {}).get(EXPORT_KEY)
-    if not entry or not entry.get("file"):
+    entry = artifact.export(EXPORT_KEY)
+    if entry is None:
         raise BackendUnavailable(
             f"{artifact.path} has no TensorRT engine (manifest exports['{EXPORT_KEY}'] is missing): "
             f"build one for the serving GPU with `holoserve build-engine {artifact.path}`"
         )
-    plan = artifact.path / entry["file"]
-    sidecar = artifact.path / entry.get("sidecar", entry["file"] + ".json")
+    plan = artifact.path / entry.file
+    sidecar = artifact.path / entry.sidecar
     for p in (plan, sidecar):
         if not p.is_file():
             raise BackendUnavailable(
@@ -270,7 +271,7 @@ class TensorRTBackend:
         if "input_ids" not in self.inputs or self.output is None:
             raise BackendUnavailable(f"{plan_path}: the engine needs an input_ids input and a logits output")
         self.max_batch, self.max_seq = self.max_shape["input_ids"][:2]
-        self.num_labels = int(artifact.manifest["task"].get("num_labels") or max(1, len(artifact.labels)))
+        self.num_labels = artifact.num_labels
         self.ptrs = {name: self.mem.malloc(int(np.prod(self.max_shape[name])) * dt.itemsize)
                      for name, dt in self.inputs.items()}
         self.ptrs[self.output] = self.mem.malloc(self.max_batch * self.num_labels * self.output_dtype.itemsize)

@@ -15,32 +15,23 @@ the manifest is rewritten the same way. Readers validate everything they rely on
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .. import HoloServeError, __version__
-from .numerics import int8_codes, nm_violations
+from .manifest import DENSE_MODULES, FORMAT, SCHEMA_VERSION, ArtifactError, Manifest, parse
+from .files import _fsync_dir, _public_mode, atomic_copy, atomic_write_bytes, atomic_write_json, file_entry, sha256_file
+from .numerics import is_on_int8_grid, nm_violations
 
-SCHEMA_VERSION = 1
-FORMAT = "holoserve-checkpoint"
 MANIFEST = "manifest.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 WEIGHTS = "model.safetensors"
-# Parts of a BERT classifier that stay dense and unquantized; recorded in every manifest.
-DENSE_MODULES = ("embeddings", "LayerNorm", "pooler", "classifier")
-
-
-class ArtifactError(HoloServeError):
-    """A checkpoint that cannot be used, with the reason and what to do about it."""
 
 
 # ------------------------------------------------- activation-range keys (quantization.activations.amax)
@@ -67,97 +58,6 @@ def input_layers(amax: Mapping[str, float]) -> list[str]:
     return [k[: -len(suffix)] for k in amax if k.endswith(suffix)]
 
 
-# --------------------------------------------------------------------------- files
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _public_mode(fd_or_path, directory: bool = False) -> None:
-    """mkstemp/mkdtemp create 0600/0700 entries; give checkpoint files the usual umask-based modes so a
-    server running as another user (e.g. in a container) can read them."""
-    mode = (0o777 if directory else 0o666) & ~_umask()
-    if isinstance(fd_or_path, int):
-        os.fchmod(fd_or_path, mode)
-    else:
-        os.chmod(fd_or_path, mode)
-
-
-def _atomic_write(path: str | os.PathLike, fill: Callable[[BinaryIO], None]) -> None:
-    """Let `fill` write a temporary sibling of `path`, fsync it and rename it into place, so that
-    readers see either the old file or the whole new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        _public_mode(fd)
-        with os.fdopen(fd, "wb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    _atomic_write(path, lambda f: f.write(data))
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
-def atomic_savefig(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
-    """Save a matplotlib figure atomically (its format from the file suffix, e.g. .png)."""
-    fmt = Path(path).suffix.lstrip(".") or "png"
-    _atomic_write(path, lambda f: fig.savefig(f, format=fmt, dpi=dpi))
-
-
-def atomic_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """Copy a (possibly large) file into place via a temporary sibling and a rename."""
-    def fill(out: BinaryIO) -> None:
-        with open(src, "rb") as inp:
-            shutil.copyfileobj(inp, out, 1 << 20)
-
-    _atomic_write(dst, fill)
-
-
-def file_entry(path: str | os.PathLike) -> dict[str, Any]:
-    p = Path(path)
-    return {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-
-
 # --------------------------------------------------------------------------- manifest
 
 
@@ -170,102 +70,28 @@ def new_manifest(
     quantization: Mapping[str, Any] | None,
     metrics: Mapping[str, Any] | None = None,
     training: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """A manifest dict in the current schema; `files` is filled in by the writer.
-
-    task:         {"name", "labels": [...] (empty for regression), "pair": bool, "num_labels"}
-    sparsity:     {"pattern": "2:4", "n": 2, "m": 4, "axis": "input", "layers": [module names]} or None
-    quantization: {"weights": {"dtype": "int8", "scheme": "symmetric", "granularity": "per_output_channel",
-                               "scales": {layer: [float, ...]}},
-                   "activations": {"dtype": "int8", "scheme": "symmetric", "granularity": "per_tensor",
-                                   "amax": {tensor name: float}}} or None
-    metrics:      {"primary": "accuracy", "dense": {...}, "compressed": {...}}
-    """
-    return {
-        "format": FORMAT,
-        "schema_version": SCHEMA_VERSION,
-        "holoserve_version": __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "base_model": base_model,
-        "task": dict(task),
-        "max_seq_length": int(max_seq_length),
-        "sparsity": dict(sparsity) if sparsity else None,
-        "quantization": dict(quantization) if quantization else None,
-        "dense_modules": list(DENSE_MODULES),
-        "metrics": dict(metrics or {}),
-        "training": dict(training or {}),
-        "exports": {},
-        "files": {},
-    }
+) -> Manifest:
+    """A manifest in the current schema (holoserve.core.manifest); `files` is filled in by the writer."""
+    return parse(
+        {
+            "format": FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "base_model": base_model,
+            "task": dict(task),
+            "max_seq_length": int(max_seq_length),
+            "sparsity": dict(sparsity) if sparsity else None,
+            "quantization": dict(quantization) if quantization else None,
+            "dense_modules": list(DENSE_MODULES),
+            "metrics": dict(metrics or {}),
+            "training": dict(training or {}),
+        },
+        where="new checkpoint",
+    )
 
 
 def _require(cond: bool, where: Path, msg: str) -> None:
     if not cond:
         raise ArtifactError(f"{where}: {msg}")
-
-
-def validate_manifest(m: Any, where: Path) -> None:
-    """Structural checks; file and weight checks happen in `load_artifact`."""
-    _require(isinstance(m, dict), where, "manifest.json is not a JSON object")
-    _require(m.get("format") == FORMAT, where, f"manifest.json is not a {FORMAT} manifest (format={m.get('format')!r})")
-    version = m.get("schema_version")
-    _require(
-        isinstance(version, int), where, "manifest.json has no integer schema_version; re-create the checkpoint"
-    )
-    _require(
-        version <= SCHEMA_VERSION,
-        where,
-        f"manifest schema_version {version} is newer than this HoloServe understands ({SCHEMA_VERSION}); "
-        "upgrade holoserve",
-    )
-    _require(version >= 1, where, f"unknown manifest schema_version {version}")
-    for key, typ in (("task", dict), ("files", dict), ("max_seq_length", int), ("metrics", dict)):
-        _require(isinstance(m.get(key), typ), where, f"manifest.json: {key!r} is missing or not a {typ.__name__}")
-    task = m["task"]
-    _require(isinstance(task.get("name"), str), where, "manifest.json: task.name is missing")
-    _require(isinstance(task.get("labels"), list), where, "manifest.json: task.labels must be a list")
-    _require(isinstance(task.get("pair"), bool), where, "manifest.json: task.pair must be true or false")
-    _require(m["max_seq_length"] > 0, where, "manifest.json: max_seq_length must be positive")
-    sp = m.get("sparsity")
-    if sp is not None:
-        _require(isinstance(sp, dict), where, "manifest.json: sparsity must be an object or null")
-        n, mm = sp.get("n"), sp.get("m")
-        _require(
-            isinstance(n, int) and isinstance(mm, int) and 0 < n < mm,
-            where,
-            f"manifest.json: sparsity n/m invalid ({n}/{mm})",
-        )
-        _require(sp.get("axis", "input") == "input", where, "manifest.json: only N:M along the input axis is supported")
-        _require(
-            isinstance(sp.get("layers"), list) and all(isinstance(x, str) for x in sp["layers"]),
-            where,
-            "manifest.json: sparsity.layers must be a list of layer names",
-        )
-    q = m.get("quantization")
-    if q is not None:
-        _require(isinstance(q, dict), where, "manifest.json: quantization must be an object or null")
-        w = q.get("weights")
-        _require(
-            isinstance(w, dict) and isinstance(w.get("scales"), dict),
-            where,
-            "manifest.json: quantization.weights.scales is missing",
-        )
-        e = q.get("embeddings")
-        _require(
-            e is None or (isinstance(e, dict) and all(isinstance(v, dict) and isinstance(v.get("scales"), list)
-                                                      for v in e.values())),
-            where,
-            "manifest.json: quantization.embeddings must map table names to {\"scales\": [...]}",
-        )
-        a = q.get("activations")
-        if a is not None:
-            _require(
-                isinstance(a, dict) and isinstance(a.get("amax"), dict),
-                where,
-                "manifest.json: quantization.activations.amax must map tensor names to numbers",
-            )
-            bad = [k for k, v in a["amax"].items() if not isinstance(v, (int, float)) or not v > 0]
-            _require(not bad, where, f"manifest.json: activation amax must be positive numbers (bad: {bad[:3]})")
 
 
 # --------------------------------------------------------------------------- artifact
@@ -274,89 +100,106 @@ def validate_manifest(m: Any, where: Path) -> None:
 @dataclass
 class Artifact:
     path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     # -- convenience views of the manifest
     @property
     def task_name(self) -> str:
-        return self.manifest["task"]["name"]
+        return self.manifest.task.name
 
     @property
     def labels(self) -> list[str]:
-        return list(self.manifest["task"]["labels"])
+        return list(self.manifest.task.labels)
+
+    @property
+    def num_labels(self) -> int:
+        return self.manifest.task.num_labels
 
     @property
     def is_pair(self) -> bool:
-        return bool(self.manifest["task"]["pair"])
+        return self.manifest.task.pair
 
     @property
     def max_seq_length(self) -> int:
-        return int(self.manifest["max_seq_length"])
+        return self.manifest.max_seq_length
+
+    @property
+    def base_model(self) -> str:
+        return self.manifest.base_model
 
     @property
     def sparse_layers(self) -> list[str]:
-        sp = self.manifest.get("sparsity")
-        return list(sp["layers"]) if sp else []
+        sp = self.manifest.sparsity
+        return list(sp.layers) if sp else []
 
     @property
     def nm(self) -> tuple[int, int] | None:
-        sp = self.manifest.get("sparsity")
-        return (sp["n"], sp["m"]) if sp else None
+        sp = self.manifest.sparsity
+        return (sp.n, sp.m) if sp else None
 
     @property
     def quantized(self) -> bool:
-        return self.manifest.get("quantization") is not None
+        return self.manifest.quantization is not None
 
     def weight_scales(self, layer: str) -> np.ndarray:
-        q = self.manifest.get("quantization")
-        if not q or layer not in q["weights"]["scales"]:
+        q = self.manifest.quantization
+        if not q or layer not in q.weights.scales:
             raise ArtifactError(f"{self.path}: no INT8 weight scales for layer {layer!r} in manifest.json")
-        return np.asarray(q["weights"]["scales"][layer], dtype=np.float32)
+        return np.asarray(q.weights.scales[layer], dtype=np.float32)
+
+    def all_weight_scales(self) -> dict[str, np.ndarray]:
+        q = self.manifest.quantization
+        return {k: np.asarray(v, dtype=np.float32) for k, v in (q.weights.scales.items() if q else ())}
 
     def embedding_scales(self, name: str | None = None) -> np.ndarray | None:
         """Per-row int8 scales of an embedding table the checkpoint quantized (the word embeddings by
         default), or None when it is stored as plain fp32."""
-        q = self.manifest.get("quantization") or {}
-        tables = q.get("embeddings") or {}
+        q = self.manifest.quantization
+        tables = (q.embeddings if q else None) or {}
         if not tables:
             return None
         key = name or next((k for k in tables if k.endswith("word_embeddings")), None)
         if key is None or key not in tables:
             return None
-        return np.asarray(tables[key]["scales"], dtype=np.float32)
+        return np.asarray(tables[key].scales, dtype=np.float32)
 
     def activation_amax(self) -> dict[str, float]:
-        q = self.manifest.get("quantization") or {}
-        a = q.get("activations") or {}
-        return {k: float(v) for k, v in (a.get("amax") or {}).items()}
+        q = self.manifest.quantization
+        a = q.activations if q else None
+        return {k: float(v) for k, v in (a.amax.items() if a else ())}
 
     def file(self, name: str) -> Path:
         p = self.path / name
-        if name not in self.manifest["files"] or not p.is_file():
+        if name not in self.manifest.files or not p.is_file():
             raise ArtifactError(f"{self.path}: file {name!r} is not part of this checkpoint")
         return p
 
+    def export(self, kind: str):
+        """The typed entry of a recorded export ('onnxruntime', 'tensorrt-onnx', 'tensorrt'), or None."""
+        return self.manifest.exports.get(kind)
+
     def export_path(self, kind: str) -> Path | None:
-        """Path of a recorded export (e.g. 'onnx:onnxruntime', 'tensorrt'), or None."""
-        entry = self.manifest.get("exports", {}).get(kind)
-        return self.path / entry["file"] if entry else None
+        """Path of a recorded export (e.g. 'onnxruntime', 'tensorrt'), or None."""
+        entry = self.export(kind)
+        return self.path / entry.file if entry else None
 
     def summary(self) -> dict[str, Any]:
         m = self.manifest
+        sp = m.sparsity
         return {
-            "task": m["task"],
-            "base_model": m.get("base_model"),
-            "max_seq_length": m["max_seq_length"],
+            "task": m.task.model_dump(mode="json"),
+            "base_model": m.base_model,
+            "max_seq_length": m.max_seq_length,
             "sparsity": None
-            if not m.get("sparsity")
-            else {k: v for k, v in m["sparsity"].items() if k != "layers"} | {"num_layers": len(self.sparse_layers)},
+            if not sp
+            else sp.model_dump(mode="json", exclude={"layers"}) | {"num_layers": len(sp.layers)},
             "precision": "int8" if self.quantized else "fp32",
-            "metrics": m.get("metrics", {}),
-            "training": {k: v for k, v in m.get("training", {}).items() if k in ("method", "preset", "seed")},
+            "metrics": m.metrics.model_dump(mode="json", exclude_none=True),
+            "training": {k: v for k, v in m.training.items() if k in ("method", "preset", "seed")},
         }
 
 
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+def read_manifest(path: str | os.PathLike) -> Manifest:
     path = Path(path)
     mpath = path / MANIFEST
     if not path.is_dir():
@@ -366,15 +209,14 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
             f"{path}: missing {MANIFEST}; this is not a HoloServe checkpoint (create one with `holoserve compress`)"
         )
     try:
-        m = json.loads(mpath.read_text(encoding="utf-8"))
+        data = json.loads(mpath.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{path}: {MANIFEST} is not valid JSON ({e}); the checkpoint is damaged") from None
-    validate_manifest(m, path)
-    return m
+    return parse(data, where=str(path))
 
 
-def verify_files(path: Path, manifest: Mapping[str, Any], names: Iterable[str] | None = None) -> None:
-    files = manifest["files"]
+def verify_files(path: Path, manifest: Manifest, names: Iterable[str] | None = None) -> None:
+    files = manifest.files
     for req in REQUIRED_FILES:
         _require(req in files, path, f"manifest.json does not list required file {req!r}")
     for name in names if names is not None else files:
@@ -383,29 +225,28 @@ def verify_files(path: Path, manifest: Mapping[str, Any], names: Iterable[str] |
         p = path / name
         _require(p.is_file(), path, f"missing file {name!r} listed in manifest.json; copy the whole checkpoint folder")
         _require(
-            p.stat().st_size == entry.get("bytes", p.stat().st_size),
+            p.stat().st_size == entry.bytes,
             path,
-            f"{name} has {p.stat().st_size} bytes, manifest says {entry.get('bytes')}: the file is truncated or was replaced",
+            f"{name} has {p.stat().st_size} bytes, manifest says {entry.bytes}: the file is truncated or was replaced",
         )
         digest = sha256_file(p)
         _require(
-            digest == entry.get("sha256"),
+            digest == entry.sha256,
             path,
-            f"checksum mismatch for {name} (sha256 {digest[:12]}…, manifest {str(entry.get('sha256'))[:12]}…): "
+            f"checksum mismatch for {name} (sha256 {digest[:12]}…, manifest {entry.sha256[:12]}…): "
             "the file is damaged or was changed after the checkpoint was written",
         )
 
 
-def verify_weights(path: Path, manifest: Mapping[str, Any]) -> None:
+def verify_weights(path: Path, manifest: Manifest) -> None:
     """Prove on the saved file that every sparse layer is N:M and, if quantized, on its INT8 grid."""
     from safetensors import safe_open
 
-    sp = manifest.get("sparsity")
-    q = manifest.get("quantization")
-    layers = set(sp["layers"]) if sp else set()
-    if q:
-        layers |= set(q["weights"]["scales"])
-    tables = dict((q or {}).get("embeddings") or {})
+    sp = manifest.sparsity
+    q = manifest.quantization
+    sparse = set(sp.layers) if sp else set()
+    layers = sparse | (set(q.weights.scales) if q else set())
+    tables = dict((q.embeddings if q else None) or {})
     if not layers and not tables:
         return
     try:
@@ -418,21 +259,21 @@ def verify_weights(path: Path, manifest: Mapping[str, Any]) -> None:
             key = f"{layer}.weight"
             _require(key in keys, path, f"layer {layer!r} is listed in manifest.json but {key!r} is not in {WEIGHTS}")
             w = f.get_tensor(key)
-            if sp and layer in sp["layers"]:
-                bad = nm_violations(w, sp["n"], sp["m"])
+            if layer in sparse:
+                bad = nm_violations(w, sp.n, sp.m)
                 _require(
                     bad == 0,
                     path,
-                    f"layer {layer!r} is listed as {sp['n']}:{sp['m']} sparse but "
+                    f"layer {layer!r} is listed as {sp.n}:{sp.m} sparse but "
                     + (
-                        f"its input dimension {w.shape[-1]} is not a multiple of {sp['m']}"
+                        f"its input dimension {w.shape[-1]} is not a multiple of {sp.m}"
                         if bad < 0
-                        else f"{bad} groups of {sp['m']} hold more than {sp['n']} non-zeros"
+                        else f"{bad} groups of {sp.m} hold more than {sp.n} non-zeros"
                     )
                     + "; re-run `holoserve compress`",
                 )
             if q:
-                scales = q["weights"]["scales"].get(layer)
+                scales = q.weights.scales.get(layer)
                 _require(scales is not None, path, f"layer {layer!r} has no INT8 weight scales in manifest.json")
                 _require(
                     len(scales) == w.shape[0],
@@ -440,7 +281,7 @@ def verify_weights(path: Path, manifest: Mapping[str, Any]) -> None:
                     f"layer {layer!r} has {w.shape[0]} output channels but {len(scales)} scales",
                 )
                 _require(
-                    int8_codes(w, np.asarray(scales, dtype=np.float32)) is not None,
+                    is_on_int8_grid(w, np.asarray(scales, dtype=np.float32)),
                     path,
                     f"layer {layer!r} is not exactly int8 x per-channel scale in {WEIGHTS}; re-run `holoserve compress`",
                 )
@@ -449,12 +290,12 @@ def verify_weights(path: Path, manifest: Mapping[str, Any]) -> None:
             _require(key in keys, path, f"embedding {table!r} is listed in manifest.json but {key!r} is not in {WEIGHTS}")
             w = f.get_tensor(key)
             _require(
-                len(entry["scales"]) == w.shape[0],
+                len(entry.scales) == w.shape[0],
                 path,
-                f"embedding {table!r} has {w.shape[0]} rows but {len(entry['scales'])} scales",
+                f"embedding {table!r} has {w.shape[0]} rows but {len(entry.scales)} scales",
             )
             _require(
-                int8_codes(w, np.asarray(entry["scales"], dtype=np.float32)) is not None,
+                is_on_int8_grid(w, np.asarray(entry.scales, dtype=np.float32)),
                 path,
                 f"embedding {table!r} is not exactly int8 x per-row scale in {WEIGHTS}; re-run `holoserve compress`",
             )
@@ -476,7 +317,7 @@ def load_artifact(path: str | os.PathLike, *, verify: bool = True, check_weights
 
 def write_artifact(
     out_dir: str | os.PathLike,
-    manifest: dict[str, Any],
+    manifest: Manifest | Mapping[str, Any],
     files: Mapping[str, str | os.PathLike | bytes],
     *,
     overwrite: bool = False,
@@ -496,8 +337,7 @@ def write_artifact(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         _public_mode(tmp, directory=True)
-        manifest = json.loads(json.dumps(manifest))  # deep copy, and proof it is JSON
-        manifest["files"] = {}
+        entries = {}
         for name, src in files.items():
             if "/" in name or name in (MANIFEST, "", ".", ".."):
                 raise ArtifactError(f"invalid checkpoint file name {name!r}")
@@ -506,10 +346,11 @@ def write_artifact(
                 atomic_write_bytes(dst, bytes(src))
             else:
                 atomic_copy(src, dst)
-            manifest["files"][name] = file_entry(dst)
-        validate_manifest(manifest, out)
+            entries[name] = file_entry(dst)
+        data = manifest.to_json() if isinstance(manifest, Manifest) else dict(manifest)
+        manifest = parse(data | {"files": entries}, where=str(out))
         verify_weights(tmp, manifest)
-        atomic_write_json(tmp / MANIFEST, manifest)
+        atomic_write_json(tmp / MANIFEST, manifest.to_json())
         _fsync_dir(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -535,10 +376,14 @@ def add_files(
     """Add (or replace) files in an existing checkpoint and record them, atomically per file.
 
     Each source is moved (or copied) to a temporary name inside the folder and renamed into
-    place; the manifest, rewritten last, is what makes the addition visible to readers.
+    place; the manifest, rewritten last, is what makes the addition visible to readers. `exports`
+    entries are validated against their typed schema (holoserve.core.manifest) before anything moves.
     """
     art = artifact if isinstance(artifact, Artifact) else Artifact(Path(artifact), read_manifest(artifact))
-    manifest = json.loads(json.dumps(art.manifest))
+    data = art.manifest.to_json()
+    if exports:
+        data["exports"].update({k: dict(v) for k, v in exports.items()})
+        parse(data, where=str(art.path))  # refuse a bad entry before any file is touched
     for name, src in files.items():
         if "/" in name or name in (MANIFEST, *REQUIRED_FILES):
             raise ArtifactError(f"refusing to add {name!r}: it would replace a core checkpoint file")
@@ -547,9 +392,8 @@ def add_files(
             os.replace(src, dst)
         else:
             atomic_copy(src, dst)
-        manifest["files"][name] = file_entry(dst)
-    if exports:
-        manifest.setdefault("exports", {}).update({k: dict(v) for k, v in exports.items()})
-    atomic_write_json(art.path / MANIFEST, manifest)
+        data["files"][name] = file_entry(dst)
+    manifest = parse(data, where=str(art.path))
+    atomic_write_json(art.path / MANIFEST, manifest.to_json())
     _fsync_dir(art.path)
     return Artifact(art.path, manifest)

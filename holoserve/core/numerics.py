@@ -1,15 +1,55 @@
-"""Checks of the two weight constraints on plain numpy arrays (torch-free, used when loading artifacts).
+"""The numerics contract: the INT8 scheme and the N:M pattern, on plain numpy arrays (torch-free).
 
-A weight W (out_features x in_features) is N:M sparse along the input dimension when every
-group of M consecutive input columns of every row holds at most N non-zeros. It is on the INT8
-grid of per-output-channel scales s when W == float32(q) * s[:, None] exactly for integers
-q in [-127, 127] (symmetric, zero-point 0, so pruned zeros stay exactly zero).
+Every stage uses these definitions; nothing else spells the constants.
+
+Weights (per output channel, symmetric, zero-point 0): w == float32(q) * s[:, None] exactly, with
+integer codes q in [-WEIGHT_QMAX, WEIGHT_QMAX]. Zero-preserving, so pruned zeros stay exactly zero.
+
+Activations (per tensor, symmetric, zero-point 0): scale = amax / ACT_SCALE_DIV, codes rounded
+half-to-even and saturated to [ACT_QMIN, ACT_QMAX] — what ONNX QuantizeLinear(int8) computes. A
+uint8 QuantizeLinear with zero-point UINT8_ZERO_POINT gives the same codes shifted by 128.
+
+N:M (along the input dimension): every group of M consecutive input columns of every row holds at
+most N non-zeros.
 """
 from __future__ import annotations
 
 import numpy as np
 
-QMAX = 127
+WEIGHT_QMAX = 127
+ACT_QMIN, ACT_QMAX = -128, 127
+ACT_SCALE_DIV = 127.0
+UINT8_ZERO_POINT = 128
+
+
+def activation_scale(amax: float) -> np.float32:
+    """The per-tensor activation scale for a calibrated range, in float32 as QuantizeLinear reads it."""
+    return np.float32(amax) / np.float32(ACT_SCALE_DIV)
+
+
+def round_codes(w: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Round a weight onto its per-row grid: int8 codes clip(rint(w / s), ±WEIGHT_QMAX)."""
+    s = np.asarray(scales, dtype=np.float32).reshape(-1, 1)
+    q = np.rint(np.asarray(w, dtype=np.float32) / s)
+    return np.clip(q, -WEIGHT_QMAX, WEIGHT_QMAX).astype(np.int8)
+
+
+def grid_codes(w: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
+    """The int8 codes q with float32(q) * scale == w exactly, or None if w is not on that grid."""
+    w = np.asarray(w, dtype=np.float32)
+    s = np.asarray(scales, dtype=np.float32).reshape(-1, 1)
+    if w.ndim != 2 or s.shape[0] != w.shape[0] or not np.all(s > 0) or not np.all(np.isfinite(s)):
+        return None
+    q = np.rint(w / s)
+    if np.abs(q).max(initial=0) > WEIGHT_QMAX:
+        return None
+    if not np.array_equal(q.astype(np.float32) * s, w):
+        return None
+    return q.astype(np.int8)
+
+
+def is_on_int8_grid(w: np.ndarray, scales: np.ndarray) -> bool:
+    return grid_codes(w, scales) is not None
 
 
 def nm_violations(w: np.ndarray, n: int = 2, m: int = 4) -> int:
@@ -30,21 +70,3 @@ def nm_fraction(w: np.ndarray, n: int = 2, m: int = 4) -> float:
         return 0.0
     groups = (w.reshape(w.shape[0], w.shape[1] // m, m) != 0).sum(axis=-1)
     return float((groups <= n).mean())
-
-
-def int8_codes(w: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
-    """The int8 codes q with float32(q) * scale == w exactly, or None if w is not on that grid."""
-    w = np.asarray(w, dtype=np.float32)
-    s = np.asarray(scales, dtype=np.float32).reshape(-1, 1)
-    if w.ndim != 2 or s.shape[0] != w.shape[0] or not np.all(s > 0) or not np.all(np.isfinite(s)):
-        return None
-    q = np.rint(w / s)
-    if np.abs(q).max(initial=0) > QMAX:
-        return None
-    if not np.array_equal(q.astype(np.float32) * s, w):
-        return None
-    return q.astype(np.int8)
-
-
-def is_on_int8_grid(w: np.ndarray, scales: np.ndarray) -> bool:
-    return int8_codes(w, scales) is not None

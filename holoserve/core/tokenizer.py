@@ -1,8 +1,10 @@
-"""Serving-time tokenization from a checkpoint's tokenizer.json (the `tokenizers` library only).
+"""The one tokenizer loader (a checkpoint's tokenizer.json, `tokenizers` library only), and serving-time
+encoding on top of it.
 
-No transformers here: the server image has no torch. Each text (or text pair) becomes one
-unpadded sequence of ids; the batcher pads a whole batch to its longest member, so padding costs
-are paid once per batch rather than once per request.
+No transformers here: the server image has no torch. Every stage (compress, eval, export, the
+server, the benchmarks) loads its tokenizer with `load_tokenizer`, so truncation and padding are set
+the same way everywhere. Serving encodes each text (or pair) as one unpadded sequence; the batcher
+pads a whole batch to its longest member, so padding is paid once per batch, not per request.
 """
 from __future__ import annotations
 
@@ -13,6 +15,37 @@ from typing import Sequence
 import numpy as np
 
 from .. import HoloServeError
+
+
+def load_tokenizer(path: str | Path, max_length: int, *, pad: bool = False):
+    """A `tokenizers.Tokenizer` from tokenizer.json (or the folder holding it).
+
+    Truncates to `max_length` tokens (longest_first for pairs). Never pads unless `pad`, in which
+    case a batch is padded to its longest row with the [PAD] id (0 when the vocabulary has none).
+    Whatever truncation/padding the file itself carries is replaced.
+    """
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise HoloServeError(f"{path} does not exist: the checkpoint needs a fast tokenizer (tokenizer.json)")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises plain Exceptions
+        raise HoloServeError(f"{path} cannot be read as a tokenizers JSON file ({e})") from None
+    tok.enable_truncation(max_length=max_length, strategy="longest_first")
+    if pad:
+        tok.enable_padding(pad_id=pad_token_id(tok), pad_token="[PAD]")
+    else:
+        tok.no_padding()
+    return tok
+
+
+def pad_token_id(tok) -> int:
+    pad = tok.token_to_id("[PAD]")
+    return 0 if pad is None else int(pad)
 
 
 @dataclass(frozen=True)
@@ -30,25 +63,12 @@ class TextEncoder:
     """Encode texts or pairs to unpadded id sequences, truncated to `max_length` tokens."""
 
     def __init__(self, tokenizer_json: str | Path, max_length: int, *, pair: bool = False):
-        from tokenizers import Tokenizer
-
-        path = Path(tokenizer_json)
-        if not path.is_file():
-            raise HoloServeError(f"{path} does not exist: the checkpoint needs a fast tokenizer (tokenizer.json)")
         if max_length < 4:
             raise HoloServeError(f"max sequence length must be at least 4 tokens, got {max_length}")
-        try:
-            tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # the Rust side raises plain Exceptions
-            raise HoloServeError(f"{path} cannot be read as a tokenizers JSON file ({e})") from None
-        # The file may carry its own truncation/padding settings; the server owns both.
-        tok.no_padding()
-        tok.enable_truncation(max_length=max_length, strategy="longest_first")
-        self._tok = tok
+        self._tok = load_tokenizer(tokenizer_json, max_length)
         self.max_length = int(max_length)
         self.pair = pair
-        pad = tok.token_to_id("[PAD]")
-        self.pad_id = 0 if pad is None else int(pad)
+        self.pad_id = pad_token_id(self._tok)
 
     def encode(self, inputs: Sequence[str] | Sequence[tuple[str, str]]) -> list[Encoded]:
         if len(inputs) == 1:
