@@ -6,8 +6,10 @@ CPU with MiniLM + SST-2; `full` is the best-accuracy recipe (hours on CPU, minut
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from typing import Any
+
+from holoserve.core.settings import field_types, parse_setting
 
 
 @dataclass(frozen=True)
@@ -114,18 +116,13 @@ def apply_overrides(preset: Preset, items: list[str] | None) -> Preset:
         leaf = path[-1]
         if not hasattr(objs[-1], leaf):
             raise HoloServeError(f"--set {item!r}: {type(objs[-1]).__name__} has no field {leaf!r}")
-        old = getattr(objs[-1], leaf)
+        typ = field_types(type(objs[-1]))[leaf]
+        if is_dataclass(getattr(objs[-1], leaf)):
+            raise HoloServeError(f"--set {item!r}: {leaf!r} is a section; set one of its fields, e.g. {key}.steps=...")
         try:
-            if raw.strip().lower() == "none":
-                val = None
-            elif isinstance(old, bool):
-                val = raw.strip().lower() in ("1", "true", "yes", "on")
-            elif old is None:
-                val = None if raw.strip().lower() == "none" else float(raw)
-            else:
-                val = type(old)(float(raw)) if isinstance(old, int) else type(old)(raw)
-        except ValueError:
-            raise HoloServeError(f"--set {item!r}: {raw!r} is not a valid {type(old).__name__}") from None
+            val = parse_setting(raw, typ)
+        except ValueError as e:
+            raise HoloServeError(f"--set {item!r}: {raw!r} is not valid for {key.strip()} ({e})") from None
         new = replace(objs[-1], **{leaf: val})
         for parent, part in zip(reversed(objs[:-1]), reversed(path[:-1])):
             new = replace(parent, **{part: new})

@@ -92,7 +92,9 @@ def test_preset_overrides():
     assert (p.qat.lr, p.admm_cfg.rho_end, p.calib_percentile, p.freeze_word_embeddings, p.admm.steps) == \
         (3e-4, 0.1, None, False, 7)
     assert PRESETS["quick"].qat.lr != 3e-4  # presets themselves are frozen
-    for bad in ("qat.nope=1", "nope.lr=1", "qat.lr", "qat.steps=abc"):
+    for bad in ("qat.nope=1", "nope.lr=1", "qat.lr", "qat.steps=abc",
+                # strict: no silent coercion of a misspelt boolean or a fractional step count
+                "quantize_embeddings=ture", "qat.steps=1.7", "qat.lr=nan", "qat=3"):
         with pytest.raises(HoloServeError, match="--set"):
             apply_overrides(PRESETS["quick"], [bad])
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import HoloServeError
+from ..core.settings import field_types, parse_setting
 
 TOKEN_ENV = "HOLOSERVE_API_TOKEN"
 
@@ -80,11 +81,12 @@ class ServerConfig:
     def from_env(cls, environ: dict[str, str] | None = None) -> "ServerConfig":
         environ = os.environ if environ is None else environ
         kwargs: dict[str, Any] = {}
+        types = field_types(cls)
         for f in fields(cls):
             raw = environ.get(env_name(f.name))
             if raw is None or f.name == "api_token":
                 continue
-            kwargs[f.name] = parse_value(f.name, raw, type(getattr(cls(), f.name)))
+            kwargs[f.name] = parse_value(f.name, raw, types[f.name])
         cfg = cls(**kwargs)
         cfg.api_token = environ.get(TOKEN_ENV, "")
         return cfg
@@ -94,15 +96,10 @@ def env_name(field: str) -> str:
     return "HOLOSERVE_" + ("MODEL_DIR" if field == "artifact_dir" else field.upper())
 
 
-def parse_value(name: str, raw: str, typ: type) -> Any:
+def parse_value(name: str, raw: str, typ: Any) -> Any:
+    if typ is bool and not raw.strip():
+        return False  # an empty switch variable (`-e HOLOSERVE_WARMUP=`) turns it off
     try:
-        if typ is bool:
-            low = raw.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off", ""):
-                return False
-            raise ValueError(raw)
-        return typ(raw)
-    except ValueError:
-        raise HoloServeError(f"{env_name(name)}={raw!r} is not a valid {typ.__name__}") from None
+        return parse_setting(raw, typ)
+    except ValueError as e:
+        raise HoloServeError(f"{env_name(name)}={raw!r} is not valid ({e})") from None
