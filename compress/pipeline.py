@@ -1,13 +1,12 @@
-"""The compression job: dense teacher -> ADMM (2:4 ∩ INT8, KD) -> hard projection + QAT -> checkpoint.
-
-Also the baselines through the same code: one-shot magnitude 2:4 + masked fine-tune (APEX ASP
-recipe, then post-training INT8) and post-training INT8 of an existing model.
+"""The compression job: what every method shares (data, the dense teacher, resumable phases,
+calibration, the checkpoint), around one registered method handler (compress/methods.py):
+admm (dense teacher -> ADMM 2:4 ∩ INT8 with KD -> hard projection + QAT), magnitude (one-shot
+magnitude 2:4 + masked fine-tune, then post-training INT8: the APEX ASP recipe) and ptq.
 Each phase saves its result under the state folder (`<out>.state/` by default), so an interrupted
 job resumes where it stopped; a phase also saves mid-way every `preset.save_every` steps.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.resources
 import json
 import logging
@@ -15,7 +14,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -32,17 +31,17 @@ from holoserve.data.tasks import Task, get_task
 
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
 from .config import Preset, apply_overrides, get_preset
-from .data import encode, train_batches
+from .data import Encoded, encode, train_batches
 from .evaluate import evaluate
 from .layers import encoder_linear_names
-from .quant import calibrate_amax, calibrate_tensorrt_amax, input_quantizers, tensorrt_quantizers
-from .sparsify import Admm, attach_masks, finalize, hard_masks, nm_share, quantize_embeddings, quantize_weights
+from .methods import Outcome, get_method
+from .quant import calibrate_amax, calibrate_tensorrt_amax
+from .sparsify import nm_share, quantize_embeddings
 from .state import load_state, save_state
 from .trainer import train_phase
 
 log = logging.getLogger("holoserve.compress")
 
-METHODS = ("admm", "magnitude", "ptq")
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
 
@@ -86,6 +85,15 @@ class Job:
     progress: bool = True
     overrides: tuple[str, ...] = ()
     device: str = "auto"  # auto: CUDA when present, else CPU
+
+    def validate(self) -> "Job":
+        """Refuse a job whose output would clobber something, before any work starts."""
+        out = Path(self.out)
+        if (out / MANIFEST).exists() and not self.overwrite:
+            raise HoloServeError(f"{out} already holds a checkpoint; pass --overwrite or choose another --out")
+        if out.exists() and not (out / MANIFEST).exists() and any(out.iterdir()):
+            raise HoloServeError(f"{out} exists and is not a checkpoint; choose another --out")
+        return self
 
 
 # --------------------------------------------------------------------------- helpers
@@ -159,22 +167,28 @@ def _fmt(metrics: Mapping[str, float]) -> str:
 
 
 class Runner:
+    """What every method shares: the job's settings, data, teacher, resumable phases and calibration."""
+
+    default_model_dir = staticmethod(default_model_dir)
+    default_model_name = DEFAULT_MODEL_NAME
+
     def __init__(self, job: Job):
         self.job = job
         self.task = get_task(job.task)
         self.preset: Preset = apply_overrides(get_preset(job.preset), list(job.overrides)).with_max_steps(job.max_steps)
-        if job.method not in METHODS:
-            raise HoloServeError(f"unknown method {job.method!r}: choose one of {', '.join(METHODS)}")
+        self.method = get_method(job.method)
+        job.validate()
         self.out = Path(job.out)
-        if (self.out / MANIFEST).exists() and not job.overwrite:
-            raise HoloServeError(f"{self.out} already holds a checkpoint; pass --overwrite or choose another --out")
-        if self.out.exists() and not (self.out / MANIFEST).exists() and any(self.out.iterdir()):
-            raise HoloServeError(f"{self.out} exists and is not a checkpoint; choose another --out")
         self.state = Path(job.state_dir) if job.state_dir else self.out.with_name(self.out.name + ".state")
         if job.restart and self.state.exists():
             shutil.rmtree(self.state)
         self.phases: dict[str, Any] = {}
         self.emb_scales: dict[str, torch.Tensor] = {}
+        # set by load_data (the rows and the folder the tokenizer came from) and by the method
+        self.tokenizer_dir: Path | None = None
+        self.train: Encoded | None = None
+        self.dev: Encoded | None = None
+        self.base_name: str = ""
         self.t_start = time.perf_counter()
         self.device = resolve_device(job.device)
         torch.manual_seed(job.seed)
@@ -182,6 +196,14 @@ class Runner:
     def hf(self, folder: Path) -> nn.Module:
         """A Hugging Face folder as a float32 classifier on this job's device."""
         return _load_hf(folder, self.task).to(self.device)
+
+    def student(self, teacher_dir: Path) -> nn.Module:
+        """A fresh copy of the teacher to compress."""
+        return _freeze(self.hf(teacher_dir), self.preset)
+
+    def saved(self, name: str):
+        """A phase's saved state (tensors, meta), or None."""
+        return load_state(self.state, name)
 
     # -- data
     def load_data(self, tokenizer_dir: Path) -> None:
@@ -306,161 +328,18 @@ class Runner:
             amax.update(calibrate_tensorrt_amax(model, layers, batches))
         return amax
 
-    # -- methods
+    # -- the job
     def run(self) -> Artifact:
+        return self.save(self.method.run(self))
+
+    def save(self, result: Outcome) -> Artifact:
         job, p = self.job, self.preset
-        if job.method == "ptq":
-            return self.run_ptq()
-        base = Path(job.model) if job.model else default_model_dir()
-        self.base_name = DEFAULT_MODEL_NAME if not job.model else base.name
-        self.load_data(base if (base / "tokenizer.json").is_file() else Path(job.teacher or base))
-        self.state.mkdir(parents=True, exist_ok=True)
-        self.check_state(self.fingerprint(method=job.method, quant=job.quant, preset=p.to_dict(),
-                                          teacher=str(job.teacher) if job.teacher else None, base=base.name))
-        teacher, dense_metrics, teacher_dir = self.teacher(base)
-        student = _freeze(self.hf(teacher_dir), p)
-        layers = encoder_linear_names(student)
-        if job.method == "admm":
-            scales, amax, extra = self.admm(student, teacher, layers)
-        else:
-            scales, amax, extra = self.magnitude(student, layers)
-        compressed = self.dev_metrics(student, amax, layers if amax else None)
-        log.info("[result] dense %s | compressed %s", _fmt(dense_metrics), _fmt(compressed))
-        metrics = {"primary": self.task.primary_metric, "split": "dev", "dev_rows": len(self.dev),
-                   "dense": dense_metrics, "compressed": compressed, **extra}
-        return self.save(student, layers, scales, amax, metrics)
-
-    def admm(self, student: nn.Module, teacher: nn.Module, layers):
-        job, p = self.job, self.preset
-        reg = self.task.is_regression
-        admm_state = {}
-
-        def admm_phase():
-            admm = Admm(student, layers, p.admm_cfg, p.admm.steps, quant=job.quant)
-            res = train_phase("admm", student, p.admm, self.train, p, job.seed + 1, self.state, regression=reg,
-                              teacher=teacher, distill=p.distill, admm=admm, progress=job.progress)
-            resid = admm.residual()
-            pre = self.dev_metrics(student)
-            result = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss,
-                      "residual": resid, "rho_final": admm.rho, "z_updates": admm.k, "dev_before_projection": pre}
-            self.log_phase("admm", result, pre, student, layers, rho=admm.rho, resid=f"{resid:.4f}")
-            admm_state["rho"] = admm.rho
-            return result
-
-        self.run_phase("admm", student, layers, admm_phase)
-        # hard projection onto 2:4 (∩ INT8): the mask is frozen from here on
-        masks = hard_masks(student, layers)
-        finalize(student, masks, quant=job.quant)
-        if job.quant:
-            self.quantize_embeddings(student)
-        projected = self.dev_metrics(student)
-        log.info("[project] hard 2:4%s projection: dev %s | 2:4=%.1f%%", " ∩ INT8" if job.quant else "",
-                 _fmt(projected), nm_share(student, layers) * 100)
-        amax = self.calibrate(student, layers) if job.quant else None
-        name = "qat" if job.quant else "masked"
-
-        def qat_phase():
-            attach_masks(student, masks, quant=job.quant)
-            ctx = (lambda: _quantizers(student, amax, layers, p.tensorrt_qat)) if amax else None
-            res = train_phase(name, student, p.qat, self.train, p, job.seed + 2, self.state, regression=reg,
-                              teacher=teacher, distill=p.distill, masks=masks, context=ctx, progress=job.progress)
-            finalize(student, masks, quant=job.quant)
-            metrics = self.dev_metrics(student, amax, layers if amax else None)
-            result = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
-            self.log_phase(name, result, metrics, student, layers)
-            return result
-
-        saved_amax = load_state(self.state, f"{name}-done")
-        meta = self.run_phase(name, student, layers, qat_phase, meta_extra=lambda: {"amax": amax})
-        if saved_amax is not None and meta.get("amax"):
-            amax = meta["amax"]
-        scales = {}
-        if job.quant:  # weights are exact already; this recomputes their scales from the saved values
-            scales = finalize(student, masks, quant=True)
-            self.quantize_embeddings(student)
-        return scales, amax, {"after_projection": projected}
-
-    def magnitude(self, student: nn.Module, layers):
-        """APEX ASP recipe: one-shot magnitude 2:4 of the fine-tuned model, masked fine-tune, then PTQ INT8."""
-        job, p = self.job, self.preset
-        masks = hard_masks(student, layers)
-        finalize(student, masks, quant=False)
-        one_shot = self.dev_metrics(student)
-        log.info("[prune] one-shot magnitude 2:4: dev %s", _fmt(one_shot))
-        steps = p.admm.steps + p.qat.steps  # the same budget the ADMM method spends after the teacher
-        cfg = replace(p.dense, steps=steps)
-
-        def masked_phase():
-            attach_masks(student, masks, quant=False)
-            res = train_phase("masked", student, cfg, self.train, p, job.seed + 1, self.state,
-                              regression=self.task.is_regression, masks=masks, progress=job.progress)
-            finalize(student, masks, quant=False)
-            result = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
-            self.log_phase("masked", result, self.dev_metrics(student), student, layers)
-            return result
-
-        self.run_phase("masked", student, layers, masked_phase)
-        extra: dict[str, Any] = {"one_shot": one_shot}
-        if not job.quant:
-            return {}, None, extra
-        extra["sparse_fp32"] = self.dev_metrics(student)
-        scales = quantize_weights(student, layers, masks)
-        self.quantize_embeddings(student)
-        amax = self.calibrate(student, layers)
-        self.phases["ptq"] = {"calib_batches": p.calib_batches}
-        return scales, amax, extra
-
-    def run_ptq(self) -> Artifact:
-        """Post-training INT8 of an existing model (a HoloServe checkpoint or a fine-tuned HF folder)."""
-        job = self.job
-        if not job.model:
-            raise HoloServeError("--method ptq needs --model: a HoloServe checkpoint or a fine-tuned HF folder")
-        src = Path(job.model)
-        source_manifest = None
-        if (src / MANIFEST).is_file():
-            from .checkpoint import load_model
-
-            model, art = load_model(src)
-            model.to(self.device)
-            source_manifest = art.manifest
-            if art.task_name != self.task.name:
-                raise HoloServeError(f"{src} is a {art.task_name} checkpoint, not {self.task.name}")
-            if art.quantized:
-                raise HoloServeError(f"{src} is already INT8; post-training quantization needs an fp32 model")
-            self.base_name = source_manifest.base_model
-        else:
-            model = self.hf(src)
-            self.base_name = src.name
-        model.eval()
-        self.load_data(src)
-        layers = encoder_linear_names(model)
-        sparse = list(source_manifest.sparsity.layers) if source_manifest and source_manifest.sparsity else []
-        source_metrics = self.dev_metrics(model)
-        masks = {name: (model.get_submodule(name).weight != 0) for name in sparse} if sparse else None
-        if masks:  # keep a pruned model's zeros exactly: the mask is its non-zeros (at most 2 of every 4)
-            masks = {k: hard_masks(model, [k])[k] & v for k, v in masks.items()}
-        scales = quantize_weights(model, layers, masks)
-        self.quantize_embeddings(model)
-        amax = self.calibrate(model, layers)
-        compressed = self.dev_metrics(model, amax, layers)
-        dense = (source_manifest.metrics.dense if source_manifest else None) or source_metrics
-        log.info("[ptq] source %s | int8 %s", _fmt(source_metrics), _fmt(compressed))
-        metrics = {"primary": self.task.primary_metric, "split": "dev", "dev_rows": len(self.dev),
-                   "dense": dense, "source_fp32": source_metrics, "compressed": compressed}
-        self._sparse_override = sparse
-        self.phases["ptq"] = {"calib_batches": self.preset.calib_batches, "source": src.name}
-        return self.save(model, layers, scales, amax, metrics)
-
-    def save(self, model: nn.Module, layers, scales, amax, metrics) -> Artifact:
-        job, p = self.job, self.preset
+        model, scales, amax = result.model, result.scales, result.amax
         model.to("cpu")
-        sparse = getattr(self, "_sparse_override", None)
-        if sparse is None:
-            sparse = layers if job.method in ("admm", "magnitude") else []
         training = {
             "method": job.method,
             "quant": bool(scales),
-            "distillation": job.method == "admm" and p.distill.enabled,
+            "distillation": result.distillation,
             "preset": p.name,
             "preset_config": p.to_dict(),
             "seed": job.seed,
@@ -474,9 +353,9 @@ class Runner:
         }
         art = save_checkpoint(
             model, self.tokenizer_dir, self.out, task=self.task, base_model=self.base_name,
-            max_seq_length=p.max_seq_length, sparse_layers=list(sparse) or None,
+            max_seq_length=p.max_seq_length, sparse_layers=list(result.sparse_layers) or None,
             weight_scales=scales or None, act_amax=amax if scales else None,
-            embedding_scales=self.emb_scales if scales else None, metrics=metrics,
+            embedding_scales=self.emb_scales if scales else None, metrics=result.metrics,
             training=training, overwrite=job.overwrite or self.out.exists(),
         )
         log.info("wrote %s (%s, %.0fs)", self.out, job.method, training["wall_seconds"])
@@ -485,14 +364,3 @@ class Runner:
 
 def compress(job: Job) -> Artifact:
     return Runner(job).run()
-
-
-@contextlib.contextmanager
-def _quantizers(model: nn.Module, amax, layers, tensorrt: bool):
-    """QAT's activation quantizers: every encoder Linear input, plus (with `tensorrt`) the extra
-    tensors the TensorRT placement quantizes (Q/K/V, residual-Add inputs)."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(input_quantizers(model, amax, layers))
-        if tensorrt:
-            stack.enter_context(tensorrt_quantizers(model, amax, layers))
-        yield model

@@ -1,90 +1,16 @@
-"""ADMM toward Z ∈ S(2:4) ∩ Q(INT8), hard projection, and the frozen-mask (+ fake-quant) weights used in QAT.
-
-ADMM (scaled form) for min_W loss(W) s.t. W ∈ C, with C = S ∩ Q (or S alone with quant=False):
-    W-step  gradient steps on loss(W) + rho/2 ||W - Z + U||^2
-    Z-step  Z = Π_C(W + U)                       (compress.project.project: prune, then round)
-    U-step  U += W - Z
-rho rises geometrically; when it changes, the scaled dual U is rescaled by rho_old / rho_new so the
-unscaled multiplier rho·U is continuous.
-"""
+"""After ADMM (compress/admm.py): the hard projection, the frozen-mask (+ fake-quant) weights used in
+QAT and masked fine-tuning, and post-training INT8 of weights and word embeddings."""
 from __future__ import annotations
 
-import math
 from typing import Mapping
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .config import AdmmConfig
 from .layers import encoder_linear_names, get_linear
 from .project import channel_scales, nm_mask, project, to_grid
 from .quant import fake_quant_weight
-
-
-class Admm:
-    def __init__(self, model: nn.Module, layers: list[str], cfg: AdmmConfig, total_steps: int,
-                 n: int = 2, m: int = 4, quant: bool = True):
-        self.layers, self.cfg, self.n, self.m, self.quant = list(layers), cfg, n, m, quant
-        self.weights = {name: get_linear(model, name).weight for name in self.layers}
-        self.num_updates = max(1, total_steps // max(1, cfg.interval))
-        self.k = 0  # Z/U updates done
-        with torch.no_grad():
-            self.Z = {name: self._proj(w) for name, w in self.weights.items()}
-            self.U = {name: torch.zeros_like(w) for name, w in self.weights.items()}
-
-    def _proj(self, w: torch.Tensor) -> torch.Tensor:
-        return project(w.detach(), self.n, self.m, quant=self.quant).z
-
-    @property
-    def rho(self) -> float:
-        c = self.cfg
-        if self.num_updates <= 1:
-            return c.rho_end
-        frac = min(1.0, self.k / (self.num_updates - 1))
-        return c.rho_start * math.exp(frac * math.log(c.rho_end / c.rho_start))
-
-    @torch.no_grad()
-    def penalty_step(self) -> None:
-        """One gradient step on rho/2 ||W - Z + U||^2 (decoupled from the AdamW step on the task loss)."""
-        step = self.cfg.penalty_lr * self.rho
-        for name, w in self.weights.items():
-            w.sub_(step * (w - self.Z[name] + self.U[name]))
-
-    @torch.no_grad()
-    def update(self) -> None:
-        """Z-step and U-step, then move rho along its schedule."""
-        old = self.rho
-        for name, w in self.weights.items():
-            self.Z[name] = self._proj(w + self.U[name])
-            self.U[name].add_(w - self.Z[name])
-        self.k += 1
-        new = self.rho
-        if new != old:
-            for u in self.U.values():
-                u.mul_(old / new)
-
-    @torch.no_grad()
-    def residual(self) -> float:
-        """||W - Z|| / ||W|| over all constrained layers (0 means W already lies in the constraint set)."""
-        num = sum(float(((w - self.Z[k]) ** 2).sum()) for k, w in self.weights.items())
-        den = sum(float((w ** 2).sum()) for w in self.weights.values())
-        return math.sqrt(num / max(den, 1e-30))
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"admm.Z.{k}": v for k, v in self.Z.items()}
-        out.update({f"admm.U.{k}": v for k, v in self.U.items()})
-        return out
-
-    def state_meta(self) -> dict:
-        return {"k": self.k, "num_updates": self.num_updates}
-
-    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping) -> None:
-        for k in self.layers:
-            dev = self.weights[k].device
-            self.Z[k] = tensors[f"admm.Z.{k}"].to(dev, copy=True)
-            self.U[k] = tensors[f"admm.U.{k}"].to(dev, copy=True)
-        self.k = int(meta["k"])
 
 
 # --------------------------------------------------------------------------- frozen mask (+ fake quant)

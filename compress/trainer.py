@@ -14,7 +14,8 @@ from torch import nn
 from .config import DistillConfig, PhaseConfig, Preset
 from .data import Encoded, to_device, train_batches
 from .distill import combined_loss
-from .sparsify import Admm, reapply_masks
+from .admm import Admm
+from .sparsify import reapply_masks
 from .state import load_optimizer, load_state, optimizer_tensors, restore_rng, rng_tensors, save_state
 
 log = logging.getLogger("holoserve.compress")

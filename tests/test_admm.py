@@ -10,7 +10,7 @@ from holoserve.compress.data import encode
 from holoserve.core.tokenizer import load_tokenizer
 from holoserve.compress.layers import encoder_linear_names
 from holoserve.compress.project import project
-from holoserve.compress.sparsify import Admm
+from holoserve.compress.admm import Admm
 from holoserve.compress.trainer import train_phase
 from holoserve.data.glue import read_split
 from holoserve.core.numerics import grid_codes, is_nm_sparse

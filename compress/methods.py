@@ -1,0 +1,245 @@
+"""One handler per compression method, registered by name (`holoserve compress --method NAME`).
+
+A handler gets the job's shared machinery (compress.pipeline.Runner: data, the dense teacher,
+resumable phases, calibration) and returns an `Outcome`: the compressed model and what the
+checkpoint records about it. Adding a method is one class here with `@register("name")`.
+
+  admm       dense teacher -> ADMM toward 2:4 ∩ INT8 with distillation -> hard projection -> QAT
+  magnitude  one-shot magnitude 2:4 of the teacher -> masked fine-tune -> post-training INT8
+             (the APEX ASP recipe, the baseline ADMM has to beat, with the same step budget)
+  ptq        post-training INT8 of an existing checkpoint or fine-tuned folder
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from torch import nn
+
+from holoserve import HoloServeError
+from holoserve.core.artifact import MANIFEST
+
+from .admm import Admm
+from .layers import encoder_linear_names
+from .quant import input_quantizers, tensorrt_quantizers
+from .sparsify import attach_masks, finalize, hard_masks, nm_share, quantize_weights
+from .trainer import train_phase
+
+if TYPE_CHECKING:
+    from .pipeline import Runner
+
+log = logging.getLogger("holoserve.compress")
+
+
+@dataclass
+class Outcome:
+    """A compressed model and what its checkpoint records."""
+
+    model: nn.Module
+    layers: list[str]  # the encoder Linears
+    scales: dict[str, Any]  # per-channel INT8 weight scales by layer ({} without INT8)
+    amax: dict[str, float] | None  # calibrated activation ranges (None without INT8)
+    metrics: dict[str, Any]  # the manifest's metrics section
+    sparse_layers: list[str] = field(default_factory=list)  # layers the manifest lists as 2:4
+    distillation: bool = False
+
+
+METHODS: dict[str, type] = {}
+
+
+def register(name: str) -> Callable[[type], type]:
+    def add(cls: type) -> type:
+        cls.name = name
+        METHODS[name] = cls
+        return cls
+
+    return add
+
+
+def get_method(name: str):
+    if name not in METHODS:
+        raise HoloServeError(f"unknown method {name!r}: choose one of {', '.join(METHODS)}")
+    return METHODS[name]()
+
+
+def _fmt(metrics) -> str:
+    return " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+
+
+def _result(res) -> dict[str, Any]:
+    return {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
+
+
+@contextlib.contextmanager
+def _quantizers(model: nn.Module, amax, layers, tensorrt: bool):
+    """QAT's activation quantizers: every encoder Linear input, plus (with `tensorrt`) the extra
+    tensors the TensorRT placement quantizes (Q/K/V, residual-Add inputs)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(input_quantizers(model, amax, layers))
+        if tensorrt:
+            stack.enter_context(tensorrt_quantizers(model, amax, layers))
+        yield model
+
+
+class _FromTeacher:
+    """Methods that start from a base model: fine-tune the dense teacher, then compress a copy of it."""
+
+    name = ""
+    distills = False
+
+    def run(self, run: "Runner") -> Outcome:
+        job, p = run.job, run.preset
+        base = Path(job.model) if job.model else run.default_model_dir()
+        run.base_name = run.default_model_name if not job.model else base.name
+        run.load_data(base if (base / "tokenizer.json").is_file() else Path(job.teacher or base))
+        run.state.mkdir(parents=True, exist_ok=True)
+        run.check_state(run.fingerprint(method=job.method, quant=job.quant, preset=p.to_dict(),
+                                        teacher=str(job.teacher) if job.teacher else None, base=base.name))
+        teacher, dense_metrics, teacher_dir = run.teacher(base)
+        student = run.student(teacher_dir)
+        layers = encoder_linear_names(student)
+        scales, amax, extra = self.compress(run, student, teacher, layers)
+        compressed = run.dev_metrics(student, amax, layers if amax else None)
+        log.info("[result] dense %s | compressed %s", _fmt(dense_metrics), _fmt(compressed))
+        metrics = {"primary": run.task.primary_metric, "split": "dev", "dev_rows": len(run.dev),
+                   "dense": dense_metrics, "compressed": compressed, **extra}
+        return Outcome(student, layers, scales, amax, metrics, sparse_layers=layers,
+                       distillation=self.distills and p.distill.enabled)
+
+    def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
+        raise NotImplementedError
+
+
+@register("admm")
+class AdmmMethod(_FromTeacher):
+    distills = True
+
+    def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
+        job, p = run.job, run.preset
+        reg = run.task.is_regression
+
+        def admm_phase():
+            admm = Admm(student, layers, p.admm_cfg, p.admm.steps, quant=job.quant)
+            res = train_phase("admm", student, p.admm, run.train, p, job.seed + 1, run.state, regression=reg,
+                              teacher=teacher, distill=p.distill, admm=admm, progress=job.progress)
+            resid = admm.residual()
+            pre = run.dev_metrics(student)
+            result = {**_result(res), "residual": resid, "rho_final": admm.rho, "z_updates": admm.k,
+                      "dev_before_projection": pre}
+            run.log_phase("admm", result, pre, student, layers, rho=admm.rho, resid=f"{resid:.4f}")
+            return result
+
+        run.run_phase("admm", student, layers, admm_phase)
+        # hard projection onto 2:4 (∩ INT8): the mask is frozen from here on
+        masks = hard_masks(student, layers)
+        finalize(student, masks, quant=job.quant)
+        if job.quant:
+            run.quantize_embeddings(student)
+        projected = run.dev_metrics(student)
+        log.info("[project] hard 2:4%s projection: dev %s | 2:4=%.1f%%", " ∩ INT8" if job.quant else "",
+                 _fmt(projected), nm_share(student, layers) * 100)
+        amax = run.calibrate(student, layers) if job.quant else None
+        name = "qat" if job.quant else "masked"
+
+        def qat_phase():
+            attach_masks(student, masks, quant=job.quant)
+            ctx = (lambda: _quantizers(student, amax, layers, p.tensorrt_qat)) if amax else None
+            res = train_phase(name, student, p.qat, run.train, p, job.seed + 2, run.state, regression=reg,
+                              teacher=teacher, distill=p.distill, masks=masks, context=ctx, progress=job.progress)
+            finalize(student, masks, quant=job.quant)
+            metrics = run.dev_metrics(student, amax, layers if amax else None)
+            result = _result(res)
+            run.log_phase(name, result, metrics, student, layers)
+            return result
+
+        saved_amax = run.saved(f"{name}-done")
+        meta = run.run_phase(name, student, layers, qat_phase, meta_extra=lambda: {"amax": amax})
+        if saved_amax is not None and meta.get("amax"):
+            amax = meta["amax"]
+        scales = {}
+        if job.quant:  # weights are exact already; this recomputes their scales from the saved values
+            scales = finalize(student, masks, quant=True)
+            run.quantize_embeddings(student)
+        return scales, amax, {"after_projection": projected}
+
+
+@register("magnitude")
+class MagnitudeMethod(_FromTeacher):
+    def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
+        """APEX ASP recipe: one-shot magnitude 2:4 of the fine-tuned model, masked fine-tune, then PTQ INT8."""
+        job, p = run.job, run.preset
+        masks = hard_masks(student, layers)
+        finalize(student, masks, quant=False)
+        one_shot = run.dev_metrics(student)
+        log.info("[prune] one-shot magnitude 2:4: dev %s", _fmt(one_shot))
+        steps = p.admm.steps + p.qat.steps  # the same budget the ADMM method spends after the teacher
+        cfg = replace(p.dense, steps=steps)
+
+        def masked_phase():
+            attach_masks(student, masks, quant=False)
+            res = train_phase("masked", student, cfg, run.train, p, job.seed + 1, run.state,
+                              regression=run.task.is_regression, masks=masks, progress=job.progress)
+            finalize(student, masks, quant=False)
+            result = _result(res)
+            run.log_phase("masked", result, run.dev_metrics(student), student, layers)
+            return result
+
+        run.run_phase("masked", student, layers, masked_phase)
+        extra: dict[str, Any] = {"one_shot": one_shot}
+        if not job.quant:
+            return {}, None, extra
+        extra["sparse_fp32"] = run.dev_metrics(student)
+        scales = quantize_weights(student, layers, masks)
+        run.quantize_embeddings(student)
+        amax = run.calibrate(student, layers)
+        run.phases["ptq"] = {"calib_batches": p.calib_batches}
+        return scales, amax, extra
+
+
+@register("ptq")
+class PtqMethod:
+    """Post-training INT8 of an existing model (a HoloServe checkpoint or a fine-tuned HF folder)."""
+
+    name = "ptq"
+
+    def run(self, run: "Runner") -> Outcome:
+        job = run.job
+        if not job.model:
+            raise HoloServeError("--method ptq needs --model: a HoloServe checkpoint or a fine-tuned HF folder")
+        src = Path(job.model)
+        source_manifest = None
+        if (src / MANIFEST).is_file():
+            from .checkpoint import load_model
+
+            model, art = load_model(src)
+            model.to(run.device)
+            source_manifest = art.manifest
+            if art.task_name != run.task.name:
+                raise HoloServeError(f"{src} is a {art.task_name} checkpoint, not {run.task.name}")
+            if art.quantized:
+                raise HoloServeError(f"{src} is already INT8; post-training quantization needs an fp32 model")
+            run.base_name = source_manifest.base_model
+        else:
+            model = run.hf(src)
+            run.base_name = src.name
+        model.eval()
+        run.load_data(src)
+        layers = encoder_linear_names(model)
+        sparse = list(source_manifest.sparsity.layers) if source_manifest and source_manifest.sparsity else []
+        source_metrics = run.dev_metrics(model)
+        masks = {name: (model.get_submodule(name).weight != 0) for name in sparse} if sparse else None
+        if masks:  # keep a pruned model's zeros exactly: the mask is its non-zeros (at most 2 of every 4)
+            masks = {k: hard_masks(model, [k])[k] & v for k, v in masks.items()}
+        scales = quantize_weights(model, layers, masks)
+        run.quantize_embeddings(model)
+        amax = run.calibrate(model, layers)
+        compressed = run.dev_metrics(model, amax, layers)
+        dense = (source_manifest.metrics.dense if source_manifest else None) or source_metrics
+        log.info("[ptq] source %s | int8 %s", _fmt(source_metrics), _fmt(compressed))
+        metrics = {"primary": run.task.primary_metric, "split": "dev", "dev_rows": len(run.dev),
+                   "dense": dense, "source_fp32": source_metrics, "compressed": compressed}
+        run.phases["ptq"] = {"calib_batches": run.preset.calib_batches, "source": src.name}
+        return Outcome(model, layers, scales, amax, metrics, sparse_layers=sparse)
