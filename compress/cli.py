@@ -9,8 +9,11 @@ import logging
 import sys
 from pathlib import Path
 
+from holoserve.cli_options import advanced
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    adv = advanced(p)
     p.add_argument("--task", default="sst2", help="GLUE task: sst2, mrpc, cola, stsb (default: sst2)")
     p.add_argument("--data-dir", help="GLUE folder holding SST-2/, MRPC/, CoLA/ … (default: $HOLOSERVE_DATA_DIR)")
     p.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
@@ -22,21 +25,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="admm: ADMM toward 2:4 ∩ INT8 + KD + QAT (default); magnitude: one-shot magnitude 2:4 + "
                         "masked fine-tune, then post-training INT8 (APEX ASP baseline); ptq: post-training INT8 of --model")
     p.add_argument("--no-quant", action="store_true", help="sparsity only: keep fp32 weights (no INT8)")
-    p.add_argument("--max-steps", type=int, help="cap the optimizer steps of every training phase")
-    p.add_argument("--train-limit", type=int, help="use only the first N training rows")
-    p.add_argument("--dev-limit", type=int, help="evaluate on the first N dev rows only (for smoke tests)")
+    adv.add_argument("--max-steps", type=int, help="cap the optimizer steps of every training phase")
+    adv.add_argument("--train-limit", type=int, help="use only the first N training rows")
+    adv.add_argument("--dev-limit", type=int, help="evaluate on the first N dev rows only (for smoke tests)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a preset field, e.g. --set qat.lr=1e-4 --set admm_cfg.rho_end=0.1 (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic for a given seed)")
     p.add_argument("--teacher", type=Path,
                    help="reuse a fine-tuned dense model (e.g. <out>.state/teacher of an earlier run) instead of training one")
-    p.add_argument("--state-dir", type=Path, help="where resumable training state lives (default: <out>.state)")
-    p.add_argument("--restart", action="store_true", help="discard saved training state and start over")
+    adv.add_argument("--state-dir", type=Path, help="where resumable training state lives (default: <out>.state)")
+    adv.add_argument("--restart", action="store_true", help="discard saved training state and start over")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    adv.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where to train: auto = a CUDA GPU when torch sees one, else the CPU (default: auto)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
+    adv.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,22 +9,25 @@ import argparse
 import json
 from pathlib import Path
 
+from holoserve.cli_options import advanced
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    adv = advanced(p)
     p.add_argument("checkpoint", type=Path, help="HoloServe checkpoint folder")
     p.add_argument("--task", help="GLUE task (default: the checkpoint's task)")
     p.add_argument("--data-dir", help="GLUE folder (default: $HOLOSERVE_DATA_DIR)")
     p.add_argument("--split", default="dev", help="split to score (default: dev)")
-    p.add_argument("--limit", type=int, help="score only the first N rows")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--fp32", action="store_true", help="skip activation fake-quant (weights still as stored)")
+    adv.add_argument("--limit", type=int, help="score only the first N rows")
+    adv.add_argument("--batch-size", type=int, default=128)
+    adv.add_argument("--fp32", action="store_true", help="skip activation fake-quant (weights still as stored)")
     p.add_argument("--onnx", action="store_true",
                    help="score an ONNX export through ONNX Runtime on the same batches, instead of the PyTorch "
                         "fake-quant model")
-    p.add_argument("--onnx-export", default="onnxruntime", choices=("onnxruntime", "tensorrt-onnx"),
+    adv.add_argument("--onnx-export", default="onnxruntime", choices=("onnxruntime", "tensorrt-onnx"),
                    help="with --onnx: which export; 'onnxruntime' (what `holoserve serve` runs on a CPU) or "
                         "'tensorrt-onnx' (the TensorRT placement, emulated on the CPU)")
-    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --onnx (0 = default)")
+    adv.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --onnx (0 = default)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where the PyTorch model runs: auto = a CUDA GPU when torch sees one (default: auto)")
 

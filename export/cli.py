@@ -7,10 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from holoserve.cli_options import advanced
+
 TARGETS = ("onnxruntime", "tensorrt", "all")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    adv = advanced(p)
     p.add_argument("checkpoint", help="checkpoint folder written by `holoserve compress`")
     p.add_argument("--target", choices=TARGETS, default="all",
                    help="onnxruntime: model.onnx (MatMul-only QDQ, uint8 activations, fused by ORT on CPU); "
@@ -22,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GLUE data dir (or $HOLOSERVE_DATA_DIR): dev rows for the parity check, train rows for "
                         "calibrating the TensorRT-only ranges; without it built-in sentences are used and no "
                         "dev metric is checked")
-    p.add_argument("--dev-rows", type=int, default=None, help="limit the parity check to the first N dev rows")
-    p.add_argument("--calib-rows", type=int, default=256,
+    adv.add_argument("--dev-rows", type=int, default=None, help="limit the parity check to the first N dev rows")
+    adv.add_argument("--calib-rows", type=int, default=256,
                    help="training rows used to calibrate the TensorRT-only tensor ranges (default 256)")
     p.add_argument("--max-metric-diff", type=float, default=0.2,
                    help="fail if the ORT dev metric differs from the PyTorch fake-quant model by more than this "
@@ -32,24 +35,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="word-embedding table storage: int8 + per-row scale makes the file ~3.7x instead of "
                         "~1.5x smaller than fp32 for MiniLM, but is a numeric change unless the checkpoint's "
                         "table is already on that grid; auto (default) = int8 only when lossless")
-    p.add_argument("--no-fuse-attention", action="store_true",
+    adv.add_argument("--no-fuse-attention", action="store_true",
                    help="onnxruntime target: keep attention as standard ONNX ops instead of ONNX Runtime's "
                         "MultiHeadAttention contrib op (about 10%% slower at sequence 128 on a CPU)")
-    p.add_argument("--no-fuse-matmul", action="store_true",
+    adv.add_argument("--no-fuse-matmul", action="store_true",
                    help="onnxruntime target: keep QDQ MatMul + bias Add instead of MatMulIntegerToFloat with the "
                         "bias folded in (about 8%% slower at batch 32 / sequence 128 on a CPU)")
-    p.add_argument("--no-fuse-gelu", action="store_true",
+    adv.add_argument("--no-fuse-gelu", action="store_true",
                    help="onnxruntime target: keep a tanh-approximated GELU as elementwise ops instead of FastGelu")
-    p.add_argument("--no-classifier-row", action="store_true",
+    adv.add_argument("--no-classifier-row", action="store_true",
                    help="onnxruntime target: compute the last layer for every token instead of only the [CLS] row "
                         "the classifier reads (exact either way; about 14%% slower at batch 32 / sequence 128 "
                         "for a 6-layer model on a CPU)")
-    p.add_argument("--no-verify", action="store_true", help="skip checker/parity/fusion/Polygraphy checks")
-    p.add_argument("--no-polygraphy", action="store_true", help="skip `polygraphy inspect sparsity`")
-    p.add_argument("--keep-float", action="store_true",
+    adv.add_argument("--no-verify", action="store_true", help="skip checker/parity/fusion/Polygraphy checks")
+    adv.add_argument("--no-polygraphy", action="store_true", help="skip `polygraphy inspect sparsity`")
+    adv.add_argument("--keep-float", action="store_true",
                    help="also keep model.float.onnx (fp32 weights; what Polygraphy inspects)")
-    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the checks")
-    p.add_argument("--json", action="store_true", help="print the full export report as JSON")
+    adv.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the checks")
+    adv.add_argument("--json", action="store_true", help="print the full export report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

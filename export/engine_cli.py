@@ -8,32 +8,35 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from holoserve.cli_options import advanced
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    adv = advanced(p)
     p.add_argument("source", metavar="ONNX_OR_CHECKPOINT",
                    help="a TensorRT-placement ONNX file, or a checkpoint folder holding model.trt.onnx "
                         "(`holoserve export --target tensorrt`)")
     p.add_argument("--out", default=None,
                    help="plan file (default: model.plan in the checkpoint, recorded in its manifest; "
                         "or <onnx stem>.plan next to an ONNX file); the sidecar is written to <out>.json")
-    p.add_argument("--sparse", dest="sparse", action="store_true", default=True,
+    adv.add_argument("--sparse", dest="sparse", action="store_true", default=True,
                    help="enable SPARSE_WEIGHTS (default)")
-    p.add_argument("--no-sparse", dest="sparse", action="store_false", help="disable SPARSE_WEIGHTS")
-    p.add_argument("--no-fp16", dest="fp16", action="store_false", default=True,
+    adv.add_argument("--no-sparse", dest="sparse", action="store_false", help="disable SPARSE_WEIGHTS")
+    adv.add_argument("--no-fp16", dest="fp16", action="store_false", default=True,
                    help="TensorRT 10 only: do not allow FP16 for the unquantized layers")
     p.add_argument("--min", default="1x1", metavar="BxS", help="smallest batch x sequence (default 1x1)")
     p.add_argument("--opt", default="8x128", metavar="BxS", help="batch x sequence to tune for (default 8x128)")
     p.add_argument("--max", default=None, metavar="BxS",
                    help="largest batch x sequence (default 32 x the model's max_seq_length, or 32x512)")
-    p.add_argument("--workspace", default=None, help="builder workspace limit, e.g. 2G (default: TensorRT's)")
-    p.add_argument("--timing-cache", default=None, metavar="PATH",
+    adv.add_argument("--workspace", default=None, help="builder workspace limit, e.g. 2G (default: TensorRT's)")
+    adv.add_argument("--timing-cache", default=None, metavar="PATH",
                    help="timing cache file, loaded if present and saved after the build (reused across builds)")
     p.add_argument("--compute-capability", default="SM80",
                    help="TensorRT-RTX target GPU architecture: SM75, SM80, SM86, SM89 or SM120 (default SM80); "
                         "datacenter TensorRT always builds for the GPU it runs on")
     p.add_argument("--flavour", choices=("tensorrt", "tensorrt_rtx"), default=None,
                    help="TensorRT library to use (default: datacenter tensorrt if installed, else tensorrt_rtx)")
-    p.add_argument("--log", default=None, metavar="PATH", help="write the full builder log here")
+    adv.add_argument("--log", default=None, metavar="PATH", help="write the full builder log here")
 
 
 def run(args: argparse.Namespace) -> int:

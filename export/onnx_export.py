@@ -246,220 +246,272 @@ def _metric(task, logits: np.ndarray, labels) -> dict[str, float]:
     return compute(task.metrics, pred, np.asarray(labels))
 
 
-def export_checkpoint(
-    checkpoint: str | os.PathLike,
-    targets: Sequence[str] = ("onnxruntime",),
-    *,
-    out_dir: str | os.PathLike | None = None,
-    data_dir: str | os.PathLike | None = None,
-    dev_rows: int | None = None,
-    calib_rows: int = 256,
-    verify_exports: bool = True,
-    polygraphy: bool = True,
-    keep_float: bool = False,
-    threads: int = 1,
-    progress: bool = True,
-    max_metric_diff: float | None = 0.2,
-    embeddings: str = "auto",
-    fuse_attention: bool = True,
-    fuse_matmul: bool = True,
-    fuse_gelu: bool = True,
-    classifier_row: bool = True,
-) -> ExportResult:
+@dataclass(frozen=True)
+class ExportOptions:
+    """How `export_checkpoint` exports; the defaults are what `holoserve export` does.
+
+    targets:         "onnxruntime" (model.onnx) and/or "tensorrt" (model.trt.onnx)
+    out_dir:         write the files (plus export_report.json) there and leave the checkpoint untouched
+    data_dir:        GLUE folder: calibration rows for the TensorRT placement's extra ranges, dev rows for
+                     the parity check (without one, built-in sentences)
+    dev_rows / calib_rows / threads / max_metric_diff: the checks' rows, ORT threads and the allowed
+                     dev-metric gap (points) between ONNX Runtime and the PyTorch fake-quant model
+    embeddings:      "fp32" keeps the word-embedding table as in the checkpoint; "int8" stores it as int8
+                     + per-row scale (about 2.5x smaller file overall, but a numeric change the checkpoint
+                     does not have: verification then compares against the PyTorch model with the same
+                     table and reports the effect against the checkpoint's own numerics separately);
+                     "auto" uses int8 only when that is lossless (the table already sits on a per-row grid)
+    The onnxruntime target's graph rewrites (export/fusion.py), each on by default:
+    fuse_attention:  each eager attention block -> ONNX Runtime's MultiHeadAttention contrib op
+    fuse_matmul:     each QDQ MatMul -> MatMulIntegerToFloat with the Linear's bias folded in
+    fuse_gelu:       a tanh-approximated GELU (gelu_new, gelu_pytorch_tanh) -> FastGelu
+    classifier_row:  the last layer computes only the [CLS] row the classifier reads (exact)
+    """
+
+    targets: tuple[str, ...] = ("onnxruntime",)
+    out_dir: str | os.PathLike | None = None
+    data_dir: str | os.PathLike | None = None
+    dev_rows: int | None = None
+    calib_rows: int = 256
+    verify_exports: bool = True
+    polygraphy: bool = True
+    keep_float: bool = False
+    threads: int = 1
+    progress: bool = True
+    max_metric_diff: float | None = 0.2
+    embeddings: str = "auto"
+    fuse_attention: bool = True
+    fuse_matmul: bool = True
+    fuse_gelu: bool = True
+    classifier_row: bool = True
+
+    def validate(self) -> "ExportOptions":
+        for t in self.targets:
+            if t not in TARGET_FILES:
+                raise HoloServeError(f"unknown export target {t!r}: choose onnxruntime, tensorrt or all")
+        if self.embeddings not in ("auto", "int8", "fp32"):
+            raise HoloServeError(f"--embeddings must be auto, int8 or fp32, not {self.embeddings!r}")
+        return self
+
+
+def export_checkpoint(checkpoint: str | os.PathLike, targets: Sequence[str] = ("onnxruntime",), **options: Any
+                      ) -> ExportResult:
     """Export `targets` ("onnxruntime", "tensorrt"), verify, and record them in the checkpoint.
 
-    With out_dir, files go there (plus export_report.json) and the checkpoint is left untouched.
-    embeddings: "fp32" keeps the word-embedding table as in the checkpoint; "int8" stores it as
-    int8 + per-row scale (about 2.5x smaller file overall, but a numeric change the checkpoint does
-    not have: verification then compares against the PyTorch model with the same table and reports
-    the effect against the checkpoint's own numerics separately); "auto" (default) uses int8 only
-    when that is lossless, i.e. when the checkpoint's table already sits on a per-row int8 grid.
-    fuse_attention: in the onnxruntime target, replace each eager attention block with ONNX
-    Runtime's MultiHeadAttention contrib op (export/fusion.py); False keeps standard ONNX ops only.
-    fuse_matmul: in the onnxruntime target, write each QDQ MatMul as MatMulIntegerToFloat with the
-    Linear's bias folded in (what ONNX Runtime would build, minus a float pass per Linear).
-    fuse_gelu: in the onnxruntime target, write a tanh-approximated GELU (hidden_act gelu_new or
-    gelu_pytorch_tanh, as in ALBERT or GPT-style encoders) as FastGelu; the exact GELU is left as exported.
-    classifier_row: in the onnxruntime target, compute the last layer only for the [CLS] row the
-    classifier reads (export/fusion.py keep_classifier_row; exact).
+    `options` are the fields of ExportOptions (out_dir, data_dir, embeddings, fuse_attention, ...).
     """
-    from tqdm import tqdm
-
-    for t in targets:
-        if t not in TARGET_FILES:
-            raise HoloServeError(f"unknown export target {t!r}: choose onnxruntime, tensorrt or all")
+    opts = ExportOptions(targets=tuple(targets), **options).validate()
     # load_artifact proves the weights are N:M and on the INT8 grid the manifest claims (ArtifactError)
     art = load_artifact(checkpoint)
-    layers = quantized_layers(art)
-    sparse = set(art.sparse_layers)
-    weight_scales = {k: art.weight_scales(k) for k in layers}
-    act_amax = art.activation_amax()
-    have_data = data_available(data_dir)
-    if embeddings not in ("auto", "int8", "fp32"):
-        raise HoloServeError(f"--embeddings must be auto, int8 or fp32, not {embeddings!r}")
-    steps = ["export fp32"] + [f"build {t}" for t in targets] + (["verify"] if verify_exports else [])
-    bar = tqdm(total=len(steps), desc="export", disable=not progress, unit="step")
-    result = ExportResult(Path(art.path), Path(out_dir) if out_dir else Path(art.path))
-    report: dict[str, Any] = {"checkpoint": art.path.name, "targets": list(targets), "opset": OPSET}
-    t0 = time.time()
-
-    import onnx
-
     with tempfile.TemporaryDirectory(prefix=".holoserve-export-", dir=art.path) as tmpd:
-        tmp = Path(tmpd)
-        model = load_torch_model(art)
-        float_path = tmp / FLOAT_FILE
-        bar.set_postfix_str("torch.onnx.export")
-        torch_export_fp32(model, float_path)
-        fp32 = onnx.load(str(float_path))
-        state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-        weights = {k: state[f"{k}.weight"] for k in layers}
-        try:
-            sites = qdq.find_linears(fp32, weights)
-        except ValueError as e:
-            raise HoloServeError(f"cannot export {art.path}: {e}") from None
-        onnx.save(fp32, str(float_path))  # renamed weights: "<layer>.weight_t"
-        table = model.get_input_embeddings().weight.detach().numpy()
-        emb_scales = art.embedding_scales()  # None unless the checkpoint quantized the table itself
-        lossless = qdq.embedding_is_int8_exact(table, emb_scales)
-        emb_int8 = embeddings == "int8" or (embeddings == "auto" and lossless)
-        report["word_embeddings"] = {"requested": embeddings, "int8": emb_int8, "int8_lossless": lossless}
-        report["fp32_bytes"] = float_path.stat().st_size
-        report["linears"] = len(sites)
-        bar.update(1)
+        return _Export(art, opts, Path(tmpd)).run()
 
-        # calibration/validation inputs
-        tok = make_tokenizer(art)
-        calib_source = "builtin sentences"
-        if have_data:
-            _, ctexts, cpairs, _ = _rows(art, "train", data_dir, calib_rows) if "train" in _splits(art) else \
-                _rows(art, "dev", data_dir, calib_rows)
-            calib_source = f"{art.task_name} {'train' if 'train' in _splits(art) else 'dev'} split, first {len(ctexts)} rows"
-        else:
-            ctexts, cpairs = list(BUILTIN_SENTENCES), (list(BUILTIN_SENTENCES[::-1]) if art.is_pair else None)
-        calib_batches = [b for _, b in encode_batches(tok, ctexts, cpairs, batch_size=32)]
 
-        built: dict[str, Path] = {}
+class _Export:
+    """One export, as explicit steps over explicit state: fp32 graph -> calibration rows -> one QDQ graph
+    per placement (+ ONNX Runtime rewrites) -> verification -> files into place."""
+
+    def __init__(self, art: Artifact, opts: ExportOptions, tmp: Path):
+        self.art, self.opts, self.tmp = art, opts, tmp
+        self.layers = quantized_layers(art)
+        self.sparse = set(art.sparse_layers)
+        self.weight_scales = {k: art.weight_scales(k) for k in self.layers}
+        self.act_amax = art.activation_amax()
+        self.have_data = data_available(opts.data_dir)
+        self.result = ExportResult(Path(art.path), Path(opts.out_dir) if opts.out_dir else Path(art.path))
+        self.report: dict[str, Any] = {"checkpoint": art.path.name, "targets": list(opts.targets), "opset": OPSET}
+        self.float_path = tmp / FLOAT_FILE
+        # the onnxruntime placement before its contrib-op rewrites: the TensorRT placement's extra
+        # tensors (attention MatMul inputs) exist only there, so they are calibrated on it
+        self.calib_model = tmp / CALIB_FILE
+        self.built: dict[str, Path] = {}
+
+    def run(self) -> ExportResult:
+        from tqdm import tqdm
+
+        opts = self.opts
+        steps = ["export fp32"] + [f"build {t}" for t in opts.targets] + (["verify"] if opts.verify_exports else [])
+        self.bar = tqdm(total=len(steps), desc="export", disable=not opts.progress, unit="step")
+        t0 = time.time()
+        self.export_fp32()
+        self.bar.update(1)
+        self.calibration_rows()
+        # the TensorRT placement is calibrated through the ORT placement, which is built first
         for target in ("onnxruntime", "tensorrt"):
-            if target not in targets and not (target == "onnxruntime" and "tensorrt" in targets):
-                continue  # the TensorRT placement is calibrated through the ORT placement
-            bar.set_postfix_str(f"QDQ {target}")
-            m = onnx.load(str(float_path))
-            sites_t = qdq.find_linears(m, weights, rename=False)
-            extra = None
-            if target == "tensorrt":
-                pts = qdq.tensorrt_extra_tensors(m, sites_t)
-                trained = qdq.trained_ranges(m, sites_t, act_amax)  # from TensorRT QAT, when it ran
-                tensors = sorted({p[0] for p in pts} - set(trained))
-                extra = {**_calibrate_extra(calib_model, tensors, calib_batches), **trained}
-                report["tensorrt_extra_ranges"] = {"from_checkpoint_qat": len(trained), "calibrated_here": len(tensors)}
-            rep = qdq.apply_placement(m, sites_t, weight_scales, act_amax, target, extra)
-            emb = None
-            if emb_int8:
-                emb = qdq.quantize_embedding(m, table, lookup_first=target == "onnxruntime", scales=emb_scales)
-            m.producer_name, m.producer_version = "holoserve", _version()
-            path = tmp / TARGET_FILES[target]
-            attention = None
-            if target == "onnxruntime":
-                # the TensorRT placement is calibrated on the unfused graph: its extra tensors
-                # (attention MatMul inputs) exist only there
-                if "tensorrt" in targets:
-                    calib_model = tmp / CALIB_FILE
-                    onnx.save(m, str(calib_model))
-                fused_ops = {}
-                ranks = fusion.tensor_ranks(m) if classifier_row else {}  # before contrib ops hide shapes
-                if fuse_matmul:
-                    fused_ops["integer_matmuls"] = fusion.fuse_integer_matmuls(m)
-                    if fused_ops["integer_matmuls"]["matmuls"] != len(rep.linears):
-                        raise HoloServeError(
-                            f"cannot write {art.path}'s quantized Linears as integer MatMuls: matched "
-                            f"{fused_ops['integer_matmuls']['matmuls']} of {len(rep.linears)} (pass --no-fuse-matmul "
-                            "to keep the QDQ form, which ONNX Runtime fuses itself)")
-                if fuse_gelu:
-                    fused_ops["fast_gelu"] = fusion.fuse_gelu_tanh(m)
-                if fuse_attention:
-                    heads = int(model.config.num_attention_heads)
-                    try:
-                        fused = fusion.fuse_attention(m, heads)
-                    except ValueError as e:
-                        raise HoloServeError(f"cannot fuse attention in {art.path} (pass --no-fuse-attention "
-                                             f"to keep standard ONNX ops): {e}") from None
-                    attention = {"op": f"{fusion.CONTRIB}.{fusion.FUSED_OP}", "blocks": fused, "num_heads": heads,
-                                 "unmasked_branch": "If min(attention_mask) == 1: no mask (flash-attention kernel)"}
-                else:
-                    attention = "standard ONNX ops (MatMul, Softmax)"
-                if classifier_row:
-                    fused_ops["classifier_row"] = fusion.keep_classifier_row(m, ranks)
-            onnx.save(m, str(path))
-            built[target] = path
-            entry = {
-                "file": TARGET_FILES[target],
-                "format": "onnx",
-                "opset": OPSET,
-                "placement": target,
-                "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in verify.INPUT_NAMES},
-                "outputs": {verify.OUTPUT_NAME: {"dtype": "float32", "shape": ["batch", art.num_labels]}},
-                "weights": "int8 initializers, per-output-channel scales, zero-point 0, read by "
-                + ("MatMulIntegerToFloat" if target == "onnxruntime" and fuse_matmul else "DequantizeLinear"),
-                "activations": "uint8 zero-point 128 (MatMul inputs only)" if target == "onnxruntime"
-                else "int8 zero-point 0 (Linear inputs, attention MatMul inputs, residual Add inputs)",
-                "quantized_linears": len(rep.linears),
-                "activation_qdq_pairs": rep.activation_qdq,
-                "weight_dequantize": rep.weight_dq,
-                "bytes": path.stat().st_size,
-                "size_ratio_vs_fp32": round(report["fp32_bytes"] / path.stat().st_size, 3),
-                "ops": qdq.count_ops(m),
-                "word_embeddings": emb or "float32 (as in the checkpoint)",
+            if target in opts.targets or (target == "onnxruntime" and "tensorrt" in opts.targets):
+                self.build(target)
+                if target in opts.targets:
+                    self.bar.update(1)
+        if opts.verify_exports:
+            self.verify()
+            self.bar.update(1)
+        self.bar.close()
+        self.report["seconds"] = round(time.time() - t0, 1)
+        self.report["exports"] = self.result.entries
+        self.install()
+        self.result.report = self.report
+        return self.result
+
+    # -- steps
+    def export_fp32(self) -> None:
+        import onnx
+
+        self.bar.set_postfix_str("torch.onnx.export")
+        self.model = load_torch_model(self.art)
+        torch_export_fp32(self.model, self.float_path)
+        fp32 = onnx.load(str(self.float_path))
+        state = {k: v.detach().numpy() for k, v in self.model.state_dict().items()}
+        self.weights = {k: state[f"{k}.weight"] for k in self.layers}
+        try:
+            self.sites = qdq.find_linears(fp32, self.weights)
+        except ValueError as e:
+            raise HoloServeError(f"cannot export {self.art.path}: {e}") from None
+        onnx.save(fp32, str(self.float_path))  # renamed weights: "<layer>.weight_t"
+        self.table = self.model.get_input_embeddings().weight.detach().numpy()
+        self.emb_scales = self.art.embedding_scales()  # None unless the checkpoint quantized the table itself
+        self.lossless = qdq.embedding_is_int8_exact(self.table, self.emb_scales)
+        emb = self.opts.embeddings
+        self.emb_int8 = emb == "int8" or (emb == "auto" and self.lossless)
+        self.report["word_embeddings"] = {"requested": emb, "int8": self.emb_int8, "int8_lossless": self.lossless}
+        self.report["fp32_bytes"] = self.float_path.stat().st_size
+        self.report["linears"] = len(self.sites)
+
+    def calibration_rows(self) -> None:
+        art, opts = self.art, self.opts
+        self.tok = make_tokenizer(art)
+        if self.have_data:
+            split = "train" if "train" in _splits(art) else "dev"
+            _, texts, pairs, _ = _rows(art, split, opts.data_dir, opts.calib_rows)
+            self.calib_source = f"{art.task_name} {split} split, first {len(texts)} rows"
+        else:
+            texts, pairs = list(BUILTIN_SENTENCES), (list(BUILTIN_SENTENCES[::-1]) if art.is_pair else None)
+            self.calib_source = "builtin sentences"
+        self.calib_batches = [b for _, b in encode_batches(self.tok, texts, pairs, batch_size=32)]
+
+    def build(self, target: str) -> None:
+        import onnx
+
+        self.bar.set_postfix_str(f"QDQ {target}")
+        m = onnx.load(str(self.float_path))
+        sites = qdq.find_linears(m, self.weights, rename=False)
+        extra = None
+        if target == "tensorrt":
+            pts = qdq.tensorrt_extra_tensors(m, sites)
+            trained = qdq.trained_ranges(m, sites, self.act_amax)  # from TensorRT QAT, when it ran
+            tensors = sorted({p[0] for p in pts} - set(trained))
+            extra = {**_calibrate_extra(self.calib_model, tensors, self.calib_batches), **trained}
+            self.report["tensorrt_extra_ranges"] = {"from_checkpoint_qat": len(trained), "calibrated_here": len(tensors)}
+        rep = qdq.apply_placement(m, sites, self.weight_scales, self.act_amax, target, extra)
+        emb = None
+        if self.emb_int8:
+            emb = qdq.quantize_embedding(m, self.table, lookup_first=target == "onnxruntime", scales=self.emb_scales)
+        m.producer_name, m.producer_version = "holoserve", _version()
+        path = self.tmp / TARGET_FILES[target]
+        attention, fused_ops = None, None
+        if target == "onnxruntime":
+            if "tensorrt" in self.opts.targets:
+                onnx.save(m, str(self.calib_model))
+            attention, fused_ops = self.rewrite_for_onnxruntime(m, len(rep.linears))
+        onnx.save(m, str(path))
+        self.built[target] = path
+        if target in self.opts.targets:
+            self.result.entries[MANIFEST_KEYS[target]] = self.entry(target, path, m, rep, emb, attention, fused_ops,
+                                                                    extra)
+
+    def rewrite_for_onnxruntime(self, m, quantized_linears: int) -> tuple[Any, dict[str, Any]]:
+        """The onnxruntime placement's contrib-op rewrites (export/fusion.py), as the options ask."""
+        opts, path = self.opts, self.art.path
+        fused_ops: dict[str, Any] = {}
+        ranks = fusion.tensor_ranks(m) if opts.classifier_row else {}  # before contrib ops hide shapes
+        if opts.fuse_matmul:
+            fused_ops["integer_matmuls"] = fusion.fuse_integer_matmuls(m)
+            if fused_ops["integer_matmuls"]["matmuls"] != quantized_linears:
+                raise HoloServeError(
+                    f"cannot write {path}'s quantized Linears as integer MatMuls: matched "
+                    f"{fused_ops['integer_matmuls']['matmuls']} of {quantized_linears} (pass --no-fuse-matmul "
+                    "to keep the QDQ form, which ONNX Runtime fuses itself)")
+        if opts.fuse_gelu:
+            fused_ops["fast_gelu"] = fusion.fuse_gelu_tanh(m)
+        if opts.fuse_attention:
+            heads = int(self.model.config.num_attention_heads)
+            try:
+                fused = fusion.fuse_attention(m, heads)
+            except ValueError as e:
+                raise HoloServeError(f"cannot fuse attention in {path} (pass --no-fuse-attention "
+                                     f"to keep standard ONNX ops): {e}") from None
+            attention = {"op": f"{fusion.CONTRIB}.{fusion.FUSED_OP}", "blocks": fused, "num_heads": heads,
+                         "unmasked_branch": "If min(attention_mask) == 1: no mask (flash-attention kernel)"}
+        else:
+            attention = "standard ONNX ops (MatMul, Softmax)"
+        if opts.classifier_row:
+            fused_ops["classifier_row"] = fusion.keep_classifier_row(m, ranks)
+        return attention, fused_ops
+
+    def entry(self, target: str, path: Path, m, rep, emb, attention, fused_ops, extra) -> dict[str, Any]:
+        """The manifest's record of one ONNX file (holoserve.core.manifest.OnnxExport)."""
+        entry = {
+            "file": TARGET_FILES[target],
+            "format": "onnx",
+            "opset": OPSET,
+            "placement": target,
+            "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in verify.INPUT_NAMES},
+            "outputs": {verify.OUTPUT_NAME: {"dtype": "float32", "shape": ["batch", self.art.num_labels]}},
+            "weights": "int8 initializers, per-output-channel scales, zero-point 0, read by "
+            + ("MatMulIntegerToFloat" if target == "onnxruntime" and self.opts.fuse_matmul else "DequantizeLinear"),
+            "activations": "uint8 zero-point 128 (MatMul inputs only)" if target == "onnxruntime"
+            else "int8 zero-point 0 (Linear inputs, attention MatMul inputs, residual Add inputs)",
+            "quantized_linears": len(rep.linears),
+            "activation_qdq_pairs": rep.activation_qdq,
+            "weight_dequantize": rep.weight_dq,
+            "bytes": path.stat().st_size,
+            "size_ratio_vs_fp32": round(self.report["fp32_bytes"] / path.stat().st_size, 3),
+            "ops": qdq.count_ops(m),
+            "word_embeddings": emb or "float32 (as in the checkpoint)",
+        }
+        if attention is not None:
+            entry["attention"] = attention
+        if fused_ops is not None:
+            entry["fused_ops"] = fused_ops
+        if target == "tensorrt":
+            entry["extra_ranges"] = {
+                "source": f"max |x| from the onnxruntime placement (checkpoint numerics) on {self.calib_source}",
+                "amax": {k: round(v, 6) for k, v in extra.items()},
             }
-            if attention is not None:
-                entry["attention"] = attention
-            if target == "onnxruntime":
-                entry["fused_ops"] = fused_ops
-            if target == "tensorrt":
-                entry["extra_ranges"] = {
-                    "source": f"max |x| from the onnxruntime placement (checkpoint numerics) on {calib_source}",
-                    "amax": {k: round(v, 6) for k, v in extra.items()},
-                }
-            if target in targets:
-                result.entries[MANIFEST_KEYS[target]] = entry
-            if target == "tensorrt" or "tensorrt" not in targets or target in targets:
-                bar.update(1) if target in targets else None
+        return entry
 
-        if verify_exports:
-            bar.set_postfix_str("verify")
-            # the reference is exactly what `holoserve eval` runs: compress.checkpoint.load_model
-            # (default attention kernel) + compress.quant.input_quantizers
-            from holoserve.compress.checkpoint import load_model
+    def verify(self) -> None:
+        opts = self.opts
+        self.bar.set_postfix_str("verify")
+        # the reference is exactly what `holoserve eval` runs: compress.checkpoint.load_model
+        # (default attention kernel) + compress.quant.input_quantizers
+        from holoserve.compress.checkpoint import load_model
 
-            ref_model, _ = load_model(art, verify=False)
-            del model
-            report["verification"] = _verify(
-                art, ref_model, built, targets, float_path, sites, sparse, tok, data_dir, have_data, dev_rows, threads, tmp,
-                polygraphy, max_metric_diff, emb_int8 and not lossless,
-            )
-            for t in targets:
-                result.entries[MANIFEST_KEYS[t]]["verification"] = report["verification"][t]
-            bar.update(1)
-        bar.close()
+        ref_model, _ = load_model(self.art, verify=False)
+        del self.model
+        self.report["verification"] = _verify(
+            self.art, ref_model, self.built, opts.targets, self.float_path, self.sites, self.sparse, self.tok,
+            opts.data_dir, self.have_data, opts.dev_rows, opts.threads, self.tmp, opts.polygraphy,
+            opts.max_metric_diff, self.emb_int8 and not self.lossless,
+        )
+        for t in opts.targets:
+            self.result.entries[MANIFEST_KEYS[t]]["verification"] = self.report["verification"][t]
 
-        # move into place
-        files = {TARGET_FILES[t]: built[t] for t in targets}
-        if keep_float:
-            files[FLOAT_FILE] = float_path
-        report["seconds"] = round(time.time() - t0, 1)
-        report["exports"] = result.entries
-        if out_dir:
-            od = Path(out_dir)
+    def install(self) -> None:
+        """Move the files into place: into out_dir with a report, or into the checkpoint and its manifest."""
+        opts, result = self.opts, self.result
+        files = {TARGET_FILES[t]: self.built[t] for t in opts.targets}
+        if opts.keep_float:
+            files[FLOAT_FILE] = self.float_path
+        if opts.out_dir:
+            od = Path(opts.out_dir)
             od.mkdir(parents=True, exist_ok=True)
             for name, src in files.items():
                 atomic_copy(src, od / name)
                 result.files[name] = od / name
-            atomic_write_json(od / "export_report.json", report)
+            atomic_write_json(od / "export_report.json", self.report)
         else:
-            add_files(art, files, exports=result.entries)
-            result.files = {name: art.path / name for name in files}
-    result.report = report
-    return result
+            add_files(self.art, files, exports=result.entries)
+            result.files = {name: self.art.path / name for name in files}
 
 
 def _splits(art: Artifact):
