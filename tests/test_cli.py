@@ -27,3 +27,20 @@ def test_help_lists_user_options_and_hides_experiment_switches(command, user, sw
 def test_advanced_switches_still_parse():
     args = build_parser().parse_args(["export", "ckpt", "--no-fuse-attention", "--threads", "2"])
     assert args.no_fuse_attention and args.threads == 2
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject.toml names the packages one by one (compress/ and export/ map into holoserve.*): a new
+    subpackage missing from that list would be left out of the wheel and the images."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = cfg["package-dir"]
+    found = set()
+    for pkg, folder in dirs.items():
+        for init in (root / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / folder).parts
+            found.add(".".join((pkg, *rel)))
+    assert set(cfg["packages"]) == found

@@ -209,7 +209,7 @@ def test_qkv_not_fused_when_ranges_differ(tiny_checkpoint):
     amax = dict(art.activation_amax())
     key = next(k for k in amax if k.endswith("attention.self.key.input"))
     amax[key] *= 2
-    q = art.manifest["quantization"]["weights"]["scales"]
+    q = art.all_weight_scales()
     enc = tc.build_encoder(config, state, weight_scales=q, act_amax=amax, sparse_layers=art.sparse_layers,
                            kernel="reference", dtype=torch.float32)
     assert len(enc.layers[0]["qkv"].parts) == 3 or len(enc.layers[1]["qkv"].parts) == 3

@@ -711,9 +711,8 @@ def section_encoder(run: Run) -> dict[str, Any]:
         from holoserve.backends.torch_cuda import checkpoint_tensors
 
         config, state = checkpoint_tensors(art)
-        q = art.manifest["quantization"]
-        quant = {"scales": q["weights"]["scales"], "amax": art.activation_amax(), "layers": art.sparse_layers}
-        label = f"{art.manifest.get('base_model')} · {art.task_name} checkpoint (carried, " + (
+        quant = {"scales": art.all_weight_scales(), "amax": art.activation_amax(), "layers": art.sparse_layers}
+        label = f"{art.base_model} · {art.task_name} checkpoint (carried, " + (
             "tiny random stand-in)" if run.smoke else "real weights)")
         models = [(label, config, state, state, quant, art)]
     except Exception as e:  # noqa: BLE001
@@ -795,7 +794,7 @@ def section_parity(run: Run) -> dict[str, Any]:
     """Ours (the torch-cuda path; CPU reference kernel in cpu-smoke) vs the fake-quant model in fp32."""
     import numpy as np
     import torch
-    from tokenizers import Tokenizer
+    from holoserve.core.tokenizer import load_tokenizer
 
     from holoserve.compress.checkpoint import load_model
     from holoserve.compress.quant import input_quantizers
@@ -818,9 +817,7 @@ def section_parity(run: Run) -> dict[str, Any]:
         source = "24 synthetic sentences (cpu-smoke)"
     else:
         return {"error": f"no dev split carried under {glue}: run prepare.py with --data-dir"}
-    tok = Tokenizer.from_file(str(art.path / "tokenizer.json"))
-    tok.no_padding()  # tokenizer.json may pad to a fixed length; batches are padded to their longest row here
-    tok.enable_truncation(max_length=art.max_seq_length)
+    tok = load_tokenizer(art.path, art.max_seq_length)  # batches are padded to their longest row here
     ref, _ = load_model(art.path)
     ref.to(run.device)
     def encoder_infer(enc):
@@ -897,7 +894,7 @@ def section_parity(run: Run) -> dict[str, Any]:
         "rows": int(len(y)), "max_abs_logit_diff": head["max_abs_logit_diff"],
         "mean_abs_logit_diff": head["mean_abs_logit_diff"], "argmax_agreement": head["argmax_agreement"],
         "accuracy_ours": head["accuracy"], "accuracy_reference": float((w.argmax(-1) == y).mean()),
-        "manifest_metrics": art.manifest.get("metrics", {}).get("compressed"),
+        "manifest_metrics": art.manifest.metrics.compressed,
         "target_argmax_agreement": 0.995, "variants": variants,
     }
     res["meets_target"] = res["argmax_agreement"] >= 0.995

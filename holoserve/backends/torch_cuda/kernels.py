@@ -1,0 +1,128 @@
+"""The fused Triton kernels of the serving path: activation quantizers fused with what precedes them.
+
+One kernel for the activation quantizer reads FP16 and writes int8 codes (3 bytes per element
+instead of ~35 for the five separate torch ops: float, div, round, clamp, cast), which matters
+because every encoder GEMM input passes through it; two more fuse it with the FFN's GELU and with
+residual add + LayerNorm, so that no FP16 intermediate is written just to be re-read and quantized.
+Same arithmetic as numerics.quantize_activation: IEEE division by the scale, saturation, then round
+half to even via the 1.5 * 2**23 trick (exact for |q| <= 2**22, and saturating first gives the same
+codes as rounding first).
+
+Triton is imported on first use; where it is missing (or incompatible) the wrappers raise and the
+backend keeps the torch-op quantizer (probe.choose_quantizer decides, on the device).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ._torch import torch
+
+_TRITON: dict[str, Any] = {}
+QUANT_BLOCK = 2048
+
+
+def _triton_quant_kernel():
+    if "kernel" in _TRITON or "error" in _TRITON:
+        return _TRITON.get("kernel")
+    try:
+        import triton
+        import triton.language as tl
+
+        # (a @triton.jit body sees module globals only, so tl.div_rn is named directly: IEEE division)
+        # The saturation bounds -128.0 / 127.0 are ACT_QMIN / ACT_QMAX of holoserve.core.numerics,
+        # spelled as literals because the kernel bodies need compile-time constants.
+        @triton.jit
+        def _quant(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            q = tl.div_rn(x, tl.load(scale_ptr))
+            q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+            q = (q + 12582912.0) - 12582912.0
+            tl.store(out_ptr + offs, q.to(tl.int8), mask=m)
+
+        @triton.jit
+        def _gelu_quant(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+            # exact (erf) GELU of the FFN's first GEMM, quantized for the second: the FP16 GELU
+            # output never goes to memory
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            g = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+            q = tl.div_rn(g, tl.load(scale_ptr))
+            q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+            q = (q + 12582912.0) - 12582912.0
+            tl.store(out_ptr + offs, q.to(tl.int8), mask=m)
+
+        @triton.jit
+        def _add_ln_quant(x_ptr, r_ptr, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, H, eps,
+                          HAS_RES: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
+            # one row: h = LayerNorm(x + r) in FP16 (the residual stream) and, for the next GEMM,
+            # the int8 codes of h; the same roundings as the separate torch ops (FP16 sum, FP16 h)
+            row = tl.program_id(0).to(tl.int64)
+            cols = tl.arange(0, BLOCK)
+            m = cols < H
+            x = tl.load(x_ptr + row * H + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_RES:
+                x = (x + tl.load(r_ptr + row * H + cols, mask=m, other=0.0).to(tl.float32)).to(tl.float16).to(tl.float32)
+            mean = tl.sum(x, axis=0) / H
+            xc = tl.where(m, x - mean, 0.0)
+            var = tl.sum(xc * xc, axis=0) / H
+            rstd = 1.0 / tl.sqrt(var + eps)
+            w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            yh = (xc * rstd * w + b).to(tl.float16)
+            tl.store(h_ptr + row * H + cols, yh, mask=m)
+            if HAS_Q:
+                q = tl.div_rn(yh.to(tl.float32), tl.load(scale_ptr))
+                q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+                q = (q + 12582912.0) - 12582912.0
+                tl.store(q_ptr + row * H + cols, q.to(tl.int8), mask=m)
+
+        _TRITON["kernel"] = _quant
+        _TRITON["gelu_kernel"] = _gelu_quant
+        _TRITON["ln_kernel"] = _add_ln_quant
+        _TRITON["next_pow2"] = triton.next_power_of_2
+        _TRITON["cdiv"] = triton.cdiv
+    except Exception as e:  # noqa: BLE001 - no triton (or an incompatible one): torch ops are used
+        _TRITON["error"] = f"{type(e).__name__}: {e}"
+    return _TRITON.get("kernel")
+
+
+def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: int | None = None,
+                               gelu: bool = False) -> "torch.Tensor":
+    """quantize_activation (of GELU(x) with gelu=True) as one Triton kernel; `rows` >= x.shape[0]
+    pads the result with zero rows."""
+    if _triton_quant_kernel() is None:
+        raise RuntimeError(f"triton is unavailable: {_TRITON.get('error')}")
+    kernel = _TRITON["gelu_kernel" if gelu else "kernel"]
+    x = x.contiguous()
+    m, k = x.shape
+    rows = rows or m
+    out = torch.empty((rows, k), dtype=torch.int8, device=x.device)
+    if rows > m:
+        out[m:].zero_()
+    n = m * k
+    kernel[(_TRITON["cdiv"](n, QUANT_BLOCK),)](x, out, scale.reshape(1), n, BLOCK=QUANT_BLOCK)
+    return out
+
+
+def add_layer_norm_quant(x, res, weight, bias, eps: float, scale=None, rows: int | None = None):
+    """(LayerNorm(x + res) as FP16 [T, H], its int8 codes [rows, H] or None) in one Triton kernel."""
+    if _triton_quant_kernel() is None:
+        raise RuntimeError(f"triton is unavailable: {_TRITON.get('error')}")
+    hdim = x.shape[-1]
+    x2 = x.reshape(-1, hdim).contiguous()
+    r2 = res.reshape(-1, hdim).contiguous() if res is not None else x2
+    t = x2.shape[0]
+    h = torch.empty_like(x2)
+    q = None
+    if scale is not None:
+        rows = rows or t
+        q = torch.empty((rows, hdim), dtype=torch.int8, device=x.device)
+        if rows > t:
+            q[t:].zero_()
+    _TRITON["ln_kernel"][(t,)](
+        x2, r2, weight, bias, h, q if q is not None else h, scale.reshape(1) if scale is not None else weight,
+        hdim, float(eps), HAS_RES=res is not None, HAS_Q=scale is not None, BLOCK=_TRITON["next_pow2"](hdim))
+    return h, q

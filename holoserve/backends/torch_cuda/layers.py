@@ -1,0 +1,167 @@
+"""The encoder's Linears: QuantLinear (INT8, five kernels) and DenseLinear, and the cuSPARSELt epilogues.
+
+A sparse INT8 layer runs as one 2:4 semi-structured GEMM (`torch._cslt_compress` /
+`torch._cslt_sparse_mm`, the ops behind `torch.sparse.SparseSemiStructuredTensorCUSPARSELT`). The
+per-output-channel factor `s_w[n] * s_x` is cuSPARSELt's alpha vector, so the dequantization (and,
+where the library takes it, the bias) happens in the GEMM epilogue and the result comes out in FP16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._torch import F, Module, torch
+from .kernels import quantize_activation_triton
+from .numerics import dequantize, int8_linear_codes, quantize_activation
+
+# cuSPARSELt INT8 limits as PyTorch states them (SparseSemiStructuredTensorCUSPARSELT): the sparse
+# operand needs rows and columns that are multiples of 32; the dense operand multiples of 16.
+CSLT_SPARSE_MULTIPLE = 32
+CSLT_DENSE_MULTIPLE = 16
+KERNELS = ("cslt", "int_mm", "reference", "fakequant", "dense")
+
+
+def pad_rows(x: "torch.Tensor", multiple: int) -> "torch.Tensor":
+    extra = (-x.shape[0]) % multiple
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+# The ways the 2:4 INT8 GEMM's epilogue can be driven through torch._cslt_sparse_mm, best first.
+# Which ones a given torch/cuSPARSELt build accepts (bias type with int8 in / fp16 out, alpha
+# vectors with a transposed result) is checked numerically on the device at load time
+# (probe.choose_epilogue).
+@dataclass(frozen=True)
+class Epilogue:
+    name: str
+    alpha: bool  # per-channel dequant factor as cuSPARSELt's alpha vector (else int32 out, dequant after)
+    bias: bool  # bias added inside the GEMM
+    transpose: bool  # transpose_result=True: the result comes out [tokens, out_features] contiguous
+
+
+EPILOGUES = (
+    Epilogue("alpha+bias, fp16 out, transposed", True, True, True),
+    Epilogue("alpha, fp16 out, transposed; bias after", True, False, True),
+    Epilogue("alpha+bias, fp16 out", True, True, False),
+    Epilogue("alpha, fp16 out; bias after", True, False, False),
+    Epilogue("int32 out, transposed; dequant after", False, False, True),
+    Epilogue("int32 out; dequant after", False, False, False),
+)
+
+
+class QuantLinear(Module):  # type: ignore[misc]
+    """A Linear whose input is quantized per tensor and whose weight is int8 per output channel.
+
+    kernel:  cslt       2:4 INT8 cuSPARSELt GEMM, dequant in the epilogue (CUDA)
+             int_mm     dense INT8 torch._int_mm, dequant after (CUDA)
+             reference  exact int math in float64 (any device; slow, for tests)
+             fakequant  quantize-dequantize the input, float GEMM with the dequantized weight
+             dense      plain float Linear with the dequantized weight, no activation quantization
+    """
+
+    def __init__(self, w_codes, w_scales, act_scale, bias, *, kernel: str, dtype, epilogue: Epilogue | None = None,
+                 quantizer: str = "torch", alg_search: bool = False):
+        super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; choose one of {KERNELS}")
+        if quantizer not in ("torch", "triton"):
+            raise ValueError(f"unknown quantizer {quantizer!r}")
+        self.kernel = kernel
+        self.quantizer = quantizer
+        # cuSPARSELt algorithm per token count, found by its own search on the first call outside
+        # a graph capture (the warm-up before each capture); 0 (the library default) otherwise
+        self.alg_search = alg_search
+        self.algs: dict[int, int] = {}
+        self.out_features, self.in_features = w_codes.shape
+        self.dtype = dtype
+        self.epilogue = epilogue or EPILOGUES[0]
+        dev = w_codes.device
+        self.register_buffer("w_scales", w_scales.float().to(dev))
+        self.register_buffer("act_scale", torch.as_tensor(act_scale, dtype=torch.float32, device=dev).reshape(()))
+        self.register_buffer("alpha", (self.w_scales * self.act_scale).float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(dev, dtype))
+        # The bias handed to cuSPARSELt lives in a buffer twice as long as needed: if a library
+        # build read it as float32 instead of the output type, the probe in choose_epilogue sees
+        # wrong numbers instead of the GEMM reading past the end of an allocation.
+        self.register_buffer("bias_gemm", None if bias is None else
+                             torch.cat([self.bias, torch.zeros_like(self.bias)]))
+        self.register_buffer("bias32", None if bias is None else bias.to(dev, torch.float32))
+        if kernel == "cslt":
+            self.register_buffer("packed", torch._cslt_compress(w_codes.contiguous()))
+        elif kernel == "int_mm":
+            self.register_buffer("w_t", w_codes.t().contiguous())  # _int_mm wants [K, N]
+        elif kernel == "reference":
+            self.register_buffer("w_codes", w_codes)
+        else:
+            self.register_buffer("weight", (w_codes.float() * self.w_scales.reshape(-1, 1)).to(dtype))
+
+    def forward(self, x):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.kernel == "dense":
+            return F.linear(x, self.weight, self.bias)
+        if self.kernel == "fakequant":
+            xq = quantize_activation(x2, self.act_scale).to(self.dtype) * self.act_scale.to(self.dtype)
+            return F.linear(xq, self.weight, self.bias).reshape(*shape[:-1], -1)
+        m = x2.shape[0]
+        if self.quantizer == "triton":
+            xq = quantize_activation_triton(x2, self.act_scale, rows=self.padded_rows(m))
+        else:
+            xq = pad_rows(quantize_activation(x2, self.act_scale), self.row_multiple)
+        return self.from_codes(xq, m).reshape(*shape[:-1], -1)
+
+    @property
+    def row_multiple(self) -> int:
+        # cuSPARSELt wants the dense operand's rows in multiples of 16; _int_mm wants more than 16 rows
+        return {"cslt": CSLT_DENSE_MULTIPLE, "int_mm": 32}.get(self.kernel, 1)
+
+    def padded_rows(self, m: int) -> int:
+        return m + (-m) % self.row_multiple
+
+    def from_codes(self, xq, m: int):
+        """The GEMM and dequantization for int8 codes [padded rows, K]; returns [m, N] in self.dtype."""
+        if self.kernel == "reference":  # exact integer accumulation, as int8_linear_reference
+            return int8_linear_codes(xq[:m], self.w_codes, self.alpha, self.bias32).to(self.dtype)
+        if self.kernel == "int_mm":
+            acc = torch._int_mm(xq, self.w_t)[:m]
+            y = dequantize(acc, self.alpha, self.bias32).to(self.dtype)
+        else:
+            y = self._cslt(xq)[:m]
+        return y
+
+    def _alg(self, xq, **kw) -> int:
+        if not self.alg_search:
+            return 0
+        m = xq.shape[0]
+        if m not in self.algs:
+            if torch.cuda.is_current_stream_capturing():
+                return 0
+            self.algs[m] = int(torch._cslt_sparse_mm_search(self.packed, xq.t(), **kw))
+        return self.algs[m]
+
+    def _cslt(self, xq):
+        e = self.epilogue
+        if e.alpha and self.dtype != torch.float32:  # cuSPARSELt's INT8 GEMM writes FP16/BF16/INT32, not FP32
+            kw = dict(bias=self.bias_gemm[: self.out_features] if (e.bias and self.bias is not None) else None,
+                      alpha=self.alpha, out_dtype=self.dtype, transpose_result=e.transpose)
+            y = torch._cslt_sparse_mm(self.packed, xq.t(), alg_id=self._alg(xq, **kw), **kw)
+            y = y if e.transpose else y.t()
+            if self.bias is not None and not e.bias:
+                y = y + self.bias
+            return y
+        kw = dict(out_dtype=torch.int32, transpose_result=e.transpose)
+        acc = torch._cslt_sparse_mm(self.packed, xq.t(), alg_id=self._alg(xq, **kw), **kw)
+        acc = acc if e.transpose else acc.t()
+        return dequantize(acc, self.alpha, self.bias32).to(self.dtype)
+
+
+class DenseLinear(Module):  # type: ignore[misc]
+    """A float Linear (FP16 on the GPU): layers that stay dense, and the dense baselines."""
+
+    kernel = "dense"
+
+    def __init__(self, weight, bias, *, dtype):
+        super().__init__()
+        self.register_buffer("weight", weight.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(weight.device, dtype))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
