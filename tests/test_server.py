@@ -171,6 +171,30 @@ def test_bad_input_gets_a_4xx_json_error(server, payload, code, type_):
     assert r.json()["request_id"] == r.headers["x-request-id"]
 
 
+def test_request_rules_need_only_the_protocol_and_run_in_order():
+    """The body rules live on the request model: no server needed, and one request always gets the
+    same error (the input kind first, then the item count, then each text in turn)."""
+    from pydantic import ValidationError
+
+    from holoserve.server.protocol import ApiError, InputLimits, PredictRequest
+
+    single = InputLimits(max_items=2, max_text_bytes=5, pair=False, model="m", task="sst2")
+
+    def refused(body, limits=single):
+        with pytest.raises(ApiError) as e:
+            PredictRequest.model_validate(body).inputs(limits)
+        return e.value.code, e.value.type
+
+    assert refused({"pairs": []}) == (400, "wrong_input_kind")
+    assert refused({"text": "ok"}, InputLimits(2, 5, pair=True, model="m", task="mrpc")) == (400, "wrong_input_kind")
+    assert refused({"texts": ["a", "b", "c"]}) == (422, "too_many_items")
+    assert refused({"texts": ["far too long", ""]}) == (422, "text_too_long")
+    assert refused({"texts": ["", "far too long"]}) == (422, "empty_text")
+    assert PredictRequest(texts=["ab", "é"]).inputs(single) == (["ab", "é"], 4)
+    with pytest.raises(ValidationError, match="send exactly one of 'text', 'texts' or 'pairs' \\(got text, texts\\)"):
+        PredictRequest.model_validate({"text": "a", "texts": ["b"]})
+
+
 @pytest.mark.parametrize("content,headers,code", [
     (b'{"text": "unterminated', {"content-type": "application/json"}, 422),
     (b'{"text": "\\ud800"}', {"content-type": "application/json"}, 422),  # lone surrogate
@@ -391,11 +415,14 @@ def test_server_runs_without_torch(sst2):
 
 
 def test_openapi_fuzz_has_no_server_errors(server, tmp_path):
+    """Fuzz every operation: no 5xx, and every answer with a documented status code matches its
+    declared response schema (errors included)."""
     exe = os.path.join(os.path.dirname(sys.executable), "schemathesis")
     if not os.path.exists(exe):
         pytest.skip("schemathesis is not installed (pip install 'holoserve[dev]')")
     r = subprocess.run(
-        [exe, "run", server.url + "/openapi.json", "--checks", "not_a_server_error", "--max-examples", "40",
+        [exe, "run", server.url + "/openapi.json", "--checks", "not_a_server_error,response_schema_conformance",
+         "--max-examples", "40",
          "--seed", "1", "--request-timeout", "10", "--no-shrink", "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=150, env={**os.environ, "NO_COLOR": "1"}, cwd=tmp_path)
     tail = r.stdout[-4000:] + r.stderr[-2000:]

@@ -1,0 +1,125 @@
+"""Cross-cutting work for every request: request id, bearer auth, body-size limit, HTTP metrics and
+the JSON access log.
+
+One plain ASGI middleware: Starlette's BaseHTTPMiddleware would cost more than the whole request's
+server overhead budget.
+"""
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import re
+import time
+import uuid
+
+from .config import ServerConfig
+from .metrics import ServerMetrics
+from .protocol import error_body
+
+access_log = logging.getLogger("holoserve.access")
+
+ROUTES = ("/predict", "/healthz", "/readyz", "/v1/models", "/metrics", "/docs", "/openapi.json", "/redoc")
+PUBLIC = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json", "/redoc", "/docs/oauth2-redirect"})
+METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+_RID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+# Request ids: a random per-process prefix and a counter (uuid4 costs a syscall per request).
+_RID_PREFIX = uuid.uuid4().hex[:12]
+_rid_counter = itertools.count(1)
+
+
+class EdgeMiddleware:
+    """Request id, bearer auth, body-size limit, HTTP metrics and the JSON access log."""
+
+    def __init__(self, app, config: ServerConfig, metrics: ServerMetrics):
+        self.app, self.config, self.metrics = app, config, metrics
+        token = config.api_token
+        self.token = token.encode() if token else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        m = self.metrics
+        headers = dict(scope.get("headers") or ())
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")
+        if not _RID.match(rid):
+            rid = f"{_RID_PREFIX}{next(_rid_counter):08x}"
+        scope.setdefault("state", {})["request_id"] = rid
+        path, method = scope["path"], scope["method"]
+        status = [500]
+
+        async def send_wrapped(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        async def reject(code: int, type_: str, msg: str, extra: list[tuple[bytes, bytes]] = ()):
+            body = error_body(code, type_, msg, rid)
+            await send_wrapped({"type": "http.response.start", "status": code, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})
+            await send_wrapped({"type": "http.response.body", "body": body})
+
+        m.in_flight.inc()
+        bytes_in = 0
+        try:
+            if self.token is not None and path not in PUBLIC:
+                auth = headers.get(b"authorization", b"")
+                scheme, _, given = auth.partition(b" ")
+                if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
+                    if path == "/predict":
+                        m.fail("unauthorized")
+                    return await reject(401, "unauthorized", "missing or wrong bearer token: send "
+                                        "'Authorization: Bearer <token>'", [(b"www-authenticate", b"Bearer")])
+            if method in ("POST", "PUT", "PATCH"):
+                limit = self.config.max_body_bytes
+                cl = headers.get(b"content-length")
+                if cl is not None:
+                    if not cl.strip().isdigit():
+                        return await reject(400, "bad_request", "Content-Length is not a number")
+                    if int(cl) > limit:
+                        if path == "/predict":
+                            m.fail("body_too_large")
+                        return await reject(413, "body_too_large",
+                                            f"request body is {int(cl)} bytes; the limit is {limit} bytes")
+                chunks = []
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        return
+                    chunk = msg.get("body", b"")
+                    bytes_in += len(chunk)
+                    if bytes_in > limit:
+                        if path == "/predict":
+                            m.fail("body_too_large")
+                        return await reject(413, "body_too_large", f"request body exceeds the limit of {limit} bytes")
+                    chunks.append(chunk)
+                    if not msg.get("more_body", False):
+                        break
+                body = b"".join(chunks)
+                replayed = False
+
+                async def replay():
+                    nonlocal replayed
+                    if not replayed:
+                        replayed = True
+                        return {"type": "http.request", "body": body, "more_body": False}
+                    return await receive()
+
+                return await self.app(scope, replay, send_wrapped)
+            return await self.app(scope, receive, send_wrapped)
+        finally:
+            m.in_flight.dec()
+            dt = time.perf_counter() - t0
+            route = path if path in ROUTES else "other"
+            m.http_duration.labels(route, method if method in METHODS else "other", str(status[0])).observe(dt)
+            if self.config.access_log:
+                client = scope.get("client")
+                extra = {"request_id": rid, "method": method, "path": route, "status": status[0],
+                         "duration_ms": round(dt * 1000, 3), "bytes_in": bytes_in,
+                         "client": f"{client[0]}:{client[1]}" if client else None}
+                timing = scope["state"].get("timing")  # the Timing of a /predict answer
+                if timing is not None:
+                    extra["timing_ms"] = timing.model_dump()
+                access_log.info("%s %s %d", method, route, status[0], extra=extra)

@@ -1,0 +1,192 @@
+"""The HTTP protocol: request and response bodies (pydantic, the source of the OpenAPI document),
+the rules a request must meet before it reaches the model, and the one error shape every 4xx/5xx
+answer has: {"error": {"code", "type", "message"}, "request_id"}.
+
+Rules that need nothing but the body (field types, unknown fields, exactly one input field) are
+pydantic validation. Rules that depend on the running server (the byte and item limits, whether
+the model takes pairs) are `PredictRequest.inputs(limits)`, called by the service: FastAPI parses
+the body without a validation context, and these checks must keep their order (a pair sent to a
+single-text model is a 400 before its texts are looked at).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+from pydantic_core import PydanticCustomError
+
+INPUT_FIELDS = ("text", "texts", "pairs")
+# Error types raised by this module's own validators: their message is written for the client and
+# is passed on as it is (pydantic's own messages get the field's location in front).
+ONE_INPUT = "one_input"
+_OWN_ERRORS = frozenset({ONE_INPUT})
+
+Inputs = Union[list[str], list[tuple[str, str]]]
+
+
+class ApiError(Exception):
+    """An answer other than 200, in the shape of `ErrorResponse`."""
+
+    def __init__(self, code: int, type_: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.code, self.type, self.message, self.headers = code, type_, message, headers or {}
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """What one request may hold: the server's limits and the kind of input the model classifies."""
+
+    max_items: int
+    max_text_bytes: int
+    pair: bool  # the model classifies text pairs
+    model: str  # named in the wrong-kind error, with its task
+    task: str
+
+
+class PredictRequest(BaseModel):
+    """Exactly one of `text`, `texts` or `pairs`. Pairs only for pair tasks (e.g. MRPC, QNLI)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"text": "a gripping, funny film"},
+                                        {"texts": ["loved it", "a dull mess"]}]},
+    )
+    text: Optional[StrictStr] = Field(None, description="one text")
+    texts: Optional[list[StrictStr]] = Field(None, description="several texts, answered in order")
+    pairs: Optional[list[tuple[StrictStr, StrictStr]]] = Field(
+        None, description="text pairs [[a, b], ...] for sentence-pair tasks")
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> "PredictRequest":
+        given = [k for k in INPUT_FIELDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise PydanticCustomError(ONE_INPUT, "send exactly one of 'text', 'texts' or 'pairs'"
+                                      + (f" (got {', '.join(given)})" if given else ""))
+        return self
+
+    @property
+    def field(self) -> str:
+        """The input field this request uses ('text', 'texts' or 'pairs')."""
+        return "text" if self.text is not None else "texts" if self.texts is not None else "pairs"
+
+    def inputs(self, limits: InputLimits) -> tuple[Inputs, int]:
+        """The texts (or pairs) to classify and their total UTF-8 size; ApiError when `limits` refuse them.
+
+        Checked in this order: the input kind (400), then the item count, then each text in turn
+        (invalid Unicode, blank, too long: 422), so one request always gets the same error.
+        """
+        field = self.field
+        if field == "pairs" and not limits.pair:
+            raise ApiError(400, "wrong_input_kind", f"model {limits.model} (task {limits.task}) classifies "
+                           "single texts; send 'text' or 'texts', not 'pairs'")
+        if field != "pairs" and limits.pair:
+            raise ApiError(400, "wrong_input_kind", f"model {limits.model} (task {limits.task}) classifies "
+                           "text pairs; send 'pairs': [[first, second], ...]")
+        items: list[Any] = [self.text] if field == "text" else list(getattr(self, field))
+        if not items:
+            raise ApiError(422, "invalid_request", f"'{field}' is empty; send at least one item")
+        if len(items) > limits.max_items:
+            raise ApiError(422, "too_many_items", f"'{field}' has {len(items)} items; the limit is {limits.max_items}")
+        total_bytes = 0
+        for i, item in enumerate(items):
+            for j, s in enumerate(item if field == "pairs" else (item,)):
+                where = field if field == "text" else f"{field}[{i}]" + (f"[{j}]" if field == "pairs" else "")
+                try:
+                    n = len(s.encode("utf-8"))
+                except UnicodeEncodeError:
+                    raise ApiError(422, "invalid_text", f"{where} is not valid Unicode (unpaired surrogate)") from None
+                if not s.strip():
+                    raise ApiError(422, "empty_text", f"{where} is empty")
+                if n > limits.max_text_bytes:
+                    raise ApiError(422, "text_too_long",
+                                   f"{where} is {n} bytes of UTF-8; the limit is {limits.max_text_bytes} bytes")
+                total_bytes += n
+        return items, total_bytes
+
+
+def validation_message(errors: Sequence[dict[str, Any]]) -> str:
+    """One readable line for a body pydantic refused: the first three problems, then a count."""
+    parts = []
+    for e in errors[:3]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+        if e.get("type") in _OWN_ERRORS:
+            parts.append(e["msg"])
+        elif e.get("type") == "json_invalid":
+            parts.append("the request body is not valid JSON")
+        elif tuple(e.get("loc", ())) == ("body",):
+            parts.append('the request body must be a JSON object such as {"text": "..."} '
+                         "sent with Content-Type: application/json")
+        else:
+            parts.append(f"{loc}: {e.get('msg', 'invalid')}")
+    more = len(errors) - 3
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+class Prediction(BaseModel):
+    label: str = Field(description="the highest-scoring label ('score' for regression tasks)")
+    score: float = Field(description="probability of `label` (the raw value for regression)")
+    scores: dict[str, float] = Field(description="probability of every label")
+    num_tokens: int = Field(description="tokens fed to the model, special tokens included")
+    truncated: bool = Field(description="true when the input was cut to the maximum sequence length")
+
+
+class Timing(BaseModel):
+    tokenize: float
+    queue: float
+    inference: float
+    total: float
+
+
+class ModelRef(BaseModel):
+    name: str
+    version: str
+    backend: str
+
+
+class PredictResponse(BaseModel):
+    model: ModelRef
+    predictions: list[Prediction]
+    timing_ms: Timing
+    request_id: str
+
+
+class ErrorBody(BaseModel):
+    code: int
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+    request_id: Optional[str] = None
+
+
+def error_body(code: int, type_: str, message: str, request_id: str | None) -> bytes:
+    """An `ErrorResponse` as JSON bytes (the middleware answers before FastAPI, so it needs bytes)."""
+    return ErrorResponse(error=ErrorBody(code=code, type=type_, message=message),
+                         request_id=request_id).model_dump_json().encode()
+
+
+class Status(BaseModel):
+    status: str
+    detail: Optional[str] = None
+
+
+class ModelInfo(BaseModel):
+    name: str
+    version: str
+    backend: dict[str, Any]
+    task: dict[str, Any]
+    labels: list[str]
+    max_seq_length: int
+    sparsity: Optional[dict[str, Any]] = None
+    precision: str
+    metrics: dict[str, Any]
+    base_model: Optional[str] = None
+    batching: dict[str, Any]
+    limits: dict[str, Any]
+
+
+class ModelList(BaseModel):
+    models: list[ModelInfo]

@@ -1,0 +1,216 @@
+"""The classifier service: backend, tokenizer, dynamic batcher, metrics, readiness and warm-up.
+
+It knows nothing of HTTP: the routes hand it a parsed `PredictRequest` and get a `PredictResponse`
+back, or an `ApiError` that the app turns into the error body.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import HoloServeError
+from holoserve.core.artifact import MANIFEST, Artifact
+from ..backends.base import Backend, load_backend
+from holoserve.core.tokenizer import TextEncoder
+from .batcher import DynamicBatcher, QueueFull, ShuttingDown
+from .config import ServerConfig
+from .metrics import ServerMetrics
+from .protocol import ApiError, InputLimits, ModelInfo, ModelRef, PredictRequest, PredictResponse, Status
+
+log = logging.getLogger("holoserve.server")
+
+# Tokenize in a worker thread only when a request is big enough for it to matter.
+_INLINE_TOKENIZE_BYTES = 4096
+_READY = Status(status="ready")
+
+
+def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dict[str, Any]]:
+    """Load the configured backend; 'auto' picks the best this machine can run and says why."""
+    # Loaders ignore options they do not use; torch-cuda sizes its CUDA graphs by max_batch.
+    opts: dict[str, Any] = {"max_batch": config.max_batch_size}
+    if config.threads:
+        opts["threads"] = config.threads
+    if config.backend == "auto":
+        from ..backends.auto import select_backend
+
+        return select_backend(artifact, **opts)
+    backend = load_backend(config.backend, artifact, **opts)
+    return backend, {"picked": config.backend, "reason": "requested with --backend", "skipped": {}}
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+class ClassifierService:
+    """One served model. `start()`/`stop()` bracket its life (the app's lifespan calls them)."""
+
+    def __init__(self, config: ServerConfig, artifact: Artifact, backend: Backend | None = None,
+                 decision: dict[str, Any] | None = None, shutdown_flag: Callable[[], bool] | None = None):
+        self.config = config
+        self.artifact = artifact
+        self.backend = backend
+        self.decision = decision or {}
+        self.shutdown_flag = shutdown_flag or (lambda: False)
+        self.name = config.model_name or artifact.path.resolve().name
+        self.version = hashlib.sha256((artifact.path / MANIFEST).read_bytes()).hexdigest()[:12]
+        self.max_seq = config.max_seq_length or artifact.max_seq_length
+        self.encoder = TextEncoder(artifact.path / "tokenizer.json", self.max_seq, pair=artifact.is_pair)
+        self.labels = artifact.labels or ["score"]
+        self.regression = not artifact.labels
+        self.limits = InputLimits(max_items=config.max_items, max_text_bytes=config.max_text_bytes,
+                                  pair=artifact.is_pair, model=self.name, task=artifact.task_name)
+        self.metrics = ServerMetrics(self.name, self.version)
+        self.batcher: DynamicBatcher | None = None
+        self.model_ref: ModelRef | None = None  # set once the backend is known
+        self.status = "loading"
+        self.detail: str | None = None
+        self.warmup_task: asyncio.Task | None = None
+
+    # ---- life cycle
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready" and not self.shutdown_flag()
+
+    def load_backend(self) -> None:
+        self.backend, self.decision = open_backend(self.config, self.artifact)
+
+    async def start(self) -> None:
+        """Load the backend if none was given, start the batcher, and warm up in the background."""
+        cfg = self.config
+        if self.backend is None:
+            await asyncio.to_thread(self.load_backend)
+        log.info("serving %s (version %s) with backend %s", self.name, self.version, self.backend.name,
+                 extra={"backend": self.backend.info(), "selection": self.decision})
+        self.model_ref = ModelRef(name=self.name, version=self.version, backend=self.backend.name)
+        self.batcher = DynamicBatcher(self.backend.infer, max_batch_size=cfg.max_batch_size,
+                                      max_queue_delay_ms=cfg.max_queue_delay_ms,
+                                      max_queue_size=cfg.max_queue_size, pad_id=self.encoder.pad_id,
+                                      max_padding_waste=cfg.max_padding_waste,
+                                      metrics=self.metrics, inline_single=cfg.inline_single)
+        self.batcher.start()
+        self.warmup_task = asyncio.get_running_loop().create_task(self._warm())
+
+    async def _warm(self) -> None:
+        try:
+            if self.config.warmup:
+                await asyncio.to_thread(self.warmup)
+            self.status = "ready"
+            self.metrics.ready_l.set(1)
+            log.info("ready")
+        except Exception as e:  # surfaced on /readyz; the process stays up for inspection
+            self.status, self.detail = "failed", f"warm-up failed: {e}"
+            log.error(self.detail, exc_info=not isinstance(e, HoloServeError))
+
+    def warmup(self) -> None:
+        """Run the backend at batch 1 and at the max batch size; check the logits' shape."""
+        n = len(self.labels)
+        self.encoder.encode(["warm up", "the tokenizer"])
+        for batch, seq in ((1, 8), (min(self.config.max_batch_size, 8), min(self.max_seq, 64))):
+            ids = np.full((batch, seq), 1, dtype=np.int64)
+            ids[:, 0] = 101 if self.encoder.pad_id == 0 else ids[:, 0]
+            out = np.asarray(self.backend.infer(ids, np.ones_like(ids), np.zeros_like(ids)))
+            if out.shape != (batch, n):
+                raise HoloServeError(
+                    f"the backend returned logits of shape {out.shape} for a batch of {batch}; the manifest has "
+                    f"{n} label(s) ({self.labels}); the export does not match this checkpoint, re-export it")
+
+    async def stop(self) -> None:
+        """Report not ready, then let queued work finish (up to the graceful timeout)."""
+        self.status = "shutting_down"
+        self.metrics.ready_l.set(0)
+        if self.warmup_task is not None:
+            await self.warmup_task
+        if self.batcher is not None:
+            await self.batcher.stop(self.config.graceful_timeout_s)
+        log.info("stopped")
+
+    # ---- answers
+    def readiness(self) -> Status:
+        if self.ready:
+            return _READY
+        return Status(status="shutting_down" if self.shutdown_flag() else self.status, detail=self.detail)
+
+    def model_info(self) -> ModelInfo:
+        s = self.artifact.summary()
+        info = self.backend.info() if self.backend is not None else {"backend": self.config.backend}
+        cfg = self.config
+        return ModelInfo(
+            name=self.name,
+            version=self.version,
+            backend={**info, "selection": self.decision.get("reason")},
+            task=s["task"],
+            labels=self.artifact.labels,
+            max_seq_length=self.max_seq,
+            sparsity=s["sparsity"],
+            precision=s["precision"],
+            metrics=s["metrics"],
+            base_model=s["base_model"],
+            batching={"max_batch_size": cfg.max_batch_size, "max_queue_delay_ms": cfg.max_queue_delay_ms,
+                      "max_queue_size": cfg.max_queue_size, "max_padding_waste": cfg.max_padding_waste,
+                      "inline_single": cfg.inline_single},
+            limits={"max_items": cfg.max_items, "max_text_bytes": cfg.max_text_bytes,
+                    "max_body_bytes": cfg.max_body_bytes},
+        )
+
+    async def predict(self, req: PredictRequest, request_id: str) -> PredictResponse:
+        """Classify the request's texts; every refusal is counted by its error type."""
+        t0 = time.perf_counter()
+        m = self.metrics
+        try:
+            return await self._predict(req, request_id, t0)
+        except ApiError as e:
+            m.fail(e.type)
+            raise
+        finally:
+            m.request_duration_l.observe(time.perf_counter() - t0)
+
+    async def _predict(self, req: PredictRequest, request_id: str, t0: float) -> PredictResponse:
+        m = self.metrics
+        items, total_bytes = req.inputs(self.limits)
+        if not self.ready:
+            raise ApiError(503, "not_ready", f"the model is {self.status.replace('_', ' ')}; retry shortly",
+                           {"Retry-After": "1"})
+        if total_bytes > _INLINE_TOKENIZE_BYTES:
+            encs = await asyncio.to_thread(self.encoder.encode, items)
+        else:
+            encs = self.encoder.encode(items)
+        t1 = time.perf_counter()
+        m.input_duration_l.observe(t1 - t0)
+        try:
+            results = await self.batcher.submit(encs)
+        except QueueFull as e:
+            raise ApiError(503, "overloaded", str(e), {"Retry-After": str(e.retry_after_s)}) from None
+        except ShuttingDown as e:
+            raise ApiError(503, "shutting_down", str(e), {"Retry-After": "1"}) from None
+        except Exception:
+            m.fail("backend")
+            raise
+        # Plain dicts, validated into `Prediction`s (and `Timing`) by the one PredictResponse call below:
+        # a model constructor per prediction would cost a validation call each.
+        preds: list[dict[str, Any]] = []
+        labels = self.labels
+        for enc, r in zip(encs, results):
+            if self.regression:
+                v = float(r.logits[0])
+                preds.append({"label": "score", "score": v, "scores": {"score": v},
+                              "num_tokens": enc.length, "truncated": enc.truncated})
+                continue
+            p = _softmax(r.logits.astype(np.float64))
+            k = int(p.argmax())
+            preds.append({"label": labels[k], "score": float(p[k]),
+                          "scores": {lab: float(x) for lab, x in zip(labels, p)},
+                          "num_tokens": enc.length, "truncated": enc.truncated})
+        queue_s = max(r.queue_s for r in results)
+        infer_s = sum({r.batch_id: r.infer_s for r in results}.values())
+        m.queue_duration_l.observe(queue_s)
+        m.success_l.inc()
+        timing = {"tokenize": round((t1 - t0) * 1000, 3), "queue": round(queue_s * 1000, 3),
+                  "inference": round(infer_s * 1000, 3), "total": round((time.perf_counter() - t0) * 1000, 3)}
+        return PredictResponse(model=self.model_ref, predictions=preds, timing_ms=timing, request_id=request_id)
