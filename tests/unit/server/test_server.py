@@ -22,7 +22,7 @@ from holoserve.backends.onnxruntime import OrtBackend
 from holoserve.server.app import create_app
 from holoserve.server.config import ServerConfig
 from holoserve.core.tokenizer import TextEncoder, pad_batch
-from tests.serving_utils import REPO, ThreadServer, server_env, serve_subprocess, tiny_checkpoint, wait_ready
+from tests.helpers.serving import REPO, ThreadServer, server_env, serve_subprocess, tiny_checkpoint, wait_ready
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -11,8 +11,8 @@ from holoserve.core.artifact import ArtifactError, load_artifact
 from holoserve.core.files import atomic_write_json
 from holoserve.cli import main
 
-from .compress_helpers import check_saved_checkpoint, write_glue
-from .tiny import make_tiny_bert
+from tests.helpers.checkpoints import check_saved_checkpoint, write_glue
+from tests.helpers.tiny import make_tiny_bert
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 TABLE = "bert.embeddings.word_embeddings"
@@ -99,7 +99,7 @@ def test_gpu_carry_packs_the_int8_table_as_codes_exactly(ckpt, tmp_path):
     import numpy as np
     from safetensors.numpy import load_file
 
-    from .bench_modules import gpu_module
+    from tests.helpers.bench import gpu_module
 
     carry = gpu_module("carry")
     info = carry.pack(ckpt["path"], tmp_path / "packed", fp16_min_elements=1)  # every other float tensor as fp16

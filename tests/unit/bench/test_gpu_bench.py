@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .bench_modules import GPU_DIR, gpu_module
+from tests.helpers.bench import GPU_DIR, gpu_module
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

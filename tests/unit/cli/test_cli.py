@@ -35,7 +35,7 @@ def test_the_wheel_lists_every_package():
     import tomllib
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     dirs = cfg["package-dir"]
     found = set()

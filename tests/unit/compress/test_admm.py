@@ -15,8 +15,8 @@ from holoserve.compress.trainer import train_phase
 from holoserve.data.glue import read_split
 from holoserve.core.numerics import grid_codes, is_nm_sparse
 
-from .compress_helpers import write_glue
-from .tiny import make_tiny_bert
+from tests.helpers.checkpoints import write_glue
+from tests.helpers.tiny import make_tiny_bert
 
 torch.set_num_threads(1)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def export_onnx(model, out: Path, opset: int = 17) -> Path:
@@ -56,7 +56,7 @@ def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: in
     from holoserve.compress.sparsify import project_layers
     from holoserve.core.artifact import add_files
     from holoserve.data.tasks import get_task
-    from tests.tiny import make_tiny_bert
+    from tests.helpers.tiny import make_tiny_bert
     from transformers import AutoModelForSequenceClassification
 
     task = get_task(task_name)

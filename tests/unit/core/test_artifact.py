@@ -16,8 +16,8 @@ from holoserve.core.files import file_entry
 from holoserve.cli import main
 from holoserve.data.tasks import get_task
 
-from .compress_helpers import check_saved_checkpoint
-from .tiny import make_tiny_bert
+from tests.helpers.checkpoints import check_saved_checkpoint
+from tests.helpers.tiny import make_tiny_bert
 
 torch.set_num_threads(1)
 

@@ -41,3 +41,19 @@ def make_tiny_bert(path: Path, num_labels: int = 2, hidden: int = 32, layers: in
     )
     BertForSequenceClassification(cfg).save_pretrained(str(path), safe_serialization=True)
     return path
+
+
+def random_batches(vocab: int, n: int = 3, b: int = 4, s: int = 12, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(5, vocab, (b, s), generator=g)
+        mask = torch.ones(b, s, dtype=torch.long)
+        mask[1, s // 2:] = 0  # one padded row, like a real batch
+        ids[1, s // 2:] = 0
+        tt = torch.zeros(b, s, dtype=torch.long)
+        tt[:, s // 2:] = 1
+        out.append({"input_ids": ids, "attention_mask": mask, "token_type_ids": tt})
+    return out

@@ -5,7 +5,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 GPU_DIR = BENCH_DIR / "gpu"
 
 

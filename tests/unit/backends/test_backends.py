@@ -15,7 +15,7 @@ from holoserve.backends import tensorrt as trt_backend
 from holoserve.backends.auto import select_backend
 from holoserve.backends.onnxruntime import choose_providers
 from holoserve.core.tokenizer import TextEncoder, pad_batch
-from tests.serving_utils import REPO, server_env, tiny_checkpoint
+from tests.helpers.serving import REPO, server_env, tiny_checkpoint
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -58,7 +58,7 @@ def test_onnxruntime_matches_torch_reference(tmp_path):
     """The ORT backend on a plain fp32 export of the checkpoint equals the torch backend (same weights)."""
     import shutil
 
-    from tests.serving_utils import export_onnx
+    from tests.helpers.serving import export_onnx
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint("sst2", onnx=False), ckpt)

@@ -7,7 +7,7 @@ import pytest
 
 from holoserve.cli import main
 
-from .compress_helpers import check_saved_checkpoint
+from tests.helpers.checkpoints import check_saved_checkpoint
 
 pytestmark = pytest.mark.integration
 

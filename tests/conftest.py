@@ -1,0 +1,26 @@
+"""Test selection: the `gpu` marker is the one way GPU tests are chosen; they skip, with the reason,
+where torch sees no CUDA GPU. Integration tests (`integration` marker) need HOLOSERVE_DATA_DIR."""
+import importlib.util
+
+import pytest
+
+
+def _cuda() -> str | None:
+    """None when a CUDA GPU is usable, else why not."""
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"needs a CUDA GPU: torch {torch.__version__} sees none on this machine"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    reason = _cuda()
+    if reason:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,0 +1,99 @@
+"""The torch-cuda backend's real 2:4 INT8 path (cuSPARSELt, Triton, CUDA graphs) on a CUDA GPU."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from holoserve.backends import load_backend  # noqa: E402
+from holoserve.backends import torch_cuda as tc  # noqa: E402
+from holoserve.compress.checkpoint import save_checkpoint  # noqa: E402
+from holoserve.compress.layers import encoder_linear_names  # noqa: E402
+from holoserve.compress.project import project  # noqa: E402
+from holoserve.compress.quant import calibrate_amax, input_quantizers  # noqa: E402
+from holoserve.compress.sparsify import project_layers  # noqa: E402
+from holoserve.core.artifact import load_artifact  # noqa: E402
+from holoserve.data.tasks import get_task  # noqa: E402
+from tests.helpers.tiny import make_tiny_bert, random_batches as _batches  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def test_gpu_triton_quantizer_matches_torch_ops():
+    q, probe = tc.choose_quantizer("cuda")
+    assert q in ("triton", "torch")
+    if importlib.util.find_spec("triton") is not None:
+        assert q == "triton", probe
+
+
+def test_gpu_epilogue_probe_finds_a_working_mode():
+    tc.require_cuda()
+    e, tried = tc.choose_epilogue("cuda")
+    assert tried[-1]["ok"] and e.name == tried[-1]["epilogue"]
+    e32, tried32 = tc.choose_epilogue("cuda", torch.float32)  # precision=fp32: INT32 out, dequant after
+    assert not e32.alpha and tried32[-1]["ok"]
+
+
+@pytest.mark.parametrize("m", [16, 48, 200])
+def test_gpu_cslt_linear_matches_reference(m):
+    tc.require_cuda()
+    g = torch.Generator().manual_seed(m)
+    p = project(torch.randn(96, 128, generator=g))
+    codes = tc.weight_codes(p.z, p.scales)
+    bias = torch.randn(96, generator=g)
+    act = torch.tensor(4.0 / 127)
+    x = torch.randn(m, 128, generator=g)
+    want = tc.int8_linear_reference(x.half().float(), codes, p.scales, act, bias)
+    e, _ = tc.choose_epilogue("cuda")
+    quantizers = ["torch"] + (["triton"] if tc.choose_quantizer("cuda")[0] == "triton" else [])
+    for kernel in ("cslt", "int_mm"):
+        for quantizer in quantizers:
+            lin = tc.QuantLinear(codes.cuda(), p.scales.cuda(), act, bias, kernel=kernel, dtype=torch.float16,
+                                 epilogue=e, quantizer=quantizer)
+            got = lin(x.cuda().half()).float().cpu()
+            assert got.shape == (m, 96)
+            assert torch.allclose(got, want, atol=2e-2 * float(want.abs().max()), rtol=1e-2), (kernel, quantizer)
+    searched = tc.QuantLinear(codes.cuda(), p.scales.cuda(), act, bias, kernel="cslt", dtype=torch.float16,
+                              epilogue=e, alg_search=True)
+    got = searched(x.cuda().half()).float().cpu()
+    assert list(searched.algs) == [m + (-m) % 16]
+    assert torch.allclose(got, want, atol=2e-2 * float(want.abs().max()), rtol=1e-2)
+
+
+def test_gpu_backend_matches_fake_quant_and_graphs(tmp_path):
+    """Real load path on a 64-wide tiny model (cuSPARSELt INT8 needs multiples of 32)."""
+    tc.require_cuda()
+    src = make_tiny_bert(tmp_path / "base", hidden=64, layers=2, heads=2, intermediate=128)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
+    layers = encoder_linear_names(model)
+    scales = project_layers(model, layers)
+    vocab = model.config.vocab_size
+    amax = calibrate_amax(model, layers, _batches(vocab, seed=1))
+    art = save_checkpoint(model, src, tmp_path / "ckpt", task=get_task("sst2"), base_model="tiny",
+                          max_seq_length=64, sparse_layers=layers, weight_scales=scales, act_amax=amax)
+    backend = load_backend("torch-cuda", load_artifact(art.path))
+    info = backend.info()
+    assert info["gemm_kernels"].get("cslt", 0) == 2 * 4, info
+    if importlib.util.find_spec("triton") is not None:  # the fused kernels pass their probes on the device
+        assert info["quantizer"] == "triton" and info["gelu_quant_fused"] and info["ln_quant_fused"], info
+    for batch in _batches(vocab, n=3, b=5, s=20, seed=3):
+        with torch.no_grad(), input_quantizers(model, amax, layers):
+            want = model(**batch).logits.numpy()
+        got = backend.infer(*(batch[k].numpy() for k in ("input_ids", "attention_mask", "token_type_ids")))
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert np.abs(got - want).max() < 5e-2 * max(1.0, np.abs(want).max())
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+    assert backend.info()["captured_buckets"] == ["8x32"]
+    accurate = load_backend("torch-cuda", load_artifact(art.path), precision="fp32")
+    assert accurate.info()["precision"] == "fp32"
+    batch = _batches(vocab, n=1, b=5, s=20, seed=4)[0]
+    with torch.no_grad(), input_quantizers(model, amax, layers):
+        want = model(**batch).logits.numpy()
+    got = accurate.infer(*(batch[k].numpy() for k in ("input_ids", "attention_mask", "token_type_ids")))
+    assert np.abs(got - want).max() < 1e-2 * max(1.0, np.abs(want).max())
