@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from holoserve.cli_options import advanced
+from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ONNX
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--onnx", action="store_true",
                    help="score an ONNX export through ONNX Runtime on the same batches, instead of the PyTorch "
                         "fake-quant model")
-    adv.add_argument("--onnx-export", default="onnxruntime", choices=("onnxruntime", "tensorrt-onnx"),
+    adv.add_argument("--onnx-export", default=ONNXRUNTIME, choices=(ONNXRUNTIME, TENSORRT_ONNX),
                    help="with --onnx: which export; 'onnxruntime' (what `holoserve serve` runs on a CPU) or "
                         "'tensorrt-onnx' (the TensorRT placement, emulated on the CPU)")
     adv.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --onnx (0 = default)")
@@ -33,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None, batch_size=128, fp32=False,
-                        onnx=False, threads=0, onnx_export="onnxruntime", device="auto") -> dict:
+                        onnx=False, threads=0, onnx_export=ONNXRUNTIME, device="auto") -> dict:
     import time
 
     from holoserve import HoloServeError

@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from holoserve import HoloServeError
     from holoserve.core.artifact import MANIFEST, add_files, load_artifact
-    from holoserve.core.manifest import TENSORRT_ENGINE
+    from holoserve.core.manifest import TENSORRT_ENGINE, TENSORRT_ONNX
 
     from .engine import ShapeProfile, build_engine, parse_shape, parse_size
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         if not (src / MANIFEST).is_file():
             raise HoloServeError(f"{src} is neither an ONNX file nor a HoloServe checkpoint (no {MANIFEST})")
         art = load_artifact(src, check_weights=False)
-        onnx_path = art.export_path("tensorrt-onnx")
+        onnx_path = art.export_path(TENSORRT_ONNX)
         if onnx_path is None or not onnx_path.is_file():
             raise HoloServeError(
                 f"{src} has no TensorRT-placement ONNX export; run `holoserve export {src} --target tensorrt` first"

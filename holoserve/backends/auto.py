@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from holoserve.core.artifact import Artifact
+from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ENGINE
 from .base import Backend, BackendUnavailable, load_backend
 
 log = logging.getLogger("holoserve.backends")
@@ -33,7 +34,7 @@ def _precheck(name: str, artifact: Artifact, gpu: bool) -> str | None:
     """A reason to skip `name` without importing anything heavy, or None to try loading it."""
     exports = artifact.manifest.exports.recorded()
     if name == "tensorrt":
-        if "tensorrt" not in exports:
+        if TENSORRT_ENGINE not in exports:
             return "the checkpoint has no TensorRT engine (holoserve build-engine)"
         if not gpu:
             return "no NVIDIA GPU visible"
@@ -42,7 +43,7 @@ def _precheck(name: str, artifact: Artifact, gpu: bool) -> str | None:
             return "no NVIDIA GPU visible"
         if importlib.util.find_spec("torch") is None:
             return "torch is not installed"
-    if name == "onnxruntime" and "onnxruntime" not in exports:
+    if name == "onnxruntime" and ONNXRUNTIME not in exports:
         return "the checkpoint has no ONNX export (holoserve export)"
     return None
 

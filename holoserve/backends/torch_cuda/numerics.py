@@ -4,7 +4,7 @@ The scheme and its constants are holoserve.core.numerics (the project's one nume
 this module is its torch form for inference:
 
     codes_x = clamp(round_half_even(x / s_x), ACT_QMIN, ACT_QMAX)      s_x = amax / ACT_SCALE_DIV
-    codes_w = clamp(round(w / s_w[n]), -WEIGHT_QMAX, WEIGHT_QMAX)       exact: w is codes x scale
+    codes_w = round_codes(w, s_w)   (holoserve.core.numerics)           exact: w is codes x scale
     y       = (codes_x @ codes_w^T) * (s_w[n] * s_x) + bias
 
 The exact INT8 Linear is `int8_linear_codes` (integer accumulation, then `dequantize`);
@@ -13,7 +13,7 @@ epilogue probe both use them, and the INT8 GEMM kernels share `dequantize`.
 """
 from __future__ import annotations
 
-from holoserve.core.numerics import ACT_QMAX, ACT_QMIN, WEIGHT_QMAX
+from holoserve.core.numerics import ACT_QMAX, ACT_QMIN, round_codes
 
 from ._torch import torch
 
@@ -28,9 +28,10 @@ def quantize_activation(x: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tens
 
 
 def weight_codes(w: "torch.Tensor", scales: "torch.Tensor") -> "torch.Tensor":
-    """Recover the int8 codes of a weight stored as codes x per-channel scale (exact by contract)."""
-    s = scales.float().reshape(-1, 1)
-    return torch.clamp(torch.round(w.float() / s), -WEIGHT_QMAX, WEIGHT_QMAX).to(torch.int8)
+    """Recover the int8 codes of a weight stored as codes x per-channel scale (exact by contract), on the
+    CPU with the contract's own rounding (holoserve.core.numerics.round_codes); loading runs once."""
+    codes = round_codes(w.detach().float().cpu().numpy(), scales.detach().float().cpu().numpy())
+    return torch.from_numpy(codes)
 
 
 def dequantize(acc: "torch.Tensor", alpha: "torch.Tensor", bias: "torch.Tensor | None" = None) -> "torch.Tensor":
