@@ -17,6 +17,7 @@ given; the source is recorded in the manifest's export entry.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import numpy as np
 
 from holoserve import HoloServeError
 from holoserve.core.artifact import Artifact, ArtifactError, add_files, load_artifact
-from holoserve.core.files import atomic_copy, atomic_write_json
+from holoserve.core.files import atomic_copy, atomic_write_json, sweep_stale, temp_sibling
 from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ONNX
 from holoserve.core.ort import session as ort_session
 from holoserve.core.tokenizer import load_tokenizer
@@ -303,8 +304,17 @@ def export_checkpoint(checkpoint: str | os.PathLike, targets: Sequence[str] = ("
     opts = ExportOptions(targets=tuple(targets), **options).validate()
     # load_artifact proves the weights are N:M and on the INT8 grid the manifest claims (ArtifactError)
     art = load_artifact(checkpoint)
-    with tempfile.TemporaryDirectory(prefix=".holoserve-export-", dir=art.path) as tmpd:
-        return _Export(art, opts, Path(tmpd)).run()
+    # Work beside the checkpoint (same filesystem: the files are renamed into place), in a folder named
+    # for this process, so a killed export's leftovers are recognised and removed by the next writer.
+    sweep_stale(art.path)
+    try:
+        tmp = temp_sibling(art.path, "export")
+    except OSError:  # the checkpoint's parent is read-only (a mounted volume): work inside it
+        tmp = Path(tempfile.mkdtemp(prefix=".holoserve-export-", dir=art.path))
+    try:
+        return _Export(art, opts, tmp).run()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class _Export:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import logging
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -26,8 +26,11 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from .manifest import DENSE_MODULES, FORMAT, SCHEMA_VERSION, ArtifactError, Manifest, parse
-from .files import _fsync_dir, _public_mode, atomic_copy, atomic_write_bytes, atomic_write_json, file_entry, sha256_file
+from .files import (atomic_copy, atomic_write_bytes, atomic_write_json, file_entry, replace_dir, sha256_file,
+                    sweep_stale, temp_sibling)
 from .numerics import is_on_int8_grid, nm_violations
+
+log = logging.getLogger("holoserve.artifact")
 
 MANIFEST = "manifest.json"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -199,20 +202,69 @@ class Artifact:
         }
 
 
+# Far above any real manifest (per-channel scales of a BERT-large are a few MB); a larger file is
+# refused before it is read.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_CONFIG_BYTES = 4 << 20
+
+
+def _read_json(path: Path, limit: int, where: Path, what: str) -> Any:
+    """A small JSON file of the checkpoint: a regular file inside it, bounded, parsed without pickle."""
+    _require_regular(where, path.name)
+    size = path.stat().st_size
+    _require(size <= limit, where, f"{what} is {size / 2**20:.0f} MiB, more than the {limit >> 20} MiB any "
+             "checkpoint needs; the file is not a HoloServe checkpoint's")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{where}: {what} is not valid JSON ({e}); the checkpoint is damaged") from None
+    except RecursionError:
+        raise ArtifactError(f"{where}: {what} is nested too deeply to be a checkpoint's; the file is damaged") from None
+
+
 def read_manifest(path: str | os.PathLike) -> Manifest:
     path = Path(path)
     mpath = path / MANIFEST
     if not path.is_dir():
         raise ArtifactError(f"checkpoint folder {path} does not exist")
-    if not mpath.is_file():
+    if not mpath.exists() and not mpath.is_symlink():
         raise ArtifactError(
             f"{path}: missing {MANIFEST}; this is not a HoloServe checkpoint (create one with `holoserve compress`)"
         )
-    try:
-        data = json.loads(mpath.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path}: {MANIFEST} is not valid JSON ({e}); the checkpoint is damaged") from None
-    return parse(data, where=str(path))
+    return parse(_read_json(mpath, MAX_MANIFEST_BYTES, path, MANIFEST), where=str(path))
+
+
+def _require_regular(path: Path, name: str) -> Path:
+    """`name` as a regular file inside the checkpoint folder `path`: no links, nothing outside it."""
+    p = path / name
+    _require(not p.is_symlink(), path, f"{name} is a symbolic link; a checkpoint holds its files itself "
+             "(copy the file into the folder)")
+    _require(p.exists(), path, f"missing file {name!r} listed in manifest.json; copy the whole checkpoint folder")
+    _require(p.is_file(), path, f"{name} is not a regular file")
+    _require(p.resolve().parent == path.resolve(), path, f"{name} is not inside the checkpoint folder")
+    return p
+
+
+def check_config(path: Path, manifest: Manifest) -> dict[str, Any]:
+    """config.json read as JSON and checked against the manifest: the number of outputs the model has
+    must be the number of labels the manifest answers with, and the position table must hold
+    max_seq_length tokens."""
+    config = _read_json(path / "config.json", MAX_CONFIG_BYTES, path, "config.json")
+    _require(isinstance(config, dict), path, "config.json is not a JSON object; the checkpoint is damaged")
+    id2label = config.get("id2label")
+    outputs = len(id2label) if isinstance(id2label, dict) and id2label else config.get("num_labels", 2)
+    task = manifest.task
+    _require(outputs == task.num_labels, path,
+             f"the model has {outputs} outputs (config.json) but manifest.json says task.num_labels = "
+             f"{task.num_labels}; re-create the checkpoint with `holoserve compress`")
+    _require(task.regression or len(task.labels) == task.num_labels, path,
+             f"manifest.json names {len(task.labels)} labels for a model with {task.num_labels} outputs")
+    positions = config.get("max_position_embeddings")
+    if isinstance(positions, int):
+        _require(manifest.max_seq_length <= positions, path,
+                 f"manifest.json max_seq_length {manifest.max_seq_length} exceeds the model's position table "
+                 f"({positions} in config.json)")
+    return config
 
 
 def verify_files(path: Path, manifest: Manifest, names: Iterable[str] | None = None) -> None:
@@ -222,8 +274,7 @@ def verify_files(path: Path, manifest: Manifest, names: Iterable[str] | None = N
     for name in names if names is not None else files:
         entry = files.get(name)
         _require(entry is not None, path, f"manifest.json does not list {name!r}")
-        p = path / name
-        _require(p.is_file(), path, f"missing file {name!r} listed in manifest.json; copy the whole checkpoint folder")
+        p = _require_regular(path, name)
         _require(
             p.stat().st_size == entry.bytes,
             path,
@@ -247,8 +298,7 @@ def verify_weights(path: Path, manifest: Manifest) -> None:
     sparse = set(sp.layers) if sp else set()
     layers = sparse | (set(q.weights.scales) if q else set())
     tables = dict((q.embeddings if q else None) or {})
-    if not layers and not tables:
-        return
+    _require_regular(path, WEIGHTS)
     try:
         handle = safe_open(str(path / WEIGHTS), framework="numpy")
     except Exception as e:  # safetensors raises its own error types
@@ -302,14 +352,21 @@ def verify_weights(path: Path, manifest: Manifest) -> None:
 
 
 def load_artifact(path: str | os.PathLike, *, verify: bool = True, check_weights: bool = True) -> Artifact:
-    """Open and validate a checkpoint. `verify` checks sha256 of every listed file."""
+    """Open and validate a checkpoint.
+
+    Always: the manifest against its schema (every file it names a plain name it lists), each file a
+    regular file inside the folder, config.json against the manifest (outputs = labels). `verify`
+    also checks the size and sha256 of every listed file; `check_weights` proves on the saved
+    safetensors that every sparse layer is N:M and every quantized one on its INT8 grid.
+    """
     path = Path(path)
     manifest = read_manifest(path)
     if verify:
         verify_files(path, manifest)
     else:
-        for req in REQUIRED_FILES:
-            _require((path / req).is_file(), path, f"missing required file {req!r}")
+        for name in (*REQUIRED_FILES, *manifest.files):
+            _require_regular(path, name)
+    check_config(path, manifest)
     if check_weights:
         verify_weights(path, manifest)
     return Artifact(path, manifest)
@@ -324,8 +381,9 @@ def write_artifact(
 ) -> Artifact:
     """Create a checkpoint folder atomically from source files (paths or bytes) and a manifest.
 
-    The new folder is assembled next to `out_dir`, validated, then renamed into place; an
-    existing `out_dir` is replaced only with `overwrite=True`, and only after the new one is complete.
+    The new folder is assembled next to `out_dir`, validated, then put in place in one step
+    (holoserve.core.files.replace_dir); an existing `out_dir` is replaced only with `overwrite=True`.
+    Leftovers of writers that crashed earlier are removed first.
     """
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -333,10 +391,9 @@ def write_artifact(
     missing = [r for r in REQUIRED_FILES if r not in files]
     if missing:
         raise ArtifactError(f"cannot write checkpoint {out}: missing {', '.join(missing)}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    sweep_stale(out)
+    tmp = temp_sibling(out, "tmp")
     try:
-        _public_mode(tmp, directory=True)
         entries = {}
         for name, src in files.items():
             if "/" in name or name in (MANIFEST, "", ".", ".."):
@@ -351,15 +408,7 @@ def write_artifact(
         manifest = parse(data | {"files": entries}, where=str(out))
         verify_weights(tmp, manifest)
         atomic_write_json(tmp / MANIFEST, manifest.to_json())
-        _fsync_dir(tmp)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -373,20 +422,63 @@ def add_files(
     exports: Mapping[str, Mapping[str, Any]] | None = None,
     move: bool = True,
 ) -> Artifact:
-    """Add (or replace) files in an existing checkpoint and record them, atomically per file.
+    """Add (or replace) files in an existing checkpoint and record them, atomically for the folder.
 
-    Each source is moved (or copied) to a temporary name inside the folder and renamed into
-    place; the manifest, rewritten last, is what makes the addition visible to readers. `exports`
-    entries are validated against their typed schema (holoserve.core.manifest) before anything moves.
+    A new version of the folder is assembled next to it: hard links to the files that stay (no copy,
+    and never modified in place), the new files, the rewritten manifest; then it replaces the old
+    folder in one step. `exports` entries are validated against their typed schema
+    (holoserve.core.manifest) before anything is written.
     """
     art = artifact if isinstance(artifact, Artifact) else Artifact(Path(artifact), read_manifest(artifact))
     data = art.manifest.to_json()
-    if exports:
-        data["exports"].update({k: dict(v) for k, v in exports.items()})
-        parse(data, where=str(art.path))  # refuse a bad entry before any file is touched
-    for name, src in files.items():
+    for name in files:
         if "/" in name or name in (MANIFEST, *REQUIRED_FILES):
             raise ArtifactError(f"refusing to add {name!r}: it would replace a core checkpoint file")
+        data["files"][name] = {"sha256": "0" * 64, "bytes": 0}  # placeholders until the file is in place
+    if exports:
+        data["exports"].update({k: dict(v) for k, v in exports.items()})
+    parse(data, where=str(art.path))  # refuse a bad entry before any file is touched
+    sweep_stale(art.path)
+    try:
+        tmp = temp_sibling(art.path, "tmp")
+    except OSError as e:  # e.g. the checkpoint is a mount point whose parent is read-only
+        log.warning("%s cannot be replaced as a whole (%s); replacing its files one by one", art.path, e)
+        return _add_files_in_place(art, files, data, move)
+
+    def ours(src) -> bool:  # a file of this checkpoint, or of a temporary folder a writer made beside it
+        parent = Path(src).resolve().parent
+        return parent == art.path.resolve() or (parent.parent == art.path.resolve().parent
+                                                and parent.name.startswith(f".{art.path.name}."))
+
+    try:
+        for entry in art.path.iterdir():
+            if entry.name in files or entry.name == MANIFEST or entry.name.startswith(".") or entry.is_symlink():
+                continue  # hidden entries are never checkpoint files (temporary folders of writers)
+            if entry.is_dir():
+                shutil.copytree(entry, tmp / entry.name, copy_function=os.link)
+            else:
+                os.link(entry, tmp / entry.name)
+        for name, src in files.items():
+            dst = tmp / name
+            if move and ours(src):
+                os.replace(src, dst)
+            else:
+                atomic_copy(src, dst)
+            data["files"][name] = file_entry(dst)
+        manifest = parse(data, where=str(art.path))
+        atomic_write_json(tmp / MANIFEST, manifest.to_json())
+        replace_dir(tmp, art.path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Artifact(art.path, manifest)
+
+
+def _add_files_in_place(art: Artifact, files: Mapping[str, str | os.PathLike], data: dict[str, Any],
+                        move: bool) -> Artifact:
+    """add_files where the folder cannot be swapped: each file is renamed into place, then the manifest.
+    Between the two a reader may see a new file with its old hash and refuse it (never a wrong one)."""
+    for name, src in files.items():
         dst = art.path / name
         if move and Path(src).parent.resolve() == art.path.resolve():
             os.replace(src, dst)
@@ -395,5 +487,4 @@ def add_files(
         data["files"][name] = file_entry(dst)
     manifest = parse(data, where=str(art.path))
     atomic_write_json(art.path / MANIFEST, manifest.to_json())
-    _fsync_dir(art.path)
     return Artifact(art.path, manifest)

@@ -12,9 +12,10 @@ Only JSON is ever read; nothing is unpickled.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError,
+                      model_validator)
 
 from .. import HoloServeError, __version__
 from .numerics import ACT_QMAX, ACT_QMIN, WEIGHT_QMAX
@@ -36,6 +37,16 @@ class ArtifactError(HoloServeError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+def _plain_name(name: str) -> str:
+    """A file name inside the checkpoint folder itself: no folders, no parent references, not hidden."""
+    if not name or name != name.strip() or "/" in name or "\\" in name or name.startswith(".") or "\0" in name:
+        raise ValueError(f"{name!r} is not a plain file name inside the checkpoint folder")
+    return name
+
+
+FileName = Annotated[str, AfterValidator(_plain_name)]
 
 
 # --------------------------------------------------------------------------- sections
@@ -119,7 +130,7 @@ class OnnxExport(_Strict):
     """An ONNX file (exports['onnxruntime'] / exports['tensorrt-onnx']). `holoserve export` fills in every
     field; only `file` is needed to serve one (a plain fp32 export registered by hand, for instance)."""
 
-    file: str
+    file: FileName
     format: Literal["onnx"] = "onnx"
     opset: Optional[int] = None
     placement: Optional[Literal["onnxruntime", "tensorrt"]] = None
@@ -143,9 +154,9 @@ class OnnxExport(_Strict):
 class EngineExport(_Strict):
     """A TensorRT plan written by `holoserve build-engine` (exports['tensorrt']) and its sidecar JSON."""
 
-    file: str
+    file: FileName
     sidecar: str = ""
-    onnx: Optional[str] = None
+    onnx: Optional[FileName] = None
     tensorrt: Optional[dict[str, Any]] = None
     target: Optional[dict[str, Any]] = None
     profiles: Optional[list[Any]] = None
@@ -156,6 +167,7 @@ class EngineExport(_Strict):
     def _default_sidecar(self) -> "EngineExport":
         if not self.sidecar:
             self.sidecar = self.file + ".json"
+        _plain_name(self.sidecar)
         return self
 
 
@@ -196,7 +208,20 @@ class Manifest(_Strict):
     metrics: Metrics = Field(default_factory=Metrics)
     training: dict[str, Any] = Field(default_factory=dict)  # the recipe as run: method, preset, phases, machine
     exports: Exports = Field(default_factory=Exports)
-    files: dict[str, FileEntry] = Field(default_factory=dict)
+    files: dict[FileName, FileEntry] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _exports_are_listed(self) -> "Manifest":
+        """What a server may load must be a file the manifest lists with its hash. (A manifest being built
+        has no files yet: the writer fills them in and validates again.)"""
+        if self.files:
+            for key in self.exports.recorded():
+                entry = self.exports.get(key)
+                for name in (entry.file, getattr(entry, "sidecar", None)):
+                    if name and name not in self.files:
+                        raise ValueError(f"exports.{key} names {name!r}, which manifest.json does not list in "
+                                         "files (with its sha256); re-run the export")
+        return self
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written to manifest.json (export keys spelled as on disk)."""
