@@ -36,9 +36,6 @@ CONTRIB = "com.microsoft"
 FUSED_OP = "MultiHeadAttention"
 MASK_INPUT = "attention_mask"
 MASK_INT32 = "attention_mask.int32"
-MASK_MIN = "attention_mask.min"
-ONE = "attention_mask.one"
-NO_PADDING = "attention_mask.no_padding"
 
 
 @dataclass
@@ -241,21 +238,15 @@ def _mha(inputs: list[str], output: str, num_heads: int, scale: float, name: str
                             num_heads=int(num_heads), scale=float(scale))
 
 
-def _branch(node, name: str):
-    from onnx import TensorProto, helper
-
-    return helper.make_graph([node], name, [], [helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None)])
-
-
 def fuse_attention(model, num_heads: int) -> int:
     """Replace every eager attention block with MultiHeadAttention. Returns the number fused.
 
-    The Q, K and V projection biases move into the fused op's bias input (three Adds fewer).
-    Each block becomes an If on "no padding in this batch" (min(attention_mask) == 1, computed
-    once): then MultiHeadAttention without a mask — the only form for which ONNX Runtime's CPU
-    kernel takes its flash-attention path (measured about 10% faster end to end at sequence
-    128) — else MultiHeadAttention with the [batch, seq] key padding mask. Both give the same
-    result when nothing is padded.
+    The Q, K and V projection biases move into the fused op's bias input (three Adds fewer). Every
+    block gets the [batch, seq] key padding mask, padded or not, so a row scores exactly the same
+    alone or padded in any batch. (Without a mask ONNX Runtime's CPU kernel takes a flash-attention
+    path that is a few percent faster on unpadded batches, but it rounds differently from the masked
+    kernel; the INT8 quantizers downstream turn that into flipped codes, and a request's answer
+    would depend on which requests it was batched with.)
 
     Raises ValueError when the graph has Softmax nodes but none matches (an exporter change would
     otherwise silently leave the slow path in place).
@@ -274,13 +265,10 @@ def fuse_attention(model, num_heads: int) -> int:
     if MASK_INPUT not in {i.name for i in g.input}:
         raise ValueError(f"the graph has no {MASK_INPUT!r} input to build the key padding mask from")
     dead = {id(n) for b in blocks for n in b.nodes}
+    typed = {v.name for v in g.value_info}
     by_out = {b.out: b for b in blocks}
     nodes = [
         helper.make_node("Cast", [MASK_INPUT], [MASK_INT32], name="attention_mask/CastInt32", to=TensorProto.INT32),
-        helper.make_node("ReduceMin", [MASK_INT32], [MASK_MIN], name="attention_mask/ReduceMin", keepdims=0),
-        helper.make_node("Constant", [], [ONE], name="attention_mask/One",
-                         value=helper.make_tensor(ONE, TensorProto.INT32, [], [1])),
-        helper.make_node("Equal", [MASK_MIN, ONE], [NO_PADDING], name="attention_mask/NoPadding"),
     ]
     for i, n in enumerate(g.node):
         if id(n) not in dead:
@@ -292,12 +280,10 @@ def fuse_attention(model, num_heads: int) -> int:
             if b.bias is not None:
                 bias = f"{base}.qkv_bias"
                 g.initializer.append(numpy_helper.from_array(b.bias, bias))
-            flash = _mha([b.q, b.k, b.v, bias], f"{base}.unmasked", num_heads, b.scale, f"{base}/MultiHeadAttention")
-            masked = _mha([b.q, b.k, b.v, bias, MASK_INT32], f"{base}.masked", num_heads, b.scale,
-                          f"{base}/MultiHeadAttentionMasked")
-            nodes.append(helper.make_node("If", [NO_PADDING], [b.out], name=f"{base}/IfNoPadding",
-                                          then_branch=_branch(flash, f"{base}_unmasked"),
-                                          else_branch=_branch(masked, f"{base}_masked")))
+            nodes.append(_mha([b.q, b.k, b.v, bias, MASK_INT32], b.out, num_heads, b.scale,
+                              f"{base}/MultiHeadAttention"))
+            if b.out not in typed:  # a contrib op's output type is unknown to ONNX shape inference
+                g.value_info.append(helper.make_tensor_value_info(b.out, TensorProto.FLOAT, None))
     _install(model, nodes)
     return len(blocks)
 
@@ -528,23 +514,12 @@ def tensor_ranks(model) -> dict[str, int]:
     return out
 
 
-def _attention_if(node):
-    """The MultiHeadAttention nodes of an If written by fuse_attention (one per branch), or None."""
-    if node.op_type != "If":
+def _attention(node):
+    """A MultiHeadAttention written by fuse_attention, or None. Its inputs are query, key, value, bias
+    and the key padding mask: nothing with a query axis besides the query."""
+    if node.op_type != FUSED_OP or node.domain != CONTRIB or len(node.input) > 5:
         return None
-    branches = [a.g for a in node.attribute if a.HasField("g")]
-    if len(branches) != 2:
-        return None
-    mhas = []
-    for b in branches:
-        if len(b.node) != 1 or b.node[0].op_type != FUSED_OP or b.node[0].domain != CONTRIB \
-                or [o.name for o in b.output] != list(b.node[0].output):
-            return None
-        mhas.append(b.node[0])
-    # query, key, value, bias, key padding mask: nothing that has a query axis besides the query
-    if any(len(m.input) > 5 for m in mhas) or len({m.input[0] for m in mhas}) != 1:
-        return None
-    return mhas
+    return node
 
 
 def _row_inputs(node, inits, producers, ranks) -> list[str] | None:
@@ -587,9 +562,8 @@ def _row_inputs(node, inits, producers, ranks) -> list[str] | None:
         rows = [t for t in ins if act(t)]
         consts_ok = all(vector(t) for t in ins if t not in rows)
         return rows if rows and consts_ok else None
-    mhas = _attention_if(node)
-    if mhas is not None:
-        q = mhas[0].input[0]
+    if _attention(node) is not None:
+        q = node.input[0]
         return [q] if act(q) else None
     return None
 
@@ -657,16 +631,14 @@ def keep_classifier_row(model, ranks: dict[str, int]) -> dict[str, int]:
                     sliced[t] = f"{t}{CLS_SUFFIX}"
                     out.append(helper.make_node("Slice", [t, "cls_row.start", "cls_row.end", "cls_row.axis"],
                                                 [sliced[t]], name=f"{t}{CLS_SUFFIX}/Slice"))
-            mhas = _attention_if(n)
-            if mhas is not None:
-                for m in mhas:
-                    m.input[0] = sliced.get(m.input[0], m.input[0])
-            else:
-                for k, t in enumerate(n.input):
-                    if t in rows:
-                        n.input[k] = sliced.get(t, t)
+            for k, t in enumerate(n.input):
+                if t in rows:
+                    n.input[k] = sliced.get(t, t)
         out.append(n)
-    keep_vi = [v for v in g.value_info if v.name not in row_outputs]
+    # the row outputs changed shape ([B, 1, ...]); keep their element type, which ONNX shape inference
+    # cannot find behind a contrib op on its own
+    keep_vi = [v if v.name not in row_outputs else
+               helper.make_tensor_value_info(v.name, v.type.tensor_type.elem_type, None) for v in g.value_info]
     del g.value_info[:]
     g.value_info.extend(keep_vi)
     _install(model, out)

@@ -450,7 +450,7 @@ class _Export:
                 raise HoloServeError(f"cannot fuse attention in {path} (pass --no-fuse-attention "
                                      f"to keep standard ONNX ops): {e}") from None
             attention = {"op": f"{fusion.CONTRIB}.{fusion.FUSED_OP}", "blocks": fused, "num_heads": heads,
-                         "unmasked_branch": "If min(attention_mask) == 1: no mask (flash-attention kernel)"}
+                         "key_padding_mask": "always: a row scores the same alone or padded in any batch"}
         else:
             attention = "standard ONNX ops (MatMul, Softmax)"
         if opts.classifier_row:

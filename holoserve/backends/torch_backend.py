@@ -33,7 +33,9 @@ class TorchBackend:
             torch.set_num_threads(int(threads))
         self.torch = torch
         self.device = torch.device(device)
-        self.model = AutoModelForSequenceClassification.from_pretrained(str(artifact.path), local_files_only=True)
+        # safetensors only: never fall back to a pickled weights file
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(artifact.path), local_files_only=True,
+                                                                        use_safetensors=True)
         self.model.eval().to(self.device)
 
     def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray) -> np.ndarray:

@@ -35,3 +35,31 @@ def test_minilm_export_checks(minilm_exported):
     assert "dev_metric_checkpoint_numerics" in v  # the int8 table's effect is reported separately
     assert v["parity_vs_pytorch_fakequant"]["rows_source"].startswith("sst2 dev")
     assert res.entries["tensorrt-onnx"]["verification"]["onnx_checker_full"] == "passed"
+
+
+def test_minilm_row_scores_the_same_alone_or_padded_in_any_batch(minilm_exported):
+    """Real MiniLM weights, real SST-2 dev rows: each row alone and inside padded batches of 16 give
+    bit-identical logits through the ONNX Runtime export (its answer does not depend on its neighbours)."""
+    import numpy as np
+
+    from holoserve.core.artifact import load_artifact
+    from holoserve.core.ort import session
+    from holoserve.core.tokenizer import TextEncoder, pad_batch
+    from holoserve.data.glue import read_split
+
+    ckpt, _ = minilm_exported
+    art = load_artifact(ckpt)
+    sess = session(ckpt / "model.onnx", threads=1)
+    names = [i.name for i in sess.get_inputs()]
+    enc = TextEncoder(ckpt / "tokenizer.json", art.max_seq_length)
+    items = enc.encode([r.text for r in read_split("sst2", "dev", os.environ["HOLOSERVE_DATA_DIR"], limit=96)])
+
+    def run(batch):
+        ids, mask, types = pad_batch(batch, enc.pad_id)
+        feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+        return sess.run(None, {n: feed[n] for n in names})[0]
+
+    alone = np.concatenate([run([it]) for it in items])
+    batched = np.concatenate([run(items[s:s + 16]) for s in range(0, len(items), 16)])
+    assert len({it.length for it in items[:16]}) > 4  # the batches really pad
+    np.testing.assert_array_equal(batched, alone)
