@@ -9,13 +9,16 @@ import logging
 import sys
 from pathlib import Path
 
-from holoserve.cli_options import advanced
+from holoserve.cli_options import add_data_arguments, advanced
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     adv = advanced(p)
-    p.add_argument("--task", default="sst2", help="GLUE task: sst2, mrpc, cola, stsb (default: sst2)")
-    p.add_argument("--data-dir", help="GLUE folder holding SST-2/, MRPC/, CoLA/ … (default: $HOLOSERVE_DATA_DIR)")
+    add_data_arguments(p, training=True)
+    p.add_argument("--task", help="the task's name (default: the --train file's name); without --train, a GLUE "
+                                  "shortcut: sst2 (default), mrpc, cola, stsb")
+    p.add_argument("--data-dir", help="GLUE shortcuts: the folder holding SST-2/, MRPC/, CoLA/ … "
+                                      "(default: $HOLOSERVE_DATA_DIR)")
     p.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
     p.add_argument("--model", type=Path,
                    help="base model folder (Hugging Face BERT-family; default: all-MiniLM-L6-v2 from the "
@@ -46,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     import torch
 
+    from holoserve.data.tabular import data_options
+
     from .pipeline import Job, compress
 
     if args.threads:
@@ -61,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         method=args.method, quant=not args.no_quant, max_steps=args.max_steps, train_limit=args.train_limit,
         dev_limit=args.dev_limit, seed=args.seed, teacher=args.teacher, state_dir=args.state_dir,
         overwrite=args.overwrite, restart=args.restart, progress=not args.no_progress,
-        overrides=tuple(args.overrides), device=args.device,
+        overrides=tuple(args.overrides), device=args.device, data=data_options(args), metric=args.metric,
     )
     art = compress(job)
     m = art.manifest.metrics

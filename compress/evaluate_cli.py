@@ -16,9 +16,17 @@ from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ONNX
 def add_arguments(p: argparse.ArgumentParser) -> None:
     adv = advanced(p)
     p.add_argument("checkpoint", type=Path, help="HoloServe checkpoint folder")
-    p.add_argument("--task", help="GLUE task (default: the checkpoint's task)")
-    p.add_argument("--data-dir", help="GLUE folder (default: $HOLOSERVE_DATA_DIR)")
-    p.add_argument("--split", default="dev", help="split to score (default: dev)")
+    g = p.add_argument_group("data", "the rows to score: --dev FILE (your own labelled rows, labels spelled as in "
+                                     "training), or a GLUE shortcut's split in --data-dir")
+    g.add_argument("--dev", metavar="FILE", help="labelled rows: CSV, TSV, JSON Lines, Parquet or a "
+                                                 "datasets.save_to_disk folder")
+    g.add_argument("--text-column", metavar="NAME", help="text column (default: text, sentence, sentence1, question)")
+    g.add_argument("--text-pair-column", metavar="NAME", help="second text of a pair task")
+    g.add_argument("--label-column", metavar="NAME", help="label column (default: label, labels or score)")
+    g.add_argument("--no-header", action="store_true", help="CSV/TSV without a header line")
+    g.add_argument("--task", help="GLUE shortcut (default: the checkpoint's task)")
+    g.add_argument("--data-dir", help="GLUE folder (default: $HOLOSERVE_DATA_DIR)")
+    g.add_argument("--split", default="dev", help="GLUE split to score (default: dev)")
     adv.add_argument("--limit", type=int, help="score only the first N rows")
     adv.add_argument("--batch-size", type=int, default=128)
     adv.add_argument("--fp32", action="store_true", help="skip activation fake-quant (weights still as stored)")
@@ -34,12 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None, batch_size=128, fp32=False,
-                        onnx=False, threads=0, onnx_export=ONNXRUNTIME, device="auto") -> dict:
+                        onnx=False, threads=0, onnx_export=ONNXRUNTIME, device="auto", data=None) -> dict:
+    """Dev metrics of a checkpoint: on `data` (DataOptions with a dev file), else a GLUE split."""
     import time
 
     from holoserve import HoloServeError
     from holoserve.data.glue import read_split
-    from holoserve.data.tasks import get_task
+    from holoserve.data.tabular import rows_for
+    from holoserve.data.tasks import get_task, task_of
 
     from .checkpoint import load_model
     from holoserve.core.tokenizer import load_tokenizer
@@ -59,11 +69,18 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
 
         model, art = load_model(path)
         model.to(resolve_device(device))
-    task_obj = get_task(task or art.task_name)
-    if task_obj.name != art.task_name:
-        raise HoloServeError(f"{path} was trained for {art.task_name!r}, not {task_obj.name!r}")
     tok = load_tokenizer(art.path, art.max_seq_length)
-    data = encode(tok, read_split(task_obj, split, data_dir, limit=limit), task_obj.is_regression)
+    if data is not None and data.dev is not None:
+        task_obj = task_of(art)
+        rows = rows_for(task_obj, "dev", data, limit=limit)
+        split = data.dev.name
+    else:
+        task_obj = get_task(task or art.task_name)
+        if task_obj.name != art.task_name:
+            raise HoloServeError(f"{path} was trained for {art.task_name!r}, not {task_obj.name!r}; pass its dev "
+                                 "rows with --dev FILE")
+        rows = read_split(task_obj, split, data_dir, limit=limit)
+    data = encode(tok, rows, task_obj.is_regression)
     t0 = time.perf_counter()
     if onnx:
         metrics, numerics = _evaluate_onnx(art, task_obj, data, batch_size, threads, onnx_export)
@@ -108,7 +125,10 @@ def run(args: argparse.Namespace) -> int:
         from holoserve import HoloServeError
 
         raise HoloServeError("--limit must be a positive number")
+    from holoserve.data.tabular import data_options
+
     out = evaluate_checkpoint(args.checkpoint, args.task, args.data_dir, args.split, args.limit, args.batch_size,
-                              args.fp32, args.onnx, args.threads, args.onnx_export, args.device)
+                              args.fp32, args.onnx, args.threads, args.onnx_export, args.device,
+                              data=data_options(args))
     print(json.dumps(out, indent=2))
     return 0

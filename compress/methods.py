@@ -211,6 +211,7 @@ class PtqMethod:
             raise HoloServeError("--method ptq needs --model: a HoloServe checkpoint or a fine-tuned HF folder")
         src = Path(job.model)
         source_manifest = None
+        run.load_data(src)  # the task (labels, outputs) is known from the rows before the model loads
         if (src / MANIFEST).is_file():
             from .checkpoint import load_model
 
@@ -226,7 +227,6 @@ class PtqMethod:
             model = run.hf(src)
             run.base_name = src.name
         model.eval()
-        run.load_data(src)
         layers = encoder_linear_names(model)
         sparse = list(source_manifest.sparsity.layers) if source_manifest and source_manifest.sparsity else []
         source_metrics = run.dev_metrics(model)

@@ -25,9 +25,9 @@ from holoserve import HoloServeError
 from holoserve.core.artifact import Artifact, MANIFEST
 from holoserve.core.files import atomic_write_json
 from holoserve.core.tokenizer import load_tokenizer
-from holoserve.data.glue import read_split
+from holoserve.data.tabular import DataOptions, load_for_training
 from holoserve.core.machine import describe_cpu
-from holoserve.data.tasks import Task, get_task
+from holoserve.data.tasks import Task
 
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
 from .config import Preset, apply_overrides, get_preset
@@ -85,6 +85,8 @@ class Job:
     progress: bool = True
     overrides: tuple[str, ...] = ()
     device: str = "auto"  # auto: CUDA when present, else CPU
+    data: DataOptions | None = None  # the user's files; None: the GLUE shortcut `task` in `data_dir`
+    metric: str | None = None  # primary metric (--metric)
 
     def validate(self) -> "Job":
         """Refuse a job whose output would clobber something, before any work starts."""
@@ -174,7 +176,7 @@ class Runner:
 
     def __init__(self, job: Job):
         self.job = job
-        self.task = get_task(job.task)
+        self.task: Task | None = None  # known once the rows are read (load_data)
         self.preset: Preset = apply_overrides(get_preset(job.preset), list(job.overrides)).with_max_steps(job.max_steps)
         self.method = get_method(job.method)
         job.validate()
@@ -186,6 +188,7 @@ class Runner:
         self.emb_scales: dict[str, torch.Tensor] = {}
         # set by load_data (the rows and the folder the tokenizer came from) and by the method
         self.tokenizer_dir: Path | None = None
+        self.data_info: dict[str, Any] = {}
         self.train: Encoded | None = None
         self.dev: Encoded | None = None
         self.base_name: str = ""
@@ -210,10 +213,14 @@ class Runner:
         p = self.preset
         self.tokenizer_dir = tokenizer_dir
         tok = load_tokenizer(tokenizer_dir, p.max_seq_length)
-        train = read_split(self.task, "train", self.job.data_dir, limit=self.job.train_limit)
-        dev = read_split(self.task, "dev", self.job.data_dir, limit=self.job.dev_limit)
-        self.train = encode(tok, train, self.task.is_regression)
-        self.dev = encode(tok, dev, self.task.is_regression)
+        j = self.job
+        data = load_for_training(j.task, j.data or DataOptions(data_dir=j.data_dir), metric=j.metric, seed=j.seed,
+                                 train_limit=j.train_limit, dev_limit=j.dev_limit)
+        self.task, self.data_info = data.task, data.info
+        if "held out" in str(data.info.get("dev")):
+            log.info("no --dev file: %s", data.info["dev"])
+        self.train = encode(tok, data.train, self.task.is_regression)
+        self.dev = encode(tok, data.dev, self.task.is_regression)
         log.info("%s: %d train rows, %d dev rows, max_seq_length %d", self.task.name, len(self.train), len(self.dev),
                  p.max_seq_length)
 
@@ -344,6 +351,7 @@ class Runner:
             "preset_config": p.to_dict(),
             "seed": job.seed,
             "train_rows": len(self.train),
+            "data": self.data_info,
             "teacher": Path(job.teacher).name if job.teacher else None,
             "phases": self.phases,
             "wall_seconds": round(time.perf_counter() - self.t_start, 1),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from holoserve.cli_options import advanced
+from holoserve.cli_options import add_data_arguments, advanced
 
 TARGETS = ("onnxruntime", "tensorrt", "all")
 
@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GLUE data dir (or $HOLOSERVE_DATA_DIR): dev rows for the parity check, train rows for "
                         "calibrating the TensorRT-only ranges; without it built-in sentences are used and no "
                         "dev metric is checked")
+    add_data_arguments(p, training=False)
     adv.add_argument("--dev-rows", type=int, default=None, help="limit the parity check to the first N dev rows")
     adv.add_argument("--calib-rows", type=int, default=256,
                    help="training rows used to calibrate the TensorRT-only tensor ranges (default 256)")
@@ -53,9 +54,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also keep model.float.onnx (fp32 weights; what Polygraphy inspects)")
     adv.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the checks")
     adv.add_argument("--json", action="store_true", help="print the full export report as JSON")
+    p.add_argument("--triton-repo", metavar="DIR", default=None,
+                   help="also write this model into the Triton Inference Server model repository DIR (created if "
+                        "missing; other models there are kept): a Python-backend model that takes text and runs "
+                        "the ONNX Runtime export, plus token-id models for Triton's onnxruntime and TensorRT "
+                        "backends (see docs/usage.md)")
+    adv.add_argument("--triton-model-name", metavar="NAME", default=None,
+                   help="the Triton model name (default: the checkpoint folder's name)")
+    adv.add_argument("--triton-max-batch-size", type=int, default=32,
+                   help="max_batch_size of the Triton models (default 32)")
+    adv.add_argument("--triton-queue-delay-us", type=int, default=0,
+                   help="dynamic_batching max_queue_delay_microseconds of the Triton models (default 0)")
+    adv.add_argument("--triton-instances", type=int, default=1,
+                   help="instance_group count of each Triton model (default 1)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from holoserve.data.tabular import data_options
+
     from .onnx_export import MANIFEST_KEYS, export_checkpoint
 
     targets = ["onnxruntime", "tensorrt"] if args.target == "all" else [args.target]
@@ -64,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         targets,
         out_dir=args.out,
         data_dir=args.data_dir,
+        data=data_options(args),
         dev_rows=args.dev_rows,
         calib_rows=args.calib_rows,
         verify_exports=not args.no_verify,
@@ -77,8 +94,22 @@ def run(args: argparse.Namespace) -> int:
         fuse_gelu=not args.no_fuse_gelu,
         classifier_row=not args.no_classifier_row,
     )
+    triton = None
+    if args.triton_repo:
+        from .triton import write_triton_repo
+
+        triton = write_triton_repo(
+            res.checkpoint, args.triton_repo,
+            model_name=args.triton_model_name,
+            max_batch_size=args.triton_max_batch_size,
+            max_queue_delay_us=args.triton_queue_delay_us,
+            instances=args.triton_instances,
+            # with --out the new files are beside the checkpoint, not recorded in it
+            exports=res.entries if args.out else None,
+            exports_dir=res.out_dir if args.out else None,
+        )
     if args.json:
-        print(json.dumps(res.report, indent=2))
+        print(json.dumps(res.report | ({"triton_repo": triton.report()} if triton else {}), indent=2))
         return 0
     print(f"fp32 ONNX export: {res.report['fp32_bytes'] / 1e6:.1f} MB, {res.report['linears']} encoder Linears")
     for t in targets:
@@ -120,4 +151,13 @@ def run(args: argparse.Namespace) -> int:
                   f"({ps['tensors_checked']} tensors checked)")
     if not args.out:
         print(f"recorded in {res.checkpoint / 'manifest.json'}")
+    if triton:
+        print(f"Triton model repository {triton.path}:")
+        for name, m in triton.models.items():
+            kind = f"backend {m['backend']}" if "backend" in m else f"platform {m['platform']}"
+            print(f"  {name}: {kind}, {m['kind']}, inputs {', '.join(m['inputs'])}")
+        for name, why in triton.skipped.items():
+            print(f"  {name}: not written ({why})")
+        for name in triton.removed:
+            print(f"  {name}: removed (left by an earlier export)")
     return 0

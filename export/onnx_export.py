@@ -32,6 +32,7 @@ from holoserve.core.files import atomic_copy, atomic_write_json, sweep_stale, te
 from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ONNX
 from holoserve.core.ort import session as ort_session
 from holoserve.core.tokenizer import load_tokenizer
+from holoserve.data.tabular import DataOptions
 
 from . import fusion, qdq, verify
 
@@ -95,42 +96,37 @@ def encode_batches(tok, texts: Sequence[str], pairs: Sequence[str] | None = None
         }
 
 
-def _rows(art: Artifact, split: str, data_dir, limit: int | None):
-    from holoserve.data.glue import read_split
-    from holoserve.data.tasks import get_task
+def _rows(art: Artifact, split: str, data, limit: int | None):
+    """(task, texts, pairs, labels) of a split for the checkpoint's task, or None when no rows were given."""
+    from holoserve.data.tabular import rows_for
+    from holoserve.data.tasks import task_of
 
-    task = get_task(art.task_name)
-    ex = read_split(task, split, data_dir, limit=limit)
+    task = task_of(art)
+    ex = rows_for(task, split, data, limit=limit)
+    if ex is None:
+        return None
     return task, [e.text for e in ex], ([e.text_pair for e in ex] if task.is_pair else None), [e.label for e in ex]
 
 
 EVAL_BATCH_SIZE = 128  # `holoserve eval`'s default --batch-size
 
 
-def eval_batches_np(art: Artifact, split: str, data_dir, limit: int | None = None, batch_size: int = EVAL_BATCH_SIZE):
-    """(task, [(row indices, numpy batch)], labels) exactly as `holoserve eval` batches the split."""
+def eval_batches_np(art: Artifact, split: str, data, limit: int | None = None, batch_size: int = EVAL_BATCH_SIZE):
+    """(task, [(row indices, numpy batch)], labels) exactly as `holoserve eval` batches the split, or None."""
     from holoserve.compress.data import encode, eval_batches
-    from holoserve.data.glue import read_split
-    from holoserve.data.tasks import get_task
+    from holoserve.data.tabular import rows_for
+    from holoserve.data.tasks import task_of
 
-    task = get_task(art.task_name)
-    data = encode(load_tokenizer(art.path, art.max_seq_length), read_split(task, split, data_dir, limit=limit),
-                  task.is_regression)
+    task = task_of(art)
+    rows = rows_for(task, split, data, limit=limit)
+    if rows is None:
+        return None
+    data = encode(load_tokenizer(art.path, art.max_seq_length), rows, task.is_regression)
     out = []
     for idx, b in eval_batches(data, batch_size):
         b.pop("labels")
         out.append((idx, {k: v.numpy() for k, v in b.items()}))
     return task, out, data.labels
-
-
-def data_available(data_dir) -> bool:
-    from holoserve.data.glue import resolve_data_dir
-
-    try:
-        resolve_data_dir(data_dir)
-        return True
-    except HoloServeError:
-        return False
 
 
 # ------------------------------------------------------------------------------------------- torch side
@@ -253,8 +249,9 @@ class ExportOptions:
 
     targets:         "onnxruntime" (model.onnx) and/or "tensorrt" (model.trt.onnx)
     out_dir:         write the files (plus export_report.json) there and leave the checkpoint untouched
-    data_dir:        GLUE folder: calibration rows for the TensorRT placement's extra ranges, dev rows for
-                     the parity check (without one, built-in sentences)
+    data / data_dir: the rows (holoserve.data.tabular.DataOptions: the user's --train/--dev files, or a GLUE
+                     shortcut's folder): training rows calibrate the TensorRT placement's extra ranges, dev
+                     rows drive the parity check; without any, built-in sentences
     dev_rows / calib_rows / threads / max_metric_diff: the checks' rows, ORT threads and the allowed
                      dev-metric gap (points) between ONNX Runtime and the PyTorch fake-quant model
     embeddings:      "fp32" keeps the word-embedding table as in the checkpoint; "int8" stores it as int8
@@ -272,6 +269,7 @@ class ExportOptions:
     targets: tuple[str, ...] = ("onnxruntime",)
     out_dir: str | os.PathLike | None = None
     data_dir: str | os.PathLike | None = None
+    data: Any = None  # holoserve.data.tabular.DataOptions; default: the GLUE shortcut in data_dir
     dev_rows: int | None = None
     calib_rows: int = 256
     verify_exports: bool = True
@@ -327,7 +325,7 @@ class _Export:
         self.sparse = set(art.sparse_layers)
         self.weight_scales = {k: art.weight_scales(k) for k in self.layers}
         self.act_amax = art.activation_amax()
-        self.have_data = data_available(opts.data_dir)
+        self.data = opts.data or DataOptions(data_dir=opts.data_dir)
         self.result = ExportResult(Path(art.path), Path(opts.out_dir) if opts.out_dir else Path(art.path))
         self.report: dict[str, Any] = {"checkpoint": art.path.name, "targets": list(opts.targets), "opset": OPSET}
         self.float_path = tmp / FLOAT_FILE
@@ -389,9 +387,13 @@ class _Export:
     def calibration_rows(self) -> None:
         art, opts = self.art, self.opts
         self.tok = make_tokenizer(art)
-        if self.have_data:
-            split = "train" if "train" in _splits(art) else "dev"
-            _, texts, pairs, _ = _rows(art, split, opts.data_dir, opts.calib_rows)
+        found = split = None
+        for split in ("train", "dev"):
+            found = _rows(art, split, self.data, opts.calib_rows)
+            if found is not None:
+                break
+        if found is not None:
+            _, texts, pairs, _ = found
             self.calib_source = f"{art.task_name} {split} split, first {len(texts)} rows"
         else:
             texts, pairs = list(BUILTIN_SENTENCES), (list(BUILTIN_SENTENCES[::-1]) if art.is_pair else None)
@@ -500,7 +502,7 @@ class _Export:
         del self.model
         self.report["verification"] = _verify(
             self.art, ref_model, self.built, opts.targets, self.float_path, self.sites, self.sparse, self.tok,
-            opts.data_dir, self.have_data, opts.dev_rows, opts.threads, self.tmp, opts.polygraphy,
+            self.data, opts.dev_rows, opts.threads, self.tmp, opts.polygraphy,
             opts.max_metric_diff, self.emb_int8 and not self.lossless,
         )
         for t in opts.targets:
@@ -524,19 +526,13 @@ class _Export:
             result.files = {name: self.art.path / name for name in files}
 
 
-def _splits(art: Artifact):
-    from holoserve.data.tasks import get_task
-
-    return get_task(art.task_name).splits
-
-
 def _version() -> str:
     from holoserve import __version__
 
     return __version__
 
 
-def _verify(art, model, built, targets, float_path, sites, sparse, tok, data_dir, have_data, dev_rows, threads, tmp,
+def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, dev_rows, threads, tmp,
             polygraphy, max_metric_diff, lossy_embeddings=False) -> dict:
     out: dict[str, dict] = {}
     # Polygraphy on the float-weight export: every sparse encoder weight must be 2:4 along K.
@@ -550,17 +546,18 @@ def _verify(art, model, built, targets, float_path, sites, sparse, tok, data_dir
                 f"{poly['encoder_weights_not_2of4'] or poly['encoder_weights_not_reported']}"
             )
     # rows for parity
-    if have_data:
+    dev = eval_batches_np(art, "dev", data, dev_rows)
+    if dev is not None:
         # The very batches `holoserve eval` scores (same tokenizer settings, length order and padding):
         # a quantized network turns float noise from a different padding into a few flipped rows, so
         # only identical batches make "ORT metric vs holoserve eval" a statement about the export.
-        task, idx_batches, labels = eval_batches_np(art, "dev", data_dir, dev_rows)
+        task, idx_batches, labels = dev
         rows_source = f"{task.name} dev, {len(labels)} rows, batches of {EVAL_BATCH_SIZE} as in holoserve eval"
     else:
         task, labels = None, None
         texts, pairs = list(BUILTIN_SENTENCES), (list(BUILTIN_SENTENCES[::-1]) if art.is_pair else None)
         idx_batches = list(encode_batches(tok, texts, pairs, batch_size=32))
-        rows_source = "builtin sentences (no GLUE data dir given)"
+        rows_source = "builtin sentences (no dev rows given)"
     order = np.concatenate([np.asarray(i) for i, _ in idx_batches])
     batches = [b for _, b in idx_batches]
     ref = reference_logits(model, art, batches)

@@ -1,7 +1,7 @@
-"""GLUE TSV readers. Quoting is off (sentences contain literal quotes), MRPC has a BOM, CoLA has no header."""
+"""The GLUE shortcuts' files: <data-dir>/<folder>/<split>.tsv, read by the generic reader (quoting off: the
+sentences contain literal quotes; MRPC has a BOM; CoLA has no header)."""
 from __future__ import annotations
 
-import csv
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,36 +45,17 @@ def task_file(task: Task, split: str, data_dir: str | os.PathLike | None) -> Pat
 def read_split(
     task: Task | str, split: str, data_dir: str | os.PathLike | None = None, limit: int | None = None
 ) -> list[Example]:
-    """Read one split; `limit` keeps the first N rows (the files are already shuffled)."""
+    """Read one split of a GLUE shortcut through the generic reader; `limit` keeps the first N rows."""
+    from .tabular import Columns, LabelSpace, Source, examples, read_table
+
     task = get_task(task) if isinstance(task, str) else task
     path = task_file(task, split, data_dir)
-    need = max(task.text_columns + (task.label_column,)) + 1
-    examples: list[Example] = []
-    with path.open(encoding=task.encoding, newline="") as f:
-        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        for lineno, row in enumerate(reader, start=1):
-            if task.header and lineno == 1:
-                continue
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue
-            if len(row) < need:
-                raise HoloServeError(f"{path}:{lineno}: expected at least {need} tab-separated columns, got {len(row)}")
-            raw = row[task.label_column].strip()
-            if task.is_regression:
-                try:
-                    label: int | float = float(raw)
-                except ValueError:
-                    raise HoloServeError(f"{path}:{lineno}: score {raw!r} is not a number") from None
-            else:
-                if raw not in task.raw_labels:
-                    raise HoloServeError(
-                        f"{path}:{lineno}: label {raw!r} is not one of {', '.join(task.raw_labels)}"
-                    )
-                label = task.raw_labels.index(raw)
-            texts = [row[c].strip() for c in task.text_columns]
-            examples.append(Example(texts[0], texts[1] if task.is_pair else None, label))
-            if limit is not None and len(examples) >= limit:
-                break
-    if not examples:
-        raise HoloServeError(f"{path} holds no rows")
-    return examples
+    table = read_table(Source(path, "tsv", header=task.header, encoding=task.encoding))
+    labels = LabelSpace(regression=True) if task.is_regression else \
+        LabelSpace(regression=False, raw=list(task.raw_labels), names=list(task.labels))
+    cols = Columns(task.text_column, task.pair_column, task.label_column)
+    for c in (cols.text, cols.text_pair, cols.label):
+        if c is not None and c not in table.columns:
+            raise HoloServeError(f"{path}: expected a column {c!r} (the GLUE {task.folder} layout); it has "
+                                 f"{', '.join(map(repr, table.columns))}")
+    return examples(table, cols, labels, limit=limit)

@@ -1,4 +1,4 @@
-"""GLUE metrics as pure numpy functions (no sklearn/scipy needed at serving time)."""
+"""Task metrics as pure numpy functions (no sklearn/scipy needed at serving time)."""
 from __future__ import annotations
 
 import numpy as np
@@ -49,7 +49,16 @@ def spearman(pred, gold) -> float:
     return pearson(_ranks(pred), _ranks(gold))
 
 
-METRICS = {"accuracy": accuracy, "f1": f1, "mcc": mcc, "pearson": pearson, "spearman": spearman}
+def macro_f1(pred, gold) -> float:
+    """Unweighted mean of the per-class F1 over the classes present in gold or pred."""
+    pred, gold = np.asarray(pred), np.asarray(gold)
+    classes = np.union1d(np.unique(pred), np.unique(gold))
+    return float(np.mean([f1(pred, gold, positive=c) for c in classes])) if len(classes) else 0.0
+
+
+METRICS = {"accuracy": accuracy, "f1": f1, "macro_f1": macro_f1, "mcc": mcc, "pearson": pearson, "spearman": spearman}
+CLASSIFICATION = ("accuracy", "f1", "macro_f1", "mcc")
+REGRESSION = ("pearson", "spearman")
 
 
 def compute(names, pred, gold) -> dict[str, float]:
