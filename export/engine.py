@@ -197,24 +197,30 @@ def gpu_info() -> dict[str, Any] | None:
     return current_gpu()
 
 
-def rtx_targets(compute_capability: str | Sequence[str] | None) -> list[str]:
-    """TensorRT-RTX targets: [] for a portable engine (the default), else the pinned SM labels."""
+def requested_ccs(compute_capability: str | Sequence[str] | None) -> list[str]:
+    """"SM86, sm_89" (or a list) -> ["SM86", "SM89"]; [] for None or "portable"."""
     if compute_capability is None:
         return []
     items = compute_capability.split(",") if isinstance(compute_capability, str) else list(compute_capability)
     items = [c.strip() for c in items if c and c.strip()]
-    if not items or any(c.lower() in ("portable", "all", "default") for c in items):
+    if any(c.lower() in ("portable", "all", "default") for c in items):
         return []
-    labels = []
+    labels: list[str] = []
     for c in items:
-        cc = cc_label(c)
+        if cc_label(c) not in labels:
+            labels.append(cc_label(c))
+    return labels
+
+
+def rtx_targets(compute_capability: str | Sequence[str] | None) -> list[str]:
+    """TensorRT-RTX targets: [] for a portable engine (the default), else the pinned SM labels."""
+    labels = requested_ccs(compute_capability)
+    for cc in labels:
         if cc not in RTX_COMPUTE_CAPABILITIES:
             raise EngineBuildError(
                 f"TensorRT-RTX cannot build for {cc}; choose one of {', '.join(RTX_COMPUTE_CAPABILITIES)}, or leave "
                 "--compute-capability out for a portable engine (Hopper SM90 needs datacenter TensorRT)"
             )
-        if cc not in labels:
-            labels.append(cc)
     return labels
 
 
@@ -235,7 +241,7 @@ def build_target(flv: Flavour, compute_capability: str | Sequence[str] | None = 
         raise EngineBuildError("datacenter TensorRT builds for the GPU it runs on, and no GPU was found "
                                "(check CUDA_VISIBLE_DEVICES and that the container was started with --gpus)")
     have = cc_label(gpu["compute_capability"])
-    wanted = rtx_targets_loose(compute_capability)
+    wanted = requested_ccs(compute_capability)
     if wanted and wanted != [have]:
         raise EngineBuildError(
             f"datacenter TensorRT builds for the GPU it runs on ({gpu['name']}, {have}); "
@@ -243,14 +249,6 @@ def build_target(flv: Flavour, compute_capability: str | Sequence[str] | None = 
         )
     return {"compute_capability": have, "gpu": gpu["name"], "built_on": "this GPU",
             "device": gpu.get("device"), "probe": gpu.get("source")}
-
-
-def rtx_targets_loose(compute_capability: str | Sequence[str] | None) -> list[str]:
-    """The SM labels asked for, without TensorRT-RTX's list check (for the datacenter consistency check)."""
-    if compute_capability is None:
-        return []
-    items = compute_capability.split(",") if isinstance(compute_capability, str) else list(compute_capability)
-    return [cc_label(c) for c in items if c and c.strip() and c.strip().lower() not in ("portable", "all", "default")]
 
 
 # ------------------------------------------------------------------------------------------ logs
@@ -506,7 +504,11 @@ def gemm_report(layers: Sequence[Mapping[str, Any]], weight_gemms: Sequence[str]
     out = []
     for gemm, hits in targets:
         if not hits:
-            if fused:
+            if not layers:
+                out.append({"gemm": gemm, "engine_layer": None, "tactic": None, "int8": None, "sparse": None,
+                            "why": "no engine layer information (none in the builder log, and the plan cannot be "
+                                   "inspected without a GPU)"})
+            elif fused:
                 out.append({"gemm": gemm, "engine_layer": fused[0]["name"], "tactic": fused[0].get("tactic"),
                             "int8": None, "sparse": None,
                             "why": "compiled inside a fused (Myelin) region whose kernels the layer information "
@@ -696,6 +698,8 @@ def attach_timing_cache(config, blob: bytes) -> tuple[Any, str]:
             cache = config.create_timing_cache(blob)
         except Exception:  # a damaged file: the binding raises on some versions
             cache = None
+        if cache is not None and _is_empty(config, cache):
+            cache = None  # TensorRT could not read it and handed back an empty cache ("Failed to deserialize")
         if cache is not None and config.set_timing_cache(cache, False):
             return cache, "reused"
         note = ("not reusable here (written on another GPU or TensorRT version, or damaged): "
@@ -707,6 +711,14 @@ def attach_timing_cache(config, blob: bytes) -> tuple[Any, str]:
     if fresh is None or not config.set_timing_cache(fresh, False):
         return None, "could not attach a timing cache; built without one"
     return fresh, note
+
+
+def _is_empty(config, cache) -> bool:
+    """Whether `cache` serializes like a new, empty one."""
+    try:
+        return bytes(cache.serialize()) == bytes(config.create_timing_cache(b"").serialize())
+    except Exception:
+        return False
 
 
 def save_timing_cache(config, path: Path) -> str | None:
@@ -773,10 +785,17 @@ def _layer_information(trt, flv: Flavour, lines: list[str], plan: bytes, logger,
         text = _inspect_engine(trt, plan, logger, profile)
         if text:
             return parse_layer_info(text), "engine inspector (JSON)"
-    for ln in lines:
-        body = ln.split("] ", 1)[1] if ln.startswith("[") and "] " in ln else ln
-        if body.startswith("Layers:") or body.startswith("Engine Layer Information:"):
+    bodies = [ln.split("] ", 1)[1] if ln.startswith("[") and "] " in ln else ln for ln in lines]
+    for i, body in enumerate(bodies):
+        if body.startswith("Layers:"):
             return parse_layer_info(body.split(":", 1)[1]), "builder log"
+        if body.startswith("Engine Layer Information:"):  # older builders log one message per layer after it
+            text = [body.split(":", 1)[1]]
+            for nxt in bodies[i + 1:]:
+                if not nxt.startswith("Layer("):
+                    break
+                text.append(nxt)
+            return parse_layer_info("\n".join(text)), "builder log"
     return None, None
 
 
@@ -802,6 +821,8 @@ def build_engine(
     pins it. require_sparse: refuse (write nothing) unless at least one weight GEMM is known to run a
     sparse kernel.
     """
+    if require_sparse and not sparse:
+        raise EngineBuildError("--require-sparse needs sparse weights: drop --no-sparse")
     trt, flv = load_trt(flavour)
     onnx_path, out = Path(onnx_path), Path(out)
     if not onnx_path.is_file():
@@ -1001,8 +1022,10 @@ def up_to_date(plan: Path, *, flavour: Flavour, target: Mapping[str, Any], onnx_
         return str(e)
     if (side.get("onnx") or {}).get("sha256") != onnx_sha256:
         return "it was built from another ONNX export"
-    if bool((side.get("target") or {}).get("portable")) != bool(target.get("portable")):
-        return "it was built for another target"
+    built = side.get("target") or {}
+    if (bool(built.get("portable")), built.get("compute_capabilities")) != (
+            bool(target.get("portable")), target.get("compute_capabilities")):
+        return "it was built for other compute capabilities"
     return None
 
 

@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from holoserve.core.artifact import MANIFEST, add_files, load_artifact
     from holoserve.core.manifest import TENSORRT_ENGINE, TENSORRT_ONNX
 
-    from .engine import ShapeProfile, build_cached_engine, build_engine, load_trt, build_target, parse_shape, \
-        parse_size, up_to_date
+    from .engine import (ShapeProfile, build_cached_engine, build_engine, build_target, load_trt, parse_shape,
+                         parse_size, up_to_date)
 
     src = Path(args.source)
     art = None
@@ -142,8 +142,11 @@ def _done(out: Path, side: dict, skipped: bool) -> int:
 
 
 def _target_text(tgt: dict) -> str:
+    from holoserve.core.sidecar import RTX_PORTABLE
+
     if tgt.get("portable"):
-        return "portable: " + "/".join(tgt.get("compute_capabilities") or [])
+        ccs = list(tgt.get("compute_capabilities") or RTX_PORTABLE)
+        return ("portable: " if tuple(ccs) == RTX_PORTABLE else "") + "/".join(ccs)
     return f"{tgt.get('gpu') or tgt.get('compute_capability')}" + (
         f" ({tgt['compute_capability']})" if tgt.get("gpu") else "")
 

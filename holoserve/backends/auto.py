@@ -3,6 +3,10 @@
 Order: TensorRT (an engine built for this GPU and TensorRT version) > torch-cuda (2:4
 semi-structured kernels on a CUDA GPU) > ONNX Runtime (CPU, or its CUDA EP where present).
 Cheap checks come first so that a CPU-only machine never imports torch or TensorRT.
+
+An engine on disk (in the checkpoint or the engine cache) that is not used is never a quiet
+fallback: the reason is logged as a warning and put in the decision's "warnings", which the server
+reports with the backend (GET /v1/models) and logs at start-up.
 """
 from __future__ import annotations
 
@@ -30,12 +34,19 @@ def nvidia_gpu_visible() -> bool:
         shutil.which("nvidia-smi"))
 
 
-def _precheck(name: str, artifact: Artifact, gpu: bool) -> str | None:
+def _precheck(name: str, artifact: Artifact, gpu: bool, options: dict[str, Any] | None = None) -> str | None:
     """A reason to skip `name` without importing anything heavy, or None to try loading it."""
     exports = artifact.manifest.exports.recorded()
     if name == "tensorrt":
-        if TENSORRT_ENGINE not in exports:
-            return "the checkpoint has no TensorRT engine (holoserve build-engine)"
+        from . import tensorrt as trt_backend  # light: imports no TensorRT library
+
+        try:
+            _cache, mode = trt_backend.engine_settings(options)
+        except BackendUnavailable as e:
+            return str(e)
+        if TENSORRT_ENGINE not in exports and mode == "never" and not trt_backend.engines_on_disk(artifact, options):
+            return ("the checkpoint has no TensorRT engine (holoserve build-engine, or HOLOSERVE_BUILD_ENGINE=if-missing "
+                    "to build one at start-up)")
         if not gpu:
             return "no NVIDIA GPU visible"
     if name == "torch-cuda":
@@ -53,7 +64,7 @@ def select_backend(artifact: Artifact, *, order: tuple[str, ...] = ORDER, **opti
     gpu = nvidia_gpu_visible()
     skipped: dict[str, str] = {}
     for name in order:
-        reason = _precheck(name, artifact, gpu)
+        reason = _precheck(name, artifact, gpu, options)
         if reason is None:
             try:
                 backend = load_backend(name, artifact, **options)
@@ -67,9 +78,27 @@ def select_backend(artifact: Artifact, *, order: tuple[str, ...] = ORDER, **opti
             continue
         why = f"first usable of {' > '.join(order)}" + (
             f" (skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())})" if skipped else "")
+        warnings = unused_engine_warnings(artifact, name, skipped, options)
+        for w in warnings:
+            log.warning("backend auto: %s", w)
+        if warnings:
+            why = "WARNING: " + " ".join(warnings) + " Picked " + name + ": " + why
         log.info("backend auto: picked %s, %s", name, why)
-        return backend, {"picked": name, "reason": why, "skipped": skipped}
+        return backend, {"picked": name, "reason": why, "skipped": skipped, "warnings": warnings}
     raise BackendUnavailable(
         f"no backend can serve {artifact.path} on this machine: "
         + "; ".join(f"{k}: {v}" for k, v in skipped.items())
     )
+
+
+def unused_engine_warnings(artifact: Artifact, picked: str, skipped: dict[str, str],
+                           options: dict[str, Any] | None = None) -> list[str]:
+    """Why a TensorRT engine on disk is not serving, when `auto` picked something else (else [])."""
+    if picked == "tensorrt" or "tensorrt" not in skipped:
+        return []
+    from . import tensorrt as trt_backend
+
+    engines = trt_backend.engines_on_disk(artifact, options)
+    if not engines:
+        return []
+    return [f"the TensorRT engine {', '.join(engines)} is not used: {skipped['tensorrt']}."]

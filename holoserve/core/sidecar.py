@@ -200,12 +200,16 @@ def current_gpu() -> dict[str, Any] | None:
 
 
 def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
+    return re.sub(r"[^a-z0-9.+]+", "-", text.lower()).strip("-")
 
 
 def engine_cache_key(flavour: str, version: str, target: Mapping[str, Any]) -> str:
     """Folder name for one TensorRT build + GPU: "tensorrt-10.5.0.18-sm86-nvidia-a10", "tensorrt-rtx-1.7.1.116-portable"."""
-    cc = "portable" if target.get("portable") else (normalize_cc(target.get("compute_capability")) or "unknown")
+    if target.get("portable"):
+        ccs = [normalize_cc(c) for c in target.get("compute_capabilities") or RTX_PORTABLE]
+        cc = "portable" if tuple(ccs) == RTX_PORTABLE else "+".join(ccs)
+    else:
+        cc = normalize_cc(target.get("compute_capability")) or "unknown"
     parts = [flavour, version, cc.lower()] + ([target["gpu"]] if target.get("gpu") else [])
     return _slug("-".join(str(p) for p in parts))
 

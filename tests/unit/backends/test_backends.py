@@ -1,6 +1,7 @@
 """Backends, tokenization and `--backend auto`, without a GPU: everything that needs no CUDA library."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -165,6 +166,13 @@ def sidecar(flavour="tensorrt", version="10.5.0.18", cc="SM86", **extra):
             "target": {"compute_capability": cc, "gpu": "NVIDIA A10"}, **extra}
 
 
+def portable_sidecar():
+    side = sidecar("tensorrt-rtx", "1.7.1.116", None)
+    side["target"] = {"compute_capability": None, "compute_capabilities": ["SM80", "SM86", "SM89", "SM120"],
+                      "portable": True, "gpu": None}
+    return side
+
+
 @pytest.mark.parametrize("side,kw,match", [
     (sidecar(), dict(flavour="tensorrt", version="10.5.0.18", compute_capability="8.6"), None),
     (sidecar(), dict(flavour="tensorrt", version="10.6.0.26", compute_capability="8.6"), "not portable"),
@@ -173,6 +181,13 @@ def sidecar(flavour="tensorrt", version="10.5.0.18", cc="SM86", **extra):
     (sidecar(), dict(flavour="tensorrt-rtx", version="1.7.1.116", compute_capability="8.6"), "built with tensorrt"),
     (sidecar("tensorrt-rtx", "1.7.1.116", "SM120"),
      dict(flavour="tensorrt-rtx", version="1.7.1.116", compute_capability="12.0"), None),
+    # a portable TensorRT-RTX engine (the default build) runs on A100 and RTX 30/40/50, not on Turing or Hopper
+    (portable_sidecar(), dict(flavour="tensorrt-rtx", version="1.7.1.116", compute_capability="8.9"), None),
+    (portable_sidecar(), dict(flavour="tensorrt-rtx", version="1.7.1.116", compute_capability="12.0"), None),
+    (portable_sidecar(), dict(flavour="tensorrt-rtx", version="1.7.1.116", compute_capability="7.5"),
+     "portable TensorRT-RTX engine.*SM75"),
+    (portable_sidecar(), dict(flavour="tensorrt-rtx", version="1.7.1.116", compute_capability="9.0"),
+     "portable TensorRT-RTX engine.*SM90"),
 ])
 def test_engine_check(side, kw, match):
     if match is None:
@@ -201,16 +216,21 @@ def _with_engine(src, tmp_path, side: dict):
                      exports={"tensorrt": {"file": "model.plan", "sidecar": "model.plan.json"}}, move=False)
 
 
+A10 = {"name": "NVIDIA A10", "compute_capability": "8.6", "device": 0, "source": "cuda"}
+
+
 def test_tensorrt_backend_refuses_missing_or_foreign_engines(sst2, tmp_path, monkeypatch):
+    monkeypatch.delenv(trt_backend.ENGINE_CACHE_ENV, raising=False)
+    monkeypatch.delenv(trt_backend.BUILD_ENV, raising=False)
     with pytest.raises(BackendUnavailable, match="holoserve build-engine"):
         load_backend("tensorrt", load_artifact(sst2))
     art = _with_engine(sst2, tmp_path, sidecar("tensorrt-rtx", "0.0.1", "SM86"))
     # No GPU here: refused before the library is even imported.
-    monkeypatch.setattr(trt_backend, "gpu_compute_capability", lambda: None)
+    monkeypatch.setattr(trt_backend, "current_gpu", lambda: None)
     with pytest.raises(BackendUnavailable, match="no CUDA GPU"):
         load_backend("tensorrt", art)
     # Pretend there is a GPU: the plan was built by another TensorRT-RTX version, refused before deserializing.
-    monkeypatch.setattr(trt_backend, "gpu_compute_capability", lambda: "8.6")
+    monkeypatch.setattr(trt_backend, "current_gpu", lambda: A10)
     try:
         import tensorrt_rtx  # noqa: F401
     except ImportError:
@@ -221,7 +241,225 @@ def test_tensorrt_backend_refuses_missing_or_foreign_engines(sst2, tmp_path, mon
         load_backend("tensorrt", art)
 
 
-def test_tensorrt_backend_refuses_a_damaged_sidecar(sst2, tmp_path):
+def test_tensorrt_rtx_validity_check_runs_before_deserializing(sst2, tmp_path, monkeypatch):
+    """A plan whose sidecar matches but whose header TensorRT-RTX rejects is refused with the reason, not loaded."""
+    trt = pytest.importorskip("tensorrt_rtx")
+    art = _with_engine(sst2, tmp_path, sidecar("tensorrt-rtx", trt.__version__, "SM86"))
+    monkeypatch.setattr(trt_backend, "current_gpu", lambda: A10)
+    with pytest.raises(BackendUnavailable, match="TensorRT-RTX reports the engine invalid.*damaged"):
+        load_backend("tensorrt", art)
+    runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
+    assert trt_backend.rtx_validity(trt, runtime, b"not an engine" * 8) == (
+        "INVALID", ["the file is damaged or not a TensorRT-RTX engine"])
+
+
+def test_engine_settings(monkeypatch, tmp_path):
+    monkeypatch.delenv(trt_backend.ENGINE_CACHE_ENV, raising=False)
+    monkeypatch.delenv(trt_backend.BUILD_ENV, raising=False)
+    assert trt_backend.engine_settings() == (None, "never")
+    monkeypatch.setenv(trt_backend.ENGINE_CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(trt_backend.BUILD_ENV, "if-missing")
+    assert trt_backend.engine_settings() == (tmp_path, "if-missing")
+    assert trt_backend.engine_settings({"build_engine": "never"}) == (tmp_path, "never")
+    monkeypatch.setenv(trt_backend.BUILD_ENV, "always")
+    with pytest.raises(BackendUnavailable, match="choose never or if-missing"):
+        trt_backend.engine_settings()
+    monkeypatch.delenv(trt_backend.ENGINE_CACHE_ENV)
+    with pytest.raises(BackendUnavailable, match="needs HOLOSERVE_ENGINE_CACHE"):
+        trt_backend.engine_settings({"build_engine": "if-missing"})
+
+
+@pytest.fixture(scope="module")
+def trt_ckpt(tmp_path_factory):
+    """A 1-layer checkpoint with both ONNX exports (ONNX Runtime and TensorRT placement), no engine."""
+    pytest.importorskip("torch")
+    from holoserve.export.onnx_export import export_checkpoint
+    from tests.unit.export.test_export import make_calibrated_checkpoint
+
+    ckpt = make_calibrated_checkpoint(tmp_path_factory.mktemp("trt-ckpt"), layers=1)
+    export_checkpoint(ckpt, ["onnxruntime", "tensorrt"], progress=False, polygraphy=False)
+    return ckpt
+
+
+def test_engine_built_at_start_up_into_the_cache(trt_ckpt, tmp_path, monkeypatch, caplog):
+    """HOLOSERVE_BUILD_ENGINE=if-missing: the backend runs `holoserve build-engine --cache-dir` for this GPU.
+
+    Here TensorRT-RTX builds (on the CPU) for the pretended SM86 GPU; its header check then says the engine
+    cannot run on this machine, which has no GPU. The second start finds the cached engine and builds nothing.
+    """
+    trt = pytest.importorskip("tensorrt_rtx")
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("datacenter TensorRT is installed: it would be the one building (needs a GPU)")
+    monkeypatch.setattr(trt_backend, "current_gpu", lambda: A10)
+    cache = tmp_path / "engines"
+    art = load_artifact(trt_ckpt)
+    caplog.set_level("INFO", logger="holoserve.backends")
+    with pytest.raises(BackendUnavailable) as e:
+        load_backend("tensorrt", art, engine_cache=str(cache), build_engine="if-missing", max_batch=4)
+    assert "TensorRT-RTX reports the engine invalid on this machine" in str(e.value)
+    assert "building a TensorRT engine" in caplog.text
+    plans = list(cache.glob("*/*/model.plan"))
+    assert len(plans) == 1 and plans[0].parent.name == f"tensorrt-rtx-{trt.__version__}-sm86"
+    side = json.loads((plans[0].parent / "model.plan.json").read_text())
+    assert side["target"]["compute_capability"] == "SM86"
+    assert side["profiles"][0]["input_ids"]["max"] == [4, art.max_seq_length]
+    mtime = plans[0].stat().st_mtime_ns
+    caplog.clear()
+    with pytest.raises(BackendUnavailable, match="invalid on this machine"):
+        load_backend("tensorrt", art, engine_cache=str(cache), build_engine="if-missing", max_batch=4)
+    assert plans[0].stat().st_mtime_ns == mtime and "is up to date" in caplog.text
+
+
+def test_auto_says_loudly_why_an_engine_on_disk_is_not_used(trt_ckpt, tmp_path, monkeypatch, caplog):
+    import shutil
+
+    import holoserve.backends.auto as auto
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(trt_ckpt, ckpt)
+    art = _with_engine(ckpt, tmp_path / "e", sidecar("tensorrt", "10.5.0.18", "SM86"))
+    monkeypatch.setattr(auto, "nvidia_gpu_visible", lambda: False)
+    caplog.set_level("INFO", logger="holoserve.backends")
+    b, d = select_backend(art, threads=1)
+    assert b.name == "onnxruntime"
+    assert d["warnings"] and "model.plan is not used: no NVIDIA GPU visible" in d["warnings"][0]
+    assert d["reason"].startswith("WARNING: the TensorRT engine")
+    assert any(r.levelname == "WARNING" and "is not used" in r.getMessage() for r in caplog.records)
+    # an engine that exists but fails its check: the check's reason is what auto reports
+    monkeypatch.setattr(auto, "nvidia_gpu_visible", lambda: True)
+    monkeypatch.setattr(auto.importlib.util, "find_spec", lambda name: None)  # no torch: skip torch-cuda
+    monkeypatch.setattr(trt_backend, "current_gpu", lambda: {**A10, "compute_capability": "8.9"})
+    monkeypatch.setattr(trt_backend, "import_library", lambda name: type("T", (), {"__version__": "10.5.0.18"}))
+    b, d = select_backend(art, threads=1)
+    assert b.name == "onnxruntime" and "SM89" in d["warnings"][0] and "holoserve build-engine" in d["warnings"][0]
+    # without any engine on disk there is nothing to warn about
+    b, d = select_backend(load_artifact(trt_ckpt), threads=1)
+    assert b.name == "onnxruntime" and d["warnings"] == []
+
+
+# ---- the backend's buffers, with stand-ins for TensorRT and CUDA (what a GPU run would call)
+
+
+class _FakeEngine:
+    def __init__(self, out_labels=2, max_shape=(8, 32)):
+        self.out_labels, self.max_shape = out_labels, max_shape
+        self.num_io_tensors = 4
+
+    def get_tensor_name(self, i):
+        return ["input_ids", "attention_mask", "token_type_ids", "logits"][i]
+
+    def get_tensor_dtype(self, name):
+        return "float32" if name == "logits" else "int64"
+
+    def get_tensor_mode(self, name):
+        return "out" if name == "logits" else "in"
+
+    def get_tensor_profile_shape(self, name, profile):
+        return (1, 1), (4, 16), self.max_shape
+
+
+class _FakeContext:
+    def __init__(self, engine):
+        self.engine, self.shapes, self.addresses = engine, {}, {}
+
+    def set_input_shape(self, name, shape):
+        self.shapes[name] = tuple(shape)
+
+    def get_tensor_shape(self, name):
+        return (self.shapes["input_ids"][0], self.engine.out_labels)
+
+    def set_tensor_address(self, name, ptr):
+        self.addresses[name] = ptr
+
+
+class _FakeMem:
+    def __init__(self):
+        self.sizes, self.closed = {}, 0
+
+    def malloc(self, n):
+        ptr = 4096 * (len(self.sizes) + 1)
+        self.sizes[ptr] = n
+        return ptr
+
+    def close(self):
+        self.closed += 1
+
+
+def _fake_backend(engine, num_labels=2):
+    import threading
+    import weakref
+
+    trt = type("trt", (), {"nptype": staticmethod(np.dtype), "TensorIOMode": type("M", (), {"INPUT": "in"})})
+    be = object.__new__(trt_backend.TensorRTBackend)
+    be.trt, be.plan_path, be.engine = trt, trt_backend.Path("model.plan"), engine
+    be.context, be.mem = _FakeContext(engine), _FakeMem()
+    be._finalizer = weakref.finalize(be, be.mem.close)
+    be._lock, be._closed = threading.Lock(), False
+    art = type("A", (), {"num_labels": num_labels, "path": trt_backend.Path("ckpt")})
+    be._allocate(art)
+    return be
+
+
+def test_output_buffer_is_sized_from_the_engine():
+    be = _fake_backend(_FakeEngine(out_labels=2, max_shape=(8, 32)))
+    assert be.output_capacity == 8 * 2 * 4 and be.mem.sizes[be.ptrs["logits"]] == 64
+    assert be.mem.sizes[be.ptrs["input_ids"]] == 8 * 32 * 8
+    assert set(be.context.addresses) == {"input_ids", "attention_mask", "token_type_ids", "logits"}
+    with pytest.raises(BackendUnavailable, match="3 values per row but the checkpoint has 2 labels"):
+        _fake_backend(_FakeEngine(out_labels=3))
+
+
+def test_close_frees_device_memory_once():
+    be = _fake_backend(_FakeEngine())
+    mem = be.mem
+    be.close()
+    be.close()
+    assert mem.closed == 1 and be.context is None and be.engine is None
+    with pytest.raises(RuntimeError, match="closed"):
+        be.infer(*(np.ones((1, 4), dtype=np.int64),) * 3)
+    be2 = _fake_backend(_FakeEngine())
+    mem2 = be2.mem
+    del be2  # garbage-collected without close(): the finalizer frees the memory
+    import gc
+
+    gc.collect()
+    assert mem2.closed == 1
+
+
+def test_cuda_memory_close_frees_buffers_and_stream(monkeypatch):
+    calls = []
+
+    class Cudart:
+        cudaMemcpyKind = None
+
+        def cudaStreamCreate(self):
+            return 0, 77
+
+        def cudaMalloc(self, n):
+            calls.append(("malloc", n))
+            return 0, 1000 + len(calls)
+
+        def cudaFree(self, p):
+            calls.append(("free", p))
+            return (0,)
+
+        def cudaStreamSynchronize(self, s):
+            return (0,)
+
+        def cudaStreamDestroy(self, s):
+            calls.append(("destroy", s))
+            return (0,)
+
+    monkeypatch.setattr(trt_backend, "_cudart", lambda: Cudart())
+    mem = trt_backend._CudaMem()
+    a, b = mem.malloc(16), mem.malloc(32)
+    mem.close()
+    mem.close()
+    assert [c for c in calls if c[0] != "malloc"] == [("free", a), ("free", b), ("destroy", 77)]
+
+
+def test_tensorrt_backend_refuses_a_damaged_sidecar(sst2, tmp_path, monkeypatch):
+    monkeypatch.setattr(trt_backend, "current_gpu", lambda: A10)
     art = _with_engine(sst2, tmp_path, {"format": "something else"})
     with pytest.raises(BackendUnavailable, match="not a HoloServe engine sidecar"):
         load_backend("tensorrt", art)
@@ -235,6 +473,9 @@ def test_tensorrt_api_used_by_the_backend_exists():
         (trt.ICudaEngine, ["num_io_tensors", "get_tensor_name", "get_tensor_mode", "get_tensor_dtype",
                            "get_tensor_profile_shape", "create_execution_context"]),
         (trt.IExecutionContext, ["set_input_shape", "set_tensor_address", "get_tensor_shape", "execute_async_v3"]),
+        (trt.Runtime, ["get_engine_validity"]),  # TensorRT-RTX only; the backend checks for it
     ]:
         assert [n for n in names if not hasattr(cls, n)] == []
     assert trt.TensorIOMode.INPUT is not None and np.dtype(trt.nptype(trt.DataType.INT64)) == np.int64
+    assert set(trt_backend._DIAGNOSTICS) == set(trt.EngineInvalidityDiagnostics.__members__)
+    assert {"VALID", "SUBOPTIMAL", "INVALID"} == set(trt.EngineValidity.__members__)
