@@ -124,7 +124,7 @@ class AdmmMethod(_FromTeacher):
         def admm_phase():
             admm = Admm(student, layers, p.admm_cfg, p.admm.steps, quant=job.quant)
             res = train_phase("admm", student, p.admm, run.train, p, job.seed + 1, run.state, regression=reg,
-                              teacher=teacher, distill=p.distill, admm=admm, progress=job.progress)
+                              teacher=teacher, distill=p.distill, admm=admm, progress=job.progress, procs=run.procs)
             resid = admm.residual()
             pre = run.dev_metrics(student)
             result = {**_result(res), "residual": resid, "rho_final": admm.rho, "z_updates": admm.k,
@@ -148,7 +148,7 @@ class AdmmMethod(_FromTeacher):
             attach_masks(student, masks, quant=job.quant)
             ctx = (lambda: _quantizers(student, amax, layers, p.tensorrt_qat)) if amax else None
             res = train_phase(name, student, p.qat, run.train, p, job.seed + 2, run.state, regression=reg,
-                              teacher=teacher, distill=p.distill, masks=masks, context=ctx, progress=job.progress)
+                              teacher=teacher, distill=p.distill, masks=masks, context=ctx, progress=job.progress, procs=run.procs)
             finalize(student, masks, quant=job.quant)
             metrics = run.dev_metrics(student, amax, layers if amax else None)
             result = _result(res)
@@ -181,7 +181,7 @@ class MagnitudeMethod(_FromTeacher):
         def masked_phase():
             attach_masks(student, masks, quant=False)
             res = train_phase("masked", student, cfg, run.train, p, job.seed + 1, run.state,
-                              regression=run.task.is_regression, masks=masks, progress=job.progress)
+                              regression=run.task.is_regression, masks=masks, progress=job.progress, procs=run.procs)
             finalize(student, masks, quant=False)
             result = _result(res)
             run.log_phase("masked", result, run.dev_metrics(student), student, layers)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from holoserve import HoloServeError
-from holoserve.core.artifact import Artifact, MANIFEST
+from holoserve.core.artifact import MANIFEST, Artifact, load_artifact
 from holoserve.core.files import atomic_write_json
 from holoserve.core.tokenizer import load_tokenizer
 from holoserve.data.tabular import DataOptions, load_for_training
@@ -30,6 +30,7 @@ from holoserve.core.machine import describe_cpu
 from holoserve.data.tasks import Task
 
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
+from .distributed import Processes
 from .config import Preset, apply_overrides, get_preset
 from .data import Encoded, encode, train_batches
 from .evaluate import evaluate
@@ -193,7 +194,10 @@ class Runner:
         self.dev: Encoded | None = None
         self.base_name: str = ""
         self.t_start = time.perf_counter()
-        self.device = resolve_device(job.device)
+        self.procs = Processes(resolve_device(job.device))
+        self.device = self.procs.device
+        if not self.procs.main:  # one voice: the main process logs and shows progress
+            logging.getLogger("holoserve").setLevel(logging.WARNING)
         torch.manual_seed(job.seed)
 
     def hf(self, folder: Path) -> nn.Module:
@@ -235,7 +239,9 @@ class Runner:
 
     def check_state(self, fp: Mapping[str, Any]) -> None:
         path = self.state / "job.json"
-        if path.is_file():
+        exists = path.is_file()
+        self.procs.wait()  # every process has looked before the main one writes
+        if exists:
             old = json.loads(path.read_text())
             if old != json.loads(json.dumps(fp)):
                 diff = sorted(k for k in set(old) | set(fp) if old.get(k) != json.loads(json.dumps(fp)).get(k))
@@ -244,7 +250,9 @@ class Runner:
                     f"{', '.join(diff)}); pass --restart to discard it or choose another --out"
                 )
         else:
-            atomic_write_json(path, fp)
+            with self.procs.main_first() as main:
+                if main:
+                    atomic_write_json(path, fp)
 
     def log_phase(self, name: str, res, metrics: Mapping[str, float], model: nn.Module, layers, rho=None, **extra):
         share = nm_share(model, layers) * 100
@@ -265,9 +273,11 @@ class Runner:
             return meta
         res = fn()
         meta = {"result": res, **(meta_extra() if meta_extra else {})}
-        save_state(self.state, f"{name}-done", _model_tensors(model), meta)
-        (self.state / f"{name}-progress.safetensors").unlink(missing_ok=True)
-        (self.state / f"{name}-progress.json").unlink(missing_ok=True)
+        with self.procs.main_first() as main:
+            if main:
+                save_state(self.state, f"{name}-done", _model_tensors(model), meta)
+                (self.state / f"{name}-progress.safetensors").unlink(missing_ok=True)
+                (self.state / f"{name}-progress.json").unlink(missing_ok=True)
         self.phases[name] = res
         return meta
 
@@ -303,15 +313,17 @@ class Runner:
         model = _freeze(self.hf(base), self.preset)
         layers = encoder_linear_names(model)
         res = train_phase("dense", model, self.preset.dense, self.train, self.preset, self.job.seed, self.state,
-                          regression=self.task.is_regression, progress=self.job.progress)
+                          regression=self.task.is_regression, progress=self.job.progress, procs=self.procs)
         metrics = self.dev_metrics(model)
         result = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
         self.log_phase("dense", result, metrics, model, layers)
-        _save_hf(model, folder, self.tokenizer_dir,
-                 {"task": self.task.name, "dev": metrics, "result": result, "fingerprint": fp,
-                  "base_model": self.base_name, "seed": self.job.seed, "preset": self.preset.name})
-        for suffix in ("safetensors", "json"):
-            (self.state / f"dense-progress.{suffix}").unlink(missing_ok=True)
+        with self.procs.main_first() as main:
+            if main:
+                _save_hf(model, folder, self.tokenizer_dir,
+                         {"task": self.task.name, "dev": metrics, "result": result, "fingerprint": fp,
+                          "base_model": self.base_name, "seed": self.job.seed, "preset": self.preset.name})
+                for suffix in ("safetensors", "json"):
+                    (self.state / f"dense-progress.{suffix}").unlink(missing_ok=True)
         self.phases["dense"] = result
         return model, metrics, folder
 
@@ -359,15 +371,20 @@ class Runner:
             "device": str(self.device),
             "torch": torch.__version__,
         }
-        art = save_checkpoint(
-            model, self.tokenizer_dir, self.out, task=self.task, base_model=self.base_name,
-            max_seq_length=p.max_seq_length, sparse_layers=list(result.sparse_layers) or None,
-            weight_scales=scales or None, act_amax=amax if scales else None,
-            embedding_scales=self.emb_scales if scales else None, metrics=result.metrics,
-            training=training, overwrite=job.overwrite or self.out.exists(),
-        )
+        if self.procs.world > 1:
+            training["processes"] = self.procs.world
+        art = None
+        with self.procs.main_first() as main:
+            if main:
+                art = save_checkpoint(
+                    model, self.tokenizer_dir, self.out, task=self.task, base_model=self.base_name,
+                    max_seq_length=p.max_seq_length, sparse_layers=list(result.sparse_layers) or None,
+                    weight_scales=scales or None, act_amax=amax if scales else None,
+                    embedding_scales=self.emb_scales if scales else None, metrics=result.metrics,
+                    training=training, overwrite=job.overwrite or self.out.exists(),
+                )
         log.info("wrote %s (%s, %.0fs)", self.out, job.method, training["wall_seconds"])
-        return art
+        return art if art is not None else load_artifact(self.out)
 
 
 def compress(job: Job) -> Artifact:

@@ -15,6 +15,7 @@ from .config import DistillConfig, PhaseConfig, Preset
 from .data import Encoded, to_device, train_batches
 from .distill import combined_loss
 from .admm import Admm
+from .distributed import Processes
 from .sparsify import reapply_masks
 from .state import load_optimizer, load_state, optimizer_tensors, restore_rng, rng_tensors, save_state
 
@@ -65,10 +66,15 @@ def train_phase(
     masks: Mapping[str, torch.Tensor] | None = None,
     context: Callable[[], ContextManager] | None = None,
     progress: bool = True,
+    procs: Processes | None = None,
 ) -> PhaseResult:
-    """Run `cfg.steps` optimizer steps of phase `name`, resuming from `state_dir/<name>-progress` if present."""
+    """Run `cfg.steps` optimizer steps of phase `name`, resuming from `state_dir/<name>-progress` if present.
+
+    With several processes (compress/distributed.py) each takes its slice of every batch and DDP
+    averages the gradients; only the main process writes the progress state."""
     from tqdm.auto import tqdm
 
+    procs = procs or Processes(next(model.parameters()).device)
     opt = make_optimizer(model, cfg)
     start, elapsed, losses = 0, 0.0, []
     if state_dir is not None and (saved := load_state(state_dir, f"{name}-progress")) is not None:
@@ -84,6 +90,9 @@ def train_phase(
     def checkpoint(step: int, seconds: float) -> None:
         if state_dir is None:
             return
+        if not procs.main:
+            procs.wait()
+            return
         tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
         tensors.update(optimizer_tensors(opt))
         tensors.update(rng_tensors())
@@ -92,19 +101,22 @@ def train_phase(
             tensors.update(admm.state_tensors())
             meta["admm"] = admm.state_meta()
         save_state(state_dir, f"{name}-progress", tensors, meta)
+        procs.wait()
 
     want_hidden = bool(teacher is not None and distill and distill.enabled and distill.hidden_weight)
     if teacher is not None:
         teacher.eval()
     model.train()
+    net = procs.wrap(model)  # the DDP wrapper with several processes; the model itself with one
     stream = train_batches(data, preset.batch_size, seed, preset.group_size, start_step=start)
     device = next(model.parameters()).device
     t0 = time.perf_counter() - elapsed
-    bar = tqdm(total=cfg.steps, initial=start, desc=name, disable=not progress, dynamic_ncols=True, leave=False)
+    bar = tqdm(total=cfg.steps, initial=start, desc=name, disable=not (progress and procs.main), dynamic_ncols=True,
+               leave=False)
     ctx = context() if context is not None else contextlib.nullcontext()
     with ctx:
         for step in range(start, cfg.steps):
-            batch = to_device(next(stream), device, non_blocking=True)
+            batch = to_device(procs.shard(next(stream)), device, non_blocking=True)
             for g in opt.param_groups:
                 g["lr"] = lr_at(cfg, step)
             inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -112,10 +124,10 @@ def train_phase(
             if teacher is not None:
                 with torch.no_grad():
                     t_out = teacher(**inputs, output_hidden_states=want_hidden)
-            out = model(**inputs, output_hidden_states=want_hidden)
+            out = net(**inputs, output_hidden_states=want_hidden)
             loss, parts = combined_loss(out, batch, t_out, distill or DistillConfig(enabled=False), regression)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            procs.backward(loss)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             if admm is not None:
