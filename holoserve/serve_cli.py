@@ -11,10 +11,11 @@ from dataclasses import fields
 from . import HoloServeError
 from .server.config import TOKEN_ENV, ServerConfig, env_name
 
-BACKENDS = ("auto", "onnxruntime", "tensorrt", "torch-cuda", "torch")
+BACKENDS = ("auto", "onnxruntime", "openvino", "tensorrt", "torch-cuda", "torch")
 
 HELP = {
-    "backend": "inference backend; auto = tensorrt > torch-cuda > onnxruntime, whichever this machine can run",
+    "backend": "inference backend; auto = tensorrt > torch-cuda > the faster of openvino and onnxruntime (timed "
+               "at start-up), whichever this machine can run",
     "host": "bind address (127.0.0.1: this machine only; 0.0.0.0: all interfaces, as in the container)",
     "port": "TCP port",
     "workers": "server processes (each loads the model; metrics are per process)",
@@ -28,12 +29,25 @@ HELP = {
     "max_items": "texts or pairs per request",
     "max_text_bytes": "UTF-8 bytes per text",
     "max_body_bytes": "request body bytes (413 beyond)",
-    "max_seq_length": "tokens per sequence after truncation; 0 = the checkpoint's manifest value",
+    "max_seq_length": "tokens per sequence after truncation; 0 = the checkpoint's manifest value, which is also "
+                      "the most it accepts (the model was calibrated and exported for it; its position table "
+                      "bounds it too)",
     "threads": "backend intra-op threads; 0 = the library default",
     "model_name": "name reported by the API and metrics; default: the checkpoint folder's name",
     "warmup": "run the model once before reporting ready",
     "verify": "check the sha256 of every checkpoint file at start-up",
-    "graceful_timeout_s": "seconds to drain in-flight requests on SIGTERM/SIGINT",
+    "graceful_timeout_s": "seconds to drain in-flight requests on SIGTERM/SIGINT; requests still running then "
+                          "get 503 + Retry-After",
+    "max_header_bytes": "largest request line + headers in bytes; beyond it the client gets 431 and the "
+                        "connection is closed",
+    "header_timeout_s": "seconds a client has to send a whole request head, from its first byte (or from "
+                        "connecting); then 408 and the connection is closed (slow-header clients)",
+    "body_timeout_s": "seconds a client has to send a whole request body once its head has arrived; then 408 "
+                      "and the connection is closed (slow-body clients)",
+    "keep_alive_timeout_s": "seconds an idle keep-alive connection is kept open",
+    "max_connections": "open connections per server process; beyond it the connection that has waited longest "
+                       "for its client (idle, or a request still arriving) is closed, and when all are busy "
+                       "the new one gets 503; the open-file limit is raised to fit it where allowed",
     "log_level": "log level (debug, info, warning, error)",
     "access_log": "write one JSON access-log line per request",
 }
@@ -54,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kw = {"choices": BACKENDS} if f.name == "backend" else {}
             parser.add_argument(flag, dest=f.name, type=type(default), default=None, help=text, **kw)
-    parser.epilog = f"Bearer-token auth: set {TOKEN_ENV} (never a flag, so it does not show in `ps`)."
+    parser.epilog = (f"Bearer-token auth: set {TOKEN_ENV} (never a flag, so it does not show in `ps`); it must not "
+                     "be empty or carry surrounding whitespace, or the server refuses to start.")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -71,28 +86,41 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     import uvicorn
 
     from holoserve.core.artifact import load_artifact
     from .server.app import create_app, open_backend
+    from .server.connections import fit_open_files, server_options
     from .server.logs import setup_logging
+    from .server.service import effective_max_seq_length
 
     cfg = config_from_args(args)
     setup_logging(cfg.log_level)
+    fit = fit_open_files(cfg.max_connections)
+    if fit < cfg.max_connections:
+        logging.getLogger("holoserve.server").warning(
+            "max connections lowered from %d to %d to fit the open-file limit (raise it with `ulimit -n`)",
+            cfg.max_connections, fit)
+        cfg.max_connections = fit
     common = dict(host=cfg.host, port=cfg.port, log_config=None, access_log=False,
                   timeout_graceful_shutdown=cfg.graceful_timeout_s, server_header=False)
     if cfg.workers > 1:
         # Each worker builds its own app from the environment (uvicorn forks fresh processes).
         try:
-            load_artifact(cfg.artifact_dir, verify=cfg.verify, check_weights=False)  # fail fast, clearly
+            artifact = load_artifact(cfg.artifact_dir, verify=cfg.verify)  # fail fast, clearly
         except OSError as e:
             raise HoloServeError(f"cannot read the checkpoint {cfg.artifact_dir}: {e}") from None
+        effective_max_seq_length(cfg, artifact)
         os.environ.update(cfg.to_env())
-        uvicorn.run("holoserve.server.factory:app_from_env", factory=True, workers=cfg.workers, **common)
+        uvicorn.run("holoserve.server.factory:app_from_env", factory=True, workers=cfg.workers, **common,
+                    **server_options(cfg, by_name=True))
         return 0
     # One process: load here so a bad checkpoint or backend is a clear error, not a traceback.
     try:
-        artifact = load_artifact(cfg.artifact_dir, verify=cfg.verify, check_weights=False)
+        artifact = load_artifact(cfg.artifact_dir, verify=cfg.verify)
+        effective_max_seq_length(cfg, artifact)  # before the (slow) backend load
         backend, decision = open_backend(cfg, artifact)
     except OSError as e:
         raise HoloServeError(f"cannot read the checkpoint {cfg.artifact_dir}: {e}. Its files must be readable by "
@@ -100,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     holder: dict[str, uvicorn.Server] = {}
     app = create_app(cfg, artifact=artifact, backend=backend, decision=decision,
                      shutdown_flag=lambda: bool(holder and holder["server"].should_exit))
-    server = uvicorn.Server(uvicorn.Config(app, **common))
+    server = uvicorn.Server(uvicorn.Config(app, **common, **server_options(cfg)))
     holder["server"] = server
     server.run()
     return 0

@@ -21,7 +21,7 @@ from holoserve.core.artifact import Artifact, load_artifact
 from ..backends.base import Backend
 from .config import ServerConfig
 from .middleware import EdgeMiddleware
-from .protocol import ApiError, error_body, validation_message
+from .protocol import ApiError, error_body, restrict_request_schema, validation_message
 from .routes import ROUTERS
 from .service import ClassifierService, open_backend
 
@@ -61,9 +61,24 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
     return _error(request, 422, "invalid_request", validation_message(exc.errors()))
 
 
+def _body_parse_message(cause: BaseException | None) -> str:
+    """What FastAPI's generic 'error parsing the body' 400 was about, for the client."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset "
+                f"{cause.start}); send JSON encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the request body is nested too deeply to parse; send a flat JSON object such as {\"text\": \"...\"}"
+    return "the request body cannot be parsed as JSON; send a JSON object such as {\"text\": \"...\"} in UTF-8"
+
+
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
     type_ = _HTTP_ERROR_TYPES.get(exc.status_code, "http_error")
-    return _error(request, exc.status_code, type_, str(exc.detail), getattr(exc, "headers", None))
+    message = str(exc.detail)
+    if exc.status_code == 400 and message == "There was an error parsing the body":
+        type_, message = "invalid_body", _body_parse_message(exc.__cause__)
+        if request.url.path == "/predict":
+            request.app.state.service.metrics.fail("invalid_request")
+    return _error(request, exc.status_code, type_, message, getattr(exc, "headers", None))
 
 
 async def _internal(request: Request, exc: Exception) -> Response:
@@ -76,14 +91,15 @@ def create_app(config: ServerConfig, *, artifact: Artifact | None = None, backen
     """Build the app. Without `backend`, the lifespan loads it (the path `--workers N` takes)."""
     config.validate()
     if artifact is None:
-        artifact = load_artifact(config.artifact_dir, verify=config.verify, check_weights=False)
+        artifact = load_artifact(config.artifact_dir, verify=config.verify)
     service = ClassifierService(config, artifact, backend, decision, shutdown_flag)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await service.start()
         try:
-            yield
+            # The connection guard (connections.py) counts the connections it closes in these metrics.
+            yield {"holoserve_metrics": service.metrics}
         finally:
             await service.stop()
 
@@ -101,6 +117,16 @@ def create_app(config: ServerConfig, *, artifact: Artifact | None = None, backen
         **_no_otel(),
     )
     app.state.service = service
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """The generated document, with the request schema narrowed to what this server accepts (the
+        model's input kind, the item and text limits), so every body it calls valid is served."""
+        if app.openapi_schema is None:
+            restrict_request_schema(default_openapi(), service.limits)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -6,12 +6,15 @@ longest member and runs the backend in a worker thread so the event loop keeps a
 requests (a lone sequence with nothing queued behind it may run on the loop itself, see
 `inline_single`). Each sequence carries its own future, so results go back to exactly the caller that
 sent it. The queue is bounded in sequences: a request that does not fit is refused at once
-(`QueueFull` -> 503 + Retry-After) instead of growing an unbounded backlog.
+(`QueueFull` -> 503 + Retry-After) instead of growing an unbounded backlog. When a merged batch
+fails, its sequences are run again one by one, so a sequence the backend cannot take fails alone
+(`InferenceFailed`) and the requests batched with it are still answered.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import time
 from collections import deque
@@ -26,6 +29,8 @@ from .metrics import ServerMetrics
 
 InferFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
+log = logging.getLogger("holoserve.server")
+
 
 class QueueFull(Exception):
     def __init__(self, retry_after_s: int):
@@ -35,6 +40,15 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     pass
+
+
+class InferenceFailed(Exception):
+    """The backend failed on this sequence even when it ran alone."""
+
+    def __init__(self, error: BaseException):
+        self.kind = type(error).__name__
+        first_line = (str(error).strip().splitlines() or [""])[0][:300]
+        super().__init__(f"{self.kind}: {first_line}" if first_line else self.kind)
 
 
 @dataclass(frozen=True)
@@ -168,10 +182,18 @@ class DynamicBatcher:
                 else:
                     logits, calls = await loop.run_in_executor(self._executor, self._run_batch,
                                                                [it.enc for it in batch])
-            except Exception as e:  # a backend failure fails this batch's requests, not the server
-                for it in batch:
-                    if not it.future.done():
-                        it.future.set_exception(e)
+            except Exception as e:  # a backend failure: find the sequence(s) it belongs to
+                if len(batch) > 1:
+                    log.warning("a batch of %d sequences failed (%s: %s); running them one by one",
+                                len(batch), type(e).__name__, str(e)[:200])
+                    try:
+                        outcomes = await loop.run_in_executor(self._executor, self._run_each,
+                                                              [it.enc for it in batch])
+                    except Exception as again:  # the executor itself is gone (shutting down)
+                        outcomes = [again] * len(batch)
+                else:
+                    outcomes = [e]
+                self._settle(batch, outcomes, t_start)
                 continue
             finally:
                 self._busy = False
@@ -186,6 +208,32 @@ class DynamicBatcher:
             for i, it in enumerate(batch):
                 if not it.future.done():
                     it.future.set_result(Result(logits[i], t_start - it.t_enqueue, infer_s, bid, len(batch)))
+
+    def _run_each(self, encs: list[Encoded]) -> list[np.ndarray | Exception]:
+        """Each sequence alone: its logits, or the exception the backend raised for it."""
+        out: list[np.ndarray | Exception] = []
+        for enc in encs:
+            try:
+                out.append(self._run_batch([enc])[0][0])
+            except Exception as e:
+                out.append(e)
+        return out
+
+    def _settle(self, batch: list[_Item], outcomes: list[np.ndarray | Exception], t_start: float) -> None:
+        """Answer each sequence of a batch that failed as a whole with what its own run gave."""
+        infer_s = time.perf_counter() - t_start
+        bid = next(self._batch_ids)
+        ok = sum(not isinstance(o, Exception) for o in outcomes)
+        if self.metrics and ok:
+            self.metrics.exec_count_l.inc(ok)
+            self.metrics.count_l.inc(ok)
+        for it, o in zip(batch, outcomes):
+            if it.future.done():
+                continue
+            if isinstance(o, Exception):
+                it.future.set_exception(InferenceFailed(o))
+            else:
+                it.future.set_result(Result(o, t_start - it.t_enqueue, infer_s, bid, 1))
 
     def _run_batch(self, encs: list[Encoded]) -> tuple[np.ndarray, int]:
         """Run one merged batch; returns logits in input order and the number of backend calls.

@@ -41,6 +41,13 @@ class ServerConfig:
     warmup: bool = True
     verify: bool = True  # check sha256 of every checkpoint file at start-up
     graceful_timeout_s: float = 30.0
+    # Connection-level limits, enforced by the HTTP protocol (connections.py) before the app sees a request.
+    # Each bounds what one client can hold: nginx, Node and h11 ship limits of the same order.
+    max_header_bytes: int = 16_384  # request line + headers; beyond this: 431 and the connection is closed
+    header_timeout_s: float = 10.0  # to receive a whole request head, from its first byte (or from connect)
+    body_timeout_s: float = 30.0  # to receive a whole request body once its head has arrived
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 1024  # open connections per process; beyond it the longest-stalled one is dropped
     log_level: str = "info"
     access_log: bool = True
     api_token: str = ""  # bearer token; from HOLOSERVE_API_TOKEN only (never a flag: flags show in `ps`)
@@ -63,6 +70,16 @@ class ServerConfig:
             problems.append(f"port {self.port} is out of range")
         if self.max_seq_length < 0:
             problems.append("max sequence length must be >= 0 (0 = from the manifest)")
+        if self.max_header_bytes < 1024:
+            problems.append(f"max header bytes ({self.max_header_bytes}) must be >= 1024")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name.removesuffix('_s').replace('_', ' ')} must be > 0 s")
+        if self.max_connections < 1:
+            problems.append("max connections must be >= 1")
+        token_problem = check_token(self.api_token)
+        if token_problem:
+            problems.append(token_problem)
         if problems:
             raise HoloServeError("invalid server settings: " + "; ".join(problems))
         return self
@@ -88,8 +105,29 @@ class ServerConfig:
                 continue
             kwargs[f.name] = parse_value(f.name, raw, types[f.name])
         cfg = cls(**kwargs)
-        cfg.api_token = environ.get(TOKEN_ENV, "")
+        token = environ.get(TOKEN_ENV)
+        if token is not None and not token.strip():
+            # Set but blank (`-e HOLOSERVE_API_TOKEN=` or an empty secret file): serving without auth
+            # here would be a silent surprise.
+            raise HoloServeError(f"{TOKEN_ENV} is set but empty, which would turn auth off: set it to the token, "
+                                 "or unset it to serve without auth")
+        cfg.api_token = token or ""
         return cfg
+
+
+def check_token(token: str) -> str | None:
+    """Why `token` cannot work as a bearer token, or None. HTTP strips the whitespace around a header
+    value, so a token with surrounding whitespace (a newline from `echo` or a secret file) could never
+    match and would lock every client out; characters outside printable ASCII cannot be sent reliably."""
+    if not token:
+        return None
+    if token != token.strip():
+        return (f"{TOKEN_ENV} has leading or trailing whitespace (often a newline from a file or `echo`); no "
+                "request could match it: remove the whitespace (e.g. `printf %s \"$TOKEN\"`)")
+    if any(not (32 < ord(c) < 127) for c in token):
+        return (f"{TOKEN_ENV} holds spaces, control or non-ASCII characters, which clients cannot send reliably in "
+                "an Authorization header: use printable ASCII, e.g. `openssl rand -hex 32`")
+    return None
 
 
 def env_name(field: str) -> str:

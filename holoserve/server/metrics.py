@@ -12,6 +12,10 @@ nv_inference_pending_request_count      holoserve_inference_pending_request_coun
 (batch-size histogram)                  holoserve_inference_batch_size
 (HTTP)                                  holoserve_http_request_duration_seconds{route,method,status},
                                         holoserve_http_requests_in_flight
+(connections)                           holoserve_http_connections (open),
+                                        holoserve_http_connections_closed_total{reason} (closed by the
+                                        server's limits: header_too_large, header_timeout, body_timeout,
+                                        bad_request, evicted, refused)
 Each app owns its registry, so several apps (tests) can live in one process.
 """
 from __future__ import annotations
@@ -54,6 +58,10 @@ class ServerMetrics:
         self.http_duration = Histogram("holoserve_http_request_duration_seconds", "HTTP request latency",
                                        ("route", "method", "status"), buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("holoserve_http_requests_in_flight", "HTTP requests being handled", registry=r)
+        self.connections = Gauge("holoserve_http_connections", "Open HTTP connections", registry=r)
+        self.connections_closed = Counter("holoserve_http_connections_closed",
+                                          "Connections closed by the server's connection limits, by reason",
+                                          ("reason",), registry=r)
         # Bound children once: label lookups are the costly part of an observation.
         self.success_l = self.success.labels(**self.labels)
         self.count_l = self.count.labels(**self.labels)

@@ -1,11 +1,18 @@
-"""Cross-cutting work for every request: request id, bearer auth, body-size limit, HTTP metrics and
-the JSON access log.
+"""Cross-cutting work for every request: request id, bearer auth, body-size limit, HTTP metrics,
+the JSON access log, and the last word on errors.
 
 One plain ASGI middleware: Starlette's BaseHTTPMiddleware would cost more than the whole request's
 server overhead budget.
+
+Errors: an exception that escapes the app is answered here with a JSON 500 and not raised further.
+Starlette's outermost error middleware would re-raise it after answering, and uvicorn then closes the
+connection, so every other request a client had queued on that keep-alive connection would fail too.
+A request still waiting when the graceful-shutdown drain runs out is cancelled by uvicorn; it gets
+the documented 503 + Retry-After here instead of uvicorn's plain-text 500.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
 import logging
@@ -18,6 +25,7 @@ from .metrics import ServerMetrics
 from .protocol import error_body
 
 access_log = logging.getLogger("holoserve.access")
+log = logging.getLogger("holoserve.server")
 
 ROUTES = ("/predict", "/healthz", "/readyz", "/v1/models", "/metrics", "/docs", "/openapi.json", "/redoc")
 PUBLIC = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json", "/redoc", "/docs/oauth2-redirect"})
@@ -47,7 +55,7 @@ class EdgeMiddleware:
             rid = f"{_RID_PREFIX}{next(_rid_counter):08x}"
         scope.setdefault("state", {})["request_id"] = rid
         path, method = scope["path"], scope["method"]
-        status = [500]
+        status = [0]  # 0 until a response starts; 499 in the log when the client left before one
 
         async def send_wrapped(message):
             if message["type"] == "http.response.start":
@@ -109,17 +117,32 @@ class EdgeMiddleware:
 
                 return await self.app(scope, replay, send_wrapped)
             return await self.app(scope, receive, send_wrapped)
+        except asyncio.CancelledError:
+            # uvicorn cancels the requests still running when the graceful-shutdown drain times out.
+            if status[0]:
+                raise
+            log.warning("request cancelled: the shutdown drain timed out", extra={"request_id": rid})
+            if path == "/predict":
+                m.fail("shutting_down")
+            await reject(503, "shutting_down", "the server is shutting down and could not finish this request "
+                         "in time; retry it", [(b"retry-after", b"1"), (b"connection", b"close")])
+        except Exception as exc:
+            if status[0]:
+                raise  # the response has started: all that is left is to let the server close the connection
+            log.error("unhandled error", exc_info=exc, extra={"request_id": rid})
+            await reject(500, "internal", "internal server error; see the server log for this request id")
         finally:
             m.in_flight.dec()
             dt = time.perf_counter() - t0
+            code = status[0] or 499
             route = path if path in ROUTES else "other"
-            m.http_duration.labels(route, method if method in METHODS else "other", str(status[0])).observe(dt)
+            m.http_duration.labels(route, method if method in METHODS else "other", str(code)).observe(dt)
             if self.config.access_log:
                 client = scope.get("client")
-                extra = {"request_id": rid, "method": method, "path": route, "status": status[0],
+                extra = {"request_id": rid, "method": method, "path": route, "status": code,
                          "duration_ms": round(dt * 1000, 3), "bytes_in": bytes_in,
                          "client": f"{client[0]}:{client[1]}" if client else None}
                 timing = scope["state"].get("timing")  # the Timing of a /predict answer
                 if timing is not None:
                     extra["timing_ms"] = timing.model_dump()
-                access_log.info("%s %s %d", method, route, status[0], extra=extra)
+                access_log.info("%s %s %d", method, route, code, extra=extra)

@@ -7,9 +7,14 @@ pydantic validation. Rules that depend on the running server (the byte and item 
 the model takes pairs) are `PredictRequest.inputs(limits)`, called by the service: FastAPI parses
 the body without a validation context, and these checks must keep their order (a pair sent to a
 single-text model is a 400 before its texts are looked at).
+
+The request's JSON schema says the same as the rules, so a body valid against the OpenAPI document
+is served: `oneOf` three closed shapes (text, texts, pairs) with non-blank strings and non-empty lists;
+each server narrows it to its model's input kind and its own limits (`restrict_request_schema`).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -44,14 +49,67 @@ class InputLimits:
     task: str
 
 
+# A text the rules accept: at least one character that is not whitespace.
+_TEXT_SCHEMA = {"type": "string", "minLength": 1, "pattern": r"\S"}
+_EXAMPLES = {"text": {"text": "a gripping, funny film"}, "texts": {"texts": ["loved it", "a dull mess"]},
+             "pairs": {"pairs": [["a man is riding a horse", "a man rides a horse"]]}}
+
+
+def _shape(field: str, title: str, description: str, value: dict[str, Any]) -> dict[str, Any]:
+    return {"title": title, "type": "object", "properties": {field: {"description": description, **value}},
+            "required": [field], "additionalProperties": False}
+
+
+def _request_schema(schema: dict[str, Any]) -> None:
+    """PredictRequest's JSON schema as the rules have it: exactly one of three closed shapes.
+
+    (The model's own schema, three optional nullable fields, would call `{}` or a body with both
+    `text` and `texts` valid, and a schema-driven client or fuzzer would be refused for following it.)
+    """
+    text = lambda: copy.deepcopy(_TEXT_SCHEMA)  # noqa: E731 - a fresh dict per use: servers edit them
+    for key in ("properties", "additionalProperties", "required"):
+        schema.pop(key, None)
+    schema["type"] = "object"
+    schema["oneOf"] = [
+        _shape("text", "One text", "one text", text()),
+        _shape("texts", "Several texts", "several texts, answered in order",
+               {"type": "array", "minItems": 1, "items": text()}),
+        _shape("pairs", "Text pairs", "text pairs [[a, b], ...] for sentence-pair tasks",
+               {"type": "array", "minItems": 1,
+                "items": {"type": "array", "prefixItems": [text(), text()], "minItems": 2, "maxItems": 2}}),
+    ]
+    schema["examples"] = [_EXAMPLES["text"], _EXAMPLES["texts"]]
+
+
+def restrict_request_schema(document: dict[str, Any], limits: "InputLimits") -> None:
+    """Narrow PredictRequest in an OpenAPI document to one server: its model's input kind (text and
+    texts, or pairs), `max_items` per list and `max_text_bytes` per text. JSON Schema counts
+    characters, not bytes, so maxLength is the byte limit (a longer text is certainly refused) and the
+    description states the limit in bytes."""
+    schema = document.get("components", {}).get("schemas", {}).get("PredictRequest")
+    if not schema or "oneOf" not in schema:
+        return
+    keep = ("pairs",) if limits.pair else ("text", "texts")
+    schema["oneOf"] = [b for b in schema["oneOf"] if b["required"][0] in keep]
+    for branch in schema["oneOf"]:
+        field = branch["required"][0]
+        prop = branch["properties"][field]
+        if field != "text":
+            prop["maxItems"] = limits.max_items
+        strings = [prop] if field == "text" else [prop["items"]] if field == "texts" else prop["items"]["prefixItems"]
+        for st in strings:
+            st["maxLength"] = limits.max_text_bytes
+    kind = "text pairs: send `pairs`" if limits.pair else "single texts: send `text` or `texts`"
+    schema["description"] = (f"Model {limits.model} (task {limits.task}) classifies {kind}. At most "
+                             f"{limits.max_items} items per request and {limits.max_text_bytes} bytes of UTF-8 "
+                             "per text; texts must not be blank.")
+    schema["examples"] = [_EXAMPLES[k] for k in keep]
+
+
 class PredictRequest(BaseModel):
     """Exactly one of `text`, `texts` or `pairs`. Pairs only for pair tasks (e.g. MRPC, QNLI)."""
 
-    model_config = ConfigDict(
-        extra="forbid",
-        json_schema_extra={"examples": [{"text": "a gripping, funny film"},
-                                        {"texts": ["loved it", "a dull mess"]}]},
-    )
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_request_schema)
     text: Optional[StrictStr] = Field(None, description="one text")
     texts: Optional[list[StrictStr]] = Field(None, description="several texts, answered in order")
     pairs: Optional[list[tuple[StrictStr, StrictStr]]] = Field(
@@ -113,7 +171,11 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> str:
         if e.get("type") in _OWN_ERRORS:
             parts.append(e["msg"])
         elif e.get("type") == "json_invalid":
-            parts.append("the request body is not valid JSON")
+            why = (e.get("ctx") or {}).get("error")
+            loc_ = e.get("loc", ())
+            at = f"character {loc_[1]}" if len(loc_) > 1 and isinstance(loc_[1], int) else ""
+            why = f"{why}: {at}" if why and at else why or at
+            parts.append(f"the request body is not valid JSON ({why})" if why else "the request body is not valid JSON")
         elif tuple(e.get("loc", ())) == ("body",):
             parts.append('the request body must be a JSON object such as {"text": "..."} '
                          "sent with Content-Type: application/json")

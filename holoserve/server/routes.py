@@ -12,7 +12,7 @@ from .metrics import CONTENT_TYPE
 from .protocol import ErrorResponse, ModelList, PredictRequest, PredictResponse, Status
 from .service import ClassifierService
 
-_ERRORS = {c: {"model": ErrorResponse} for c in (400, 401, 413, 422, 503)}
+_ERRORS = {c: {"model": ErrorResponse} for c in (400, 401, 413, 422, 500, 503)}
 
 
 def service(request: Request) -> ClassifierService:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
 from typing import Any, Callable
@@ -17,7 +18,7 @@ from .. import HoloServeError
 from holoserve.core.artifact import MANIFEST, Artifact
 from ..backends.base import Backend, load_backend
 from holoserve.core.tokenizer import TextEncoder
-from .batcher import DynamicBatcher, QueueFull, ShuttingDown
+from .batcher import DynamicBatcher, InferenceFailed, QueueFull, ShuttingDown
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import ApiError, InputLimits, ModelInfo, ModelRef, PredictRequest, PredictResponse, Status
@@ -43,6 +44,61 @@ def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dic
     return backend, {"picked": config.backend, "reason": "requested with --backend", "skipped": {}}
 
 
+# config.json is a few kB; anything much larger is not a model config and is not read whole.
+_MAX_CONFIG_BYTES = 1 << 20
+# Models whose position ids start after the padding index: the table holds pad_token_id + 1 fewer tokens.
+_OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "camembert", "longformer", "bart"})
+
+
+def position_table(artifact: Artifact) -> int | None:
+    """Tokens the model's position-embedding table can index (config.json, read as JSON only), or None
+    when config.json does not say."""
+    path = artifact.path / "config.json"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_CONFIG_BYTES + 1)
+        cfg = json.loads(raw) if len(raw) <= _MAX_CONFIG_BYTES else None
+    except (OSError, ValueError):
+        return None  # the artifact loader owns the checks of config.json itself
+    if not isinstance(cfg, dict):
+        return None
+    n = cfg.get("max_position_embeddings")
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        return None
+    if cfg.get("model_type") in _OFFSET_POSITIONS:
+        pad = cfg.get("pad_token_id")
+        n -= (pad if isinstance(pad, int) and pad >= 0 else 1) + 1
+    return n
+
+
+def effective_max_seq_length(config: ServerConfig, artifact: Artifact) -> int:
+    """The sequence length the server truncates to; HoloServeError for one the model cannot honour.
+
+    The manifest's max_seq_length is the checkpoint's contract: its activation ranges were calibrated,
+    and its TensorRT profiles and CUDA graphs sized, for at most that many tokens, and the position
+    table (config.json max_position_embeddings) bounds it absolutely. A longer setting would let a long
+    text reach the model and fail there, taking its whole batch with it.
+    """
+    contract = artifact.max_seq_length
+    table = position_table(artifact)
+    requested = config.max_seq_length
+    if requested == 0:
+        if table is not None and contract > table:
+            raise HoloServeError(
+                f"{artifact.path}: manifest.json max_seq_length {contract} exceeds the model's position table "
+                f"({table} tokens, config.json max_position_embeddings); the checkpoint is inconsistent: "
+                f"re-create it, or serve it with --max-seq-length {table}")
+        return contract
+    if requested > contract or (table is not None and requested > table):
+        where = f"its position table holds {table} tokens (config.json max_position_embeddings) and " \
+            if table is not None and requested > table else ""
+        raise HoloServeError(
+            f"--max-seq-length {requested} is more than model {artifact.path.name} can take: {where}it was "
+            f"calibrated and exported for {contract} tokens (manifest.json max_seq_length); use at most "
+            f"{min(contract, table or contract)}, or 0 for the manifest's value (longer texts are truncated)")
+    return requested
+
+
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
     return e / e.sum()
@@ -60,7 +116,7 @@ class ClassifierService:
         self.shutdown_flag = shutdown_flag or (lambda: False)
         self.name = config.model_name or artifact.path.resolve().name
         self.version = hashlib.sha256((artifact.path / MANIFEST).read_bytes()).hexdigest()[:12]
-        self.max_seq = config.max_seq_length or artifact.max_seq_length
+        self.max_seq = effective_max_seq_length(config, artifact)
         self.encoder = TextEncoder(artifact.path / "tokenizer.json", self.max_seq, pair=artifact.is_pair)
         self.labels = artifact.labels or ["score"]
         self.regression = not artifact.labels
@@ -189,9 +245,14 @@ class ClassifierService:
             raise ApiError(503, "overloaded", str(e), {"Retry-After": str(e.retry_after_s)}) from None
         except ShuttingDown as e:
             raise ApiError(503, "shutting_down", str(e), {"Retry-After": "1"}) from None
-        except Exception:
-            m.fail("backend")
-            raise
+        except InferenceFailed as e:
+            # The batcher has already retried this request's sequences on their own, so the other
+            # requests of its batch were answered; this one gets a JSON 500 (the connection stays open),
+            # counted under reason="inference_failed".
+            log.error("inference failed: %s", e, extra={"request_id": request_id})
+            raise ApiError(500, "inference_failed", f"the model could not run on this input ({e.kind}); other "
+                           f"requests are unaffected; the server log has the details under request id "
+                           f"{request_id}") from None
         # Plain dicts, validated into `Prediction`s (and `Timing`) by the one PredictResponse call below:
         # a model constructor per prediction would cost a validation call each.
         preds: list[dict[str, Any]] = []

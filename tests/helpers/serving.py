@@ -165,17 +165,27 @@ def tiny_checkpoint(task_name: str = "sst2", onnx: bool = True) -> Path:
 
 
 class ThreadServer:
-    """uvicorn serving an app object on a loopback port from a background thread."""
+    """uvicorn serving an app object on a loopback port from a background thread.
 
-    def __init__(self, app, port: int | None = None):
+    An app made by create_app is served with the connection limits of its ServerConfig, as
+    `holoserve serve` serves it."""
+
+    def __init__(self, app, port: int | None = None, graceful_timeout_s: float = 10):
         import threading
 
         import uvicorn
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        service = getattr(getattr(app, "state", None), "service", None)
+        opts = {}
+        if service is not None:
+            from holoserve.server.connections import server_options
+
+            opts = server_options(service.config)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None,
-                                                    access_log=False, timeout_graceful_shutdown=10))
+                                                    access_log=False, timeout_graceful_shutdown=graceful_timeout_s,
+                                                    **opts))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
@@ -186,3 +196,76 @@ class ThreadServer:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+class RawHTTP:
+    """One HTTP/1.1 connection on a raw socket: send any bytes, read one response at a time, and see
+    whether (and when) the server closed the connection. For what an HTTP client library would not send."""
+
+    def __init__(self, url: str, timeout: float = 10.0):
+        host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> None:
+        head = [f"{method} {path} HTTP/1.1", "Host: test"]
+        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        if body is not None:
+            head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+        self.send(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
+
+    def _fill(self) -> bool:
+        chunk = self.sock.recv(65536)
+        self.buf += chunk
+        return bool(chunk)
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        """The next response: (status, headers with lower-case names, body); ConnectionError if the
+        server closed first."""
+        while b"\r\n\r\n" not in self.buf:
+            if not self._fill():
+                raise ConnectionError("the server closed the connection without a (whole) response")
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        n = int(headers.get("content-length", 0))
+        while len(self.buf) < n:
+            if not self._fill():
+                raise ConnectionError("the server closed the connection in the middle of a response")
+        body, self.buf = self.buf[:n], self.buf[n:]
+        return status, headers, body
+
+    def closed_within(self, seconds: float) -> bool:
+        """True when the server closes the connection within `seconds` (whatever it sends first stays in
+        the buffer for response())."""
+        deadline = time.monotonic() + seconds
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.sock.settimeout(left)
+                if not self._fill():
+                    return True
+        except socket.timeout:
+            return False
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        finally:
+            self.sock.settimeout(10.0)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

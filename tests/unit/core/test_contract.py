@@ -157,3 +157,21 @@ def test_a_writer_killed_at_any_instant_leaves_a_complete_checkpoint(ckpt, mode)
     if mode == "overwrite":
         m = json.loads((ckpt / "manifest.json").read_text())
         assert set(m["files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
+
+
+def test_serve_refuses_weights_off_the_contract(ckpt, capsys):
+    """What is served is checked at load: a '2:4' layer with a dense group is refused, not served."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from holoserve.cli import main
+
+    t = load_file(str(ckpt / "model.safetensors"))
+    layer = _manifest(ckpt)["sparsity"]["layers"][0]
+    w = t[f"{layer}.weight"].copy()
+    w[0, :4] = np.float32(w[np.nonzero(w)][0])  # one group of four non-zeros on the grid
+    t[f"{layer}.weight"] = w
+    save_file(t, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    _relist(ckpt, "model.safetensors")
+    assert main(["serve", str(ckpt), "--backend", "torch", "--port", "0"]) == 2
+    assert "is listed as 2:4 sparse but 1 groups of 4 hold more than 2 non-zeros" in capsys.readouterr().err

@@ -415,13 +415,15 @@ def test_server_runs_without_torch(sst2):
 
 
 def test_openapi_fuzz_has_no_server_errors(server, tmp_path):
-    """Fuzz every operation: no 5xx, and every answer with a documented status code matches its
-    declared response schema (errors included)."""
+    """Fuzz every operation: no 5xx, every answer with a documented status code matches its declared
+    response schema (errors included), every body the schema calls valid is served, and every body it
+    calls invalid is refused (so the schema says 'exactly one of text, texts or pairs')."""
     exe = os.path.join(os.path.dirname(sys.executable), "schemathesis")
     if not os.path.exists(exe):
         pytest.skip("schemathesis is not installed (pip install 'holoserve[dev]')")
     r = subprocess.run(
-        [exe, "run", server.url + "/openapi.json", "--checks", "not_a_server_error,response_schema_conformance",
+        [exe, "run", server.url + "/openapi.json", "--checks",
+         "not_a_server_error,response_schema_conformance,positive_data_acceptance,negative_data_rejection",
          "--max-examples", "40",
          "--seed", "1", "--request-timeout", "10", "--no-shrink", "--report-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=150, env={**os.environ, "NO_COLOR": "1"}, cwd=tmp_path)

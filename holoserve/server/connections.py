@@ -1,0 +1,289 @@
+"""Connection limits: what one client can hold of the server before a request reaches the app.
+
+uvicorn's HTTP/1.1 protocol (httptools) bounds none of these: the size of a request head (a 32 MB
+header is read whole into memory), the time a client may take to send its head (a connection that
+trickles a header byte every few seconds, "slowloris", stays open for ever), the time to send a
+declared body, or the number of open connections (past the open-file limit accept() fails, and
+legitimate clients can no longer connect at all). `GuardedHttpToolsProtocol` adds each bound:
+
+- request line + headers larger than `max_header_bytes`: 431 and the connection is closed;
+- a head not complete `header_timeout_s` after its first byte (or after connect): 408 and close
+  (a connection that sent nothing is closed without an answer, as an idle keep-alive one is);
+- a body not complete `body_timeout_s` after its head: 408 and close (the app sees a disconnect);
+- bytes that are not HTTP/1.1: 400 in the API's JSON error shape, and close;
+- more than `max_connections` open: the connection that has waited longest for its client (idle,
+  a head or a body still arriving) is closed to make room; a connection whose request the app is
+  working on is never dropped. When every connection is busy, the new one gets 503 and is closed.
+
+Per request this costs a few attribute checks: timers are armed only when a head or a body spans
+several reads, which a well-behaved client's small request never does.
+
+Closures are counted in `holoserve_http_connections_closed_total{reason}` (header_too_large, header_timeout,
+body_timeout, bad_request, evicted, refused; the app's lifespan hands its
+metrics to the protocol through the lifespan state) and logged at most once per reason every 10 s.
+"""
+from __future__ import annotations
+
+import http
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from .config import ServerConfig
+from .protocol import error_body
+
+log = logging.getLogger("holoserve.server")
+
+# File descriptors kept free for everything but client connections (model files, logs, pipes).
+FD_HEADROOM = 128
+_WARN_EVERY_S = 10.0
+_last_warning: dict[str, float] = {}
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_header_bytes: int = ServerConfig.max_header_bytes
+    header_timeout_s: float = ServerConfig.header_timeout_s
+    body_timeout_s: float = ServerConfig.body_timeout_s
+    max_connections: int = ServerConfig.max_connections
+
+    @classmethod
+    def from_config(cls, cfg: ServerConfig) -> "ConnectionLimits":
+        return cls(cfg.max_header_bytes, cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections)
+
+
+def _note(reason: str, message: str) -> None:
+    """Log a connection closure, at most once per reason every 10 s (an attack would flood the log)."""
+    now = time.monotonic()
+    if now - _last_warning.get(reason, -_WARN_EVERY_S) >= _WARN_EVERY_S:
+        _last_warning[reason] = now
+        log.warning("%s (further closures for this reason are counted in "
+                    "holoserve_http_connections_closed_total, logged again in %.0f s)", message, _WARN_EVERY_S)
+
+
+def raw_error(code: int, type_: str, message: str, extra: bytes = b"") -> bytes:
+    """A whole HTTP/1.1 error response in the API's JSON error shape, ending the connection."""
+    body = error_body(code, type_, message, None)
+    return (f"HTTP/1.1 {code} {http.HTTPStatus(code).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n").encode() + extra + b"\r\n" + body
+
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools missing: server_options() falls back to h11 with its header limit
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
+
+
+if HttpToolsProtocol is not None:
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-type]
+        """uvicorn's httptools protocol with the limits above. `limits` None: read from HOLOSERVE_*
+        variables (the worker processes of `--workers N`, which import this class by name)."""
+
+        limits: ClassVar[ConnectionLimits | None] = None
+        _env_limits: ClassVar[ConnectionLimits | None] = None
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            lim = type(self).limits
+            if lim is None:
+                if GuardedHttpToolsProtocol._env_limits is None:
+                    GuardedHttpToolsProtocol._env_limits = ConnectionLimits.from_config(ServerConfig.from_env())
+                lim = GuardedHttpToolsProtocol._env_limits
+            self._max_head = lim.max_header_bytes
+            self._head_timeout = lim.header_timeout_s
+            self._body_timeout = lim.body_timeout_s
+            self._max_connections = lim.max_connections
+            self._timer: Any = None
+            self._head_started = False  # bytes of a request head have arrived, the head is not complete
+            self._in_body = False  # the head is complete, the body is not
+            self._head_bytes = 0  # bytes of earlier reads of the head in progress
+            self._chunk = 0  # size of the read being parsed
+            self._refused: tuple[int, str, str] | None = None
+            # When the connection began waiting for its client (connect, or its last answer); None while
+            # the app holds a whole request. The longest waiting is the first dropped at the cap.
+            self._idle_since: float | None = None
+            self._metrics = None
+
+        # ---- asyncio.Protocol
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._metrics = self.app_state.get("holoserve_metrics")
+            if self._metrics is not None:
+                self._metrics.connections.inc()
+            self._idle_since = self.loop.time()
+            self._timer = self.loop.call_later(self._head_timeout, self._on_head_timeout)
+            if len(self.connections) > self._max_connections:
+                self._make_room()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_timer()
+            self._idle_since = None
+            if self._metrics is not None:
+                self._metrics.connections.dec()
+                self._metrics = None
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            self._chunk = len(data)
+            super().data_received(data)
+            if self._refused is not None:
+                code, type_, message = self._refused
+                return self._close("header_too_large", message, raw_error(code, type_, message))
+            if self.transport.is_closing():
+                return
+            if self._head_started:  # a head spans reads: bound its size and its time
+                self._head_bytes += self._chunk
+                if self._head_bytes > self._max_head:
+                    msg = f"the request line and headers exceed {self._max_head} bytes"
+                    return self._close("header_too_large", msg, raw_error(431, "header_too_large", msg))
+                if self._timer is None:
+                    self._timer = self.loop.call_later(self._head_timeout, self._on_head_timeout)
+            elif self._in_body and self._timer is None:
+                self._timer = self.loop.call_later(self._body_timeout, self._on_body_timeout)
+
+        # ---- httptools parser callbacks
+        def on_message_begin(self) -> None:
+            self._head_started = True
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._head_started = False
+            self._cancel_timer()
+            if self._refused is not None:  # a pipelined head after a refused one: the connection is closing
+                return
+            size = self._head_bytes + self._chunk
+            self._head_bytes = 0
+            if size > self._max_head:  # the reads were larger than the limit: measure the head itself
+                size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers) + 16
+                if size > self._max_head:
+                    self._refused = (431, "header_too_large",
+                                     f"the request line and headers are {size} bytes; the limit is {self._max_head}")
+                    return
+            self._in_body = True
+            super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            if self._refused is None:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            self._in_body = False
+            self._cancel_timer()
+            if self._refused is None:
+                self._idle_since = None
+                super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            self._idle_since = self.loop.time()
+            super().on_response_complete()
+
+        # ---- limits
+        def _cancel_timer(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def send_400_response(self, msg: str) -> None:
+            """Bytes that are not HTTP/1.1: the JSON error shape instead of uvicorn's plain text."""
+            text = "the request is not valid HTTP/1.1"
+            self._close("bad_request", text, raw_error(400, "bad_request", text))
+
+        def _close(self, reason: str, message: str, response: bytes = b"") -> None:
+            self._cancel_timer()
+            self._idle_since = None  # not a candidate for eviction any more
+            if self.transport.is_closing():
+                return
+            if response:
+                self.transport.write(response)
+            self.transport.close()
+            if self._metrics is not None:
+                self._metrics.connections_closed.labels(reason).inc()
+            client = "%s:%d" % self.client if self.client else "a client"
+            _note(reason, f"closed the connection of {client}: {message}")
+
+        def _on_head_timeout(self) -> None:
+            self._timer = None
+            if self.cycle is not None and not self.cycle.response_complete:
+                # A pipelined head started while the app answers the previous request: wait for it.
+                self._timer = self.loop.call_later(self._head_timeout, self._on_head_timeout)
+                return
+            if self._head_started:
+                msg = f"the request head did not arrive within {self._head_timeout:g} s"
+                self._close("header_timeout", msg, raw_error(408, "request_timeout", msg))
+            else:
+                self._close("header_timeout", f"no request within {self._head_timeout:g} s of connecting")
+
+        def _on_body_timeout(self) -> None:
+            self._timer = None
+            cycle = self.cycle
+            msg = f"the request body did not arrive within {self._body_timeout:g} s of its headers"
+            response = b""
+            if cycle is not None and not cycle.response_started:
+                cycle.disconnected = True  # the app's next receive() answers http.disconnect
+                cycle.message_event.set()
+                response = raw_error(408, "request_timeout", msg)
+            self._close("body_timeout", msg, response)
+
+        def _make_room(self) -> None:
+            """Over the connection cap: drop the connection that has waited longest for its client,
+            or refuse this one when every other connection has a request in the app."""
+            victim, oldest = None, None
+            for conn in self.connections:
+                since = getattr(conn, "_idle_since", None)
+                if conn is not self and since is not None and (oldest is None or since < oldest):
+                    victim, oldest = conn, since
+            if victim is not None:
+                victim._close("evicted", f"{self._max_connections} connections are open; dropped the one "
+                              "waiting longest for its client")
+            else:
+                msg = (f"the server has {self._max_connections} open connections, all with a request in "
+                       "progress; retry shortly")
+                self._close("refused", msg, raw_error(503, "overloaded", msg, b"retry-after: 1\r\n"))
+
+else:  # pragma: no cover - httptools is a dependency
+    GuardedHttpToolsProtocol = None  # type: ignore[assignment,misc]
+
+
+def guarded_protocol(cfg: ServerConfig) -> type:
+    """The guarded protocol class bound to `cfg`'s limits (one process; several apps may share it)."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
+                {"limits": ConnectionLimits.from_config(cfg)})
+
+
+def server_options(cfg: ServerConfig, *, by_name: bool = False) -> dict[str, Any]:
+    """uvicorn.Config options that apply `cfg`'s connection limits. `by_name`: name the protocol class
+    instead of passing it (worker processes import it and read their limits from HOLOSERVE_*)."""
+    opts: dict[str, Any] = {"ws": "none", "timeout_keep_alive": cfg.keep_alive_timeout_s,
+                            "h11_max_incomplete_event_size": cfg.max_header_bytes}
+    if GuardedHttpToolsProtocol is None:  # pragma: no cover
+        log.warning("httptools is not installed: serving with h11, which bounds header size but not the "
+                    "time to send a request (pip install httptools)")
+        opts["http"] = "h11"
+    else:
+        opts["http"] = ("holoserve.server.connections:GuardedHttpToolsProtocol" if by_name
+                        else guarded_protocol(cfg))
+    return opts
+
+
+def fit_open_files(max_connections: int) -> int:
+    """Raise the soft open-file limit (up to the hard one) so `max_connections` client sockets fit;
+    returns how many connections fit (lower than asked when the hard limit is too low)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return max_connections
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + FD_HEADROOM
+    inf = resource.RLIM_INFINITY
+    if soft != inf and soft < need:
+        target = need if hard == inf else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != inf and soft < need:
+        return max(1, soft - FD_HEADROOM)
+    return max_connections
