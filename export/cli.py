@@ -9,7 +9,7 @@ import json
 
 from holoserve.cli_options import add_data_arguments, advanced
 
-TARGETS = ("onnxruntime", "tensorrt", "all")
+TARGETS = ("onnxruntime", "tensorrt", "openvino", "all")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,7 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="checkpoint folder written by `holoserve compress`")
     p.add_argument("--target", choices=TARGETS, default="all",
                    help="onnxruntime: model.onnx (MatMul-only QDQ, uint8 activations, fused by ORT on CPU); "
-                        "tensorrt: model.trt.onnx (QDQBERT placement for TensorRT); all: both (default)")
+                        "tensorrt: model.trt.onnx (QDQBERT placement for TensorRT); openvino: model.ov.onnx (the "
+                        "onnxruntime placement in standard ops, for --backend openvino); all: onnxruntime + "
+                        "tensorrt (default)")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="write the files and export_report.json here instead of into the checkpoint "
                         "(default: into the checkpoint folder, recorded in its manifest)")
@@ -142,6 +144,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"  dev metric ORT {v['dev_metric_ort']} vs PyTorch fake-quant {v['dev_metric_pytorch_fakequant']}")
         if "dev_metric_checkpoint_numerics" in v:
             print(f"  (int8 word embeddings: the checkpoint's own numerics score {v['dev_metric_checkpoint_numerics']})")
+        if "dev_metric_openvino" in v or "parity_openvino_vs_pytorch_fakequant" in v:
+            po = v["parity_openvino_vs_pytorch_fakequant"]
+            print(f"  OpenVINO: dev metric {v.get('dev_metric_openvino')}, argmax agreement "
+                  f"{100 * po.get('argmax_agreement', float('nan')):.2f}%, GEMMs {v['openvino_gemm_precisions']}; "
+                  f"sparse weights {v['openvino_sparse_weights']}")
+        elif "openvino" in v:
+            print(f"  OpenVINO: {v['openvino']}")
         if "ort_fusion" in v:
             f = v["ort_fusion"]
             print(f"  ORT fused {f['fused_integer_matmuls']} QDQ MatMuls into integer kernels {f['fused_by_op']}")

@@ -29,7 +29,7 @@ import numpy as np
 from holoserve import HoloServeError
 from holoserve.core.artifact import Artifact, ArtifactError, add_files, load_artifact
 from holoserve.core.files import atomic_copy, atomic_write_json, sweep_stale, temp_sibling
-from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ONNX
+from holoserve.core.manifest import ONNXRUNTIME, OPENVINO, TENSORRT_ONNX
 from holoserve.core.ort import session as ort_session
 from holoserve.core.tokenizer import load_tokenizer
 from holoserve.data.tabular import DataOptions
@@ -37,8 +37,10 @@ from holoserve.data.tabular import DataOptions
 from . import fusion, qdq, verify
 
 OPSET = 17
-TARGET_FILES = {"onnxruntime": "model.onnx", "tensorrt": "model.trt.onnx"}
-MANIFEST_KEYS = {"onnxruntime": ONNXRUNTIME, "tensorrt": TENSORRT_ONNX}
+TARGET_FILES = {"onnxruntime": "model.onnx", "tensorrt": "model.trt.onnx", "openvino": "model.ov.onnx"}
+MANIFEST_KEYS = {"onnxruntime": ONNXRUNTIME, "tensorrt": TENSORRT_ONNX, "openvino": OPENVINO}
+# the QDQ placement each target uses: OpenVINO's INT8 transformations take ONNX Runtime's (standard ops only)
+PLACEMENT = {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt", "openvino": "onnxruntime"}
 FLOAT_FILE = "model.float.onnx"  # optional, with keep_float: fp32 export Polygraphy checks
 CALIB_FILE = "model.calib.onnx"  # temporary: the onnxruntime placement before the contrib-op rewrites
 
@@ -187,6 +189,27 @@ def torch_export_fp32(model, path: Path, opset: int = OPSET) -> None:
             opset_version=opset, do_constant_folding=True, dynamo=False,
         )
     model.eval()  # the TorchScript exporter leaves the module in training mode (dropout on)
+    _keep_all_inputs(path, names)
+
+
+def _keep_all_inputs(path: Path, names: Sequence[str]) -> None:
+    """Give the graph every input of the artifact contract, in order, even one the family never reads.
+
+    The exporter drops an input nothing uses (DistilBERT and MPNet have no segment embeddings, so
+    `token_type_ids` goes); putting it back as an unused [batch, sequence] int64 input keeps one
+    input signature for every family (manifest, calibration feeds, serving backends, Triton)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    m = onnx.load(str(path))
+    have = {i.name: i for i in m.graph.input}
+    if all(n in have for n in names):
+        return
+    inputs = [have.get(n) or helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "sequence"]) for n in names]
+    inputs += [i for i in m.graph.input if i.name not in names]
+    del m.graph.input[:]
+    m.graph.input.extend(inputs)
+    onnx.save(m, str(path))
 
 
 def reference_logits(model, art: Artifact, batches) -> np.ndarray:
@@ -345,7 +368,7 @@ class _Export:
         self.bar.update(1)
         self.calibration_rows()
         # the TensorRT placement is calibrated through the ORT placement, which is built first
-        for target in ("onnxruntime", "tensorrt"):
+        for target in ("onnxruntime", "tensorrt", "openvino"):
             if target in opts.targets or (target == "onnxruntime" and "tensorrt" in opts.targets):
                 self.build(target)
                 if target in opts.targets:
@@ -413,10 +436,12 @@ class _Export:
             tensors = sorted({p[0] for p in pts} - set(trained))
             extra = {**_calibrate_extra(self.calib_model, tensors, self.calib_batches), **trained}
             self.report["tensorrt_extra_ranges"] = {"from_checkpoint_qat": len(trained), "calibrated_here": len(tensors)}
-        rep = qdq.apply_placement(m, sites, self.weight_scales, self.act_amax, target, extra)
+        placement = PLACEMENT[target]
+        rep = qdq.apply_placement(m, sites, self.weight_scales, self.act_amax, placement, extra)
         emb = None
         if self.emb_int8:
-            emb = qdq.quantize_embedding(m, self.table, lookup_first=target == "onnxruntime", scales=self.emb_scales)
+            emb = qdq.quantize_embedding(m, self.table, lookup_first=placement == "onnxruntime",
+                                         scales=self.emb_scales)
         m.producer_name, m.producer_version = "holoserve", _version()
         path = self.tmp / TARGET_FILES[target]
         attention, fused_ops = None, None
@@ -424,6 +449,10 @@ class _Export:
             if "tensorrt" in self.opts.targets:
                 onnx.save(m, str(self.calib_model))
             attention, fused_ops = self.rewrite_for_onnxruntime(m, len(rep.linears))
+        elif target == "openvino":  # standard ops only; the exact [CLS]-row rewrite still applies
+            attention = "standard ONNX ops (MatMul, Softmax)"
+            fused_ops = {"classifier_row": fusion.keep_classifier_row(m, fusion.tensor_ranks(m))} \
+                if self.opts.classifier_row else {}
         onnx.save(m, str(path))
         self.built[target] = path
         if target in self.opts.targets:
@@ -465,12 +494,12 @@ class _Export:
             "file": TARGET_FILES[target],
             "format": "onnx",
             "opset": OPSET,
-            "placement": target,
+            "placement": PLACEMENT[target],
             "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in verify.INPUT_NAMES},
             "outputs": {verify.OUTPUT_NAME: {"dtype": "float32", "shape": ["batch", self.art.num_labels]}},
             "weights": "int8 initializers, per-output-channel scales, zero-point 0, read by "
             + ("MatMulIntegerToFloat" if target == "onnxruntime" and self.opts.fuse_matmul else "DequantizeLinear"),
-            "activations": "uint8 zero-point 128 (MatMul inputs only)" if target == "onnxruntime"
+            "activations": "uint8 zero-point 128 (MatMul inputs only)" if PLACEMENT[target] == "onnxruntime"
             else "int8 zero-point 0 (Linear inputs, attention MatMul inputs, residual Add inputs)",
             "quantized_linears": len(rep.linears),
             "activation_qdq_pairs": rep.activation_qdq,
@@ -532,6 +561,25 @@ def _version() -> str:
     return __version__
 
 
+def _verify_openvino(path, batches, ref, rows_source, threads, task, labels, order) -> dict:
+    """The openvino target through OpenVINO itself, on the same batches as the ONNX Runtime check."""
+    from holoserve.backends.base import BackendUnavailable
+    from holoserve.backends.openvino import compile_model, gemm_precisions
+
+    try:
+        compiled, sparse = compile_model(path, threads=threads)
+    except BackendUnavailable as e:
+        return {"openvino": f"not run: {e}"}
+    req = compiled.create_infer_request()
+    names = [i.get_any_name() for i in compiled.inputs]
+    got = np.concatenate([np.asarray(req.infer({n: b[n] for n in names})[compiled.outputs[0]]) for b in batches])
+    out = {"parity_openvino_vs_pytorch_fakequant": verify.parity(got, ref) | {"rows_source": rows_source},
+           "openvino_gemm_precisions": gemm_precisions(compiled), "openvino_sparse_weights": sparse}
+    if labels is not None:
+        out["dev_metric_openvino"] = _metric(task, got, np.asarray(labels)[order])
+    return out
+
+
 def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, dev_rows, threads, tmp,
             polygraphy, max_metric_diff, lossy_embeddings=False) -> dict:
     out: dict[str, dict] = {}
@@ -589,6 +637,8 @@ def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, de
             if lossy_embeddings:
                 v["dev_metric_checkpoint_numerics"] = ckpt_metric  # what `holoserve eval` computes
                 v["reference_note"] = "PyTorch fake-quant reference uses the same int8 word-embedding table"
+        if t == "openvino":
+            v.update(_verify_openvino(path, batches, ref, rows_source, threads, task, labels, order))
         if t == "onnxruntime":
             fused = verify.fused_matmuls(path, tmp)
             v["ort_fusion"] = fused

@@ -30,6 +30,7 @@ class Backend(Protocol):
 # name -> "module:function"; the function takes (artifact, **options) and returns a Backend.
 _LOADERS: dict[str, str] = {
     "onnxruntime": "holoserve.backends.onnxruntime:load",
+    "openvino": "holoserve.backends.openvino:load",
     "tensorrt": "holoserve.backends.tensorrt:load",
     "torch": "holoserve.backends.torch_backend:load",
     "torch-cuda": "holoserve.backends.torch_cuda:load",

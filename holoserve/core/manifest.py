@@ -29,6 +29,7 @@ DENSE_MODULES = ("embeddings", "LayerNorm", "pooler", "classifier")
 ONNXRUNTIME = "onnxruntime"
 TENSORRT_ONNX = "tensorrt-onnx"
 TENSORRT_ENGINE = "tensorrt"
+OPENVINO = "openvino"
 
 
 class ArtifactError(HoloServeError):
@@ -175,6 +176,7 @@ class Exports(_Strict):
     onnxruntime: Optional[OnnxExport] = Field(None, alias=ONNXRUNTIME)
     tensorrt_onnx: Optional[OnnxExport] = Field(None, alias=TENSORRT_ONNX)
     tensorrt: Optional[EngineExport] = Field(None, alias=TENSORRT_ENGINE)
+    openvino: Optional[OnnxExport] = Field(None, alias=OPENVINO)
 
     def get(self, key: str) -> OnnxExport | EngineExport | None:
         """The entry recorded under a manifest key ('onnxruntime', 'tensorrt-onnx', 'tensorrt')."""

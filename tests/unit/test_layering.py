@@ -17,7 +17,8 @@ ALLOWED = {
     "holoserve.cli_options": set(),
     "holoserve.data": {"holoserve.core"},
     "holoserve.compress": {"holoserve.core", "holoserve.data", "holoserve.cli_options", "holoserve.backends"},
-    "holoserve.export": {"holoserve.core", "holoserve.data", "holoserve.cli_options", "holoserve.compress"},
+    "holoserve.export": {"holoserve.core", "holoserve.data", "holoserve.cli_options", "holoserve.compress",
+                         "holoserve.backends"},
     "holoserve.backends": {"holoserve.core"},
     "holoserve.server": {"holoserve.core", "holoserve.backends"},
 }

@@ -126,8 +126,9 @@ def test_auto_picks_onnxruntime_on_a_cpu_machine_without_importing_torch(sst2):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["name"] == "onnxruntime" and not out["torch"] and not out["trt"]
-    assert set(out["d"]["skipped"]) == {"tensorrt", "torch-cuda"}
+    assert set(out["d"]["skipped"]) == {"tensorrt", "torch-cuda", "openvino"}
     assert "no NVIDIA GPU" in out["d"]["skipped"]["torch-cuda"] and "onnxruntime" in out["d"]["reason"]
+    assert "--target openvino" in out["d"]["skipped"]["openvino"]
 
 
 def test_auto_explains_when_nothing_can_serve(monkeypatch):

@@ -1,0 +1,107 @@
+"""OpenVINO backend (CPU): the checkpoint's own quantized model (our QDQ placement and calibrated ranges)
+compiled by OpenVINO, whose CPU plugin runs the Q/DQ Linears as u8 x i8 GEMMs.
+
+It reads the `openvino` export (`holoserve export CKPT --target openvino`: the ONNX Runtime placement
+in standard ONNX ops, with the [CLS]-row rewrite). On CPUs with AMX, OpenVINO can also decompress sparse
+INT8 weights (`CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE`): 2:4 weights are half zeros, so it is switched on
+there and reported by `info()`; elsewhere it is off and `info()` says why.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from holoserve.core.artifact import Artifact
+from holoserve.core.manifest import OPENVINO
+
+from .base import BackendUnavailable
+
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+SPARSE_RATE = 0.5  # every 2:4 weight is at least half zeros
+
+
+def cpu_has_amx() -> bool:
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "amx_int8" in flags.split()
+
+
+def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool | None = None):
+    """(compiled model, sparse-weights note) for an ONNX file on OpenVINO's CPU plugin."""
+    try:
+        import openvino as ov
+    except ImportError as e:
+        raise BackendUnavailable(f"OpenVINO is not installed ({e}): pip install 'holoserve[openvino]'") from None
+    core = ov.Core()
+    config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
+    if threads > 0:
+        config["INFERENCE_NUM_THREADS"] = int(threads)
+    amx = cpu_has_amx()
+    if sparse is None:
+        sparse = amx
+    if sparse and amx:
+        config["CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE"] = SPARSE_RATE
+        note = f"on (CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE {SPARSE_RATE}: AMX present)"
+    else:
+        note = "off: this CPU has no AMX (OpenVINO decompresses sparse INT8 weights only with AMX)" if not amx \
+            else "off (disabled)"
+    try:
+        compiled = core.compile_model(core.read_model(str(path)), "CPU", config)
+    except Exception as e:  # OpenVINO raises RuntimeError subclasses with long messages
+        raise BackendUnavailable(f"OpenVINO cannot compile {path}: {str(e).splitlines()[0][:300]}") from None
+    return compiled, note
+
+
+def gemm_precisions(compiled) -> dict[str, int]:
+    """How many of the compiled graph's GEMMs run at each precision (e.g. {'u8': 36, 'bf16': 2})."""
+    out: dict[str, int] = {}
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        kind = info["layerType"].astype(str) if "layerType" in info else op.get_type_name()
+        if kind in ("FullyConnected", "MatMul"):
+            prec = info["runtimePrecision"].astype(str) if "runtimePrecision" in info else "?"
+            out[prec] = out.get(prec, 0) + 1
+    return out
+
+
+class OpenVinoBackend:
+    name = "openvino"
+
+    def __init__(self, artifact: Artifact, *, threads: int | None = None, sparse: bool | None = None,
+                 export_key: str = OPENVINO):
+        entry = artifact.export(export_key)
+        if entry is None:
+            raise BackendUnavailable(
+                f"{artifact.path} has no {export_key!r} export: run `holoserve export {artifact.path} --target "
+                "openvino` first")
+        self.path = artifact.path / entry.file
+        threads = threads if threads is not None else int(os.environ.get("HOLOSERVE_ORT_THREADS", "0") or 0)
+        self.compiled, self.sparse_note = compile_model(self.path, threads=threads or 0, sparse=sparse)
+        self.request = self.compiled.create_infer_request()
+        self.input_names = [i.get_any_name() for i in self.compiled.inputs]
+        unknown = [n for n in self.input_names if n not in INPUTS]
+        if unknown or "input_ids" not in self.input_names:
+            raise BackendUnavailable(f"{self.path} has inputs {self.input_names}; expected a subset of {list(INPUTS)}")
+        self.output = self.compiled.outputs[0]
+        self.threads = threads
+
+    def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray) -> np.ndarray:
+        feed = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+        out = self.request.infer({n: np.ascontiguousarray(feed[n], dtype=np.int64) for n in self.input_names})
+        return np.asarray(out[self.output], dtype=np.float32).copy()
+
+    def info(self) -> dict[str, Any]:
+        import openvino as ov
+
+        return {"backend": self.name, "model": self.path.name, "openvino_version": ov.__version__,
+                "device": "CPU", "threads": self.threads or "default", "gemm_precisions": gemm_precisions(self.compiled),
+                "sparse_weights_decompression": self.sparse_note}
+
+
+def load(artifact: Artifact, **options: Any) -> OpenVinoBackend:
+    return OpenVinoBackend(artifact, threads=options.get("threads"), sparse=options.get("sparse"))
