@@ -16,6 +16,11 @@ runtime. `com.microsoft.MultiHeadAttention` (ONNX Runtime contrib op, CPU kernel
 computation in one kernel from the [batch, seq, hidden] Q/K/V and the raw [batch, seq] padding
 mask, so the transposes and the mask construction disappear too.
 
+A block whose scores get a learned additive term besides the mask before the Softmax (MPNet's
+relative-position bias, [batch, heads, seq, seq], computed once and read by every layer) is fused
+too: the term becomes the fused op's attention-bias input. Any other additive term leaves the block
+in standard ops.
+
 Numerics: identical up to float rounding, except that padded keys get ONNX Runtime's additive
 mask value (-10000 before softmax) instead of the float minimum; both give them a weight of
 exactly 0 after softmax for any realistic logit range. Padded *query* positions may differ, as
@@ -47,6 +52,7 @@ class AttentionBlock:
     scale: float
     nodes: list  # nodes the fused op replaces
     bias: np.ndarray | None = None  # [3 * hidden] Q, K, V projection biases, folded into the fused op
+    attention_bias: str | None = None  # a [batch or 1, heads or 1, seq, seq] additive term (relative positions)
 
 
 def _const_value(inits, name: str, producers) -> np.ndarray | None:
@@ -136,6 +142,77 @@ def _is_padding_mask(inits, tensor: str, producers) -> bool:
     return reads_mask
 
 
+def _additive_terms(add, inits, producers, consumers, graph_outputs):
+    """The scores' additive terms ahead of the Softmax: (scale node, attention bias or None, inner Adds) or None.
+
+    Add(scaled scores, padding mask) is BERT's block. Add(Add(scaled scores, term), padding mask) (or
+    with the two terms the other way round) is one with a learned additive term besides the mask, e.g.
+    MPNet's relative-position bias, computed once and shared by every layer: ONNX Runtime's fused op
+    takes it as its attention bias input, so nothing is lost. Every block must have the padding mask.
+    """
+    def scaled_of(node):
+        return next((producers[i] for i in node.input if i in producers
+                     and producers[i].op_type in ("Mul", "Div")), None)
+
+    scaled = scaled_of(add)
+    if scaled is not None:
+        mask = [i for i in add.input if i != scaled.output[0]]
+        if len(mask) != 1 or not _is_padding_mask(inits, mask[0], producers):
+            return None
+        return scaled, None, []
+    for k, t in enumerate(add.input[:2]):
+        inner = producers.get(t)
+        if inner is None or inner.op_type != "Add" or len(consumers.get(t, [])) != 1 or t in graph_outputs:
+            continue
+        scaled = scaled_of(inner)
+        if scaled is None:
+            continue
+        terms = [i for i in inner.input if i != scaled.output[0]] + [add.input[1 - k]]
+        if len(terms) != 2:
+            continue
+        masks = [i for i in terms if _is_padding_mask(inits, i, producers)]
+        if len(masks) != 1:
+            continue
+        bias = next(i for i in terms if i not in masks)
+        if _const_value(inits, bias, producers) is not None:
+            continue  # a constant term: not an attention bias this matcher knows
+        return scaled, bias, [inner]
+    return None
+
+
+def _merge_reshape(tensor: str, consumers, graph_outputs, limit: int = 32):
+    """The Reshape that merges the heads of `tensor` back into [batch, seq, hidden], or None.
+
+    Besides that Reshape, `tensor` may be read only by Shape nodes whose results go nowhere but the
+    Reshape's target shape (a model that computes the merged shape from the tensor's own size, like
+    MPNet): those become dead when the block is fused, and the rewrite prunes them.
+    """
+    readers = consumers.get(tensor, [])
+    merges = [n for n in readers if n.op_type == "Reshape" and n.input[0] == tensor]
+    if len(merges) != 1 or tensor in graph_outputs:
+        return None
+    merge = merges[0]
+    todo = [n for n in readers if n is not merge]
+    seen: set[int] = set()
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if len(seen) > limit or (tensor in n.input and n.op_type != "Shape"):
+            return None  # a reader of the values, or a long computation: leave the block alone
+        for o in n.output:
+            if o in graph_outputs:
+                return None
+            for c in consumers.get(o, []):
+                if c is merge:
+                    if merge.input[0] == o:
+                        return None
+                    continue
+                todo.append(c)
+    return merge
+
+
 def find_attention(model) -> list[AttentionBlock]:
     """Every Softmax that sits in the eager-attention pattern above, as an AttentionBlock."""
     g = model.graph
@@ -149,7 +226,7 @@ def find_attention(model) -> list[AttentionBlock]:
             return None
         return cs[0]
 
-    blocks = []
+    blocks, ranks = [], None
     for sm in g.node:
         if sm.op_type != "Softmax":
             continue
@@ -157,13 +234,15 @@ def find_attention(model) -> list[AttentionBlock]:
         add = producers.get(sm.input[0])
         if axis not in (-1, 3) or add is None or add.op_type != "Add":
             continue
-        scaled = next((producers.get(i) for i in add.input if producers.get(i) is not None
-                       and producers[i].op_type in ("Mul", "Div")), None)
-        if scaled is None:
+        terms = _additive_terms(add, inits, producers, consumers, graph_outputs)
+        if terms is None:
             continue
-        mask = [i for i in add.input if i != scaled.output[0]]
-        if len(mask) != 1 or not _is_padding_mask(inits, mask[0], producers):
-            continue
+        scaled, attention_bias, extra_adds = terms
+        if attention_bias is not None:
+            if ranks is None:
+                ranks = tensor_ranks(model)
+            if ranks.get(attention_bias) != 4:
+                continue  # ONNX Runtime takes a [batch or 1, heads or 1, seq, seq] attention bias only
         values = [_const_value(inits, i, producers) for i in scaled.input]
         factor = next((v for v in values if v is not None), None)
         operand = next((i for i, v in zip(scaled.input, values) if v is None), None)
@@ -183,13 +262,15 @@ def find_attention(model) -> list[AttentionBlock]:
         back = only_consumer(av.output[0], "Transpose")
         if v is None or back is None or _perm(back) != [0, 2, 1, 3]:
             continue
-        merge = only_consumer(back.output[0], "Reshape")
+        merge = _merge_reshape(back.output[0], consumers, graph_outputs)
         if merge is None:
             continue
-        inner = [qk, scaled, add, sm, av, back, merge]
-        if any(len(consumers.get(n.output[0], [])) != 1 for n in inner[:-1] + q[1] + k[1] + v[1]):
+        inner = [qk, scaled, *extra_adds, add, sm, av]
+        if any(len(consumers.get(n.output[0], [])) != 1 for n in inner + q[1] + k[1] + v[1]):
             continue  # an intermediate is read elsewhere: leave the block alone
-        block = AttentionBlock(q[0], k[0], v[0], merge.output[0], scale, inner + q[1] + k[1] + v[1])
+        inner += [back, merge]
+        block = AttentionBlock(q[0], k[0], v[0], merge.output[0], scale, inner + q[1] + k[1] + v[1],
+                               attention_bias=attention_bias)
         biased = [_bias_add(inits, producers, consumers, t) for t in (block.q, block.k, block.v)]
         if all(biased) and len({b[1].shape for b in biased}) == 1:
             block.q, block.k, block.v = (b[0] for b in biased)
@@ -280,7 +361,7 @@ def fuse_attention(model, num_heads: int) -> int:
             if b.bias is not None:
                 bias = f"{base}.qkv_bias"
                 g.initializer.append(numpy_helper.from_array(b.bias, bias))
-            nodes.append(_mha([b.q, b.k, b.v, bias, MASK_INT32], b.out, num_heads, b.scale,
+            nodes.append(_mha([b.q, b.k, b.v, bias, MASK_INT32, b.attention_bias or ""], b.out, num_heads, b.scale,
                               f"{base}/MultiHeadAttention"))
             if b.out not in typed:  # a contrib op's output type is unknown to ONNX shape inference
                 g.value_info.append(helper.make_tensor_value_info(b.out, TensorProto.FLOAT, None))
@@ -516,7 +597,8 @@ def tensor_ranks(model) -> dict[str, int]:
 
 def _attention(node):
     """A MultiHeadAttention written by fuse_attention, or None. Its inputs are query, key, value, bias
-    and the key padding mask: nothing with a query axis besides the query."""
+    and the key padding mask: nothing with a query axis besides the query. (A block with an attention
+    bias input, which has a query axis, is not one: the row walk stops there.)"""
     if node.op_type != FUSED_OP or node.domain != CONTRIB or len(node.input) > 5:
         return None
     return node
