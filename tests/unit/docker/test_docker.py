@@ -46,7 +46,7 @@ def parse_dockerfile(path: Path) -> dict:
             out["expose"] += rest.split()
         elif op == "USER":
             out["user"] = rest
-        elif op == "COPY":
+        elif op == "COPY" and "--from=" not in rest:  # from the build context, not from another stage
             out["copy"] += [s for s in shlex.split(rest)[:-1] if not s.startswith("--")]
     return out
 
