@@ -94,7 +94,9 @@ class _FromTeacher:
         job, p = run.job, run.preset
         base = Path(job.model) if job.model else run.default_model_dir()
         run.base_name = run.default_model_name if not job.model else base.name
-        run.load_data(base if (base / "tokenizer.json").is_file() else Path(job.teacher or base))
+        # a reused teacher carries the tokenizer it was trained with; else the base model's
+        teacher_dir = Path(job.teacher) if job.teacher else None
+        run.load_data(teacher_dir if teacher_dir and (teacher_dir / "tokenizer.json").is_file() else base)
         run.state.mkdir(parents=True, exist_ok=True)
         run.check_state(run.fingerprint(method=job.method, quant=job.quant, preset=p.to_dict(),
                                         teacher=str(job.teacher) if job.teacher else None, base=base.name))

@@ -190,6 +190,7 @@ class Runner:
         # set by load_data (the rows and the folder the tokenizer came from) and by the method
         self.tokenizer_dir: Path | None = None
         self.data_info: dict[str, Any] = {}
+        self.vocab_size = 0
         self.train: Encoded | None = None
         self.dev: Encoded | None = None
         self.base_name: str = ""
@@ -202,7 +203,13 @@ class Runner:
 
     def hf(self, folder: Path) -> nn.Module:
         """A Hugging Face folder as a float32 classifier on this job's device."""
-        return _load_hf(folder, self.task).to(self.device)
+        model = _load_hf(folder, self.task)
+        vocab = getattr(model.config, "vocab_size", None)
+        if self.vocab_size and vocab and self.vocab_size > vocab:
+            raise HoloServeError(
+                f"the tokenizer in {self.tokenizer_dir} has {self.vocab_size} tokens but the model in {folder} embeds "
+                f"only {vocab}; use the model's own tokenizer (a tokenizer.json in the --model folder)")
+        return model.to(self.device)
 
     def student(self, teacher_dir: Path) -> nn.Module:
         """A fresh copy of the teacher to compress."""
@@ -217,6 +224,7 @@ class Runner:
         p = self.preset
         self.tokenizer_dir = tokenizer_dir
         tok = load_tokenizer(tokenizer_dir, p.max_seq_length)
+        self.vocab_size = tok.get_vocab_size()
         j = self.job
         data = load_for_training(j.task, j.data or DataOptions(data_dir=j.data_dir), metric=j.metric, seed=j.seed,
                                  train_limit=j.train_limit, dev_limit=j.dev_limit)

@@ -37,7 +37,9 @@ def run_one(task: str, key: str, args, runs: Path, teacher: Path | None, reuse: 
     if (out / "manifest.json").is_file():
         print(f"[{task}/{key}] reusing {out}", flush=True)
         return out
-    cmd = [sys.executable, "-m", "holoserve", "compress", "--task", task, "--data-dir", args.data_dir,
+    data = ["--task", task, *_user_data_args(args, with_train=True)] if args.train else \
+        ["--task", task, "--data-dir", args.data_dir]
+    cmd = [sys.executable, "-m", "holoserve", "compress", *data,
            "--out", str(out), "--preset", args.preset, "--seed", str(args.seed), "--no-progress",
            *METHODS[key][1]]
     if teacher is not None:
@@ -57,17 +59,29 @@ def run_one(task: str, key: str, args, runs: Path, teacher: Path | None, reuse: 
 
 
 _SCORES: dict[Path, dict] = {}
+_DATA = None  # holoserve.data.tabular.DataOptions for the user's own files (--train/--dev), else None
+
+
+def _user_data_args(args, with_train: bool) -> list[str]:
+    out = ["--train", str(args.train)] if with_train else []
+    if args.dev:
+        out += ["--dev", str(args.dev)]
+    for flag in ("text_column", "text_pair_column", "label_column"):
+        if getattr(args, flag):
+            out += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    return out + (["--no-header"] if args.no_header else [])
 
 
 def scored(path: Path, data_dir: str | None, manifest: Manifest) -> tuple[dict, str]:
     """The checkpoint's dev metrics as `holoserve eval` computes them now (INT8 checkpoints: integer-exact
     GEMMs, the numerics ONNX Runtime reproduces), or the manifest's when there is nothing to re-score."""
-    if not data_dir or not (manifest.quantization and manifest.quantization.activations):
+    rescore = _DATA.dev is not None if _DATA is not None else bool(data_dir)
+    if not rescore or not (manifest.quantization and manifest.quantization.activations):
         return manifest.metrics.compressed, "manifest"
     if path not in _SCORES:
         from holoserve.compress.evaluate_cli import evaluate_checkpoint
 
-        _SCORES[path] = evaluate_checkpoint(path, data_dir=data_dir)["metrics"]
+        _SCORES[path] = evaluate_checkpoint(path, data_dir=data_dir, data=_DATA)["metrics"]
     return _SCORES[path], "holoserve eval"
 
 
@@ -214,7 +228,13 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"))
-    ap.add_argument("--tasks", default="sst2,mrpc,cola")
+    ap.add_argument("--tasks", default="sst2,mrpc,cola", help="GLUE shortcuts (ignored with --train)")
+    ap.add_argument("--train", type=Path, help="your own labelled rows (CSV, TSV, JSONL, Parquet, saved folder)")
+    ap.add_argument("--dev", type=Path, help="their dev rows (default: a held-out share of --train)")
+    ap.add_argument("--text-column")
+    ap.add_argument("--text-pair-column")
+    ap.add_argument("--label-column")
+    ap.add_argument("--no-header", action="store_true")
     ap.add_argument("--preset", default="quick")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-steps", type=int)
@@ -233,8 +253,14 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=CHECKPOINT",
                     help="also list this ADMM 2:4 ∩ INT8 checkpoint (e.g. a tuning run) in the variants table")
     args = ap.parse_args()
-    if not args.data_dir:
-        ap.error("--data-dir (or HOLOSERVE_DATA_DIR) is required")
+    global _DATA
+    if args.train:  # the user's own rows: one task, named for the training file
+        from holoserve.data.tabular import data_options
+
+        _DATA = data_options(args)
+        args.tasks = Path(args.train).stem
+    elif not args.data_dir:
+        ap.error("--data-dir (or HOLOSERVE_DATA_DIR) is required, or --train FILE for your own rows")
     reuse = dict(x.split("=", 1) for x in args.reuse)
     only = set(args.only.split(",")) if args.only else set(METHODS)
     rows = []

@@ -47,14 +47,20 @@ def base(tmp_path_factory):
     return make_tiny_bert(tmp_path_factory.mktemp("base") / "tiny", hidden=32, intermediate=64)
 
 
-def _serve_predict(ckpt, texts):
+def _serve_predict(ckpt, body):
+    import time
+
     from starlette.testclient import TestClient
 
     from holoserve.server.app import create_app
     from holoserve.server.config import ServerConfig
 
     with TestClient(create_app(ServerConfig(artifact_dir=str(ckpt), threads=1))) as c:
-        r = c.post("/predict", json={"texts": texts})
+        for _ in range(300):  # the model loads in the background; /readyz says when
+            if c.get("/readyz").status_code == 200:
+                break
+            time.sleep(0.05)
+        r = c.post("/predict", json=body)
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -94,9 +100,10 @@ def test_own_data_compresses_exports_evaluates_and_serves(kind, base, tmp_path, 
     assert main(["eval", str(out), "--dev", dev_file, *cols, "--onnx"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["primary"] == metric and 0.0 <= got["metrics"][metric] <= 1.0 and got["rows"] > 0
-    if kind != "tsv_glue_format_pairs":
-        answer = _serve_predict(out, ["billing late again", "all good"])
-        assert {p["label"] for p in answer["predictions"]} <= set(names)
+    body = {"pairs": [["a film", "mlif a"], ["one", "eno"]]} if kind == "tsv_glue_format_pairs" else \
+        {"texts": ["billing late again", "all good"]}
+    answer = _serve_predict(out, body)
+    assert len(answer["predictions"]) == 2 and {p["label"] for p in answer["predictions"]} <= set(names)
 
 
 def _opts(tmp_path, **kw):
