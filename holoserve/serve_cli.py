@@ -18,11 +18,14 @@ HELP = {
                "at start-up), whichever this machine can run",
     "host": "bind address (127.0.0.1: this machine only; 0.0.0.0: all interfaces, as in the container)",
     "port": "TCP port",
-    "workers": "server processes (each loads the model; metrics are per process)",
+    "workers": "server processes (each loads the model; /metrics reports all of them together)",
     "max_batch_size": "largest batch the dynamic batcher forms; 1 turns batching off",
     "max_queue_delay_ms": "how long a non-full batch waits for more requests",
     "max_padding_waste": "split a merged batch into length groups when padding would exceed this share of its "
                          "tokens (negative: always pad the whole batch to its longest)",
+    "max_batch_tokens": "close a batch when its padded tokens (sequences x its longest sequence) would pass this "
+                        "budget, so short requests are not batched behind long ones; a sequence longer than the "
+                        "budget runs alone; 0 = batches close on --max-batch-size only",
     "inline_single": "run a lone batch-1 inference on the event-loop thread (no thread hand-off) when "
                      "nothing else is queued",
     "max_queue_size": "sequences allowed to wait for inference; beyond it requests get 503 + Retry-After",
@@ -94,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from .server.app import create_app, open_backend
     from .server.connections import fit_open_files, server_options
     from .server.logs import setup_logging
+    from .server.metrics import prepare_multiprocess_dir
     from .server.service import effective_max_seq_length
 
     cfg = config_from_args(args)
@@ -114,9 +118,18 @@ def run(args: argparse.Namespace) -> int:
             raise HoloServeError(f"cannot read the checkpoint {cfg.artifact_dir}: {e}") from None
         effective_max_seq_length(cfg, artifact)
         os.environ.update(cfg.to_env())
-        uvicorn.run("holoserve.server.factory:app_from_env", factory=True, workers=cfg.workers, **common,
-                    **server_options(cfg, by_name=True))
+        # One set of metrics for all workers: they inherit PROMETHEUS_MULTIPROC_DIR (metrics.py).
+        metrics_dir, made = prepare_multiprocess_dir(cfg.workers)
+        try:
+            uvicorn.run("holoserve.server.factory:app_from_env", factory=True, workers=cfg.workers, **common,
+                        **server_options(cfg, by_name=True))
+        finally:
+            if made:
+                import shutil
+
+                shutil.rmtree(metrics_dir, ignore_errors=True)
         return 0
+    prepare_multiprocess_dir(1)  # a PROMETHEUS_MULTIPROC_DIR set by the operator starts empty
     # One process: load here so a bad checkpoint or backend is a clear error, not a traceback.
     try:
         artifact = load_artifact(cfg.artifact_dir, verify=cfg.verify)

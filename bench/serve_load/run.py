@@ -12,6 +12,13 @@ costs more CPU per request than the server does, and both share this machine's c
 Bounded: every level stops after --duration seconds or --max-requests answers, whichever is first.
 
     python bench/serve_load/run.py --checkpoint runs/minilm-sst2-quick --data-dir "$GLUE_DIR"
+
+`--token-budgets 256,512` runs the token-budget comparison instead: count-based batching (batch 32)
+against the same server closing batches on padded tokens (--max-batch-tokens B), at --clients
+(default 32) with the SST-2 dev sentences' own mixed lengths, modes alternating round by round;
+it writes NAME_tokens.{json,md}.
+
+    python bench/serve_load/run.py --data-dir "$GLUE_DIR" --token-budgets 256,512 --clients 32 --duration 16
 """
 from __future__ import annotations
 
@@ -436,6 +443,87 @@ def plot(res: dict, path: Path) -> None:
     atomic_savefig(fig, path, dpi=120)
 
 
+def token_lengths(ckpt: Path, texts: list[str]) -> dict:
+    from holoserve.core.tokenizer import TextEncoder
+
+    art = load_artifact(ckpt)
+    lens = np.asarray([e.length for e in TextEncoder(ckpt / "tokenizer.json", art.max_seq_length).encode(texts)])
+    return {"n": int(len(lens)), "min": int(lens.min()), "p50": float(np.median(lens)), "mean": round(float(lens.mean()), 1),
+            "p90": float(np.percentile(lens, 90)), "max": int(lens.max()), "max_seq_length": art.max_seq_length}
+
+
+def token_budget_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: Path) -> int:
+    """Count-based batching against token-budget batching, same server otherwise, modes alternating."""
+    budgets = [int(x) for x in args.token_budgets.split(",")]
+    levels = [int(x) for x in args.clients.split(",")] if args.clients != "1,8,32,128" else [32]
+    base = ["--max-batch-size", str(args.batch_size), "--max-queue-delay-ms", str(args.queue_delay_ms),
+            "--max-padding-waste", str(args.max_padding_waste), "--max-queue-size", "512"]
+    modes = {"count": base, **{f"tokens_{b}": [*base, "--max-batch-tokens", str(b)] for b in budgets}}
+    res: dict = {"benchmark": "serve_load_tokens", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 "machine": machine(), "checkpoint": {"name": ckpt.name, "max_seq_length": load_artifact(ckpt).max_seq_length},
+                 "texts": text_source, "lengths": token_lengths(ckpt, texts), "threads": args.threads,
+                 "duration_s": args.duration, "rounds": args.rounds, "max_requests": args.max_requests,
+                 "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop, one text per request",
+                 "modes": {m: {"server_args": a, "levels": []} for m, a in modes.items()}}
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
+    try:
+        for mode, extra in modes.items():
+            port = free_port()
+            log = out_dir / f"{args.name}_tokens.{mode}.log.tmp"
+            servers[mode] = (start_server(ckpt, port, args.threads, [*extra, "--no-access-log"], log, args.backend), port)
+            asyncio.run(run_load(port, texts, 8, 1.0, 200))  # warm-up, not recorded
+        for c in levels:
+            parts: dict[str, list[dict]] = {m: [] for m in modes}
+            mb = {m: [0.0, 0.0] for m in modes}
+            for _ in range(args.rounds):
+                for mode in modes:
+                    port = servers[mode][1]
+                    before = scrape_batch_sizes(port)
+                    parts[mode].append(asyncio.run(run_load(port, texts, c, args.duration / args.rounds,
+                                                            args.max_requests // args.rounds)))
+                    after = scrape_batch_sizes(port)
+                    for k, key in enumerate(("sequences", "executions")):
+                        mb[mode][k] += after.get(key, 0) - before.get(key, 0)
+            for mode in modes:
+                lv = summarize(c, parts[mode])
+                lv["mean_batch"] = round(mb[mode][0] / mb[mode][1], 2) if mb[mode][1] else 0
+                res["modes"][mode]["levels"].append(lv)
+                print(f"{mode:12s} clients {c:4d}: {lv['throughput_rps']:8.1f} req/s  p50 {lv.get('p50_ms')} "
+                      f"p99 {lv.get('p99_ms')} ms  mean batch {lv['mean_batch']}  {lv['status_counts']}", flush=True)
+    finally:
+        for proc, _ in servers.values():
+            stop_server(proc)
+        for mode in modes:
+            (out_dir / f"{args.name}_tokens.{mode}.log.tmp").unlink(missing_ok=True)
+    res["machine"]["uptime_at_end"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    atomic_write_json(out_dir / f"{args.name}_tokens.json", res)
+    m = res["machine"]
+    L = res["lengths"]
+    lines = [f"# Token-budget batching: {ckpt.name} on a {m['cores']}-core {m['arch'].replace('_', '-')} CPU", "",
+             f"{res['date']} · {m['cpu']} · ONNX Runtime CPU, {res['threads']} intra-op thread(s) · {res['texts']}, "
+             f"tokens per text: min {L['min']}, median {L['p50']:.0f}, mean {L['mean']}, p90 {L['p90']:.0f}, "
+             f"max {L['max']} (truncated at {L['max_seq_length']}) · one text per request, closed-loop clients on "
+             f"loopback, {res['duration_s']} s per mode and level in {res['rounds']} alternating rounds. "
+             f"Every mode: --max-batch-size {args.batch_size}, --max-queue-delay-ms {args.queue_delay_ms}, "
+             f"--max-padding-waste {args.max_padding_waste} "
+             + ("(the default: a batch is run in length groups)." if args.max_padding_waste >= 0 else
+                "(no length groups: every batch is padded to its longest)."),
+             f"The cores are shared with other work (load average at start {m['load_avg_at_start'][0]:.2f}, "
+             f"`{m['uptime_at_end']}` at the end): absolute numbers are noisy; the modes ran interleaved.", "",
+             "| batching | clients | req/s | p50 ms | p95 ms | p99 ms | mean batch | non-200 |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for mode in modes:
+        label = "count (32)" if mode == "count" else f"--max-batch-tokens {mode.split('_')[1]}"
+        for lv in res["modes"][mode]["levels"]:
+            non200 = {k: v for k, v in lv["status_counts"].items() if k != "200"}
+            lines.append(f"| {label} | {lv['clients']} | {lv['throughput_rps']:.1f} | {lv.get('p50_ms', float('nan')):.2f} | "
+                         f"{lv.get('p95_ms', float('nan')):.2f} | {lv.get('p99_ms', float('nan')):.2f} | "
+                         f"{lv['mean_batch']:.1f} | {non200 or '-'} |")
+    atomic_write_text(out_dir / f"{args.name}_tokens.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None,
@@ -453,6 +541,11 @@ def main() -> int:
     ap.add_argument("--bare-n", type=int, default=1000)
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--name", default="serve_load")
+    ap.add_argument("--token-budgets", default=None,
+                    help="comma-separated --max-batch-tokens values: compare them with count-based batching "
+                         "(clients default to 32) instead of the full benchmark")
+    ap.add_argument("--max-padding-waste", type=float, default=0.25,
+                    help="the servers' --max-padding-waste in the token-budget comparison (-1: pad to the longest)")
     args = ap.parse_args()
 
     def exported(p: Path) -> bool:
@@ -471,6 +564,8 @@ def main() -> int:
     levels = [int(x) for x in args.clients.split(",")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.token_budgets:
+        return token_budget_main(args, ckpt, texts, text_source, out_dir)
     res: dict = {
         "benchmark": "serve_load",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -1,4 +1,5 @@
-"""The FastAPI application: /predict, /healthz, /readyz, /v1/models, /metrics.
+"""The FastAPI application: /predict, /healthz, /readyz, /v1/models, /metrics and the Open Inference
+Protocol's /v2 routes (kserve.py).
 
 `create_app` wires the pieces: the settings, the `ClassifierService` (service.py) that holds the
 model, the routers (routes.py), the edge middleware (middleware.py: request ids, auth, body-size
@@ -21,6 +22,7 @@ from holoserve.core.artifact import Artifact, load_artifact
 from ..backends.base import Backend
 from .config import ServerConfig
 from .middleware import EdgeMiddleware
+from .kserve import v2_error_body
 from .protocol import ApiError, error_body, restrict_request_schema, validation_message
 from .routes import ROUTERS
 from .service import ClassifierService, open_backend
@@ -47,7 +49,9 @@ def _no_otel() -> dict[str, Any]:
 
 def _error(request: Request, code: int, type_: str, message: str, headers: dict[str, str] | None = None) -> Response:
     rid = getattr(request.state, "request_id", None)
-    return Response(error_body(code, type_, message, rid), status_code=code, headers=headers,
+    # The Open Inference Protocol's routes answer errors as {"error": "..."}.
+    body = v2_error_body(message) if request.url.path.startswith("/v2") else error_body(code, type_, message, rid)
+    return Response(body, status_code=code, headers=headers,
                     media_type="application/json")
 
 

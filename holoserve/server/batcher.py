@@ -5,7 +5,10 @@ full or that sequence has waited `max_queue_delay` (Triton's rule), pads the bat
 longest member and runs the backend in a worker thread so the event loop keeps accepting
 requests (a lone sequence with nothing queued behind it may run on the loop itself, see
 `inline_single`). Each sequence carries its own future, so results go back to exactly the caller that
-sent it. The queue is bounded in sequences: a request that does not fit is refused at once
+sent it. A batch is full at `max_batch_size` sequences or, with a token budget (`max_batch_tokens`,
+as in text-embeddings-inference), when one more sequence would take its padded size (sequences x
+the longest) past the budget: sequences are taken in arrival order, and one longer than the budget
+runs alone. The queue is bounded in sequences: a request that does not fit is refused at once
 (`QueueFull` -> 503 + Retry-After) instead of growing an unbounded backlog. When a merged batch
 fails, its sequences are run again one by one, so a sequence the backend cannot take fails alone
 (`InferenceFailed`) and the requests batched with it are still answered.
@@ -70,8 +73,9 @@ class _Item:
 class DynamicBatcher:
     def __init__(self, infer: InferFn, *, max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int,
                  pad_id: int = 0, max_padding_waste: float = 0.25, metrics: ServerMetrics | None = None,
-                 inline_single: bool = False):
+                 inline_single: bool = False, max_batch_tokens: int = 0):
         self._infer = infer
+        self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.max_delay = max_queue_delay_ms / 1000.0
         self.max_queue_size = max_queue_size
@@ -155,7 +159,7 @@ class DynamicBatcher:
                 continue
             # Wait for company until the batch is full or the oldest sequence has waited long enough.
             deadline = self._queue[0].t_enqueue + self.max_delay
-            while len(self._queue) < self.max_batch_size and not self._closing:
+            while self.max_delay > 0 and not self._closing and not self._full():
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
@@ -164,11 +168,7 @@ class DynamicBatcher:
                 timer = loop.call_later(remaining, self._wakeup.set)
                 await self._wakeup.wait()
                 timer.cancel()
-            batch: list[_Item] = []
-            while self._queue and len(batch) < self.max_batch_size:
-                item = self._queue.popleft()
-                if not item.future.done():  # cancelled by a departed client
-                    batch.append(item)
+            batch = self._take()
             if self.metrics:
                 self.metrics.pending_l.set(len(self._queue))
             if not batch:
@@ -208,6 +208,40 @@ class DynamicBatcher:
             for i, it in enumerate(batch):
                 if not it.future.done():
                     it.future.set_result(Result(logits[i], t_start - it.t_enqueue, infer_s, bid, len(batch)))
+
+    def _full(self) -> bool:
+        """The queue holds a full batch: by count, or by padded tokens under a token budget."""
+        q = self._queue
+        if len(q) >= self.max_batch_size:
+            return True
+        budget = self.max_batch_tokens
+        if budget:
+            longest = 0
+            for n, it in enumerate(q, 1):
+                longest = max(longest, it.enc.length)
+                if n * longest >= budget:
+                    return True
+        return False
+
+    def _take(self) -> list[_Item]:
+        """The next batch, oldest first: up to `max_batch_size` sequences and, under a token budget, as
+        many as fit in it padded to their longest (always at least one)."""
+        q = self._queue
+        batch: list[_Item] = []
+        budget = self.max_batch_tokens
+        longest = 0
+        while q and len(batch) < self.max_batch_size:
+            item = q[0]
+            if item.future.done():  # cancelled by a departed client
+                q.popleft()
+                continue
+            if budget:
+                longest_with = max(longest, item.enc.length)
+                if batch and (len(batch) + 1) * longest_with > budget:
+                    break
+                longest = longest_with
+            batch.append(q.popleft())
+        return batch
 
     def _run_each(self, encs: list[Encoded]) -> list[np.ndarray | Exception]:
         """Each sequence alone: its logits, or the exception the backend raised for it."""

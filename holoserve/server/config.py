@@ -25,6 +25,8 @@ class ServerConfig:
     # does not wait for company that never comes.
     max_queue_delay_ms: float = 0.0
     max_padding_waste: float = 0.25  # split a merged batch by length beyond this padding share; <0: never
+    # Close a batch once its padded tokens (sequences x the longest) would pass this budget; 0: count only.
+    max_batch_tokens: int = 0
     # A lone sequence with nothing queued behind it runs on the event-loop thread instead of being
     # handed to the inference thread: the hand-off and the wake-ups it costs go away (HTTP overhead
     # at batch 1 on a 2-core x86 CPU: 0.91 ms with it, 1.11-1.23 ms without). The loop is busy for that one
@@ -56,6 +58,8 @@ class ServerConfig:
         problems = []
         if self.max_batch_size < 1:
             problems.append("max batch size must be >= 1")
+        if self.max_batch_tokens < 0:
+            problems.append("max batch tokens must be >= 0 (0 = batches close on count only)")
         if self.max_queue_delay_ms < 0:
             problems.append("max queue delay must be >= 0 ms")
         if self.max_items < 1:

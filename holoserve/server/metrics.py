@@ -17,11 +17,24 @@ nv_inference_pending_request_count      holoserve_inference_pending_request_coun
                                         server's limits: header_too_large, header_timeout, body_timeout,
                                         bad_request, evicted, refused)
 Each app owns its registry, so several apps (tests) can live in one process.
+
+Several worker processes (`--workers N`) report as one server: `holoserve serve` points
+PROMETHEUS_MULTIPROC_DIR at a fresh folder before the workers start (prometheus-client's multiprocess
+mode, chosen when it is imported), each worker writes its values there, and /metrics, whichever
+worker answers it, adds up the files of all of them: counters and histograms are summed, gauges
+summed over live workers (queue depth, requests in flight, connections), and model_ready is the
+least over live workers (1 only when every worker is ready).
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import glob
+import os
+import tempfile
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -29,8 +42,33 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+def multiprocess_active() -> bool:
+    """Metric values live in PROMETHEUS_MULTIPROC_DIR's files (the variable was set when prometheus-client
+    was imported)."""
+    return values.ValueClass is not values.MutexValue and bool(os.environ.get(MULTIPROC_ENV))
+
+
+def prepare_multiprocess_dir(workers: int) -> tuple[str | None, bool]:
+    """Before the server starts: the folder for multiprocess metrics and whether it was made here (to
+    remove at exit). A PROMETHEUS_MULTIPROC_DIR already set is used, after its value files (*.db) from
+    an earlier run are deleted (they would be added to this run's); otherwise, with several workers, a
+    fresh temporary folder is made and exported for the workers to inherit."""
+    path = os.environ.get(MULTIPROC_ENV)
+    if path:
+        os.makedirs(path, exist_ok=True)
+        for f in glob.glob(os.path.join(path, "*.db")):
+            os.remove(f)
+        return path, False
+    if workers <= 1:
+        return None, False
+    path = tempfile.mkdtemp(prefix="holoserve-metrics-")
+    os.environ[MULTIPROC_ENV] = path
+    return path, True
+
+
 class ServerMetrics:
     def __init__(self, model: str, version: str) -> None:
+        self.multiprocess = multiprocess_active()
         self.registry = r = CollectorRegistry(auto_describe=True)
         lab = ("model", "version")
         self.labels = {"model": model, "version": version}
@@ -53,12 +91,16 @@ class ServerMetrics:
         self.batch_size = Histogram("holoserve_inference_batch_size", "Sequences per backend execution", lab,
                                     buckets=BATCH_BUCKETS, registry=r)
         self.pending = Gauge("holoserve_inference_pending_request_count",
-                             "Sequences waiting for inference (queue depth)", lab, registry=r)
-        self.ready = Gauge("holoserve_model_ready", "1 when the model is loaded and warmed up", lab, registry=r)
+                             "Sequences waiting for inference (queue depth)", lab, registry=r,
+                             multiprocess_mode="livesum")
+        self.ready = Gauge("holoserve_model_ready", "1 when the model is loaded and warmed up", lab, registry=r,
+                           multiprocess_mode="livemin")
         self.http_duration = Histogram("holoserve_http_request_duration_seconds", "HTTP request latency",
                                        ("route", "method", "status"), buckets=LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("holoserve_http_requests_in_flight", "HTTP requests being handled", registry=r)
-        self.connections = Gauge("holoserve_http_connections", "Open HTTP connections", registry=r)
+        self.in_flight = Gauge("holoserve_http_requests_in_flight", "HTTP requests being handled", registry=r,
+                                 multiprocess_mode="livesum")
+        self.connections = Gauge("holoserve_http_connections", "Open HTTP connections", registry=r,
+                                 multiprocess_mode="livesum")
         self.connections_closed = Counter("holoserve_http_connections_closed",
                                           "Connections closed by the server's connection limits, by reason",
                                           ("reason",), registry=r)
@@ -78,4 +120,17 @@ class ServerMetrics:
         self.failure.labels(**self.labels, reason=reason).inc()
 
     def render(self) -> bytes:
+        if self.multiprocess:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
+
+    def close(self) -> None:
+        """At process exit: drop this process's live gauges from the multiprocess totals."""
+        if self.multiprocess:
+            from prometheus_client.multiprocess import mark_process_dead
+
+            mark_process_dead(os.getpid())

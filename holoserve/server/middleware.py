@@ -22,18 +22,41 @@ import uuid
 
 from .config import ServerConfig
 from .metrics import ServerMetrics
+from .kserve import v2_error_body
 from .protocol import error_body
 
 access_log = logging.getLogger("holoserve.access")
 log = logging.getLogger("holoserve.server")
 
 ROUTES = ("/predict", "/healthz", "/readyz", "/v1/models", "/metrics", "/docs", "/openapi.json", "/redoc")
-PUBLIC = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json", "/redoc", "/docs/oauth2-redirect"})
+PUBLIC = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json", "/redoc", "/docs/oauth2-redirect",
+                    "/v2/health/live", "/v2/health/ready"})
+V2_ROUTES = frozenset({"/v2", "/v2/health/live", "/v2/health/ready"})
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 _RID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 # Request ids: a random per-process prefix and a counter (uuid4 costs a syscall per request).
 _RID_PREFIX = uuid.uuid4().hex[:12]
 _rid_counter = itertools.count(1)
+
+
+def route_label(path: str) -> str:
+    """The bounded `route` label of the HTTP metrics and the access log for a request path."""
+    if path in ROUTES:
+        return path
+    if path.startswith("/v2"):
+        if path in V2_ROUTES:
+            return path
+        if path.startswith("/v2/models/"):
+            for tail in ("/infer", "/ready"):
+                if path.endswith(tail):
+                    return "/v2/models/{name}" + tail
+            return "/v2/models/{name}"
+    return "other"
+
+
+def is_inference(path: str) -> bool:
+    """A request counted in the inference metrics: /predict and the v2 infer routes."""
+    return path == "/predict" or (path.endswith("/infer") and path.startswith("/v2/models/"))
 
 
 class EdgeMiddleware:
@@ -64,7 +87,8 @@ class EdgeMiddleware:
             await send(message)
 
         async def reject(code: int, type_: str, msg: str, extra: list[tuple[bytes, bytes]] = ()):
-            body = error_body(code, type_, msg, rid)
+            # The Open Inference Protocol's routes answer errors as {"error": "..."}.
+            body = v2_error_body(msg) if path.startswith("/v2") else error_body(code, type_, msg, rid)
             await send_wrapped({"type": "http.response.start", "status": code, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})
             await send_wrapped({"type": "http.response.body", "body": body})
@@ -76,7 +100,7 @@ class EdgeMiddleware:
                 auth = headers.get(b"authorization", b"")
                 scheme, _, given = auth.partition(b" ")
                 if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
-                    if path == "/predict":
+                    if is_inference(path):
                         m.fail("unauthorized")
                     return await reject(401, "unauthorized", "missing or wrong bearer token: send "
                                         "'Authorization: Bearer <token>'", [(b"www-authenticate", b"Bearer")])
@@ -87,7 +111,7 @@ class EdgeMiddleware:
                     if not cl.strip().isdigit():
                         return await reject(400, "bad_request", "Content-Length is not a number")
                     if int(cl) > limit:
-                        if path == "/predict":
+                        if is_inference(path):
                             m.fail("body_too_large")
                         return await reject(413, "body_too_large",
                                             f"request body is {int(cl)} bytes; the limit is {limit} bytes")
@@ -99,7 +123,7 @@ class EdgeMiddleware:
                     chunk = msg.get("body", b"")
                     bytes_in += len(chunk)
                     if bytes_in > limit:
-                        if path == "/predict":
+                        if is_inference(path):
                             m.fail("body_too_large")
                         return await reject(413, "body_too_large", f"request body exceeds the limit of {limit} bytes")
                     chunks.append(chunk)
@@ -122,7 +146,7 @@ class EdgeMiddleware:
             if status[0]:
                 raise
             log.warning("request cancelled: the shutdown drain timed out", extra={"request_id": rid})
-            if path == "/predict":
+            if is_inference(path):
                 m.fail("shutting_down")
             await reject(503, "shutting_down", "the server is shutting down and could not finish this request "
                          "in time; retry it", [(b"retry-after", b"1"), (b"connection", b"close")])
@@ -135,7 +159,7 @@ class EdgeMiddleware:
             m.in_flight.dec()
             dt = time.perf_counter() - t0
             code = status[0] or 499
-            route = path if path in ROUTES else "other"
+            route = route_label(path)
             m.http_duration.labels(route, method if method in METHODS else "other", str(code)).observe(dt)
             if self.config.access_log:
                 client = scope.get("client")

@@ -66,4 +66,6 @@ async def metrics(request: Request) -> Response:
     return Response(service(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
-ROUTERS = (predict_router, health_router, models_router, metrics_router)
+from .kserve import v2_router  # noqa: E402 - the Open Inference Protocol (KServe v2) routes
+
+ROUTERS = (predict_router, health_router, models_router, metrics_router, v2_router)

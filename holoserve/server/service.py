@@ -17,11 +17,11 @@ import numpy as np
 from .. import HoloServeError
 from holoserve.core.artifact import MANIFEST, Artifact
 from ..backends.base import Backend, load_backend
-from holoserve.core.tokenizer import TextEncoder
-from .batcher import DynamicBatcher, InferenceFailed, QueueFull, ShuttingDown
+from holoserve.core.tokenizer import Encoded, TextEncoder
+from .batcher import DynamicBatcher, InferenceFailed, QueueFull, Result, ShuttingDown
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .protocol import ApiError, InputLimits, ModelInfo, ModelRef, PredictRequest, PredictResponse, Status
+from .protocol import ApiError, InputLimits, Inputs, ModelInfo, ModelRef, PredictRequest, PredictResponse, Status
 
 log = logging.getLogger("holoserve.server")
 
@@ -149,7 +149,8 @@ class ClassifierService:
                                       max_queue_delay_ms=cfg.max_queue_delay_ms,
                                       max_queue_size=cfg.max_queue_size, pad_id=self.encoder.pad_id,
                                       max_padding_waste=cfg.max_padding_waste,
-                                      metrics=self.metrics, inline_single=cfg.inline_single)
+                                      metrics=self.metrics, inline_single=cfg.inline_single,
+                                      max_batch_tokens=cfg.max_batch_tokens)
         self.batcher.start()
         self.warmup_task = asyncio.get_running_loop().create_task(self._warm())
 
@@ -185,6 +186,7 @@ class ClassifierService:
             await self.warmup_task
         if self.batcher is not None:
             await self.batcher.stop(self.config.graceful_timeout_s)
+        self.metrics.close()
         log.info("stopped")
 
     # ---- answers
@@ -210,10 +212,42 @@ class ClassifierService:
             base_model=s["base_model"],
             batching={"max_batch_size": cfg.max_batch_size, "max_queue_delay_ms": cfg.max_queue_delay_ms,
                       "max_queue_size": cfg.max_queue_size, "max_padding_waste": cfg.max_padding_waste,
+                      "max_batch_tokens": cfg.max_batch_tokens,
                       "inline_single": cfg.inline_single},
             limits={"max_items": cfg.max_items, "max_text_bytes": cfg.max_text_bytes,
                     "max_body_bytes": cfg.max_body_bytes},
         )
+
+    async def classify(self, items: Inputs, total_bytes: int, request_id: str,
+                       t0: float) -> tuple[list[Encoded], list[Result], float]:
+        """Tokenize checked texts (or pairs) and run them through the batcher: their encodings, their
+        results and when tokenization ended. The path every inference protocol shares (/predict, /v2);
+        ApiError for a server that is not ready, overloaded, shutting down or whose model failed."""
+        if not self.ready:
+            raise ApiError(503, "not_ready", f"the model is {self.status.replace('_', ' ')}; retry shortly",
+                           {"Retry-After": "1"})
+        if total_bytes > _INLINE_TOKENIZE_BYTES:
+            encs = await asyncio.to_thread(self.encoder.encode, items)
+        else:
+            encs = self.encoder.encode(items)
+        t1 = time.perf_counter()
+        self.metrics.input_duration_l.observe(t1 - t0)
+        try:
+            results = await self.batcher.submit(encs)
+        except QueueFull as e:
+            raise ApiError(503, "overloaded", str(e), {"Retry-After": str(e.retry_after_s)}) from None
+        except ShuttingDown as e:
+            raise ApiError(503, "shutting_down", str(e), {"Retry-After": "1"}) from None
+        except InferenceFailed as e:
+            # The batcher has already retried this request's sequences on their own, so the other
+            # requests of its batch were answered; this one gets a JSON 500 (the connection stays open),
+            # counted under reason="inference_failed".
+            log.error("inference failed: %s", e, extra={"request_id": request_id})
+            raise ApiError(500, "inference_failed", f"the model could not run on this input ({e.kind}); other "
+                           f"requests are unaffected; the server log has the details under request id "
+                           f"{request_id}") from None
+        self.metrics.queue_duration_l.observe(max(r.queue_s for r in results))
+        return encs, results, t1
 
     async def predict(self, req: PredictRequest, request_id: str) -> PredictResponse:
         """Classify the request's texts; every refusal is counted by its error type."""
@@ -230,29 +264,7 @@ class ClassifierService:
     async def _predict(self, req: PredictRequest, request_id: str, t0: float) -> PredictResponse:
         m = self.metrics
         items, total_bytes = req.inputs(self.limits)
-        if not self.ready:
-            raise ApiError(503, "not_ready", f"the model is {self.status.replace('_', ' ')}; retry shortly",
-                           {"Retry-After": "1"})
-        if total_bytes > _INLINE_TOKENIZE_BYTES:
-            encs = await asyncio.to_thread(self.encoder.encode, items)
-        else:
-            encs = self.encoder.encode(items)
-        t1 = time.perf_counter()
-        m.input_duration_l.observe(t1 - t0)
-        try:
-            results = await self.batcher.submit(encs)
-        except QueueFull as e:
-            raise ApiError(503, "overloaded", str(e), {"Retry-After": str(e.retry_after_s)}) from None
-        except ShuttingDown as e:
-            raise ApiError(503, "shutting_down", str(e), {"Retry-After": "1"}) from None
-        except InferenceFailed as e:
-            # The batcher has already retried this request's sequences on their own, so the other
-            # requests of its batch were answered; this one gets a JSON 500 (the connection stays open),
-            # counted under reason="inference_failed".
-            log.error("inference failed: %s", e, extra={"request_id": request_id})
-            raise ApiError(500, "inference_failed", f"the model could not run on this input ({e.kind}); other "
-                           f"requests are unaffected; the server log has the details under request id "
-                           f"{request_id}") from None
+        encs, results, t1 = await self.classify(items, total_bytes, request_id, t0)
         # Plain dicts, validated into `Prediction`s (and `Timing`) by the one PredictResponse call below:
         # a model constructor per prediction would cost a validation call each.
         preds: list[dict[str, Any]] = []
@@ -270,7 +282,6 @@ class ClassifierService:
                           "num_tokens": enc.length, "truncated": enc.truncated})
         queue_s = max(r.queue_s for r in results)
         infer_s = sum({r.batch_id: r.infer_s for r in results}.values())
-        m.queue_duration_l.observe(queue_s)
         m.success_l.inc()
         timing = {"tokenize": round((t1 - t0) * 1000, 3), "queue": round(queue_s * 1000, 3),
                   "inference": round(infer_s * 1000, 3), "total": round((time.perf_counter() - t0) * 1000, 3)}
