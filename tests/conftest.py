@@ -24,3 +24,25 @@ def pytest_collection_modifyitems(config, items):
     if reason:
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# tiny exported checkpoints, built once per test process (tests.helpers.serving.tiny_checkpoint)
+@pytest.fixture(scope="module")
+def sst2():
+    from tests.helpers.serving import tiny_checkpoint
+
+    return tiny_checkpoint("sst2")
+
+
+@pytest.fixture(scope="module")
+def mrpc():
+    from tests.helpers.serving import tiny_checkpoint
+
+    return tiny_checkpoint("mrpc")
+
+
+@pytest.fixture(scope="module")
+def stsb():
+    from tests.helpers.serving import tiny_checkpoint
+
+    return tiny_checkpoint("stsb")

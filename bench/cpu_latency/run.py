@@ -1,9 +1,11 @@
-"""CPU latency, side by side in one run: PyTorch fp32 eager, ORT fp32, ORT dynamic INT8, our QDQ export.
+"""CPU latency, side by side in one run: PyTorch fp32 eager, ORT fp32 and dynamic INT8, OpenVINO fp32 and NNCF INT8, ours.
 
     python bench/cpu_latency/run.py CHECKPOINT [--dense HF_FOLDER] [--data-dir GLUE_DIR]
 
 - "ours": the checkpoint's exported model.onnx (`holoserve export`: 2:4 weights, static INT8 QDQ
-  fused by ONNX Runtime into integer MatMuls).
+  fused by ONNX Runtime into integer MatMuls), and its `openvino` export (model.ov.onnx,
+  `holoserve export CKPT --target openvino`) compiled by OpenVINO through the OpenVINO backend;
+  skipped, with the reason printed and recorded, where the checkpoint has no such export.
 - baselines come from the dense fine-tuned model (--dense, e.g. the teacher the compressor saved;
   default: the checkpoint's own fp32 weights): PyTorch fp32 in eager mode, its fp32 ONNX export in
   ONNX Runtime, and that export after onnxruntime.quantization.quantize_dynamic (int8 weights,
@@ -11,10 +13,17 @@
   attention MatMuls integer). --fuse-baseline-attention gives both ORT baselines the attention
   fusion ours gets (export/fusion.py) instead, --baseline-classifier-row the last layer computed for
   the [CLS] row only, as ours has it.
+- OpenVINO baselines, also from the dense model: its plain fp32 ONNX export (no ORT rewrites;
+  OpenVINO does its own fusions) compiled by OpenVINO's CPU plugin, and that model after NNCF
+  post-training quantization (nncf.quantize, model_type TRANSFORMER, subset_size 64, on the first
+  --calibration-rows training rows of the task, tokenized as for dev accuracy, one row per sample;
+  weights stay dense). Both compiled with PERFORMANCE_HINT LATENCY and INFERENCE_NUM_THREADS =
+  --threads. OpenVINO and NNCF are optional (`pip install 'holoserve[bench]'`): without them
+  those engines are skipped with a message; --skip leaves out any engine but PyTorch.
 - batch 1/8/32 x sequence 32/128 x 1 and 2 threads; every run uses full-length rows of random
   token ids; median and p90 over --runs timed runs after --warmup runs, the engines interleaved
   per shape so that background load hits them alike. Also SST-2 (or the checkpoint's task) dev
-  accuracy of the dynamic INT8 model and ours, through ONNX Runtime.
+  accuracy of every engine but PyTorch eager (whose weights the ORT fp32 export holds).
 Writes bench/results/cpu_latency.{json,md,png}. The machine is shared: `uptime` load averages
 before and after are recorded.
 """
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import platform
 import subprocess
 import sys
@@ -39,13 +49,19 @@ from holoserve.core.files import atomic_savefig  # noqa: E402
 from holoserve.core.machine import describe_cpu  # noqa: E402
 from holoserve.core.ort import session  # noqa: E402
 
-ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "ours_qdq_int8")
+ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "openvino_fp32", "openvino_nncf_int8", "ours_qdq_int8",
+           "ours_openvino")
 LABELS = {
     "pytorch_fp32": "PyTorch fp32 (eager)",
     "ort_fp32": "ORT fp32",
     "ort_dynamic_int8": "ORT dynamic INT8",
+    "openvino_fp32": "OpenVINO fp32",
+    "openvino_nncf_int8": "OpenVINO INT8 (NNCF PTQ)",
     "ours_qdq_int8": "ours: 2:4 + static INT8 (ORT)",
+    "ours_openvino": "ours on OpenVINO",
 }
+OPENVINO_ENGINES = ("openvino_fp32", "openvino_nncf_int8", "ours_openvino")
+INT8_REFERENCE = "openvino_nncf_int8"  # the second ratio in the table: speed-up over OpenVINO INT8 (NNCF)
 
 
 def load_avg() -> list[float]:
@@ -83,10 +99,67 @@ def percentile(xs, q):
     return float(np.percentile(np.asarray(xs), q))
 
 
-def accuracy(sess, batches, labels) -> float:
-    outs = [sess.run(["logits"], b)[0] for b in batches]
-    pred = np.concatenate(outs).argmax(1)
+def accuracy(run, batches, labels) -> float:
+    """run: feed dict -> logits."""
+    pred = np.concatenate([run(b) for b in batches]).argmax(1)
     return float((pred == labels).mean())
+
+
+def ort_runner(sess):
+    return lambda feed: sess.run(["logits"], feed)[0]
+
+
+def openvino_runner(compiled):
+    """feed dict -> logits through one infer request of an OpenVINO compiled model."""
+    request = compiled.create_infer_request()
+    names = [i.get_any_name() for i in compiled.inputs]
+    out = compiled.outputs[0]
+
+    def run(feed):
+        return request.infer({n: feed[n] for n in names})[out]
+    return run
+
+
+def openvino_modules():
+    """(openvino, nncf or None, reason nncf is missing) or raises ImportError when OpenVINO is missing."""
+    import openvino
+
+    try:
+        import nncf
+    except ImportError as e:
+        return openvino, None, f"NNCF is not installed ({e}): pip install 'holoserve[bench]'"
+    return openvino, nncf, ""
+
+
+def nncf_int8(ov, nncf, fp32_onnx: Path, samples: list[dict], out: Path) -> Path:
+    """The dense fp32 ONNX through NNCF post-training quantization, saved as OpenVINO IR at `out`."""
+    import logging
+
+    logging.getLogger("nncf").setLevel(logging.WARNING)
+    model = ov.Core().read_model(str(fp32_onnx))
+    q = nncf.quantize(model, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER,
+                      subset_size=len(samples))
+    ov.save_model(q, str(out), compress_to_fp16=False)
+    return out
+
+
+def inference_precision(compiled) -> str:
+    """The CPU plugin's floating-point precision for the compiled model (its default is bf16 on CPUs
+    with bf16 instructions, even for an fp32 model)."""
+    try:
+        t = compiled.get_property("INFERENCE_PRECISION_HINT")
+        return t.get_type_name() if hasattr(t, "get_type_name") else str(t)
+    except Exception as e:
+        return f"unknown ({str(e)[:100]})"
+
+
+def int8_gemms(compiled) -> dict:
+    try:
+        from holoserve.backends.openvino import gemm_precisions
+
+        return gemm_precisions(compiled)
+    except Exception as e:  # runtime info layout differs between OpenVINO releases
+        return {"unknown": str(e)[:200]}
 
 
 def main(argv=None) -> int:
@@ -94,7 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--dense", type=Path, default=None,
                     help="dense fine-tuned HF folder for the baselines (default: the checkpoint's own fp32 weights)")
-    ap.add_argument("--data-dir", default=None, help="GLUE data dir for dev accuracy (or $HOLOSERVE_DATA_DIR)")
+    ap.add_argument("--data-dir", default=None, help="GLUE data dir for dev accuracy and the NNCF calibration rows (or $HOLOSERVE_DATA_DIR)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--name", default="cpu_latency")
     ap.add_argument("--runs", type=int, default=30)
@@ -103,6 +176,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", default="32,128")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--dev-rows", type=int, default=None)
+    ap.add_argument("--calibration-rows", type=int, default=64,
+                    help="training rows NNCF calibrates the OpenVINO INT8 baseline on (its subset_size)")
+    ap.add_argument("--skip", default="",
+                    help=f"comma-separated engines to leave out, of {', '.join(ENGINES[1:])}")
     ap.add_argument("--fuse-baseline-attention", action="store_true",
                     help="give the ORT baselines the MultiHeadAttention fusion ours gets (before dynamic "
                          "quantization). Default: attention as exported, which dynamic quantization turns into "
@@ -113,6 +190,11 @@ def main(argv=None) -> int:
                          "for the [CLS] row only; before dynamic quantization). Without --fuse-baseline-attention "
                          "it stops at the attention output, as attention is then not one node")
     args = ap.parse_args(argv)
+    skipped = {}  # engine -> why it was not run
+    for k in filter(None, (x.strip() for x in args.skip.split(","))):
+        if k not in ENGINES[1:]:
+            raise SystemExit(f"--skip {k}: not an engine (choose from {', '.join(ENGINES[1:])})")
+        skipped[k] = "left out (--skip)"
     if args.runs < 30:
         print("note: fewer than 30 timed runs per cell", file=sys.stderr)
 
@@ -127,6 +209,21 @@ def main(argv=None) -> int:
     ours = art.export_path("onnxruntime")
     if ours is None or not ours.is_file():
         raise SystemExit(f"{art.path} has no ONNX Runtime export: run `holoserve export {art.path}` first")
+    ours_ov = art.export_path("openvino")
+    if "ours_openvino" not in skipped and (ours_ov is None or not ours_ov.is_file()):
+        skipped["ours_openvino"] = (f"{art.path.name} has no OpenVINO export (model.ov.onnx): run "
+                                    f"`holoserve export {art.path.name} --target openvino` to time ours on OpenVINO")
+    ov = nncf = None
+    if any(k not in skipped for k in OPENVINO_ENGINES):
+        try:
+            ov, nncf, why = openvino_modules()
+            if nncf is None:
+                skipped.setdefault("openvino_nncf_int8", why)
+        except ImportError as e:
+            for k in OPENVINO_ENGINES:
+                skipped.setdefault(k, f"OpenVINO is not installed ({e}): pip install 'holoserve[bench]'")
+    for k, why in skipped.items():
+        print(f"skipping {LABELS[k]}: {why}", flush=True)
     dense_dir = args.dense or art.path
     started = datetime.now(timezone.utc)
     uptime_before, load_before = uptime_text(), load_avg()
@@ -137,6 +234,8 @@ def main(argv=None) -> int:
                                                                      attn_implementation="eager").eval()
     fp32_onnx = work / "dense.fp32.onnx"
     torch_export_fp32(dense_eager, fp32_onnx)
+    plain_fp32_onnx = work / "dense.fp32.plain.onnx"  # OpenVINO's input: as exported, standard ops only
+    shutil.copyfile(fp32_onnx, plain_fp32_onnx)
     baseline_attention = "as exported (MatMul, Softmax)"
     baseline_classifier_row = "all rows computed"
     if args.fuse_baseline_attention or args.baseline_classifier_row:
@@ -154,32 +253,97 @@ def main(argv=None) -> int:
             baseline_classifier_row = f"last layer on the [CLS] row only, as in ours ({got['row_nodes']} nodes)"
         onnx.save(m, str(fp32_onnx))
     dyn_onnx = work / "dense.dynamic-int8.onnx"
-    quantize_dynamic(str(fp32_onnx), str(dyn_onnx), weight_type=QuantType.QInt8)
+    if "ort_dynamic_int8" not in skipped:
+        quantize_dynamic(str(fp32_onnx), str(dyn_onnx), weight_type=QuantType.QInt8)
     del dense_eager
     # PyTorch as users run it: default attention implementation, eval mode, inference_mode
     dense = AutoModelForSequenceClassification.from_pretrained(str(dense_dir), local_files_only=True).eval()
     sizes = {
         "fp32_onnx_bytes": fp32_onnx.stat().st_size,
-        "dynamic_int8_onnx_bytes": dyn_onnx.stat().st_size,
+        "dynamic_int8_onnx_bytes": dyn_onnx.stat().st_size if dyn_onnx.is_file() else None,
         "ours_onnx_bytes": ours.stat().st_size,
+        "ours_openvino_onnx_bytes": ours_ov.stat().st_size if "ours_openvino" not in skipped else None,
     }
 
     tok = make_tokenizer(art)
+    task = None
+    try:
+        from holoserve.data.tasks import get_task
+
+        task = get_task(art.task_name)
+    except Exception as e:
+        print(f"note: task {art.task_name!r} unknown ({e}): no dev accuracy or calibration rows", file=sys.stderr)
+
+    # ---------------------------------------------------------------- OpenVINO INT8 baseline (NNCF PTQ)
+    nncf_ir = work / "dense.nncf-int8.xml"
+    calibration = {}
+    if "openvino_nncf_int8" not in skipped:
+        try:
+            from holoserve.data.glue import read_split
+
+            if task is None:
+                raise RuntimeError(f"no task for {art.task_name!r}")
+            rows = read_split(task, "train", args.data_dir, limit=args.calibration_rows)
+            if not rows:
+                raise RuntimeError("the training split is empty")
+            samples = [b for _, b in encode_batches(
+                tok, [r.text for r in rows], [r.text_pair for r in rows] if task.is_pair else None, batch_size=1)]
+        except Exception as e:  # no data dir: nothing to calibrate on
+            skipped["openvino_nncf_int8"] = f"no {art.task_name} training rows to calibrate on ({str(e)[:300]})"
+            print(f"skipping {LABELS['openvino_nncf_int8']}: {skipped['openvino_nncf_int8']}", flush=True)
+        else:
+            print(f"NNCF post-training quantization of the dense model on {len(samples)} {task.name} training rows ...",
+                  flush=True)
+            t0 = time.perf_counter()
+            nncf_int8(ov, nncf, plain_fp32_onnx, samples, nncf_ir)
+            calibration = {"rows": len(samples), "split": "train", "task": task.name, "first_rows": True,
+                           "seconds": round(time.perf_counter() - t0, 1)}
+            sizes["openvino_nncf_int8_ir_bytes"] = nncf_ir.stat().st_size + nncf_ir.with_suffix(".bin").stat().st_size
+    engines = [k for k in ENGINES if k not in skipped]
+    onnx_of = {"ort_fp32": fp32_onnx, "ort_dynamic_int8": dyn_onnx, "ours_qdq_int8": ours}
+    openvino_of = {"openvino_fp32": (plain_fp32_onnx, False), "openvino_nncf_int8": (nncf_ir, False),
+                   "ours_openvino": (ours_ov, None)}  # (model, sparse-weights decompression: None = the backend's choice)
+
+    def compile_ov(key: str, threads: int):
+        from holoserve.backends.openvino import compile_model
+
+        path, sparse = openvino_of[key]
+        compiled, note = compile_model(path, threads=threads, sparse=sparse)
+        return compiled, note
+
+    def runners(threads: int) -> dict:
+        out = {}
+        for k in engines:
+            if k in onnx_of:
+                out[k] = ort_runner(ort_session(onnx_of[k], threads))
+            elif k in openvino_of:
+                out[k] = openvino_runner(compile_ov(k, threads)[0])
+        return out
+
+    openvino_info = {}
+    if ov is not None and any(k in engines for k in OPENVINO_ENGINES):
+        openvino_info = {"version": ov.__version__, "nncf": getattr(nncf, "__version__", None),
+                         "config": "PERFORMANCE_HINT LATENCY, INFERENCE_NUM_THREADS = threads"}
+        for k in OPENVINO_ENGINES:
+            if k in engines:
+                compiled, note = compile_ov(k, 1)
+                openvino_info[k] = {"gemm_precisions": int8_gemms(compiled), "sparse_weights_decompression": note,
+                                    "inference_precision": inference_precision(compiled)}
 
     # ---------------------------------------------------------------- accuracy (dev, through ORT)
     acc = {}
     try:
         from holoserve.data.glue import read_split
-        from holoserve.data.tasks import get_task
 
-        task = get_task(art.task_name)
+        if task is None:
+            raise RuntimeError(f"no task for {art.task_name!r}")
         rows = read_split(task, "dev", args.data_dir, limit=args.dev_rows)
         idx_b = list(encode_batches(tok, [r.text for r in rows], [r.text_pair for r in rows] if task.is_pair else None))
         order = np.concatenate([np.asarray(i) for i, _ in idx_b])
         labels = np.asarray([r.label for r in rows])[order]
         batches = [b for _, b in idx_b]
-        for key, path in (("ort_fp32", fp32_onnx), ("ort_dynamic_int8", dyn_onnx), ("ours_qdq_int8", ours)):
-            acc[key] = accuracy(ort_session(path, 2), batches, labels)
+        for key, run in runners(2).items():
+            acc[key] = accuracy(run, batches, labels)
         acc["task"], acc["rows"] = task.name, len(rows)
         acc["max_seq_length"] = art.max_seq_length
         print("dev accuracy:", {k: v for k, v in acc.items()}, flush=True)
@@ -196,11 +360,7 @@ def main(argv=None) -> int:
     results = []
     for th in threads_:
         torch.set_num_threads(th)
-        sessions = {
-            "ort_fp32": ort_session(fp32_onnx, th),
-            "ort_dynamic_int8": ort_session(dyn_onnx, th),
-            "ours_qdq_int8": ort_session(ours, th),
-        }
+        engine_runs = runners(th)
         for b in batches_:
             for s in seqs:
                 feed = random_rows(rng, vocab, b, s, cls_id, sep_id)
@@ -211,8 +371,8 @@ def main(argv=None) -> int:
                         dense(**tfeed)
 
                 fns = {"pytorch_fp32": run_torch}
-                for k, sess in sessions.items():
-                    fns[k] = (lambda sess=sess: sess.run(["logits"], feed))
+                for k, run in engine_runs.items():
+                    fns[k] = (lambda run=run: run(feed))
                 for fn in fns.values():
                     for _ in range(args.warmup):
                         fn()
@@ -223,13 +383,16 @@ def main(argv=None) -> int:
                         fn()
                         times[k].append((time.perf_counter() - t0) * 1000.0)
                 row = {"threads": th, "batch": b, "seq": s}
-                for k in ENGINES:
+                for k in engines:
                     row[k] = {"median_ms": round(percentile(times[k], 50), 3), "p90_ms": round(percentile(times[k], 90), 3)}
                 base = row["pytorch_fp32"]["median_ms"]
-                row["speedup_vs_pytorch_fp32"] = {k: round(base / row[k]["median_ms"], 2) for k in ENGINES}
+                row["speedup_vs_pytorch_fp32"] = {k: round(base / row[k]["median_ms"], 2) for k in engines}
+                if INT8_REFERENCE in engines:
+                    ref = row[INT8_REFERENCE]["median_ms"]
+                    row[f"speedup_vs_{INT8_REFERENCE}"] = {k: round(ref / row[k]["median_ms"], 2) for k in engines}
                 results.append(row)
                 print(f"threads {th} batch {b:>2} seq {s:>3}: " + "  ".join(
-                    f"{k} {row[k]['median_ms']:.1f}ms (x{row['speedup_vs_pytorch_fp32'][k]})" for k in ENGINES), flush=True)
+                    f"{k} {row[k]['median_ms']:.1f}ms (x{row['speedup_vs_pytorch_fp32'][k]})" for k in engines), flush=True)
 
     import onnxruntime
 
@@ -242,13 +405,21 @@ def main(argv=None) -> int:
         "load": {"uptime_before": uptime_before, "uptime_after": uptime_text(), "loadavg_before": load_before,
                  "loadavg_after": load_avg(),
                  "note": "shared machine: other jobs may have been running during the measurement"},
-        "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "python": platform.python_version()},
+        "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "python": platform.python_version(),
+                     **({"openvino": openvino_info["version"], "nncf": openvino_info["nncf"]} if openvino_info else {})},
         "checkpoint": art.path.name,
         "dense_baseline": dense_dir.name,
         "method": {"runs": args.runs, "warmup": args.warmup, "inputs": "random token ids, full-length rows (no padding)",
                    "interleaved": True, "dynamic_int8": "onnxruntime.quantization.quantize_dynamic(weight_type=QInt8)",
                    "baseline_attention": baseline_attention,
-                   "baseline_classifier_row": baseline_classifier_row},
+                   "baseline_classifier_row": baseline_classifier_row,
+                   "openvino_baselines": "the dense fp32 ONNX as exported (standard ops, no ORT rewrites), compiled "
+                                         "by OpenVINO; INT8: nncf.quantize(model_type=TRANSFORMER, subset_size="
+                                         f"{args.calibration_rows}) on the first training rows, dense weights",
+                   "nncf_calibration": calibration},
+        "engines": engines,
+        "skipped_engines": skipped,
+        "openvino": openvino_info,
         "sizes": sizes,
         "dev_accuracy": acc,
         "results": results,
@@ -260,34 +431,60 @@ def main(argv=None) -> int:
     atomic_write_text(args.out / f"{args.name}.md", markdown(report))
     plot(report, args.out / f"{args.name}.png")
     print(f"wrote {args.out / args.name}.{{json,md,png}}")
+    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
+def report_engines(r: dict) -> list[str]:
+    """The engines a report timed (reports written before OpenVINO joined have the first four)."""
+    return list(r.get("engines") or ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "ours_qdq_int8"))
+
+
 def markdown(r: dict) -> str:
+    engines = report_engines(r)
+    versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items() if k != "python" and v)
     lines = [f"# CPU latency — {r['date']}, {r['machine']}", "",
              f"Checkpoint `{r['checkpoint']}`; baselines from `{r['dense_baseline']}`. "
              f"Median / p90 of {r['method']['runs']} runs after {r['method']['warmup']} warm-up runs, engines "
-             f"interleaved, full-length rows. torch {r['versions']['torch']}, onnxruntime {r['versions']['onnxruntime']}. "
+             f"interleaved, full-length rows. {versions}. "
              f"Attention in the ORT baselines: {r['method'].get('baseline_attention', 'as exported')}; "
              f"their last layer: {r['method'].get('baseline_classifier_row', 'all rows computed')}.",
              f"Load before: `{r['load']['uptime_before']}`; after: `{r['load']['uptime_after']}` "
              "(shared machine: other jobs may have been running).", ""]
+    if any(k in engines for k in OPENVINO_ENGINES):
+        cal = r["method"].get("nncf_calibration") or {}
+        lines += [f"OpenVINO baselines: {r['method']['openvino_baselines']}"
+                  + (f" ({cal['rows']} {cal['task']} rows, {cal['seconds']} s)" if cal else "")
+                  + f"; compiled with {r['openvino']['config']}, other settings OpenVINO's defaults.", ""]
+        prec = [f"{LABELS[k]} {r['openvino'][k]['gemm_precisions']}, float ops in "
+                f"{r['openvino'][k].get('inference_precision', '?')}" for k in OPENVINO_ENGINES if k in r["openvino"]]
+        lines += ["OpenVINO GEMM precisions (compiled graph): " + "; ".join(prec) + ".", ""]
+    for k, why in (r.get("skipped_engines") or {}).items():
+        lines += [f"Not run: {LABELS[k]} — {why}.", ""]
     acc = r["dev_accuracy"]
     if "skipped" not in acc:
-        lines += [f"{acc['task']} dev accuracy ({acc['rows']} rows, ONNX Runtime, max_seq_length {acc['max_seq_length']}): "
-                  f"dense fp32 {100 * acc['ort_fp32']:.2f}, dynamic INT8 {100 * acc['ort_dynamic_int8']:.2f}, "
-                  f"ours {100 * acc['ours_qdq_int8']:.2f}.", ""]
+        got = ", ".join(f"{LABELS[k]} {100 * acc[k]:.2f}" for k in engines if k in acc)
+        lines += [f"{acc['task']} dev accuracy ({acc['rows']} rows, max_seq_length {acc['max_seq_length']}; "
+                  f"ORT fp32 holds the PyTorch weights): {got}.", ""]
+    else:
+        lines += [f"Dev accuracy not measured: {acc['skipped']}", ""]
     s = r["sizes"]
-    lines += [f"ONNX sizes: fp32 {s['fp32_onnx_bytes'] / 1e6:.1f} MB, dynamic INT8 {s['dynamic_int8_onnx_bytes'] / 1e6:.1f} MB, "
-              f"ours {s['ours_onnx_bytes'] / 1e6:.1f} MB.", ""]
+    names = {"fp32_onnx_bytes": "fp32 ONNX", "dynamic_int8_onnx_bytes": "dynamic INT8 ONNX",
+             "openvino_nncf_int8_ir_bytes": "NNCF INT8 IR", "ours_onnx_bytes": "ours (model.onnx)",
+             "ours_openvino_onnx_bytes": "ours (model.ov.onnx)"}
+    lines += ["Sizes: " + ", ".join(f"{names.get(k, k)} {v / 1e6:.1f} MB" for k, v in s.items() if v) + ".", ""]
+    ref = f"speedup_vs_{INT8_REFERENCE}"
+    has_ref = any(ref in x for x in r["results"])
     for th in sorted({x["threads"] for x in r["results"]}):
-        lines += [f"## {th} thread{'s' if th > 1 else ''} — median ms (p90 ms), speed-up vs PyTorch fp32", "",
-                  "| batch | seq | " + " | ".join(LABELS[k] for k in ENGINES) + " |",
-                  "|---:|---:|" + "---:|" * len(ENGINES)]
+        lines += [f"## {th} thread{'s' if th > 1 else ''} — median ms (p90 ms), speed-up vs PyTorch fp32"
+                  + (f" / vs {LABELS[INT8_REFERENCE]}" if has_ref else ""), "",
+                  "| batch | seq | " + " | ".join(LABELS[k] for k in engines) + " |",
+                  "|---:|---:|" + "---:|" * len(engines)]
         for x in r["results"]:
             if x["threads"] != th:
                 continue
-            cells = [f"{x[k]['median_ms']:.1f} ({x[k]['p90_ms']:.1f}) ×{x['speedup_vs_pytorch_fp32'][k]:.2f}" for k in ENGINES]
+            cells = [f"{x[k]['median_ms']:.1f} ({x[k]['p90_ms']:.1f}) ×{x['speedup_vs_pytorch_fp32'][k]:.2f}"
+                     + (f" / ×{x[ref][k]:.2f}" if ref in x else "") for k in engines]
             lines.append(f"| {x['batch']} | {x['seq']} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -299,19 +496,21 @@ def plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    engines = report_engines(r)
     ths = sorted({x["threads"] for x in r["results"]})
-    fig, axes = plt.subplots(1, len(ths), figsize=(6 * len(ths), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(ths), figsize=(7 * len(ths), 4.4), squeeze=False)
     for ax, th in zip(axes[0], ths):
         rows = [x for x in r["results"] if x["threads"] == th]
         xs = np.arange(len(rows))
-        w = 0.2
-        for i, k in enumerate(ENGINES):
-            ax.bar(xs + (i - 1.5) * w, [x["speedup_vs_pytorch_fp32"][k] for x in rows], w, label=LABELS[k])
+        w = 0.8 / len(engines)
+        for i, k in enumerate(engines):
+            ax.bar(xs + (i - (len(engines) - 1) / 2) * w, [x["speedup_vs_pytorch_fp32"][k] for x in rows], w,
+                   label=LABELS[k])
         ax.set_xticks(xs, [f"b{x['batch']}\ns{x['seq']}" for x in rows])
         ax.axhline(1.0, color="k", lw=0.6)
         ax.set_title(f"{th} thread{'s' if th > 1 else ''}")
         ax.set_ylabel("speed-up vs PyTorch fp32 (median)")
-    axes[0][0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=7)
     fig.suptitle(f"CPU latency, {r['machine']}, {r['date']}", fontsize=10)
     fig.tight_layout()
     atomic_savefig(fig, path, dpi=110)

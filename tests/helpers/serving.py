@@ -134,13 +134,7 @@ def serve_subprocess(args: list[str], env: dict[str, str] | None = None, timeout
         wait_ready(url, timeout, proc=proc)
         yield url, proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
 
 
 _CACHE: dict[tuple[str, bool], Path] = {}
@@ -269,3 +263,14 @@ class RawHTTP:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def stop(proc: "subprocess.Popen", timeout: float = 30) -> None:
+    """Terminate a child process, killing it if it does not exit within `timeout` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

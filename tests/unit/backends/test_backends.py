@@ -21,10 +21,6 @@ from tests.helpers.serving import REPO, server_env, tiny_checkpoint
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="module")
-def sst2():
-    return tiny_checkpoint("sst2")
-
 
 # --------------------------------------------------------------------------- tokenization
 

@@ -537,26 +537,68 @@ def test_fusion_refuses_an_attention_graph_it_cannot_match(exported, tmp_path):
 
 
 def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(exported, tmp_path, monkeypatch):
-    """bench/cpu_latency end to end on the tiny export: every engine timed, ORT baselines given our
-    attention fusion and classifier-row rewrite on request."""
+    """bench/cpu_latency end to end on the tiny export: every engine timed and scored on dev (the
+    OpenVINO ones, NNCF's INT8 calibrated on training rows, where OpenVINO and NNCF are installed,
+    else skipped with the reason), ORT baselines given our attention fusion and classifier-row
+    rewrite on request."""
+    import importlib.util
+    import shutil
+
+    from holoserve.export.onnx_export import export_checkpoint
     from tests.helpers.bench import bench_module
 
     monkeypatch.delenv("HOLOSERVE_DATA_DIR", raising=False)
-    ckpt, _ = exported
+    has_ov = importlib.util.find_spec("openvino") is not None
+    has_nncf = has_ov and importlib.util.find_spec("nncf") is not None
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(exported[0], ckpt)  # the module's checkpoint stays without an openvino export
+    if has_ov:
+        export_checkpoint(ckpt, ["openvino"], progress=False, polygraphy=False, verify_exports=False)
+    glue = tmp_path / "glue"
+    (glue / "SST-2").mkdir(parents=True)
+    texts = ["a good film", "the plot is thin and the acting is worse", "fun", "dull , slow and long",
+             "a warm , funny story", "i wanted to leave"]
+    for split, n in (("train", 12), ("dev", 6)):
+        (glue / "SST-2" / f"{split}.tsv").write_text(
+            "sentence\tlabel\n" + "".join(f"{texts[i % 6]}\t{i % 2}\n" for i in range(n)))
     run = bench_module("cpu_latency", "run")
     rc = run.main([str(ckpt), "--out", str(tmp_path), "--name", "lat", "--runs", "2", "--warmup", "1",
                    "--batches", "1,2", "--seqs", "8", "--threads", "1", "--fuse-baseline-attention",
-                   "--baseline-classifier-row"])
+                   "--baseline-classifier-row", "--data-dir", str(glue), "--calibration-rows", "8"])
     assert rc == 0
     r = json.loads((tmp_path / "lat.json").read_text())
     assert r["method"]["baseline_attention"].startswith("2 blocks fused")
     assert [(x["batch"], x["seq"]) for x in r["results"]] == [(1, 8), (2, 8)]
+    ran = [k for k in run.ENGINES if (k not in run.OPENVINO_ENGINES or has_ov)
+           and (k != "openvino_nncf_int8" or has_nncf)]
+    assert r["engines"] == ran and set(r["skipped_engines"]) == set(run.ENGINES) - set(ran)
+    for k, why in r["skipped_engines"].items():  # never silently: the reason is recorded and shown
+        assert "not installed" in why and f"Not run: {run.LABELS[k]}" in (tmp_path / "lat.md").read_text()
     for x in r["results"]:
-        assert all(x[k]["median_ms"] > 0 for k in run.ENGINES)
-    assert "skipped" in r["dev_accuracy"]  # no data dir given: latency only, said so
+        assert all(x[k]["median_ms"] > 0 for k in ran)
+    assert set(r["dev_accuracy"]) >= set(ran[1:]) and r["dev_accuracy"]["rows"] == 6
+    assert all(0.0 <= r["dev_accuracy"][k] <= 1.0 for k in ran[1:])
+    if has_nncf:
+        assert r["method"]["nncf_calibration"]["rows"] == 8
+        assert r["openvino"]["openvino_nncf_int8"]["gemm_precisions"].get("u8", 0) > 0  # NNCF made INT8 GEMMs
+        assert all(x["speedup_vs_openvino_nncf_int8"]["openvino_nncf_int8"] == 1.0 for x in r["results"])
+    if has_ov:
+        assert r["openvino"]["ours_openvino"]["gemm_precisions"].get("u8", 0) > 0
     assert r["method"]["baseline_classifier_row"] == "last layer on the [CLS] row only, as in ours (17 nodes)"
     md = (tmp_path / "lat.md").read_text()
     assert "Attention in the ORT baselines: 2 blocks fused" in md and "their last layer: last layer on the [CLS]" in md
+    assert all(f" {run.LABELS[k]} |" in md for k in ran)
+    # no OpenVINO export in the checkpoint, and no data dir: ours on OpenVINO and NNCF's INT8 say why they did not run
+    if has_nncf:
+        rc = run.main([str(exported[0]), "--out", str(tmp_path), "--name", "lat2", "--runs", "1", "--warmup", "1",
+                       "--batches", "1", "--seqs", "8", "--threads", "1", "--skip", "ort_fp32,ort_dynamic_int8"])
+        assert rc == 0
+        r = json.loads((tmp_path / "lat2.json").read_text())
+        assert r["engines"] == ["pytorch_fp32", "openvino_fp32", "ours_qdq_int8"]
+        assert "--target openvino" in r["skipped_engines"]["ours_openvino"]
+        assert "training rows to calibrate on" in r["skipped_engines"]["openvino_nncf_int8"]
+        assert r["skipped_engines"]["ort_fp32"] == "left out (--skip)"
+        assert "skipped" in r["dev_accuracy"]  # no data dir given: latency only, said so
 
 
 def test_fused_ops_match_standard_onnx_ops(exported, tmp_path):

@@ -23,7 +23,7 @@ from holoserve.core.artifact import add_files, load_artifact, read_manifest
 from holoserve.core.tokenizer import TextEncoder, pad_batch
 from holoserve.export.triton import (HEADER, TritonRepoError, default_model_name, local_tritonserver,
                                      write_triton_repo)
-from tests.helpers.serving import ThreadServer, free_port, tiny_checkpoint
+from tests.helpers.serving import stop, ThreadServer, free_port, tiny_checkpoint
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -32,19 +32,7 @@ TEXTS = ["the movie was good", "i hated it", "a dog is playing with the cat in t
 PAIRS = [("a dog is playing", "a dog plays"), ("the cat sat", "stocks fell sharply"), ("same", "same")]
 
 
-@pytest.fixture(scope="module")
-def sst2():
-    return tiny_checkpoint("sst2")
 
-
-@pytest.fixture(scope="module")
-def mrpc():
-    return tiny_checkpoint("mrpc")
-
-
-@pytest.fixture(scope="module")
-def stsb():
-    return tiny_checkpoint("stsb")
 
 
 def reference(ckpt: Path, items) -> np.ndarray:
@@ -411,13 +399,7 @@ def triton(sst2, mrpc, stsb, tmp_path_factory):
             time.sleep(0.2)
         yield url, repo
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         log.close()
 
 

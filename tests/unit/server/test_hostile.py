@@ -26,10 +26,6 @@ from tests.helpers.serving import REPO, RawHTTP, ThreadServer, server_env, tiny_
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="module")
-def sst2():
-    return tiny_checkpoint("sst2")
-
 
 @contextlib.contextmanager
 def running(ckpt, backend=None, graceful_timeout_s: float = 10, **overrides):

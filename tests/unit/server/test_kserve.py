@@ -28,10 +28,6 @@ def running(ckpt, **overrides):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def sst2():
-    return tiny_checkpoint("sst2")
-
 
 @pytest.fixture(scope="module")
 def server(sst2):

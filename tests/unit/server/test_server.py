@@ -27,14 +27,6 @@ from tests.helpers.serving import REPO, ThreadServer, server_env, serve_subproce
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="module")
-def sst2():
-    return tiny_checkpoint("sst2")
-
-
-@pytest.fixture(scope="module")
-def mrpc():
-    return tiny_checkpoint("mrpc")
 
 
 @contextlib.contextmanager
