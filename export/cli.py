@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-metric-diff", type=float, default=0.2,
                    help="fail if the ORT dev metric differs from the PyTorch fake-quant model by more than this "
                         "many points (default 0.2)")
+    p.add_argument("--tensorrt-precision", choices=("fp16", "fp32"), default="fp32",
+                   help="float type of the tensorrt target outside its Q/DQ pairs (strongly typed TensorRT runs the "
+                        "graph's own types): fp32 (default) or fp16 (LayerNormalization and Softmax stay fp32)")
     p.add_argument("--embeddings", choices=("auto", "int8", "fp32"), default="auto",
                    help="word-embedding table storage: int8 + per-row scale makes the file ~3.7x instead of "
                         "~1.5x smaller than fp32 for MiniLM, but is a numeric change unless the checkpoint's "
@@ -91,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         max_metric_diff=args.max_metric_diff,
         embeddings=args.embeddings,
+        tensorrt_precision=args.tensorrt_precision,
         fuse_attention=not args.no_fuse_attention,
         fuse_matmul=not args.no_fuse_matmul,
         fuse_gelu=not args.no_fuse_gelu,

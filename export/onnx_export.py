@@ -43,6 +43,10 @@ MANIFEST_KEYS = {"onnxruntime": ONNXRUNTIME, "tensorrt": TENSORRT_ONNX, "openvin
 PLACEMENT = {"onnxruntime": "onnxruntime", "tensorrt": "tensorrt", "openvino": "onnxruntime"}
 FLOAT_FILE = "model.float.onnx"  # optional, with keep_float: fp32 export Polygraphy checks
 CALIB_FILE = "model.calib.onnx"  # temporary: the onnxruntime placement before the contrib-op rewrites
+TRT_FP32_FILE = "model.trt.fp32.onnx"  # temporary: the float32 TensorRT placement the float16 one is checked against
+TENSORRT_PRECISIONS = ("fp16", "fp32")
+# ONNX Runtime's CPU provider has no float16 kernel for these ops (1.32): it runs them in float32 between Casts
+ORT_CPU_FP32_FALLBACK = ("MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Erf", "Tanh", "Softmax")
 
 # Used for TensorRT-placement calibration when no GLUE data dir is available (documented fallback).
 BUILTIN_SENTENCES = (
@@ -287,6 +291,10 @@ class ExportOptions:
     fuse_matmul:     each QDQ MatMul -> MatMulIntegerToFloat with the Linear's bias folded in
     fuse_gelu:       a tanh-approximated GELU (gelu_new, gelu_pytorch_tanh) -> FastGelu
     classifier_row:  the last layer computes only the [CLS] row the classifier reads (exact)
+    tensorrt_precision: the tensorrt target's float type outside its Q/DQ pairs. A strongly typed TensorRT
+                     network (TensorRT-RTX, TensorRT >= 11, or 10.12+ without the deprecated flags) runs the
+                     graph's own types: "fp16" writes a float16 graph (float16 Q/DQ scales, LayerNormalization
+                     and Softmax in float32, float32 logits, opset 19), "fp32" (default) the float32 graph
     """
 
     targets: tuple[str, ...] = ("onnxruntime",)
@@ -306,6 +314,7 @@ class ExportOptions:
     fuse_matmul: bool = True
     fuse_gelu: bool = True
     classifier_row: bool = True
+    tensorrt_precision: str = "fp32"
 
     def validate(self) -> "ExportOptions":
         for t in self.targets:
@@ -313,6 +322,8 @@ class ExportOptions:
                 raise HoloServeError(f"unknown export target {t!r}: choose onnxruntime, tensorrt or all")
         if self.embeddings not in ("auto", "int8", "fp32"):
             raise HoloServeError(f"--embeddings must be auto, int8 or fp32, not {self.embeddings!r}")
+        if self.tensorrt_precision not in TENSORRT_PRECISIONS:
+            raise HoloServeError(f"--tensorrt-precision must be fp16 or fp32, not {self.tensorrt_precision!r}")
         return self
 
 
@@ -356,6 +367,8 @@ class _Export:
         # tensors (attention MatMul inputs) exist only there, so they are calibrated on it
         self.calib_model = tmp / CALIB_FILE
         self.built: dict[str, Path] = {}
+        self.trt_fp16 = "tensorrt" in opts.targets and opts.tensorrt_precision == "fp16"
+        self.trt_fp32_path = tmp / TRT_FP32_FILE if self.trt_fp16 and opts.verify_exports else None
 
     def run(self) -> ExportResult:
         from tqdm import tqdm
@@ -445,6 +458,10 @@ class _Export:
         m.producer_name, m.producer_version = "holoserve", _version()
         path = self.tmp / TARGET_FILES[target]
         attention, fused_ops = None, None
+        if target == "tensorrt" and self.trt_fp16:
+            if self.trt_fp32_path is not None:  # what the float16 graph is checked against
+                onnx.save(m, str(self.trt_fp32_path))
+            fused_ops = {"float16": qdq.to_float16(m)}
         if target == "onnxruntime":
             if "tensorrt" in self.opts.targets:
                 onnx.save(m, str(self.calib_model))
@@ -493,14 +510,16 @@ class _Export:
         entry = {
             "file": TARGET_FILES[target],
             "format": "onnx",
-            "opset": OPSET,
+            "opset": qdq.FP16_OPSET if target == "tensorrt" and self.trt_fp16 else OPSET,
             "placement": PLACEMENT[target],
             "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in verify.INPUT_NAMES},
             "outputs": {verify.OUTPUT_NAME: {"dtype": "float32", "shape": ["batch", self.art.num_labels]}},
             "weights": "int8 initializers, per-output-channel scales, zero-point 0, read by "
             + ("MatMulIntegerToFloat" if target == "onnxruntime" and self.opts.fuse_matmul else "DequantizeLinear"),
             "activations": "uint8 zero-point 128 (MatMul inputs only)" if PLACEMENT[target] == "onnxruntime"
-            else "int8 zero-point 0 (Linear inputs, attention MatMul inputs, residual Add inputs)",
+            else "int8 zero-point 0 (Linear inputs, attention MatMul inputs, residual Add inputs)"
+            + ("; float16 outside Q/DQ (float16 scales), LayerNormalization and Softmax in float32"
+               if target == "tensorrt" and self.trt_fp16 else ""),
             "quantized_linears": len(rep.linears),
             "activation_qdq_pairs": rep.activation_qdq,
             "weight_dequantize": rep.weight_dq,
@@ -532,7 +551,7 @@ class _Export:
         self.report["verification"] = _verify(
             self.art, ref_model, self.built, opts.targets, self.float_path, self.sites, self.sparse, self.tok,
             self.data, opts.dev_rows, opts.threads, self.tmp, opts.polygraphy,
-            opts.max_metric_diff, self.emb_int8 and not self.lossless,
+            opts.max_metric_diff, self.emb_int8 and not self.lossless, tensorrt_fp32=self.trt_fp32_path,
         )
         for t in opts.targets:
             self.result.entries[MANIFEST_KEYS[t]]["verification"] = self.report["verification"][t]
@@ -580,8 +599,39 @@ def _verify_openvino(path, batches, ref, rows_source, threads, task, labels, ord
     return out
 
 
+def _verify_tensorrt_fp16(fp32_path, threads, batches, got, ref, rows_source, task, labels, order, ref_metric,
+                          max_metric_diff) -> dict:
+    """The float16 TensorRT graph against the same placement in float32 (the effect of float16 alone).
+
+    Refuses the export when float16 moves the dev metric by more than `max_metric_diff` points from
+    the float32 placement (pass --tensorrt-precision fp32 then)."""
+    fp32 = verify.ort_logits(verify.ort_session(fp32_path, threads=threads), batches)
+    out: dict[str, Any] = {
+        "precision": "float16 outside Q/DQ; LayerNormalization and Softmax in float32",
+        "parity_vs_fp32_placement": verify.parity(got, fp32) | {"rows_source": rows_source},
+        "parity_fp32_placement_vs_pytorch_fakequant": verify.parity(fp32, ref),
+        "ort_float16_note": "ONNX Runtime's CPU provider has no float16 kernel for "
+        + ", ".join(ORT_CPU_FP32_FALLBACK) + ": it computes them in float32 between Casts, so this check covers the "
+        "float16 weights, scales, constants and Q/DQ, not float16 accumulation (TensorRT's float16 kernels)",
+    }
+    if labels is not None:
+        y = np.asarray(labels)[order]
+        m16, m32 = _metric(task, got, y), _metric(task, fp32, y)
+        key = task.primary_metric
+        diff = 100.0 * abs(m16[key] - m32[key])
+        out["dev_metric_ort_fp32_placement"] = m32
+        out["dev_metric_diff_points_vs_fp32_placement"] = round(diff, 4)
+        out["dev_metric_diff_points"] = round(100.0 * abs(m16[key] - ref_metric[key]), 4)
+        if max_metric_diff is not None and diff > max_metric_diff:
+            raise verify.ExportVerificationError(
+                f"dev {key} of the float16 TensorRT graph through ONNX Runtime ({100 * m16[key]:.2f}) differs from "
+                f"the float32 one ({100 * m32[key]:.2f}) by {diff:.2f} points (allowed {max_metric_diff}); "
+                "export it with --tensorrt-precision fp32")
+    return out
+
+
 def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, dev_rows, threads, tmp,
-            polygraphy, max_metric_diff, lossy_embeddings=False) -> dict:
+            polygraphy, max_metric_diff, lossy_embeddings=False, tensorrt_fp32=None) -> dict:
     out: dict[str, dict] = {}
     # Polygraphy on the float-weight export: every sparse encoder weight must be 2:4 along K.
     poly = None
@@ -637,6 +687,9 @@ def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, de
             if lossy_embeddings:
                 v["dev_metric_checkpoint_numerics"] = ckpt_metric  # what `holoserve eval` computes
                 v["reference_note"] = "PyTorch fake-quant reference uses the same int8 word-embedding table"
+        if t == "tensorrt" and tensorrt_fp32 is not None:
+            v.update(_verify_tensorrt_fp16(tensorrt_fp32, threads, batches, got, ref, rows_source, task, labels, order,
+                                           ref_metric, max_metric_diff))
         if t == "openvino":
             v.update(_verify_openvino(path, batches, ref, rows_source, threads, task, labels, order))
         if t == "onnxruntime":

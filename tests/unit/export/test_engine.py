@@ -305,6 +305,46 @@ def test_tensorrt_rtx_parses_and_builds_sm80_engine(trt_export, tmp_path):
         check_compatible(saved, flavour="tensorrt-rtx", version=tensorrt_rtx.__version__, compute_capability="8.6")
 
 
+@pytest.fixture(scope="module")
+def trt_fp16_export(trt_export, tmp_path_factory):
+    """The same checkpoint's TensorRT target in float16 (--tensorrt-precision fp16)."""
+    from holoserve.export.onnx_export import export_checkpoint
+
+    out = tmp_path_factory.mktemp("engine-fp16")
+    export_checkpoint(trt_export, ["tensorrt"], progress=False, polygraphy=False, out_dir=out, tensorrt_precision="fp16")
+    return out / "model.trt.onnx"
+
+
+@needs_rtx
+@pytest.mark.parametrize("cc", ["SM80", None])
+def test_fp16_tensorrt_graph_keeps_its_int8_gemms(trt_export, trt_fp16_export, tmp_path, cc):
+    """The float16 graph parses and builds (pinned SM80 and portable) with the same INT8 GEMMs as the float32
+    one: float16 Q/DQ scales leave every Q/DQ pair for TensorRT to fuse; the rest of the engine runs FP16."""
+    import onnx
+
+    from holoserve.export.engine import build_engine
+
+    fp16_path = trt_fp16_export
+    assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in onnx.load(str(fp16_path)).graph.initializer)
+    prof = ShapeProfile((1, 1), (4, 16), (8, 32))
+    s16 = build_engine(fp16_path, tmp_path / "fp16.plan", profile=prof, compute_capability=cc,
+                       flavour="tensorrt_rtx").sidecar
+    s32 = build_engine(trt_export / "model.trt.onnx", tmp_path / "fp32.plan", profile=prof, compute_capability=cc,
+                       flavour="tensorrt_rtx").sidecar
+    assert s16["parser"]["accepted"] and not s16["parser"]["errors"]
+    l16, l32 = s16["engine_layers"], s32["engine_layers"]
+    assert l16["gemm_layers"] > 0 and l16["gemm_int8_inputs"] == l16["gemm_layers"]
+    for k in ("gemm_layers", "gemm_int8_inputs", "gemm_int8_in_int8_out", "onnx_matmuls_in_gemms"):
+        assert l16[k] == l32[k], k
+    gemms = s16["sparsity"]["gemms"]
+    assert s16["parser"]["weight_gemms"] == len(gemms) == 12 and all(g["int8"] is True for g in gemms)
+    # outside Q/DQ: float16, except the float32 LayerNorm/Softmax islands; the float32 export is all FP32
+    assert s16["precision_outside_qdq"]["graph"]["Half"] > s16["precision_outside_qdq"]["graph"].get("Float", 0)
+    assert l16["float_outputs_outside_gemms"].get("Half", 0) > 0
+    assert s32["precision_outside_qdq"]["runs"] == "FP32" and "Half" not in l32["float_outputs_outside_gemms"]
+    assert [o["name"] for o in s16["outputs"]] == ["logits"]
+
+
 @needs_rtx
 def test_tensorrt_rtx_default_build_is_portable(trt_export, tmp_path):
     """No --compute-capability: a portable engine that the sidecar check accepts on RTX 30/40/50 and A100 GPUs."""

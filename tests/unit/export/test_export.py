@@ -834,3 +834,65 @@ def test_classifier_row_walk_stops_where_a_tensor_is_needed_whole():
         assert keep_classifier_row(m, tensor_ranks(m)) == {"row_nodes": 0, "slices": 0}
         assert [(n.op_type, list(n.input)) for n in m.graph.node] == before
     assert keep_classifier_row(_row_graph(), {}) == {"row_nodes": 0, "slices": 0}
+
+
+def _float_types(model) -> dict[str, int]:
+    """Element type of every float tensor the graph computes or stores (after ONNX shape inference)."""
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    g = inferred.graph
+    out = {vi.name: vi.type.tensor_type.elem_type for vi in list(g.value_info) + list(g.output)}
+    out.update({i.name: i.data_type for i in g.initializer})
+    return {k: v for k, v in out.items() if v in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
+
+
+def test_tensorrt_target_is_float16_outside_qdq(exported, tmp_path):
+    """--tensorrt-precision fp16: float16 everywhere outside Q/DQ (float16 scales, so every Q/DQ pair stays),
+    LayerNormalization and Softmax in float32 between Casts, float32 logits; ORT parity within tolerance."""
+    from holoserve.export.onnx_export import export_checkpoint
+
+    ckpt, r32 = exported  # the default: float32
+    res = export_checkpoint(ckpt, ["tensorrt"], progress=False, polygraphy=False, out_dir=tmp_path,
+                            tensorrt_precision="fp16")
+    F, H = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+    m = onnx.load(str(tmp_path / "model.trt.onnx"))
+    g = m.graph
+    assert next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx")) == 19
+    entry = res.entries["tensorrt-onnx"]
+    assert entry["opset"] == 19 and "float16 outside Q/DQ" in entry["activations"]
+    f16 = entry["fused_ops"]["float16"]
+    assert f16["fp32_ops"] == {"LayerNormalization": 5, "Softmax": 2}
+    types = _float_types(m)
+    kept = [n for n in g.node if n.op_type in ("LayerNormalization", "Softmax")]
+    fp32_ok = {"logits"} | {x for n in kept for x in list(n.input) + list(n.output)}
+    assert {t for t, v in types.items() if v == F} == fp32_ok & set(types)
+    assert all(types[n.output[0]] == H for n in g.node if n.op_type == "DequantizeLinear")
+    inits = _inits(m)
+    scales = [inits[n.input[1]] for n in g.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    assert scales and all(s.dtype == np.float16 for s in scales)
+    # each kept op reads a Cast to float32 and is read through a Cast back to float16
+    prod = {o: n for n in g.node for o in n.output}
+    assert all(prod[n.input[0]].op_type == "Cast" for n in kept)
+    assert g.output[0].type.tensor_type.elem_type == F and prod["logits"].op_type == "Cast"
+    # the Q/DQ placement is the float32 one's: same Q/DQ counts, every attention MatMul input dequantized
+    m32 = onnx.load(str(ckpt / "model.trt.onnx"))
+    assert r32.entries["tensorrt-onnx"]["opset"] == 17 and "fused_ops" not in r32.entries["tensorrt-onnx"]
+    assert all(v == F for v in _float_types(m32).values())
+    for op in ("QuantizeLinear", "DequantizeLinear", "MatMul"):
+        assert entry["ops"][op] == r32.entries["tensorrt-onnx"]["ops"][op]
+    assert all(prod[i].op_type == "DequantizeLinear" for x in g.node if x.op_type == "MatMul" for i in x.input)
+    # ONNX Runtime parity: float16 vs the PyTorch fake-quant model, and vs the float32 placement
+    v = entry["verification"]
+    assert v["onnx_checker_full"] == "passed"
+    assert v["parity_vs_pytorch_fakequant"]["max_abs_diff"] < 0.05
+    assert v["parity_vs_fp32_placement"]["max_abs_diff"] < 0.01
+    assert v["parity_vs_fp32_placement"]["argmax_agreement"] == 1.0
+    assert "float32 between Casts" in v["ort_float16_note"]
+
+
+def test_tensorrt_precision_is_validated():
+    from holoserve import HoloServeError
+    from holoserve.export.onnx_export import ExportOptions
+
+    assert ExportOptions().tensorrt_precision == "fp32"
+    with pytest.raises(HoloServeError, match="--tensorrt-precision"):
+        ExportOptions(tensorrt_precision="bf16").validate()
