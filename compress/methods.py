@@ -5,6 +5,8 @@ resumable phases, calibration) and returns an `Outcome`: the compressed model an
 checkpoint records about it. Adding a method is one class here with `@register("name")`.
 
   admm       dense teacher -> ADMM toward 2:4 ∩ INT8 with distillation -> hard projection -> QAT
+  oneshot    dense teacher -> one-shot projection onto 2:4 ∩ INT8 -> QAT with distillation for the
+             steps ADMM + QAT spend (does ADMM earn its place?)
   magnitude  one-shot magnitude 2:4 of the teacher -> masked fine-tune -> post-training INT8
              (the APEX ASP recipe, the baseline ADMM has to beat, with the same step budget)
   ptq        post-training INT8 of an existing checkpoint or fine-tuned folder
@@ -135,37 +137,58 @@ class AdmmMethod(_FromTeacher):
             return result
 
         run.run_phase("admm", student, layers, admm_phase)
-        # hard projection onto 2:4 (∩ INT8): the mask is frozen from here on
-        masks = hard_masks(student, layers)
+        return _project_and_finetune(run, student, teacher, layers, p.qat)
+
+
+def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module, layers, cfg):
+    """Hard projection onto 2:4 (∩ INT8) — the mask is frozen from here on — then QAT (or a masked
+    fine-tune without INT8) with distillation for `cfg`'s steps. Returns (scales, amax, extra metrics)."""
+    job, p = run.job, run.preset
+    reg = run.task.is_regression
+    masks = hard_masks(student, layers)
+    finalize(student, masks, quant=job.quant)
+    if job.quant:
+        run.quantize_embeddings(student)
+    projected = run.dev_metrics(student)
+    log.info("[project] hard 2:4%s projection: dev %s | 2:4=%.1f%%", " ∩ INT8" if job.quant else "",
+             _fmt(projected), nm_share(student, layers) * 100)
+    amax = run.calibrate(student, layers) if job.quant else None
+    name = "qat" if job.quant else "masked"
+
+    def qat_phase():
+        attach_masks(student, masks, quant=job.quant)
+        ctx = (lambda: _quantizers(student, amax, layers, p.tensorrt_qat)) if amax else None
+        res = train_phase(name, student, cfg, run.train, p, job.seed + 2, run.state, regression=reg,
+                          teacher=teacher, distill=p.distill, masks=masks, context=ctx, progress=job.progress,
+                          procs=run.procs)
         finalize(student, masks, quant=job.quant)
-        if job.quant:
-            run.quantize_embeddings(student)
-        projected = run.dev_metrics(student)
-        log.info("[project] hard 2:4%s projection: dev %s | 2:4=%.1f%%", " ∩ INT8" if job.quant else "",
-                 _fmt(projected), nm_share(student, layers) * 100)
-        amax = run.calibrate(student, layers) if job.quant else None
-        name = "qat" if job.quant else "masked"
+        metrics = run.dev_metrics(student, amax, layers if amax else None)
+        result = _result(res)
+        run.log_phase(name, result, metrics, student, layers)
+        return result
 
-        def qat_phase():
-            attach_masks(student, masks, quant=job.quant)
-            ctx = (lambda: _quantizers(student, amax, layers, p.tensorrt_qat)) if amax else None
-            res = train_phase(name, student, p.qat, run.train, p, job.seed + 2, run.state, regression=reg,
-                              teacher=teacher, distill=p.distill, masks=masks, context=ctx, progress=job.progress, procs=run.procs)
-            finalize(student, masks, quant=job.quant)
-            metrics = run.dev_metrics(student, amax, layers if amax else None)
-            result = _result(res)
-            run.log_phase(name, result, metrics, student, layers)
-            return result
+    saved_amax = run.saved(f"{name}-done")
+    meta = run.run_phase(name, student, layers, qat_phase, meta_extra=lambda: {"amax": amax})
+    if saved_amax is not None and meta.get("amax"):
+        amax = meta["amax"]
+    scales = {}
+    if job.quant:  # weights are exact already; this recomputes their scales from the saved values
+        scales = finalize(student, masks, quant=True)
+        run.quantize_embeddings(student)
+    return scales, amax, {"after_projection": projected}
 
-        saved_amax = run.saved(f"{name}-done")
-        meta = run.run_phase(name, student, layers, qat_phase, meta_extra=lambda: {"amax": amax})
-        if saved_amax is not None and meta.get("amax"):
-            amax = meta["amax"]
-        scales = {}
-        if job.quant:  # weights are exact already; this recomputes their scales from the saved values
-            scales = finalize(student, masks, quant=True)
-            run.quantize_embeddings(student)
-        return scales, amax, {"after_projection": projected}
+
+@register("oneshot")
+class OneShotMethod(_FromTeacher):
+    """The baseline ADMM has to beat with the same budget and the same distillation: the teacher projected
+    once onto 2:4 ∩ INT8, then QAT with distillation for every step ADMM + QAT would spend."""
+
+    distills = True
+
+    def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
+        p = run.preset
+        run.phases["admm"] = {"steps": 0, "skipped": "one-shot projection instead"}
+        return _project_and_finetune(run, student, teacher, layers, replace(p.qat, steps=p.admm.steps + p.qat.steps))
 
 
 @register("magnitude")

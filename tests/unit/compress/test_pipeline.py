@@ -209,3 +209,17 @@ def test_skipped_admm_phase_projects_the_teacher_and_writes_strict_json(admm_ckp
     assert m["training"]["phases"]["admm"]["steps"] == 0 and m["training"]["phases"]["admm"]["loss"] is None
     assert isinstance(m["training"]["phases"]["qat"]["loss"], float)
     assert "[admm] steps=0 loss=n/a" in caplog.text
+
+
+def test_oneshot_baseline_spends_the_admm_budget_on_qat_with_distillation(admm_ckpt, env):
+    """--method oneshot: the teacher projected once onto 2:4 ∩ INT8, then QAT with KD for ADMM + QAT steps."""
+    out = env["root"] / "oneshot"
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    assert compress(env, out, "--method", "oneshot", "--teacher", str(teacher)) == 0
+    info = check_saved_checkpoint(out)
+    assert info["quantized"] and info["layers"] == 12
+    t = json.loads((out / "manifest.json").read_text())["training"]
+    admm = json.loads((admm_ckpt / "manifest.json").read_text())["training"]["phases"]
+    assert t["method"] == "oneshot" and t["distillation"] is True
+    assert t["phases"]["admm"]["steps"] == 0
+    assert t["phases"]["qat"]["steps"] == admm["admm"]["steps"] + admm["qat"]["steps"]
