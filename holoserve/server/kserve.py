@@ -32,7 +32,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from .. import __version__
-from .protocol import ApiError
+from .protocol import ApiError, text_bytes
 from .service import ClassifierService
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -176,19 +176,8 @@ def _texts(inp: dict[str, Any], binary: bytes, offset: int) -> tuple[list[str], 
 
 def _check(items: list[str], name: str, limits) -> int:
     """The /predict rules for each text; their total UTF-8 size."""
-    total = 0
-    for i, s in enumerate(items):
-        try:
-            n = len(s.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise V2Error(400, "invalid_text", f"{name}[{i}] is not valid Unicode (unpaired surrogate)") from None
-        if not s.strip():
-            raise V2Error(400, "empty_text", f"{name}[{i}] is empty")
-        if n > limits.max_text_bytes:
-            raise V2Error(400, "text_too_long", f"{name}[{i}] is {n} bytes of UTF-8; the limit is "
-                          f"{limits.max_text_bytes} bytes")
-        total += n
-    return total
+    return sum(text_bytes(s, f"{name}[{i}]", limits.max_text_bytes, lambda code, msg: V2Error(400, code, msg))
+               for i, s in enumerate(items))
 
 
 def decode_inputs(req: dict[str, Any], binary: bytes, svc: ClassifierService):

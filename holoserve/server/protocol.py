@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
@@ -150,17 +150,22 @@ class PredictRequest(BaseModel):
         for i, item in enumerate(items):
             for j, s in enumerate(item if field == "pairs" else (item,)):
                 where = field if field == "text" else f"{field}[{i}]" + (f"[{j}]" if field == "pairs" else "")
-                try:
-                    n = len(s.encode("utf-8"))
-                except UnicodeEncodeError:
-                    raise ApiError(422, "invalid_text", f"{where} is not valid Unicode (unpaired surrogate)") from None
-                if not s.strip():
-                    raise ApiError(422, "empty_text", f"{where} is empty")
-                if n > limits.max_text_bytes:
-                    raise ApiError(422, "text_too_long",
-                                   f"{where} is {n} bytes of UTF-8; the limit is {limits.max_text_bytes} bytes")
-                total_bytes += n
+                total_bytes += text_bytes(s, where, limits.max_text_bytes, lambda code, msg: ApiError(422, code, msg))
         return items, total_bytes
+
+
+def text_bytes(s: str, where: str, max_text_bytes: int, error: Callable[[str, str], Exception]) -> int:
+    """The UTF-8 size of one text under the serving rules (valid Unicode, not blank, within the byte limit);
+    `error(code, message)` makes the exception each protocol raises for a text that breaks one."""
+    try:
+        n = len(s.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise error("invalid_text", f"{where} is not valid Unicode (unpaired surrogate)") from None
+    if not s.strip():
+        raise error("empty_text", f"{where} is empty")
+    if n > max_text_bytes:
+        raise error("text_too_long", f"{where} is {n} bytes of UTF-8; the limit is {max_text_bytes} bytes")
+    return n
 
 
 def validation_message(errors: Sequence[dict[str, Any]]) -> str:

@@ -11,14 +11,10 @@ pytest.importorskip("transformers")
 
 from holoserve.backends import load_backend  # noqa: E402
 from holoserve.backends import torch_cuda as tc  # noqa: E402
-from holoserve.compress.checkpoint import save_checkpoint  # noqa: E402
-from holoserve.compress.layers import encoder_linear_names  # noqa: E402
 from holoserve.compress.project import project  # noqa: E402
-from holoserve.compress.quant import calibrate_amax, input_quantizers  # noqa: E402
-from holoserve.compress.sparsify import project_layers  # noqa: E402
+from holoserve.compress.quant import input_quantizers  # noqa: E402
 from holoserve.core.artifact import load_artifact  # noqa: E402
-from holoserve.data.tasks import get_task  # noqa: E402
-from tests.helpers.tiny import make_tiny_bert, random_batches as _batches  # noqa: E402
+from tests.helpers.tiny import calibrated_tiny_checkpoint, random_batches as _batches  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -67,16 +63,8 @@ def test_gpu_cslt_linear_matches_reference(m):
 def test_gpu_backend_matches_fake_quant_and_graphs(tmp_path):
     """Real load path on a 64-wide tiny model (cuSPARSELt INT8 needs multiples of 32)."""
     tc.require_cuda()
-    src = make_tiny_bert(tmp_path / "base", hidden=64, layers=2, heads=2, intermediate=128)
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
-    layers = encoder_linear_names(model)
-    scales = project_layers(model, layers)
+    model, layers, amax, art = calibrated_tiny_checkpoint(tmp_path, hidden=64, intermediate=128, max_seq_length=64)
     vocab = model.config.vocab_size
-    amax = calibrate_amax(model, layers, _batches(vocab, seed=1))
-    art = save_checkpoint(model, src, tmp_path / "ckpt", task=get_task("sst2"), base_model="tiny",
-                          max_seq_length=64, sparse_layers=layers, weight_scales=scales, act_amax=amax)
     backend = load_backend("torch-cuda", load_artifact(art.path))
     info = backend.info()
     assert info["gemm_kernels"].get("cslt", 0) == 2 * 4, info

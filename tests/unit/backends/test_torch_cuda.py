@@ -12,16 +12,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from holoserve.compress.checkpoint import load_model, save_checkpoint  # noqa: E402
-from holoserve.compress.layers import encoder_linear_names  # noqa: E402
+from holoserve.compress.checkpoint import load_model  # noqa: E402
 from holoserve.compress.project import project  # noqa: E402
-from holoserve.compress.sparsify import project_layers  # noqa: E402
-from holoserve.compress.quant import calibrate_amax, fake_quant_act, input_quantizers  # noqa: E402
+from holoserve.compress.quant import fake_quant_act, input_quantizers  # noqa: E402
 from holoserve.core.artifact import load_artifact  # noqa: E402
 from holoserve.backends import BackendUnavailable, load_backend  # noqa: E402
 from holoserve.backends import torch_cuda as tc  # noqa: E402
-from holoserve.data.tasks import get_task  # noqa: E402
-from tests.helpers.tiny import make_tiny_bert, random_batches as _batches  # noqa: E402
+from tests.helpers.tiny import calibrated_tiny_checkpoint, random_batches as _batches  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -30,19 +27,9 @@ HAS_CUDA = torch.cuda.is_available()
 def tiny_checkpoint(tmp_path_factory):
     """A tiny BERT projected onto 2:4 ∩ INT8, calibrated, saved as a real checkpoint."""
     torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("tc")
-    src = make_tiny_bert(root / "base", hidden=32, layers=2, heads=2, intermediate=64)
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
-    layers = encoder_linear_names(model)
-    scales = project_layers(model, layers)
+    model, _, _, art = calibrated_tiny_checkpoint(tmp_path_factory.mktemp("tc"), hidden=32, intermediate=64,
+                                                  max_seq_length=32)
     vocab = model.config.vocab_size
-    amax = calibrate_amax(model, layers, _batches(vocab, seed=1))
-    art = save_checkpoint(
-        model, src, root / "ckpt", task=get_task("sst2"), base_model="tiny", max_seq_length=32,
-        sparse_layers=layers, weight_scales=scales, act_amax=amax,
-    )
     return art, vocab
 
 

@@ -21,29 +21,12 @@ from holoserve.core.artifact import load_artifact
 from holoserve.core.tokenizer import TextEncoder
 from holoserve.server.app import create_app
 from holoserve.server.config import ServerConfig
-from tests.helpers.serving import REPO, RawHTTP, ThreadServer, server_env, tiny_checkpoint
+from tests.helpers.serving import running, metric, REPO, RawHTTP, server_env, tiny_checkpoint
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 
-@contextlib.contextmanager
-def running(ckpt, backend=None, graceful_timeout_s: float = 10, **overrides):
-    cfg = ServerConfig(artifact_dir=str(ckpt), threads=1, **overrides)
-    art = load_artifact(ckpt) if backend is not None else None
-    app = create_app(cfg, artifact=art, backend=backend, decision={"picked": "test", "reason": "test"})
-    with ThreadServer(app, graceful_timeout_s=graceful_timeout_s) as srv:
-        srv.app = app
-        yield srv
-
-
-def metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def serve_cli(args: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -1,7 +1,6 @@
 """The Open Inference Protocol (KServe v2) routes, driven by the real tritonclient HTTP client against uvicorn."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
@@ -9,9 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from holoserve.server.app import create_app
-from holoserve.server.config import ServerConfig
-from tests.helpers.serving import ThreadServer, tiny_checkpoint
+from tests.helpers.serving import running, tiny_checkpoint
 
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -20,12 +17,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TEXTS = ["a gripping, funny film", "a dull mess", "loved it", "the plot never finds its footing at all"]
 
-
-@contextlib.contextmanager
-def running(ckpt, **overrides):
-    cfg = ServerConfig(artifact_dir=str(ckpt), threads=1, **overrides)
-    with ThreadServer(create_app(cfg)) as srv:
-        yield srv
 
 
 

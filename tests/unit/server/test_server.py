@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -22,18 +21,12 @@ from holoserve.backends.onnxruntime import OrtBackend
 from holoserve.server.app import create_app
 from holoserve.server.config import ServerConfig
 from holoserve.core.tokenizer import TextEncoder, pad_batch
-from tests.helpers.serving import REPO, ThreadServer, server_env, serve_subprocess, tiny_checkpoint, wait_ready
+from tests.helpers.serving import running, metric, REPO, ThreadServer, server_env, serve_subprocess, tiny_checkpoint, wait_ready
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 
-
-@contextlib.contextmanager
-def running(ckpt, **overrides):
-    cfg = ServerConfig(artifact_dir=str(ckpt), threads=1, **overrides)
-    with ThreadServer(create_app(cfg)) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +48,6 @@ def expected(ckpt, texts):
         out.append(p / p.sum())
     return out
 
-
-def metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 # --------------------------------------------------------------------------- endpoints

@@ -7,12 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from holoserve.server.metrics import MULTIPROC_ENV, prepare_multiprocess_dir
-from tests.helpers.serving import serve_subprocess, tiny_checkpoint
+from tests.helpers.serving import metric, serve_subprocess, tiny_checkpoint
 
-
-def metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 def test_prepare_multiprocess_dir(tmp_path, monkeypatch):
