@@ -367,7 +367,7 @@ def rows_for(task: Any, split: str, opts: DataOptions, limit: int | None = None)
 
     path = {"train": opts.train, "dev": opts.dev}[split]
     if path is None:
-        if opts.user_files or opts.data_dir is None and not os.environ.get("HOLOSERVE_DATA_DIR"):
+        if opts.user_files or (opts.data_dir is None and not os.environ.get("HOLOSERVE_DATA_DIR")):
             return None
         try:
             glue = get_task(task.name)
