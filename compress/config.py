@@ -6,6 +6,7 @@ CPU with MiniLM + SST-2; `full` is the best-accuracy recipe (hours on CPU, minut
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, is_dataclass, replace
 from typing import Any
 
@@ -14,8 +15,12 @@ from holoserve.core.settings import field_types, parse_setting
 
 @dataclass(frozen=True)
 class PhaseConfig:
-    steps: int  # optimizer steps (0 skips the phase)
     lr: float
+    # The budget is in epochs of the training set, so a preset fits a 3,700-row task and a 67,000-row one
+    # alike: steps = ceil(epochs * train_rows / batch_size), at most `max_steps` (None: no cap).
+    epochs: float = 1.0
+    max_steps: int | None = None
+    steps: int | None = None  # an exact optimizer-step count instead (0 skips the phase)
     warmup: float = 0.06  # share of steps with linear warm-up; then linear decay to 0
     weight_decay: float = 0.01
 
@@ -33,11 +38,17 @@ class DistillConfig:
 class AdmmConfig:
     interval: int = 20  # W-steps between Z/U updates
     rho_start: float = 1e-3  # rho rises geometrically from rho_start to rho_end over the phase
-    rho_end: float = 0.2
-    # The proximal term rho/2 ||W - Z + U||^2 is minimised by a plain gradient step after the AdamW
-    # step on the task/KD loss (decoupled, like AdamW's weight decay): W -= penalty_lr * rho * (W - Z + U).
-    # Adam would normalise the penalty away and move each weight by at most ~lr per step.
+    rho_end: float = 0.2  # (rho_end = rho_start: a constant rho)
+    # How the W-step minimises the proximal term rho/2 ||W - Z + U||^2:
+    #   "decoupled"  a plain gradient step after the AdamW step on the task/KD loss, like AdamW's weight
+    #                decay: W -= penalty_lr * rho * (W - Z + U). Adam would normalise the penalty away.
+    #   "loss"       added to the training loss, so AdamW minimises task + penalty together (ADMM-DS's way,
+    #                with a small constant rho).
+    penalty: str = "decoupled"
     penalty_lr: float = 1.0
+    # Fake-quantize every encoder Linear's input during the ADMM phase too (ranges calibrated on the
+    # teacher), so W is shaped for INT8 activations as well as for the 2:4 ∩ INT8 weight set.
+    act_quant: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,10 +57,10 @@ class Preset:
     batch_size: int = 32
     eval_batch_size: int = 128
     max_seq_length: int = 64
-    dense: PhaseConfig = PhaseConfig(steps=500, lr=1e-4)
+    dense: PhaseConfig = PhaseConfig(lr=1e-4, epochs=3, max_steps=500)
     # 1e-4 for ADMM and QAT beat 5e-5 / 2e-5 on MiniLM + SST-2 (84.9 vs 82.7 dev accuracy, same teacher)
-    admm: PhaseConfig = PhaseConfig(steps=300, lr=1e-4)
-    qat: PhaseConfig = PhaseConfig(steps=200, lr=1e-4)
+    admm: PhaseConfig = PhaseConfig(lr=1e-4, epochs=2, max_steps=300)
+    qat: PhaseConfig = PhaseConfig(lr=1e-4, epochs=2, max_steps=200)
     admm_cfg: AdmmConfig = AdmmConfig()
     distill: DistillConfig = DistillConfig()
     calib_batches: int = 16  # training batches used to calibrate activation ranges
@@ -73,7 +84,28 @@ class Preset:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def sized(self, train_rows: int) -> "Preset":
+        """This preset with every phase's step count fixed for a training set of `train_rows` rows."""
+        from holoserve import HoloServeError
+
+        per_epoch = max(1, math.ceil(train_rows / self.batch_size))
+
+        def size(name: str, p: PhaseConfig) -> PhaseConfig:
+            if p.steps is not None:
+                if p.steps < 0:
+                    raise HoloServeError(f"{name}.steps={p.steps}: a step count is 0 (skip the phase) or more")
+                return p
+            if p.epochs < 0 or (p.max_steps is not None and p.max_steps < 0):
+                raise HoloServeError(f"{name}: epochs and max_steps must be 0 or more (got {p.epochs}, {p.max_steps})")
+            steps = math.ceil(p.epochs * per_epoch) if p.epochs else 0
+            if p.max_steps is not None:
+                steps = min(steps, p.max_steps)
+            return replace(p, steps=steps)
+
+        return replace(self, dense=size("dense", self.dense), admm=size("admm", self.admm), qat=size("qat", self.qat))
+
     def with_max_steps(self, n: int | None) -> "Preset":
+        """Cap every (sized) phase at `n` steps (--max-steps, for smoke runs)."""
         if not n:
             return self
         cap = lambda p: replace(p, steps=min(p.steps, n))  # noqa: E731
@@ -83,18 +115,19 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "quick": Preset(
         name="quick",
-        notes="minutes on a 2-core CPU (MiniLM + SST-2): short dense fine-tune, ADMM and QAT",
+        notes="minutes on a 2-core CPU: 3 epochs of dense fine-tune, 2 of ADMM and 2 of QAT, capped at 500, "
+              "300 and 200 steps (the caps bind on SST-2-sized sets)",
     ),
     "full": Preset(
         name="full",
         max_seq_length=128,
-        dense=PhaseConfig(steps=6000, lr=5e-5),
-        admm=PhaseConfig(steps=6000, lr=3e-5),
-        qat=PhaseConfig(steps=3000, lr=1e-5),
+        dense=PhaseConfig(lr=5e-5, epochs=3, max_steps=6000),
+        admm=PhaseConfig(lr=3e-5, epochs=3, max_steps=6000),
+        qat=PhaseConfig(lr=1e-5, epochs=2, max_steps=3000),
         admm_cfg=AdmmConfig(interval=50, rho_start=1e-3, rho_end=0.2),
         calib_batches=64,
         save_every=500,
-        notes="best accuracy: ~3 epochs of SST-2 per phase at batch 32; hours on CPU, minutes on a GPU",
+        notes="best accuracy: 3 epochs per phase (2 for QAT), at most 6,000 steps each; hours on CPU, minutes on a GPU",
     ),
 }
 

@@ -7,8 +7,8 @@ checkpoint records about it. Adding a method is one class here with `@register("
   admm       dense teacher -> ADMM toward 2:4 ∩ INT8 with distillation -> hard projection -> QAT
   oneshot    dense teacher -> one-shot projection onto 2:4 ∩ INT8 -> QAT with distillation for the
              steps ADMM + QAT spend (does ADMM earn its place?)
-  magnitude  one-shot magnitude 2:4 of the teacher -> masked fine-tune -> post-training INT8
-             (the APEX ASP recipe, the baseline ADMM has to beat, with the same step budget)
+  magnitude  one-shot magnitude 2:4 of the teacher -> masked fine-tune with distillation -> post-training
+             INT8 (the APEX ASP recipe, the baseline ADMM has to beat, same step budget and distillation)
   ptq        post-training INT8 of an existing checkpoint or fine-tuned folder
 """
 from __future__ import annotations
@@ -127,12 +127,21 @@ class AdmmMethod(_FromTeacher):
 
         def admm_phase():
             admm = Admm(student, layers, p.admm_cfg, p.admm.steps, quant=job.quant)
+            ctx = None
+            if p.admm_cfg.act_quant and job.quant:  # INT8 activations in the same constraint (ranges: teacher's)
+                amax = run.calibrate(student, layers)
+                ctx = lambda: input_quantizers(student, amax, layers)  # noqa: E731
             res = train_phase("admm", student, p.admm, run.train, p, job.seed + 1, run.state, regression=reg,
-                              teacher=teacher, distill=p.distill, admm=admm, progress=job.progress, procs=run.procs)
+                              teacher=teacher, distill=p.distill, admm=admm, context=ctx, progress=job.progress,
+                              procs=run.procs)
             resid = admm.residual()
             pre = run.dev_metrics(student)
+            moves = admm.mask_moves
             result = {**_result(res), "residual": resid, "rho_final": admm.rho, "z_updates": admm.k,
-                      "dev_before_projection": pre}
+                      "penalty": p.admm_cfg.penalty, "dev_before_projection": pre,
+                      # share of the 2:4 mask that changed at each Z-update (first, median, last)
+                      "mask_moves": [round(x, 5) for x in (moves[0], sorted(moves)[len(moves) // 2], moves[-1])]
+                      if moves else []}
             run.log_phase("admm", result, pre, student, layers, rho=admm.rho, resid=f"{resid:.4f}")
             return result
 
@@ -193,8 +202,11 @@ class OneShotMethod(_FromTeacher):
 
 @register("magnitude")
 class MagnitudeMethod(_FromTeacher):
+    distills = True
+
     def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
-        """APEX ASP recipe: one-shot magnitude 2:4 of the fine-tuned model, masked fine-tune, then PTQ INT8."""
+        """APEX ASP recipe: one-shot magnitude 2:4 of the fine-tuned model, masked fine-tune (with the same
+        distillation as the other methods; preset distill.enabled=false for ASP's plain fine-tune), then PTQ INT8."""
         job, p = run.job, run.preset
         masks = hard_masks(student, layers)
         finalize(student, masks, quant=False)
@@ -206,7 +218,8 @@ class MagnitudeMethod(_FromTeacher):
         def masked_phase():
             attach_masks(student, masks, quant=False)
             res = train_phase("masked", student, cfg, run.train, p, job.seed + 1, run.state,
-                              regression=run.task.is_regression, masks=masks, progress=job.progress, procs=run.procs)
+                              regression=run.task.is_regression, teacher=teacher, distill=p.distill, masks=masks,
+                              progress=job.progress, procs=run.procs)
             finalize(student, masks, quant=False)
             result = _result(res)
             run.log_phase("masked", result, run.dev_metrics(student), student, layers)

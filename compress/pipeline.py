@@ -178,7 +178,8 @@ class Runner:
     def __init__(self, job: Job):
         self.job = job
         self.task: Task | None = None  # known once the rows are read (load_data)
-        self.preset: Preset = apply_overrides(get_preset(job.preset), list(job.overrides)).with_max_steps(job.max_steps)
+        # phases are in epochs until the rows are read; load_data fixes their step counts
+        self.preset: Preset = apply_overrides(get_preset(job.preset), list(job.overrides))
         self.method = get_method(job.method)
         job.validate()
         self.out = Path(job.out)
@@ -233,8 +234,10 @@ class Runner:
             log.info("no --dev file: %s", data.info["dev"])
         self.train = encode(tok, data.train, self.task.is_regression)
         self.dev = encode(tok, data.dev, self.task.is_regression)
-        log.info("%s: %d train rows, %d dev rows, max_seq_length %d", self.task.name, len(self.train), len(self.dev),
-                 p.max_seq_length)
+        self.preset = p = p.sized(len(self.train)).with_max_steps(j.max_steps)
+        log.info("%s: %d train rows, %d dev rows, max_seq_length %d; steps: dense %d, admm %d, qat %d (batch %d)",
+                 self.task.name, len(self.train), len(self.dev), p.max_seq_length, p.dense.steps, p.admm.steps,
+                 p.qat.steps, p.batch_size)
 
     def dev_metrics(self, model: nn.Module, amax: Mapping[str, float] | None = None, layers=None) -> dict[str, float]:
         return evaluate(model, self.task, self.dev, batch_size=self.preset.eval_batch_size, act_amax=amax,

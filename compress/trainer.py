@@ -126,8 +126,9 @@ def train_phase(
                     t_out = teacher(**inputs, output_hidden_states=want_hidden)
             out = net(**inputs, output_hidden_states=want_hidden)
             loss, parts = combined_loss(out, batch, t_out, distill or DistillConfig(enabled=False), regression)
+            penalty = admm.penalty_loss() if admm is not None else None
             opt.zero_grad(set_to_none=True)
-            procs.backward(loss)
+            procs.backward(loss if penalty is None else loss + penalty)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             if admm is not None:

@@ -1,16 +1,18 @@
-"""Accuracy benchmark: dense vs magnitude 2:4 + PTQ INT8 vs ADMM 2:4 vs ADMM 2:4 ∩ INT8 (+KD), per GLUE task.
+"""Accuracy benchmark: dense vs NNCF INT8 PTQ vs magnitude 2:4 vs one-shot 2:4 ∩ INT8 vs ADMM, over seeds.
 
-Every row is produced by the `holoserve compress` CLI (so the numbers are what users get); each
-task's dense teacher is trained once (by the ADMM 2:4 ∩ INT8 run) and reused by the other rows
-through --teacher. Finished runs are kept under --runs-dir and reused, so the script can be
-re-run to fill in what is missing. Results: bench/results/accuracy.{json,md,png}.
+Every compressed row is produced by the `holoserve compress` CLI (so the numbers are what users get),
+and each (task, seed) trains its dense teacher once: the first method run trains it, the others reuse
+it through --teacher, and the NNCF row quantizes that same teacher. Every method spends the same
+steps after the teacher and the same distillation. Finished runs are kept under --runs-dir and
+reused, so the table can be built across several invocations. Results: <results>/accuracy.{json,md,png}.
 
-    python bench/accuracy/run.py --data-dir "$GLUE_DIR" --tasks sst2,mrpc,cola --preset quick
+    python bench/accuracy/run.py --data-dir "$GLUE_DIR" --tasks mrpc,stsb,cola,sst2 --seeds 0,1,2 --preset quick
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -24,25 +26,27 @@ from holoserve.core.artifact import read_manifest  # noqa: E402
 from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
 from holoserve.core.manifest import Manifest  # noqa: E402
 
-METHODS = {  # row key -> (label, extra CLI arguments)
-    "admm_int8": ("ADMM 2:4 ∩ INT8 + KD", []),
-    "admm_sparse": ("ADMM 2:4 (fp32) + KD", ["--no-quant"]),
-    "magnitude_ptq": ("magnitude 2:4 + PTQ INT8", ["--method", "magnitude"]),
-    "oneshot_int8": ("one-shot 2:4 ∩ INT8 + QAT + KD", ["--method", "oneshot"]),
+METHODS = {  # row key -> (label, extra CLI arguments); the order is the run order
+    "admm_int8": ("ADMM 2:4 ∩ INT8 + QAT", ["--method", "admm"]),
+    "oneshot_int8": ("one-shot 2:4 ∩ INT8 + QAT", ["--method", "oneshot"]),
+    "magnitude_ptq": ("magnitude 2:4 + fine-tune + PTQ", ["--method", "magnitude"]),
+    "admm_sparse": ("ADMM 2:4 (fp32)", ["--method", "admm", "--no-quant"]),
 }
-COLUMNS = ("dense", "magnitude_ptq", "oneshot_int8", "admm_sparse", "admm_int8")
+PEER = "nncf_ptq"  # NNCF INT8 PTQ of the same teacher (dense weights)
+LABELS = {"dense": "dense teacher", PEER: "NNCF INT8 PTQ (dense W)", **{k: v[0] for k, v in METHODS.items()}}
+COLUMNS = ("dense", PEER, "magnitude_ptq", "oneshot_int8", "admm_sparse", "admm_int8")
+BASELINES = ("magnitude_ptq", "oneshot_int8")  # the 2:4 ∩ INT8 recipes ADMM has to beat
 
 
-def run_one(task: str, key: str, args, runs: Path, teacher: Path | None, reuse: Path | None) -> Path | None:
-    out = reuse if reuse else runs / f"{task}-{key}"
+def run_one(task: str, seed: int, key: str, args, teacher: Path | None) -> Path | None:
+    out = args.runs_dir / f"{task}-s{seed}-{key}"
     if (out / "manifest.json").is_file():
-        print(f"[{task}/{key}] reusing {out}", flush=True)
+        print(f"[{task}/s{seed}/{key}] reusing {out}", flush=True)
         return out
     data = ["--task", task, *_user_data_args(args, with_train=True)] if args.train else \
         ["--task", task, "--data-dir", args.data_dir]
     cmd = [sys.executable, "-m", "holoserve", "compress", *data,
-           "--out", str(out), "--preset", args.preset, "--seed", str(args.seed), "--no-progress",
-           *METHODS[key][1]]
+           "--out", str(out), "--preset", args.preset, "--seed", str(seed), "--no-progress", *METHODS[key][1]]
     if teacher is not None:
         cmd += ["--teacher", str(teacher)]
     elif args.model:
@@ -52,10 +56,10 @@ def run_one(task: str, key: str, args, runs: Path, teacher: Path | None, reuse: 
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for item in args.set:
         cmd += ["--set", item]
-    print(f"[{task}/{key}] {' '.join(cmd[2:])}", flush=True)
+    print(f"[{task}/s{seed}/{key}] {' '.join(cmd[2:])}", flush=True)
     t0 = time.perf_counter()
     rc = subprocess.call(cmd, cwd=ROOT)
-    print(f"[{task}/{key}] rc={rc} in {time.perf_counter() - t0:.0f}s", flush=True)
+    print(f"[{task}/s{seed}/{key}] rc={rc} in {time.perf_counter() - t0:.0f}s", flush=True)
     return out if rc == 0 and (out / "manifest.json").is_file() else None
 
 
@@ -86,38 +90,52 @@ def scored(path: Path, data_dir: str | None, manifest: Manifest) -> tuple[dict, 
     return _SCORES[path], "holoserve eval"
 
 
-def summarize(task: str, ckpts: dict[str, Path | None], data_dir: str | None = None) -> dict:
-    row: dict = {"task": task, "runs": {}}
-    for key, path in ckpts.items():
-        if path is None:
-            continue
-        m = read_manifest(path)
-        primary = m.metrics.primary
-        row["metric"] = primary
-        row["dev_rows"] = m.metrics.dev_rows
-        row["dense"] = m.metrics.dense[primary]
-        t = m.training
-        metrics, source = scored(path, data_dir, m)
-        row["runs"][key] = {
-            "value": metrics[primary],
-            "all": metrics,
-            "scored_by": source,
-            "manifest_value": m.metrics.compressed[primary],
-            "preset": t.get("preset"),
-            "steps": {k: v.get("steps") for k, v in t.get("phases", {}).items() if isinstance(v, dict) and "steps" in v},
-            "wall_seconds": t.get("wall_seconds"),
-            "machine": t.get("machine"),
-            "train_rows": t.get("train_rows"),
-            "checkpoint": path.name,
-            "extra": m.metrics.model_dump(include={"after_projection", "one_shot", "sparse_fp32"}, exclude_none=True),
-        }
-        if key == "admm_int8":
-            row["dense_phase"] = t.get("phases", {}).get("dense")
-    if "dense" in row and "admm_int8" in row["runs"]:
-        v = row["runs"]["admm_int8"]["value"]
-        row["admm_int8_retained"] = v / row["dense"] if row["dense"] else None
-        mag = row["runs"].get("magnitude_ptq", {}).get("value")
-        row["admm_int8_beats_magnitude"] = None if mag is None else v > mag
+def run_record(path: Path, data_dir: str | None) -> dict:
+    """One finished checkpoint: its dev score (re-scored by `holoserve eval`), steps and wall time."""
+    m = read_manifest(path)
+    primary, t = m.metrics.primary, m.training
+    metrics, source = scored(path, data_dir, m)
+    phases = t.get("phases", {})
+    return {
+        "value": metrics[primary], "all": metrics, "scored_by": source, "manifest_value": m.metrics.compressed[primary],
+        "metric": primary, "dev_rows": m.metrics.dev_rows, "dense": m.metrics.dense[primary],
+        "steps": {k: v.get("steps") for k, v in phases.items() if isinstance(v, dict) and "steps" in v},
+        "dense_seconds": (phases.get("dense") or {}).get("seconds"),
+        "wall_seconds": t.get("wall_seconds"), "machine": t.get("machine"), "train_rows": t.get("train_rows"),
+        "checkpoint": path.name,
+        "extra": m.metrics.model_dump(include={"after_projection", "one_shot", "sparse_fp32"}, exclude_none=True),
+    }
+
+
+def _stats(xs: list[float]) -> dict | None:
+    if not xs:
+        return None
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs),
+            "values": xs}
+
+
+def summarize(task: str, per_seed: dict[int, dict[str, dict]]) -> dict:
+    """Mean ± std over seeds of every column for one task; `per_seed[seed][key]` is a run record
+    (the dense column comes from the teacher each seed's runs share)."""
+    row: dict = {"task": task, "seeds": sorted(per_seed), "per_seed": per_seed, "columns": {}}
+    for key in COLUMNS:
+        if key == "dense":
+            vals = [next(iter(runs.values()))["dense"] for runs in per_seed.values() if runs]
+        else:
+            vals = [runs[key]["value"] for runs in per_seed.values() if key in runs]
+        if (st := _stats(vals)) is not None:
+            recs = [runs[key] for runs in per_seed.values() if key in runs] if key != "dense" else []
+            walls = [r["wall_seconds"] for r in recs if r.get("wall_seconds") is not None]
+            st["wall_seconds"] = round(statistics.fmean(walls), 1) if walls else None
+            st["steps"] = recs[0].get("steps") if recs else None
+            row["columns"][key] = st
+    first = next((r for runs in per_seed.values() for r in runs.values()), None)
+    if first:
+        row["metric"], row["dev_rows"] = first["metric"], first["dev_rows"]
+    cols = row["columns"]
+    if "dense" in cols:
+        for key, st in cols.items():
+            st["kept"] = st["mean"] / cols["dense"]["mean"] if cols["dense"]["mean"] else None
     return row
 
 
@@ -125,55 +143,84 @@ def fmt(x):
     return "—" if x is None else f"{100 * x:.2f}"
 
 
+def fmt_stat(st: dict | None) -> str:
+    if not st:
+        return "—"
+    return f"{100 * st['mean']:.2f}" + (f" ± {100 * st['std']:.2f}" if st["n"] > 1 else "")
+
+
+def overall(rows: list[dict]) -> dict:
+    """Mean over tasks of each column's per-task mean, over the tasks where every column ran, and
+    ADMM 2:4 ∩ INT8's margin over the best baseline."""
+    keys = [k for k in COLUMNS if all(k in r["columns"] for r in rows)] if rows else []
+    means = {k: statistics.fmean(r["columns"][k]["mean"] for r in rows) for k in keys}
+    out: dict = {"tasks": [r["task"] for r in rows], "means": means}
+    base = [means[k] for k in BASELINES if k in means]
+    if "admm_int8" in means and base:
+        out["admm_margin_over_best_baseline"] = means["admm_int8"] - max(base)
+    ranked = sorted((k for k in means if k not in ("dense", PEER, "admm_sparse")), key=lambda k: -means[k])
+    out["best_2to4_int8"] = ranked[0] if ranked else None
+    return out
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
+    rows = [r for r in rows if r["columns"]]
+    seeds = sorted({s for r in rows for s in r["seeds"]})
     lines = [
-        f"# Accuracy: {meta['model']} on GLUE dev ({meta['date']}, preset `{meta['preset']}`, {meta['machine']})",
-        "",
-        "| task | metric | dense | " + " | ".join(METHODS[k][0] for k in COLUMNS[1:]) + " | kept vs dense | beats magnitude |",
-        "|" + " --- |" * (len(COLUMNS) + 4),
+        f"# Accuracy: {meta['model']}, preset `{meta['preset']}`, seeds {', '.join(map(str, seeds))} "
+        f"({meta['date']}, {meta['machine']})", "",
+        "Dev metric ×100, mean ± std over seeds (% of the dense teacher in brackets).", "",
+        "| task | metric | " + " | ".join(LABELS[k] for k in COLUMNS) + " |",
+        "|" + " --- |" * (len(COLUMNS) + 2),
     ]
     for r in rows:
-        runs = r["runs"]
-        if not runs:
-            lines.append(f"| {r['task']} | not run |" + " |" * (len(COLUMNS) + 2))
-            continue
-        kept = r.get("admm_int8_retained")
-        beats = r.get("admm_int8_beats_magnitude")
-        lines.append(
-            f"| {r['task']} | {r.get('metric', '—')} | {fmt(r.get('dense'))} | "
-            + " | ".join(fmt(runs.get(k, {}).get("value")) for k in COLUMNS[1:])
-            + f" | {'—' if kept is None else f'{100 * kept:.1f}%'} | {'—' if beats is None else ('yes' if beats else 'no')} |"
-        )
-    lines += ["", "Wall time in seconds (the dense teacher is trained once per task; runs reusing it via --teacher "
-              "exclude it) and steps per phase:", "",
-              "| task | dense teacher | " + " | ".join(METHODS[k][0] for k in COLUMNS[1:]) + " | steps (dense / admm / qat) |",
-              "|" + " --- |" * (len(COLUMNS) + 2)]
+        cells = []
+        for k in COLUMNS:
+            st = r["columns"].get(k)
+            kept = f" ({100 * st['kept']:.1f} %)" if st and k != "dense" and st.get("kept") else ""
+            cells.append(fmt_stat(st) + kept)
+        lines.append(f"| {r['task']} | {r.get('metric', '—')} | " + " | ".join(cells) + " |")
+    ov = meta.get("overall") or {}
+    if ov.get("means") and len(rows) > 1:
+        lines.append("| **mean over tasks** | | " + " | ".join(
+            fmt(ov["means"].get(k)) for k in COLUMNS) + " |")
+    if ov.get("best_2to4_int8"):
+        lines += ["", f"Best 2:4 ∩ INT8 recipe on the mean: **{LABELS[ov['best_2to4_int8']]}**."
+                  + (f" ADMM's margin over the best baseline: {100 * ov['admm_margin_over_best_baseline']:+.2f} points."
+                     if "admm_margin_over_best_baseline" in ov else "")]
+    lines += ["", "Steps per phase after the teacher and mean wall time per run (s; the dense teacher, "
+              "trained once per task and seed, is in the first method's time and listed apart):", "",
+              "| task | teacher steps / s | " + " | ".join(LABELS[k] for k in COLUMNS[2:]) + " |",
+              "|" + " --- |" * (len(COLUMNS))]
     for r in rows:
-        runs = r["runs"]
-        if not runs:
-            continue
-        st = runs.get("admm_int8", {}).get("steps", {})
-        dense_s = (r.get("dense_phase") or {}).get("seconds", "—")
-        lines.append(f"| {r['task']} | {dense_s} | " + " | ".join(
-            str(runs.get(k, {}).get("wall_seconds", "—")) for k in COLUMNS[1:])
-            + f" | {st.get('dense', '—')} / {st.get('admm', '—')} / {st.get('qat', '—')} |")
-    for r in rows:
-        mag = r["runs"].get("magnitude_ptq", {}).get("extra", {})
-        if mag:
-            lines += ["", f"{r['task']} magnitude baseline: one-shot 2:4 {fmt(mag.get('one_shot', {}).get(r['metric']))} → "
-                      f"masked fine-tune (fp32) {fmt(mag.get('sparse_fp32', {}).get(r['metric']))} → "
-                      f"PTQ INT8 {fmt(r['runs']['magnitude_ptq']['value'])}."]
+        recs = [x for runs in r["per_seed"].values() for x in runs.values()]
+        teacher = next((x for x in recs if x.get("dense_seconds") is not None), {})
+        cells = []
+        for k in COLUMNS[2:]:
+            st = r["columns"].get(k)
+            if not st:
+                cells.append("—")
+                continue
+            steps = {p: n for p, n in (st.get("steps") or {}).items() if p != "dense" and n}
+            cells.append(" + ".join(f"{n} {p}" for p, n in steps.items()) + f"; {st.get('wall_seconds')} s")
+        lines.append(f"| {r['task']} | {(teacher.get('steps') or {}).get('dense', '—')} / "
+                     f"{teacher.get('dense_seconds', '—')} | " + " | ".join(cells) + " |")
+    peer = meta.get("peer") or {}
+    if peer:
+        lines += ["", f"NNCF row: the same teacher exported to ONNX, `nncf.quantize` (transformer preset) on the first "
+                  f"{peer.get('calibration_rows')} training rows (NNCF {peer.get('nncf')}), scored through OpenVINO "
+                  f"{peer.get('openvino')} on the same dev rows; its weights stay dense."]
     variants = meta.get("variants") or []
     if variants:
-        lines += ["", "Every ADMM 2:4 ∩ INT8 run of this benchmark (the same dense teacher; schedule = steps @ peak lr):", "",
+        lines += ["", "Other ADMM 2:4 ∩ INT8 runs (the same dense teacher; schedule = steps @ peak lr):", "",
                   "| task | run | ADMM | QAT | after ADMM (fp32) | after hard projection | final (INT8 W+A) | wall s |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for v in variants:
             lines.append(f"| {v['task']} | {v['name']} | {v['admm']} | {v['qat']} | {fmt(v.get('after_admm'))} | "
                          f"{fmt(v.get('after_projection'))} | {fmt(v['value'])} | {v['wall_seconds']} |")
-    lines += ["", f"Metric values ×100. Dense = the fine-tuned teacher. INT8 results are scored by `holoserve eval` "
-              "(int8 × int8 products summed exactly, as the exported model's int32 GEMMs do; accuracy.json keeps "
-              f"each manifest's own score as manifest_value). {meta['notes']}", ""]
+    lines += ["", "INT8 rows are scored by `holoserve eval` (int8 × int8 products summed exactly, as the exported "
+              "model's int32 GEMMs do; accuracy.json keeps each manifest's own score as manifest_value). "
+              f"{meta['notes']}", ""]
     return "\n".join(lines)
 
 
@@ -203,25 +250,28 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    rows = [r for r in rows if r["runs"]]  # tasks that were not run have nothing to draw
+    rows = [r for r in rows if r["columns"]]
     if not rows:
         return
-    fig, ax = plt.subplots(figsize=(3 + 2.5 * len(rows), 4.2))
-    lows = []
-    labels = ["dense"] + [METHODS[k][0] for k in COLUMNS[1:]]
-    width = 0.2
+    keys = [k for k in COLUMNS if any(k in r["columns"] for r in rows)]
+    fig, ax = plt.subplots(figsize=(3 + 2.8 * len(rows), 4.4))
+    width = 0.8 / len(keys)
     x = np.arange(len(rows))
-    for i, key in enumerate(COLUMNS):
-        vals = [(r.get("dense") if key == "dense" else r["runs"].get(key, {}).get("value")) for r in rows]
-        vals = [np.nan if v is None else 100 * v for v in vals]
-        lows += [v for v in vals if not np.isnan(v)]
-        bars = ax.bar(x + (i - 1.5) * width, vals, width, label=labels[i])
-        ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
-    ax.set_xticks(x, [f"{r['task']} ({r.get('metric', '?')})" for r in rows])
-    ax.set_ylabel("dev metric ×100")
-    ax.set_ylim(max(0.0, min(lows) - 6), min(100.0, max(lows) + 2))  # zoom: the differences are small
+    for i, key in enumerate(keys):
+        # % of each task's dense teacher, so tasks with different metrics share one axis
+        vals = [100 * r["columns"][key]["kept"] if key in r["columns"] and r["columns"][key].get("kept") else np.nan
+                for r in rows]
+        errs = [100 * r["columns"][key]["std"] / r["columns"]["dense"]["mean"] if key in r["columns"]
+                and r["columns"].get("dense", {}).get("mean") else 0.0 for r in rows]
+        bars = ax.bar(x + (i - (len(keys) - 1) / 2) * width, vals, width, yerr=errs, capsize=2, label=LABELS[key])
+        ax.bar_label(bars, fmt="%.1f", fontsize=6, padding=2)
+    ax.axhline(99, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(x, [f"{r['task']} ({r.get('metric', '?')}, n={len(r['seeds'])})" for r in rows])
+    ax.set_ylabel("% of the dense teacher's dev metric (mean ± std)")
+    finite = [100 * r["columns"][k]["kept"] for r in rows for k in keys if k in r["columns"] and r["columns"][k].get("kept")]
+    ax.set_ylim(max(0.0, min(finite) - 4), max(finite) + 3)
     ax.set_title(f"{meta['model']}, preset {meta['preset']} — {meta['machine']}", fontsize=9)
-    ax.legend(fontsize=8, loc="upper right")  # above the low-metric task (CoLA MCC)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     atomic_savefig(fig, path, dpi=120)
 
@@ -229,7 +279,7 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"))
-    ap.add_argument("--tasks", default="sst2,mrpc,cola", help="GLUE shortcuts (ignored with --train)")
+    ap.add_argument("--tasks", default="mrpc,stsb,cola,sst2", help="GLUE shortcuts (ignored with --train)")
     ap.add_argument("--train", type=Path, help="your own labelled rows (CSV, TSV, JSONL, Parquet, saved folder)")
     ap.add_argument("--dev", type=Path, help="their dev rows (default: a held-out share of --train)")
     ap.add_argument("--text-column")
@@ -237,7 +287,7 @@ def main() -> int:
     ap.add_argument("--label-column")
     ap.add_argument("--no-header", action="store_true")
     ap.add_argument("--preset", default="quick")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--train-limit", type=int)
     ap.add_argument("--threads", type=int)
@@ -246,52 +296,77 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="preset override passed to every run")
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "bench-accuracy")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
-    ap.add_argument("--reuse", action="append", default=[], metavar="TASK=CHECKPOINT",
-                    help="use an existing ADMM 2:4 ∩ INT8 checkpoint for TASK (its <ckpt>.state/teacher is reused too)")
-    ap.add_argument("--only", help="comma-separated row keys to run (default: all)")
+    ap.add_argument("--only", help=f"comma-separated rows to run, of {', '.join([*METHODS, PEER])} (default: all)")
+    ap.add_argument("--calibration-rows", type=int, default=256, help="NNCF row: training rows to calibrate on")
     ap.add_argument("--report-only", action="store_true", help="rebuild the tables from finished runs only")
     ap.add_argument("--notes", default="")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=CHECKPOINT",
                     help="also list this ADMM 2:4 ∩ INT8 checkpoint (e.g. a tuning run) in the variants table")
     args = ap.parse_args()
     global _DATA
-    if args.train:  # the user's own rows: one task, named for the training file
-        from holoserve.data.tabular import data_options
+    from holoserve.data.tabular import DataOptions, data_options
 
+    if args.train:  # the user's own rows: one task, named for the training file
         _DATA = data_options(args)
         args.tasks = Path(args.train).stem
     elif not args.data_dir:
         ap.error("--data-dir (or HOLOSERVE_DATA_DIR) is required, or --train FILE for your own rows")
-    reuse = dict(x.split("=", 1) for x in args.reuse)
-    only = set(args.only.split(",")) if args.only else set(METHODS)
-    rows = []
+    only = args.only.split(",") if args.only else [*METHODS, PEER]
+    bad = [k for k in only if k not in METHODS and k != PEER]
+    if bad:
+        ap.error(f"--only: unknown row {', '.join(bad)}; choose from {', '.join([*METHODS, PEER])}")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. 0,1,2")
+    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    rows, peer_meta = [], {}
     for task in args.tasks.split(","):
-        ckpts: dict[str, Path | None] = {}
-        admm_path = Path(reuse[task]) if task in reuse else None
-        if args.report_only:
+        per_seed: dict[int, dict[str, dict]] = {}
+        for seed in seeds:
+            ckpts: dict[str, Path | None] = {}
+            teacher = None
             for key in METHODS:
-                p = admm_path if key == "admm_int8" and admm_path else args.runs_dir / f"{task}-{key}"
-                ckpts[key] = p if (p / "manifest.json").is_file() else None
-        else:
-            ckpts["admm_int8"] = run_one(task, "admm_int8", args, args.runs_dir, None, admm_path) \
-                if "admm_int8" in only or admm_path else None
-            main_ckpt = ckpts["admm_int8"] or admm_path or args.runs_dir / f"{task}-admm_int8"
-            teacher = main_ckpt.with_name(main_ckpt.name + ".state") / "teacher"
-            if not (teacher / "teacher.json").is_file():
-                print(f"[{task}] no teacher at {teacher}; skipping the other rows", flush=True)
-                teacher = None
-            for key in ("admm_sparse", "magnitude_ptq", "oneshot_int8"):
-                if key in only and teacher is not None:
-                    ckpts[key] = run_one(task, key, args, args.runs_dir, teacher, None)
-        rows.append(summarize(task, ckpts, args.data_dir))
-    machines = sorted({r["machine"] for row in rows for r in row["runs"].values() if r.get("machine")})
+                path = args.runs_dir / f"{task}-s{seed}-{key}"
+                if args.report_only or key not in only:
+                    ckpts[key] = path if (path / "manifest.json").is_file() else None
+                else:
+                    ckpts[key] = run_one(task, seed, key, args, teacher)
+                state = args.runs_dir / f"{task}-s{seed}-{key}.state" / "teacher"
+                if teacher is None and (state / "teacher.json").is_file():
+                    teacher = state  # trained by this run: the other methods reuse it
+            runs = {k: run_record(p, args.data_dir) for k, p in ckpts.items() if p is not None}
+            if PEER in only and teacher is not None and runs:
+                from bench.accuracy.nncf_ptq import cached_nncf_ptq
+
+                first = next(iter(runs.values()))
+                data = _DATA or DataOptions(data_dir=args.data_dir)
+                msl = read_manifest(args.runs_dir / first["checkpoint"]).max_seq_length
+                res = None if args.report_only and not (args.runs_dir / f"{task}-s{seed}-{PEER}.json").is_file() else \
+                    cached_nncf_ptq(args.runs_dir / f"{task}-s{seed}-{PEER}.json", teacher,
+                                    None if args.train else task, data, max_seq_length=msl, seed=seed,
+                                    rows=args.calibration_rows)
+                if res is not None:
+                    runs[PEER] = {**first, "value": res["metrics"][first["metric"]], "all": res["metrics"],
+                                  "scored_by": "OpenVINO", "steps": {}, "wall_seconds": res["seconds"],
+                                  "checkpoint": f"{task}-s{seed}-{PEER}.json", "extra": {}}
+                    peer_meta = {k: res.get(k) for k in ("calibration_rows", "openvino", "nncf")}
+            per_seed[seed] = runs
+        rows.append(summarize(task, per_seed))
+    machines = sorted({r["machine"] for row in rows for runs in row["per_seed"].values() for r in runs.values()
+                       if r.get("machine")})
+    full_rows = [r for r in rows if r["columns"]]
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "model": "all-MiniLM-L6-v2",
         "preset": args.preset,
+        "seeds": seeds,
         "machine": "; ".join(m.split(" (")[0] for m in machines) or "unknown",
         "machine_detail": machines,
         "notes": args.notes,
+        "overrides": args.set,
+        "peer": peer_meta,
+        "overall": overall(full_rows),
         "variants": [variant(n, Path(p), args.data_dir) for n, p in (x.split("=", 1) for x in args.variant)],
     }
     args.results.mkdir(parents=True, exist_ok=True)

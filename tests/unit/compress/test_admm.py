@@ -113,3 +113,34 @@ def test_phase_resumes_exactly_from_mid_phase_state(setup, tmp_path):
     assert admm_full.k == admm_res.k
     for k in admm_full.U:
         assert torch.equal(admm_full.U[k], admm_res.U[k])
+
+
+def test_penalty_in_the_loss_also_drives_w_onto_the_constraint_set(setup):
+    """penalty="loss" (ADMM-DS's way): AdamW minimises task + rho/2||W - Z + U||^2 together; the
+    decoupled step is off, and each Z-update records how much of the 2:4 mask moved."""
+    model_dir, data = setup
+    torch.manual_seed(0)
+    model = _model(model_dir)
+    layers = encoder_linear_names(model)
+    admm = Admm(model, layers, AdmmConfig(interval=10, rho_start=10.0, rho_end=10.0, penalty="loss"), total_steps=80)
+    assert admm.penalty_loss() is not None and float(admm.penalty_loss()) > 0
+    before = {k: w.detach().clone() for k, w in admm.weights.items()}
+    admm.penalty_step()  # a no-op in this mode
+    assert all(torch.equal(before[k], w) for k, w in admm.weights.items())
+    r0 = admm.residual()
+    train_phase("admm", model, PhaseConfig(steps=80, lr=1e-3), data, Preset(name="t", batch_size=16), 0, None,
+                admm=admm, progress=False)
+    assert admm.residual() < r0 / 2  # Adam moves each weight by ~lr per step; the control stays above 0.2
+    assert len(admm.mask_moves) == 8 and all(0 <= m <= 0.5 for m in admm.mask_moves)
+    assert sum(m > 0 for m in admm.mask_moves) >= 4  # the mask keeps moving while W is trained
+    assert admm.state_meta()["mask_moves"] == admm.mask_moves
+
+
+def test_bad_admm_settings_are_refused():
+    from holoserve import HoloServeError
+
+    lin = torch.nn.ModuleDict({"l": torch.nn.Linear(8, 4)})
+    for cfg, word in ((AdmmConfig(penalty="adam"), "penalty"), (AdmmConfig(rho_end=0.0), "rho"),
+                      (AdmmConfig(interval=0), "interval")):
+        with pytest.raises(HoloServeError, match=word):
+            Admm(lin, ["l"], cfg, total_steps=10)

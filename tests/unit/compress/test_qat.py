@@ -176,3 +176,24 @@ def test_tensorrt_quantizers_quantize_qkv_and_both_add_inputs(setup):
     with pytest.raises(KeyError, match="calibrate first"):
         with tensorrt_quantizers(model, {}, layers):
             pass
+
+
+def test_presets_size_each_phase_in_epochs_of_the_training_set():
+    """A preset's budget is epochs, capped: quick on MRPC-sized data runs whole epochs, on SST-2-sized
+    data the caps bind; an exact --set PHASE.steps wins over epochs; bad budgets get a clear error."""
+    from holoserve import HoloServeError
+    from holoserve.compress.config import apply_overrides, get_preset
+
+    quick, full = get_preset("quick"), get_preset("full")
+    mrpc = quick.sized(3668)  # 115 batches of 32 per epoch
+    assert (mrpc.dense.steps, mrpc.admm.steps, mrpc.qat.steps) == (345, 230, 200)
+    sst2 = quick.sized(67349)
+    assert (sst2.dense.steps, sst2.admm.steps, sst2.qat.steps) == (500, 300, 200)
+    assert (full.sized(3668).dense.steps, full.sized(67349).dense.steps) == (345, 6000)
+    assert sst2.with_max_steps(7).admm.steps == 7
+    exact = apply_overrides(quick, ["admm.steps=0", "qat.epochs=0.5", "qat.max_steps=none"]).sized(3668)
+    assert (exact.admm.steps, exact.qat.steps) == (0, 58)
+    with pytest.raises(HoloServeError, match="epochs"):
+        apply_overrides(quick, ["qat.epochs=-1"]).sized(100)
+    with pytest.raises(HoloServeError, match="steps"):
+        apply_overrides(quick, ["qat.steps=-3"]).sized(100)

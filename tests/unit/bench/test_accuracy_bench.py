@@ -1,0 +1,68 @@
+"""bench/accuracy/run.py end to end on a tiny BERT: two seeds, one teacher per seed shared by every
+method and by the NNCF row, mean ± std over seeds, and a re-run that reuses the finished runs."""
+import json
+import sys
+
+import pytest
+
+from tests.helpers.bench import bench_module
+from tests.helpers.checkpoints import write_glue
+from tests.helpers.tiny import make_tiny_bert
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    root = tmp_path_factory.mktemp("accbench")
+    model = make_tiny_bert(root / "tiny", hidden=32, intermediate=64)
+    glue = write_glue(root / "glue")
+    mod = bench_module("accuracy", "run")
+    argv = ["run.py", "--data-dir", str(glue), "--tasks", "sst2", "--seeds", "0,1", "--model", str(model),
+            "--max-steps", "3", "--threads", "1", "--only", "admm_int8,oneshot_int8,nncf_ptq",
+            "--calibration-rows", "8", "--runs-dir", str(root / "runs"), "--results", str(root / "results"),
+            "--set", "batch_size=8", "--set", "calib_batches=2"]
+    return mod, argv, root
+
+
+def _main(mod, argv, monkeypatch):
+    monkeypatch.setattr(sys, "argv", argv)
+    assert mod.main() == 0
+
+
+def test_seeds_share_one_teacher_per_seed_and_aggregate(bench, monkeypatch):
+    pytest.importorskip("nncf", reason="the NNCF row needs holoserve[bench]")
+    mod, argv, root = bench
+    _main(mod, argv, monkeypatch)
+    runs = root / "runs"
+    for seed in (0, 1):
+        first = json.loads((runs / f"sst2-s{seed}-admm_int8" / "manifest.json").read_text())["training"]
+        other = json.loads((runs / f"sst2-s{seed}-oneshot_int8" / "manifest.json").read_text())["training"]
+        assert first["teacher"] is None and other["teacher"] == "teacher"  # trained once, then reused
+        assert first["seed"] == other["seed"] == seed
+        peer = json.loads((runs / f"sst2-s{seed}-nncf_ptq.json").read_text())
+        assert peer["calibration_rows"] == 8 and 0 <= peer["metrics"]["accuracy"] <= 1
+    out = json.loads((root / "results" / "accuracy.json").read_text())
+    (row,) = out["rows"]
+    cols = row["columns"]
+    assert set(cols) == {"dense", "nncf_ptq", "oneshot_int8", "admm_int8"} and row["seeds"] == [0, 1]
+    for key, st in cols.items():
+        vals = [row["per_seed"][str(s)][key]["value"] if key != "dense" else None for s in (0, 1)]
+        if key != "dense":
+            assert st["values"] == vals and st["n"] == 2
+            assert st["mean"] == pytest.approx(sum(vals) / 2)
+    assert out["meta"]["seeds"] == [0, 1] and "overall" in out["meta"]
+    md = (root / "results" / "accuracy.md").read_text()
+    assert "mean ± std over seeds" in md and "NNCF INT8 PTQ" in md
+    assert (root / "results" / "accuracy.png").stat().st_size > 1000
+    # a re-run reuses every finished run: nothing is retrained
+    stamp = {p: p.stat().st_mtime_ns for p in runs.glob("*/manifest.json")}
+    _main(mod, argv + ["--report-only"], monkeypatch)
+    assert {p: p.stat().st_mtime_ns for p in runs.glob("*/manifest.json")} == stamp
+    assert json.loads((root / "results" / "accuracy.json").read_text())["rows"][0]["columns"].keys() == cols.keys()
+
+
+def test_unknown_row_is_refused(bench, monkeypatch, capsys):
+    mod, argv, _ = bench
+    monkeypatch.setattr(sys, "argv", ["run.py", "--data-dir", "x", "--only", "admm,nope"])
+    with pytest.raises(SystemExit):
+        mod.main()
+    assert "unknown row" in capsys.readouterr().err
