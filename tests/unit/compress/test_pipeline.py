@@ -38,7 +38,7 @@ def compress(env, out, *extra):
 @pytest.fixture(scope="module")
 def admm_ckpt(env):
     out = env["root"] / "admm"
-    assert compress(env, out) == 0
+    assert compress(env, out, "--method", "admm") == 0
     return out
 
 
@@ -94,18 +94,18 @@ def test_rerun_resumes_from_saved_state_and_is_deterministic(admm_ckpt, env, cap
     assert (state / "teacher" / "teacher.json").is_file() and (state / "qat-done.json").is_file()
     # same job again: every phase is loaded from state, the result is bit-identical
     with caplog.at_level("INFO", logger="holoserve.compress"):
-        assert compress(env, admm_ckpt, "--overwrite") == 0
+        assert compress(env, admm_ckpt, "--method", "admm", "--overwrite") == 0
     err = caplog.text
     assert "already trained" in err and "[admm] already done" in err and "[qat] already done" in err
     first = sha256_file(admm_ckpt / "model.safetensors")
     # a fresh run with the same seed (new out, new state) reproduces the same weights
     other = env["root"] / "admm-again"
-    assert compress(env, other) == 0
+    assert compress(env, other, "--method", "admm") == 0
     assert sha256_file(other / "model.safetensors") == first
 
 
 def test_state_of_another_job_is_refused(admm_ckpt, env, capsys):
-    rc = compress(env, env["root"] / "admm", "--overwrite", "--seed", "5")
+    rc = compress(env, env["root"] / "admm", "--method", "admm", "--overwrite", "--seed", "5")
     assert rc == 2 and "belongs to a different job" in capsys.readouterr().err
 
 
@@ -206,7 +206,7 @@ def test_skipped_admm_phase_projects_the_teacher_and_writes_strict_json(admm_ckp
     phase has no loss (null, not NaN, which strict JSON readers reject)."""
     out = env["root"] / "admm0"
     with caplog.at_level("INFO"):
-        assert compress(env, out, "--set", "admm.steps=0", "--teacher",
+        assert compress(env, out, "--method", "admm", "--set", "admm.steps=0", "--teacher",
                         str(admm_ckpt.with_name("admm.state") / "teacher")) == 0
     info = check_saved_checkpoint(out)
     assert info["layers"] == 12 and info["quantized"]
@@ -217,10 +217,11 @@ def test_skipped_admm_phase_projects_the_teacher_and_writes_strict_json(admm_ckp
 
 
 def test_oneshot_baseline_spends_the_admm_budget_on_qat_with_distillation(admm_ckpt, env):
-    """--method oneshot: the teacher projected once onto 2:4 ∩ INT8, then QAT with KD for ADMM + QAT steps."""
+    """The default method, oneshot: the teacher projected once onto 2:4 ∩ INT8, then QAT with KD for the
+    ADMM + QAT steps."""
     out = env["root"] / "oneshot"
     teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
-    assert compress(env, out, "--method", "oneshot", "--teacher", str(teacher)) == 0
+    assert compress(env, out, "--teacher", str(teacher)) == 0  # no --method: the default
     info = check_saved_checkpoint(out)
     assert info["quantized"] and info["layers"] == 12
     t = json.loads((out / "manifest.json").read_text())["training"]
