@@ -166,16 +166,18 @@ def overall(rows: list[dict]) -> dict:
 def markdown(rows: list[dict], meta: dict) -> str:
     rows = [r for r in rows if r["columns"]]
     seeds = sorted({s for r in rows for s in r["seeds"]})
+    shown = [k for k in COLUMNS if any(k in r["columns"] for r in rows)]  # columns that ran
+    trained = [k for k in shown if k not in ("dense", PEER)]  # the rows `holoserve compress` wrote
     lines = [
         f"# Accuracy: {meta['model']}, preset `{meta['preset']}`, seeds {', '.join(map(str, seeds))} "
         f"({meta['date']}, {meta['machine']})", "",
         "Dev metric ×100, mean ± std over seeds (% of the dense teacher in brackets).", "",
-        "| task | metric | " + " | ".join(LABELS[k] for k in COLUMNS) + " |",
-        "|" + " --- |" * (len(COLUMNS) + 2),
+        "| task | metric | " + " | ".join(LABELS[k] for k in shown) + " |",
+        "|" + " --- |" * (len(shown) + 2),
     ]
     for r in rows:
         cells = []
-        for k in COLUMNS:
+        for k in shown:
             st = r["columns"].get(k)
             kept = f" ({100 * st['kept']:.1f} %)" if st and k != "dense" and st.get("kept") else ""
             cells.append(fmt_stat(st) + kept)
@@ -183,20 +185,20 @@ def markdown(rows: list[dict], meta: dict) -> str:
     ov = meta.get("overall") or {}
     if ov.get("means") and len(rows) > 1:
         lines.append("| **mean over tasks** | | " + " | ".join(
-            fmt(ov["means"].get(k)) for k in COLUMNS) + " |")
+            fmt(ov["means"].get(k)) for k in shown) + " |")
     if ov.get("best_2to4_int8"):
         lines += ["", f"Best 2:4 ∩ INT8 recipe on the mean: **{LABELS[ov['best_2to4_int8']]}**."
                   + (f" ADMM's margin over the best baseline: {100 * ov['admm_margin_over_best_baseline']:+.2f} points."
                      if "admm_margin_over_best_baseline" in ov else "")]
     lines += ["", "Steps per phase after the teacher and mean wall time per run (s; the dense teacher, "
               "trained once per task and seed, is in the first method's time and listed apart):", "",
-              "| task | teacher steps / s | " + " | ".join(LABELS[k] for k in COLUMNS[2:]) + " |",
-              "|" + " --- |" * (len(COLUMNS))]
+              "| task | teacher steps / s | " + " | ".join(LABELS[k] for k in trained) + " |",
+              "|" + " --- |" * (len(trained) + 2)]
     for r in rows:
         recs = [x for runs in r["per_seed"].values() for x in runs.values()]
         teacher = next((x for x in recs if x.get("dense_seconds") is not None), {})
         cells = []
-        for k in COLUMNS[2:]:
+        for k in trained:
             st = r["columns"].get(k)
             if not st:
                 cells.append("—")
