@@ -299,10 +299,11 @@ def trained_ranges(model, sites: list[LinearSite], act_amax: Mapping[str, float]
     return out
 
 
-def tensorrt_extra_tensors(model, sites: list[LinearSite]) -> list[tuple[str, str, int]]:
-    """(tensor, consumer node name, input index) for each extra QDQBERT quantization point."""
+def tensorrt_extra_tensors(model, sites: list[LinearSite], residual: bool = True) -> list[tuple[str, str, int]]:
+    """(tensor, consumer node name, input index) for each extra QDQBERT quantization point; without
+    `residual`, the attention MatMul inputs only (the residual Adds stay in float)."""
     pts = []
-    for n in attention_matmuls(model, sites) + residual_adds(model, sites):
+    for n in attention_matmuls(model, sites) + (residual_adds(model, sites) if residual else []):
         for k, t in enumerate(n.input):
             pts.append((t, n.name, k))
     return pts
@@ -319,16 +320,18 @@ def apply_placement(
     act_amax: Mapping[str, float],
     placement: str,
     extra_amax: Mapping[str, float] | None = None,
+    residual: bool = True,
 ) -> QdqReport:
     """Quantize `model` in place for one placement. act_amax is keyed "<layer>.input" (manifest).
 
-    For "tensorrt", extra_amax maps each tensor of `tensorrt_extra_tensors` to its range.
+    For "tensorrt", extra_amax maps each tensor of `tensorrt_extra_tensors` to its range; `residual`
+    False leaves the residual Adds' inputs in float.
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown QDQ placement {placement!r}: choose one of {', '.join(PLACEMENTS)}")
     g = model.graph
     rep = QdqReport(placement)
-    extra_pts = tensorrt_extra_tensors(model, sites) if placement == "tensorrt" else []
+    extra_pts = tensorrt_extra_tensors(model, sites, residual) if placement == "tensorrt" else []
     nodes = {n.name: n for n in g.node}
     unsigned = placement == "onnxruntime"
     # Linears that read the same tensor with the same range (Q, K, V) share one Q/DQ pair, so the

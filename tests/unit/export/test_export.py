@@ -432,6 +432,25 @@ def test_tensorrt_placement_uses_the_ranges_trained_in_qat(tmp_path):
         assert np.isclose(q_scales, amax[k] / 127, rtol=1e-6).any(), k
 
 
+def test_tensorrt_placement_can_leave_the_residual_adds_in_float(tmp_path):
+    """tensorrt_residual_qdq=False (--tensorrt-float-residuals): the attention MatMuls keep both inputs
+    quantized, the residual Adds read float tensors, and their QAT ranges are not used."""
+    from holoserve.export.onnx_export import export_checkpoint
+
+    ckpt = make_calibrated_checkpoint(tmp_path, layers=2, tensorrt_qat=True)
+    res = export_checkpoint(ckpt, ["tensorrt"], progress=False, tensorrt_residual_qdq=False)
+    # per layer: Q, K, V (trained) + softmax (calibrated); no residual-Add inputs
+    assert res.report["tensorrt_extra_ranges"] == {"from_checkpoint_qat": 6, "calibrated_here": 2}
+    m = onnx.load(str(ckpt / "model.trt.onnx"))
+    prod = {o: x for x in m.graph.node for o in x.output}
+    mm = [x for x in m.graph.node if x.op_type == "MatMul"]  # 2 x 6 Linears + 2 x 2 attention MatMuls
+    assert len(mm) == 16 and all(prod[i].op_type == "DequantizeLinear" for x in mm for i in x.input)
+    adds = [x for x in m.graph.node if x.op_type == "Add" and len(x.input) == 2 and all(i in prod for i in x.input)]
+    residual = [x for x in adds if "encoder" in x.name and any(prod[i].op_type == "Add" for i in x.input)]
+    assert len(residual) == 4 and not any(prod[i].op_type == "DequantizeLinear" for x in residual for i in x.input)
+    assert "residual Adds in float" in load_artifact(ckpt).export("tensorrt-onnx").activations
+
+
 def test_eval_cli_onnx_flag(exported, tmp_path, capsys):
     from holoserve.cli import main
 

@@ -1,0 +1,116 @@
+"""Which extra Q/DQ pairs of the TensorRT placement cost accuracy.
+
+Takes a checkpoint's `model.trt.onnx`, removes one class of the placement's extra Q/DQ pairs at a
+time (softmax output, Q/K/V into the attention MatMuls, residual-Add inputs), and scores every variant
+on the task's dev rows through ONNX Runtime, beside the checkpoint's own `holoserve eval` score:
+
+    python bench/accuracy/tensorrt_placement.py runs/minilm-sst2 --data-dir "$GLUE_DIR"
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = [(), ("softmax",), ("qkv",), ("softmax", "qkv"), ("residual",), ("softmax", "residual"),
+            ("softmax", "qkv", "residual")]
+
+
+def extra_pairs(model) -> dict[str, tuple[str, object, object, str]]:
+    """{DequantizeLinear name: (kind, Q node, DQ node, quantized tensor)} for the placement's extra pairs."""
+    g = model.graph
+    prod = {o: n for n in g.node for o in n.output}
+    cons: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            cons.setdefault(i, []).append(n)
+    out = {}
+    for n in g.node:
+        if n.op_type != "DequantizeLinear" or not n.name.endswith(".qdq/DequantizeLinear"):
+            continue
+        q = prod[n.input[0]]
+        src = q.input[0]
+        if all(u.op_type == "Add" for u in cons.get(n.output[0], [])):
+            kind = "residual"
+        else:
+            p = prod.get(src)
+            while p is not None and p.op_type in ("Reshape", "Transpose", "Cast"):
+                p = prod.get(p.input[0])
+            kind = "softmax" if p is not None and p.op_type == "Softmax" else "qkv"
+        out[n.name] = (kind, q, n, src)
+    return out
+
+
+def without(model, kinds):
+    """A copy of `model` with the extra Q/DQ pairs of `kinds` removed (their consumers read the float tensor)."""
+    m = copy.deepcopy(model)
+    removed = 0
+    for kind, q, dq, src in extra_pairs(m).values():
+        if kind in kinds:
+            for n in m.graph.node:
+                for k, i in enumerate(n.input):
+                    if i == dq.output[0]:
+                        n.input[k] = src
+            m.graph.node.remove(q)
+            m.graph.node.remove(dq)
+            removed += 1
+    return m, removed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--data-dir", required=True, help="the GLUE folder")
+    args = ap.parse_args()
+    import onnx
+    import onnxruntime as ort
+
+    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+    from holoserve.core.artifact import load_artifact
+    from holoserve.data.glue import read_split
+    from holoserve.data.metrics import compute
+    from holoserve.data.tasks import get_task
+    from holoserve.export.onnx_export import encode_batches, make_tokenizer
+
+    art = load_artifact(args.checkpoint)
+    path = art.export_path("tensorrt-onnx")
+    if path is None or not path.is_file():
+        raise SystemExit(f"{args.checkpoint} has no model.trt.onnx: run `holoserve export {args.checkpoint} "
+                         "--target tensorrt` first")
+    task = get_task(art.task_name)
+    rows = read_split(task, "dev", args.data_dir)
+    batches = list(encode_batches(make_tokenizer(art), [r.text for r in rows],
+                                  [r.text_pair for r in rows] if task.is_pair else None, batch_size=64))
+    labels = np.asarray([r.label for r in rows])
+    base = onnx.load(str(path))
+    ref = evaluate_checkpoint(args.checkpoint, data_dir=args.data_dir)["metrics"][task.primary_metric]
+    counts: dict[str, int] = {}
+    for kind, *_ in extra_pairs(base).values():
+        counts[kind] = counts.get(kind, 0) + 1
+    print(f"{args.checkpoint.name}: {task.name} dev {task.primary_metric}, `holoserve eval` {100 * ref:.2f}; "
+          f"extra Q/DQ pairs {counts}\n")
+    print("| TensorRT placement | pairs removed | dev | vs checkpoint |\n| --- | --- | --- | --- |")
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    for kinds in VARIANTS:
+        m, n = without(base, kinds)
+        sess = ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        names = {i.name for i in sess.get_inputs()}
+        out = np.zeros((len(rows), art.num_labels), dtype=np.float32)
+        for idx, feed in batches:
+            out[idx] = sess.run(None, {k: v for k, v in feed.items() if k in names})[0]
+        pred = out[:, 0] if task.is_regression else out.argmax(1)
+        v = compute(task.metrics, pred, labels)[task.primary_metric]
+        label = "as exported" if not kinds else "without " + " + ".join(kinds)
+        print(f"| {label} | {n} | {100 * v:.2f} | {100 * (v - ref):+.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
