@@ -256,7 +256,7 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
     if not rows:
         return
     keys = [k for k in COLUMNS if any(k in r["columns"] for r in rows)]
-    fig, ax = plt.subplots(figsize=(3 + 2.8 * len(rows), 4.4))
+    fig, ax = plt.subplots(figsize=(3 + 2.8 * len(rows), 5.0))
     width = 0.8 / len(keys)
     x = np.arange(len(rows))
     for i, key in enumerate(keys):
@@ -273,7 +273,7 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
     finite = [100 * r["columns"][k]["kept"] for r in rows for k in keys if k in r["columns"] and r["columns"][k].get("kept")]
     ax.set_ylim(max(0.0, min(finite) - 4), max(finite) + 3)
     ax.set_title(f"{meta['model']}, preset {meta['preset']} — {meta['machine']}", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)  # below: the bars fill the axes
     fig.tight_layout()
     atomic_savefig(fig, path, dpi=120)
 
