@@ -7,7 +7,6 @@ Its weights stay dense. Scored on the same dev rows, with the same metric, as th
 from __future__ import annotations
 
 import json
-import logging
 import tempfile
 import time
 from pathlib import Path
@@ -27,13 +26,13 @@ def nncf_ptq(teacher_dir: Path, task_name: str | None, data, *, max_seq_length: 
     import torch
     from transformers import AutoModelForSequenceClassification
 
+    from bench.cpu_latency.run import nncf_int8
     from holoserve.compress.data import encode, eval_batches
     from holoserve.compress.evaluate import predict_with, score
     from holoserve.core.tokenizer import load_tokenizer
     from holoserve.data.tabular import load_for_training
     from holoserve.export.onnx_export import torch_export_fp32
 
-    logging.getLogger("nncf").setLevel(logging.WARNING)
     t0 = time.perf_counter()
     td = load_for_training(task_name, data, seed=seed)
     tok = load_tokenizer(teacher_dir, max_seq_length)
@@ -50,9 +49,9 @@ def nncf_ptq(teacher_dir: Path, task_name: str | None, data, *, max_seq_length: 
         with torch.no_grad():
             torch_export_fp32(model, onnx_path)
         samples = [feed(b) for _, b in eval_batches(calib, 1)]
-        q = nncf.quantize(ov.Core().read_model(str(onnx_path)), nncf.Dataset(samples),
-                          model_type=nncf.ModelType.TRANSFORMER, subset_size=len(samples))
-        compiled = ov.Core().compile_model(q, "CPU")
+        # the same NNCF recipe as the CPU-latency benchmark's OpenVINO INT8 engine
+        ir = nncf_int8(ov, nncf, onnx_path, samples, Path(tmp) / "dense.nncf-int8.xml")
+        compiled = ov.Core().compile_model(str(ir), "CPU")
         out = compiled.outputs[0]
         logits = predict_with(lambda b: compiled(feed(b))[out], dev)
     return {"metrics": score(td.task, logits, dev.labels), "calibration_rows": len(calib.labels),

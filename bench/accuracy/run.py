@@ -99,6 +99,7 @@ def run_record(path: Path, data_dir: str | None) -> dict:
     return {
         "value": metrics[primary], "all": metrics, "scored_by": source, "manifest_value": m.metrics.compressed[primary],
         "metric": primary, "dev_rows": m.metrics.dev_rows, "dense": m.metrics.dense[primary],
+        "max_seq_length": m.max_seq_length,
         "steps": {k: v.get("steps") for k, v in phases.items() if isinstance(v, dict) and "steps" in v},
         "dense_seconds": (phases.get("dense") or {}).get("seconds"),
         "wall_seconds": t.get("wall_seconds"), "machine": t.get("machine"), "train_rows": t.get("train_rows"),
@@ -343,11 +344,10 @@ def main() -> int:
 
                 first = next(iter(runs.values()))
                 data = _DATA or DataOptions(data_dir=args.data_dir)
-                msl = read_manifest(args.runs_dir / first["checkpoint"]).max_seq_length
-                res = None if args.report_only and not (args.runs_dir / f"{task}-s{seed}-{PEER}.json").is_file() else \
-                    cached_nncf_ptq(args.runs_dir / f"{task}-s{seed}-{PEER}.json", teacher,
-                                    None if args.train else task, data, max_seq_length=msl, seed=seed,
-                                    rows=args.calibration_rows)
+                cache = args.runs_dir / f"{task}-s{seed}-{PEER}.json"
+                res = None if args.report_only and not cache.is_file() else \
+                    cached_nncf_ptq(cache, teacher, None if args.train else task, data,
+                                    max_seq_length=first["max_seq_length"], seed=seed, rows=args.calibration_rows)
                 if res is not None:
                     runs[PEER] = {**first, "value": res["metrics"][first["metric"]], "all": res["metrics"],
                                   "scored_by": "OpenVINO", "steps": {}, "wall_seconds": res["seconds"],

@@ -68,13 +68,15 @@ def main() -> int:
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--data-dir", required=True, help="the GLUE folder")
     args = ap.parse_args()
-    import onnx
-    import onnxruntime as ort
+    import tempfile
 
+    import onnx
+
+    from holoserve.compress.evaluate import score
     from holoserve.compress.evaluate_cli import evaluate_checkpoint
     from holoserve.core.artifact import load_artifact
+    from holoserve.core.ort import session
     from holoserve.data.glue import read_split
-    from holoserve.data.metrics import compute
     from holoserve.data.tasks import get_task
     from holoserve.export.onnx_export import encode_batches, make_tokenizer
 
@@ -96,19 +98,19 @@ def main() -> int:
     print(f"{args.checkpoint.name}: {task.name} dev {task.primary_metric}, `holoserve eval` {100 * ref:.2f}; "
           f"extra Q/DQ pairs {counts}\n")
     print("| TensorRT placement | pairs removed | dev | vs checkpoint |\n| --- | --- | --- | --- |")
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    for kinds in VARIANTS:
-        m, n = without(base, kinds)
-        sess = ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-        names = {i.name for i in sess.get_inputs()}
-        out = np.zeros((len(rows), art.num_labels), dtype=np.float32)
-        for idx, feed in batches:
-            out[idx] = sess.run(None, {k: v for k, v in feed.items() if k in names})[0]
-        pred = out[:, 0] if task.is_regression else out.argmax(1)
-        v = compute(task.metrics, pred, labels)[task.primary_metric]
-        label = "as exported" if not kinds else "without " + " + ".join(kinds)
-        print(f"| {label} | {n} | {100 * v:.2f} | {100 * (v - ref):+.2f} |", flush=True)
+    with tempfile.TemporaryDirectory(prefix="holoserve-placement-") as tmp:
+        for kinds in VARIANTS:
+            m, n = without(base, kinds)
+            path = Path(tmp) / "variant.onnx"
+            onnx.save(m, str(path))
+            sess = session(path, quiet=True)
+            names = {i.name for i in sess.get_inputs()}
+            out = np.zeros((len(rows), art.num_labels), dtype=np.float32)
+            for idx, feed in batches:
+                out[idx] = sess.run(None, {k: v for k, v in feed.items() if k in names})[0]
+            v = score(task, out, labels)[task.primary_metric]
+            label = "as exported" if not kinds else "without " + " + ".join(kinds)
+            print(f"| {label} | {n} | {100 * v:.2f} | {100 * (v - ref):+.2f} |", flush=True)
     return 0
 
 
