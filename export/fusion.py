@@ -31,7 +31,7 @@ needs the attention MatMuls explicit for their Q/DQ pairs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,6 +53,9 @@ class AttentionBlock:
     nodes: list  # nodes the fused op replaces
     bias: np.ndarray | None = None  # [3 * hidden] Q, K, V projection biases, folded into the fused op
     attention_bias: str | None = None  # a [batch or 1, heads or 1, seq, seq] additive term (relative positions)
+    # the nodes from the query's head split to the output, in order: Reshape, Transpose, MatMul Q·Kᵀ, the
+    # scale, the scores' Adds, Softmax, MatMul with V, Transpose, Reshape. Each query row flows along it alone
+    query_path: list = field(default_factory=list)
 
 
 def _const_value(inits, name: str, producers) -> np.ndarray | None:
@@ -270,7 +273,7 @@ def find_attention(model) -> list[AttentionBlock]:
             continue  # an intermediate is read elsewhere: leave the block alone
         inner += [back, merge]
         block = AttentionBlock(q[0], k[0], v[0], merge.output[0], scale, inner + q[1] + k[1] + v[1],
-                               attention_bias=attention_bias)
+                               attention_bias=attention_bias, query_path=[q[1][1], q[1][0], *inner])
         biased = [_bias_add(inits, producers, consumers, t) for t in (block.q, block.k, block.v)]
         if all(biased) and len({b[1].shape for b in biased}) == 1:
             block.q, block.k, block.v = (b[0] for b in biased)
@@ -650,6 +653,33 @@ def _row_inputs(node, inits, producers, ranks) -> list[str] | None:
     return None
 
 
+def _query_row_inputs(node, block: AttentionBlock, ranks, axis_of: dict[str, int]) -> list[str]:
+    """The inputs of a node on a standard-op attention block's query path that carry query rows.
+
+    Along the path each query row is computed from its own row alone: the scores Q·Kᵀ, their scale,
+    Softmax over the keys, the product with V and the head merge. The keys and values are read in
+    full. An Add of the scores also reads the padding mask ([batch, 1, 1 or seq, seq]) or an
+    attention bias; those have a query axis too and are sliced along it. Inside the block the
+    token axis of [batch, heads, seq, ...] tensors is 2; `axis_of` records it for every such tensor.
+    """
+    path = block.query_path
+    inside = {o for n in path[1:-2] for o in n.output}  # Transpose of Q .. MatMul with V: [batch, heads, seq, ...]
+    for t in inside:
+        axis_of[t] = 2
+    chain = {o for n in path for o in n.output}
+    if node is path[0]:  # the head split reads the [batch, seq, hidden] query
+        return [node.input[0]]
+    rows = [t for t in node.input if t in chain]
+    if node.op_type == "Add":
+        for t in node.input:
+            if t and t not in chain and ranks.get(t) == 4:
+                axis_of[t] = 2
+                rows.append(t)
+        if len(rows) != len([t for t in node.input if t]):
+            return []  # an additive term of unknown layout: stop here
+    return rows
+
+
 def _classifier_rows(g, inits, producers, ranks) -> list:
     """Gather(axis=1, index 0) of a rank-3 tensor: the [CLS] row a BERT-style pooler/classifier reads."""
     seeds = []
@@ -670,7 +700,9 @@ def keep_classifier_row(model, ranks: dict[str, int]) -> dict[str, int]:
     inputs alone (the Linears, LayerNorms, residual Adds, GELU, activation quantizers) is made to
     run on the [batch, 1, ...] slice; the walk stops at a tensor something else needs in full
     (the keys and values of the last attention, the previous layer's output) and reads a Slice of
-    it there. The last attention keeps all keys and values and computes one query row. In a
+    it there. The last attention keeps all keys and values and computes one query row, whether it
+    is the fused op or the standard-op block (along its query path; the head split and merge
+    Reshapes get target shapes with 1 for the sequence). In a
     BERT-base-shaped layer that removes about 10/12 of the last layer's GEMM work and nearly all of
     its attention, LayerNorm and GELU work. Exact: every kept row is computed from the same inputs
     by the same kernels. A graph that already has the rewrite is left as it is. Returns
@@ -685,6 +717,8 @@ def keep_classifier_row(model, ranks: dict[str, int]) -> dict[str, int]:
     seeds = {id(n) for n in _classifier_rows(g, inits, producers, ranks)}
     if not seeds or any(o.endswith(CLS_SUFFIX) for n in nodes for o in n.output):  # none, or done already
         return {"row_nodes": 0, "slices": 0}
+    on_path = {id(n): b for b in find_attention(model) for n in b.query_path}  # standard-op attention
+    axis_of: dict[str, int] = {}  # a row input's token axis, where it is not 1
     wants: dict[str, set] = {o.name: {"full"} for o in g.output}
     row_nodes: dict[int, list[str]] = {}
     for n in reversed(nodes):  # graph order is topological
@@ -693,7 +727,10 @@ def keep_classifier_row(model, ranks: dict[str, int]) -> dict[str, int]:
         if id(n) in seeds:
             rows = [n.input[0]]
         elif demand == {"row"}:
-            rows = _row_inputs(n, inits, producers, ranks)
+            if id(n) in on_path:
+                rows = _query_row_inputs(n, on_path[id(n)], ranks, axis_of) or None
+            else:
+                rows = _row_inputs(n, inits, producers, ranks)
             if rows is not None:
                 row_nodes[id(n)] = rows
         for t in _reads(n):
@@ -702,20 +739,33 @@ def keep_classifier_row(model, ranks: dict[str, int]) -> dict[str, int]:
         return {"row_nodes": 0, "slices": 0}
     row_outputs = {o for n in nodes if id(n) in row_nodes for o in n.output}
     consts = [numpy_helper.from_array(np.asarray([v], np.int64), f"cls_row.{k}") for k, v in
-              (("start", 0), ("end", 1), ("axis", 1))]
+              (("start", 0), ("end", 1), ("axis", 1), ("axis2", 2), ("last", np.iinfo(np.int64).max))]
     g.initializer.extend(consts)
-    out, sliced = [], {}
+    out, sliced, reshaped = [], {}, set()
     for n in nodes:
         rows = row_nodes.get(id(n))
         if rows is not None:
             for t in rows:
                 if t not in row_outputs and t not in sliced:
                     sliced[t] = f"{t}{CLS_SUFFIX}"
-                    out.append(helper.make_node("Slice", [t, "cls_row.start", "cls_row.end", "cls_row.axis"],
+                    axis = "cls_row.axis2" if axis_of.get(t) == 2 else "cls_row.axis"
+                    out.append(helper.make_node("Slice", [t, "cls_row.start", "cls_row.end", axis],
                                                 [sliced[t]], name=f"{t}{CLS_SUFFIX}/Slice"))
             for k, t in enumerate(n.input):
                 if t in rows:
                     n.input[k] = sliced.get(t, t)
+            if id(n) in on_path and n.op_type == "Reshape":  # target shape [b, seq, ...] -> [b, 1, ...]
+                shape = n.input[1]
+                parts = [f"{shape}{CLS_SUFFIX}.head", f"{shape}{CLS_SUFFIX}.tail", f"{shape}{CLS_SUFFIX}"]
+                if parts[2] not in reshaped:  # two Reshapes may share one target shape
+                    reshaped.add(parts[2])
+                    out += [helper.make_node("Slice", [shape, "cls_row.start", "cls_row.end"], [parts[0]],
+                                             name=f"{parts[0]}/Slice"),
+                            helper.make_node("Slice", [shape, "cls_row.axis2", "cls_row.last"], [parts[1]],
+                                             name=f"{parts[1]}/Slice"),
+                            helper.make_node("Concat", [parts[0], "cls_row.end", parts[1]], [parts[2]], axis=0,
+                                             name=f"{parts[2]}/Concat")]
+                n.input[1] = parts[2]
         out.append(n)
     # the row outputs changed shape ([B, 1, ...]); keep their element type, which ONNX shape inference
     # cannot find behind a contrib op on its own

@@ -143,6 +143,21 @@ def nncf_int8(ov, nncf, fp32_onnx: Path, samples: list[dict], out: Path) -> Path
     return out
 
 
+def train_samples(art, tok, data_dir, rows: int):
+    """(the first `rows` training rows of the checkpoint's task, tokenized one row per sample, task):
+    the NNCF baseline's calibration set. Raises when the task or its training split is unavailable."""
+    from holoserve.data.glue import read_split
+    from holoserve.data.tasks import get_task
+    from holoserve.export.onnx_export import encode_batches
+
+    task = get_task(art.task_name)
+    found = read_split(task, "train", data_dir, limit=rows)
+    if not found:
+        raise RuntimeError("the training split is empty")
+    return [b for _, b in encode_batches(tok, [r.text for r in found], [r.text_pair for r in found]
+                                         if task.is_pair else None, batch_size=1)], task
+
+
 def inference_precision(compiled) -> str:
     """The CPU plugin's floating-point precision for the compiled model (its default is bf16 on CPUs
     with bf16 instructions, even for an fp32 model)."""
@@ -279,15 +294,7 @@ def main(argv=None) -> int:
     calibration = {}
     if "openvino_nncf_int8" not in skipped:
         try:
-            from holoserve.data.glue import read_split
-
-            if task is None:
-                raise RuntimeError(f"no task for {art.task_name!r}")
-            rows = read_split(task, "train", args.data_dir, limit=args.calibration_rows)
-            if not rows:
-                raise RuntimeError("the training split is empty")
-            samples = [b for _, b in encode_batches(
-                tok, [r.text for r in rows], [r.text_pair for r in rows] if task.is_pair else None, batch_size=1)]
+            samples, task = train_samples(art, tok, args.data_dir, args.calibration_rows)
         except Exception as e:  # no data dir: nothing to calibrate on
             skipped["openvino_nncf_int8"] = f"no {art.task_name} training rows to calibrate on ({str(e)[:300]})"
             print(f"skipping {LABELS['openvino_nncf_int8']}: {skipped['openvino_nncf_int8']}", flush=True)

@@ -632,13 +632,30 @@ def test_fused_ops_match_standard_onnx_ops(exported, tmp_path):
     export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "plain", fuse_attention=False, fuse_matmul=False,
                       fuse_gelu=False, classifier_row=False, **kw)
     mha_res = export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "mha", fuse_matmul=False, **kw)
-    # standard ops, last layer on the [CLS] row: the walk stops at the attention output (a Reshape)
+    # standard ops, last layer on the [CLS] row, the attention along its query path too
     rows_res = export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path / "rows", fuse_attention=False,
                                  fuse_matmul=False, fuse_gelu=False, **kw)
-    # output projection (activation Q, DQ, MatMul, bias Add), residual Add, LayerNorm, feed-forward
-    # 2 x (Q, DQ, MatMul, bias Add) around the 5-op GELU, residual Add, LayerNorm
-    assert rows_res.entries["onnxruntime"]["fused_ops"]["classifier_row"] == {"row_nodes": 21, "slices": 2}
-    assert mha_res.entries["onnxruntime"]["fused_ops"]["classifier_row"]["row_nodes"] > 21
+    # Q projection (MatMul, bias Add), the 9 nodes of the attention's query path (head split Reshape + Transpose,
+    # Q·Kᵀ, scale, mask Add, Softmax, ·V, Transpose + Reshape), output projection (activation Q, DQ, MatMul, bias
+    # Add), residual Add, LayerNorm, feed-forward 2 x (Q, DQ, MatMul, bias Add) around the 5-op GELU, residual
+    # Add, LayerNorm; Slices: the dequantized Q/K/V input, the padding mask (along the query axis), the residual
+    assert rows_res.entries["onnxruntime"]["fused_ops"]["classifier_row"] == {"row_nodes": 32, "slices": 3}
+    rows = onnx.load(str(tmp_path / "rows" / "model.onnx"))
+    prod = {o: n for n in rows.graph.node for o in n.output}
+    last_softmax = [n for n in rows.graph.node if n.op_type == "Softmax"][-1]
+    mask_add = prod[last_softmax.input[0]]
+    sliced = [prod[t] for t in mask_add.input if prod[t].op_type == "Slice"]
+    assert len(sliced) == 1 and _inits(rows)[sliced[0].input[3]].tolist() == [2]  # the mask's query axis
+    scores = prod[prod[[t for t in mask_add.input if prod[t] is not sliced[0]][0]].input[0]]
+
+    def projection_input(heads):  # Transpose <- Reshape <- bias Add <- MatMul: what the projection reads
+        add = prod[prod[heads.input[0]].input[0]]
+        matmul = next(prod[t] for t in add.input if t in prod and prod[t].op_type == "MatMul")
+        return prod[matmul.input[0]]
+
+    q_heads, k_heads = (prod[t] for t in scores.input)
+    assert projection_input(q_heads).op_type == "Slice"  # the Q projection runs on the [CLS] row ...
+    assert projection_input(k_heads).op_type == "DequantizeLinear"  # ... the keys on every row
     plain = onnx.load(str(tmp_path / "plain" / "model.onnx"))
     assert not [n for n in plain.graph.node if n.domain]
     assert {"MatMul", "DequantizeLinear", "Softmax"} <= {n.op_type for n in plain.graph.node}

@@ -1,0 +1,154 @@
+"""Where the time goes: ours on OpenVINO against OpenVINO's NNCF INT8 of the dense model, per operation.
+
+    python bench/cpu_latency/profile_openvino.py CHECKPOINT --dense HF_FOLDER --data-dir GLUE_DIR \
+        [--batch 1] [--seq 128] [--threads 1]
+
+Both engines are built as `bench/cpu_latency/run.py` builds them (ours: the checkpoint's `openvino`
+export; the peer: `nncf.quantize`, transformer preset, on the first --calibration-rows training rows
+of the dense model's plain fp32 ONNX export) and compiled with PERF_COUNT on. Each timed run reads
+OpenVINO's per-node profiling counters; the report sums them per operation class (quantized GEMMs,
+fused attention, everything else) and per (node type, kernel), beside the wall-clock median of the
+same runs. Writes bench/results/NAME.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.cpu_latency.run import (load_avg, nncf_int8, openvino_modules, random_rows,  # noqa: E402
+                                   train_samples)
+from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402
+from holoserve.core.machine import describe_cpu  # noqa: E402
+
+ENGINES = {"openvino_nncf_int8": "OpenVINO INT8 (NNCF PTQ, dense weights)", "ours_openvino": "ours on OpenVINO"}
+
+
+def op_class(node_type: str) -> str:
+    """GEMMs (OpenVINO's FullyConnected family, int8 or float), the fused attention block (the CPU
+    plugin's `Subgraph`: QK^T, softmax, xV), or other (LayerNorm, adds, quantize, reorders, ...)."""
+    if node_type.startswith("FullyConnected") or node_type == "MatMul":
+        return "gemm"
+    if node_type == "Subgraph":
+        return "attention"
+    return "other"
+
+
+def profile(compiled, feed: dict, runs: int, warmup: int) -> dict:
+    request = compiled.create_infer_request()
+    names = [i.get_any_name() for i in compiled.inputs]
+    f = {n: feed[n] for n in names}
+    for _ in range(warmup):
+        request.infer(f)
+    wall, per_kind, per_class, count = [], defaultdict(float), defaultdict(float), defaultdict(int)
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        request.infer(f)
+        wall.append((time.perf_counter() - t0) * 1000.0)
+        for p in request.profiling_info:
+            ms = p.real_time.total_seconds() * 1000.0 / runs
+            per_kind[f"{p.node_type} / {p.exec_type}"] += ms
+            per_class[op_class(p.node_type)] += ms
+            count[f"{p.node_type} / {p.exec_type}"] += 1
+    nodes = sum(per_class.values())
+    return {"wall_median_ms": round(float(np.median(wall)), 3), "node_sum_ms": round(nodes, 3),
+            "per_class_ms": {k: round(v, 3) for k, v in sorted(per_class.items(), key=lambda kv: -kv[1])},
+            "per_kind": [{"kind": k, "ms": round(v, 3), "nodes": count[k] // runs}
+                         for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1]) if v >= 0.005]}
+
+
+def markdown(r: dict) -> str:
+    e = r["engines"]
+    ours, peer = e["ours_openvino"], e["openvino_nncf_int8"]
+    lines = [f"# Per-operation profile on OpenVINO ({r['date']}, {r['machine']})", "",
+             f"Batch {r['batch']}, sequence {r['seq']}, {r['threads']} thread(s), {r['runs']} timed runs; "
+             f"checkpoint `{r['checkpoint']}`, dense model `{r['dense']}`; OpenVINO {r['versions']['openvino']}, "
+             f"NNCF {r['versions']['nncf']}. Load average before/after: {r['loadavg_before']} / {r['loadavg_after']}.",
+             "", "| | " + " | ".join(ENGINES[k] for k in ENGINES) + " | ours / NNCF |", "| --- | ---: | ---: | ---: |"]
+    rows = [("wall clock, median (ms)", "wall_median_ms"), ("sum of node times (ms)", "node_sum_ms")]
+    for label, key in rows:
+        lines.append(f"| {label} | {peer[key]:.2f} | {ours[key]:.2f} | {ours[key] / peer[key]:.2f} |")
+    for c in ("gemm", "attention", "other"):
+        a, b = peer["per_class_ms"].get(c, 0.0), ours["per_class_ms"].get(c, 0.0)
+        share = f" ({100 * a / peer['node_sum_ms']:.0f} % / {100 * b / ours['node_sum_ms']:.0f} %)"
+        lines.append(f"| {c} (ms, share) | {a:.2f} | {b:.2f} | "
+                     f"{b / a if a else float('nan'):.2f}{share} |")
+    for k in ENGINES:
+        lines += ["", f"## {ENGINES[k]}: node type / kernel", "", "| ms | nodes | node type / kernel |",
+                  "| ---: | ---: | --- |"]
+        lines += [f"| {x['ms']:.3f} | {x['nodes']} | {x['kind']} |" for x in e[k]["per_kind"][:15]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--dense", type=Path, required=True, help="the dense fine-tuned HF folder NNCF quantizes")
+    ap.add_argument("--data-dir", default=None, help="GLUE data dir for the NNCF calibration rows")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--calibration-rows", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--name", default="cpu_profile_openvino")
+    args = ap.parse_args(argv)
+    try:
+        ov, nncf, why = openvino_modules()
+    except ImportError as e:
+        raise SystemExit(f"OpenVINO is not installed ({e}): pip install 'holoserve[bench]'") from None
+    if nncf is None:
+        raise SystemExit(why)
+    from transformers import AutoModelForSequenceClassification
+
+    from holoserve.core.artifact import load_artifact
+    from holoserve.export.onnx_export import make_tokenizer, torch_export_fp32
+
+    art = load_artifact(args.checkpoint)
+    ours = art.export_path("openvino")
+    if ours is None or not ours.is_file():
+        raise SystemExit(f"{art.path} has no OpenVINO export: run `holoserve export {art.path} --target openvino`")
+    tok = make_tokenizer(art)
+    with tempfile.TemporaryDirectory(prefix="holoserve-profile-") as tmp:
+        work = Path(tmp)
+        dense = AutoModelForSequenceClassification.from_pretrained(str(args.dense), local_files_only=True,
+                                                                   attn_implementation="eager").eval()
+        torch_export_fp32(dense, work / "dense.fp32.onnx")
+        samples, _ = train_samples(art, tok, args.data_dir, args.calibration_rows)
+        print(f"NNCF post-training quantization on {len(samples)} training rows ...", flush=True)
+        nncf_ir = nncf_int8(ov, nncf, work / "dense.fp32.onnx", samples, work / "dense.nncf-int8.xml")
+        feed = random_rows(np.random.default_rng(0), dense.config.vocab_size, args.batch, args.seq,
+                           tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]"))
+        core = ov.Core()
+        config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": args.threads, "PERF_COUNT": True}
+        before = load_avg()
+        engines = {}
+        for key, path in (("openvino_nncf_int8", nncf_ir), ("ours_openvino", ours)):
+            engines[key] = profile(core.compile_model(core.read_model(str(path)), "CPU", config), feed,
+                                   args.runs, args.warmup)
+            print(f"{ENGINES[key]}: wall {engines[key]['wall_median_ms']:.2f} ms, nodes "
+                  f"{engines[key]['node_sum_ms']:.2f} ms {engines[key]['per_class_ms']}", flush=True)
+    report = {"benchmark": "cpu_profile_openvino", "date": datetime.now(timezone.utc).date().isoformat(),
+              "machine": describe_cpu(), "checkpoint": art.path.name, "dense": args.dense.name,
+              "batch": args.batch, "seq": args.seq, "threads": args.threads, "runs": args.runs,
+              "versions": {"openvino": ov.__version__, "nncf": nncf.__version__},
+              "loadavg_before": before, "loadavg_after": load_avg(), "engines": engines}
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out / f"{args.name}.json", report)
+    atomic_write_text(args.out / f"{args.name}.md", markdown(report))
+    print(f"wrote {args.out / args.name}.{{json,md}}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
