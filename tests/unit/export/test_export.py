@@ -607,6 +607,18 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
     md = (tmp_path / "lat.md").read_text()
     assert "Attention in the ORT baselines: 2 blocks fused" in md and "their last layer: last layer on the [CLS]" in md
     assert all(f" {run.LABELS[k]} |" in md for k in ran)
+    if has_nncf:  # the per-operation profile of ours and NNCF's INT8 on OpenVINO
+        prof = bench_module("cpu_latency", "profile_openvino")
+        assert prof.main([str(ckpt), "--dense", str(ckpt), "--data-dir", str(glue), "--calibration-rows", "8",
+                          "--batch", "2", "--seq", "8", "--runs", "2", "--warmup", "1", "--out", str(tmp_path),
+                          "--name", "prof"]) == 0
+        p = json.loads((tmp_path / "prof.json").read_text())
+        for k in ("ours_openvino", "openvino_nncf_int8"):
+            e = p["engines"][k]
+            assert e["per_class_ms"]["gemm"] > 0 and e["wall_median_ms"] > 0
+            assert abs(sum(e["per_class_ms"].values()) - e["node_sum_ms"]) < 0.01
+            assert any(x["kind"].startswith("FullyConnected") for x in e["per_kind"])
+        assert "| gemm (ms, share) |" in (tmp_path / "prof.md").read_text()
     # no OpenVINO export in the checkpoint, and no data dir: ours on OpenVINO and NNCF's INT8 say why they did not run
     if has_nncf:
         rc = run.main([str(exported[0]), "--out", str(tmp_path), "--name", "lat2", "--runs", "1", "--warmup", "1",
