@@ -5,8 +5,8 @@
 
 Both engines are built as `bench/cpu_latency/run.py` builds them (ours: the checkpoint's `openvino`
 export; the peer: `nncf.quantize`, transformer preset, on the first --calibration-rows training rows
-of the dense model's plain fp32 ONNX export) and compiled with PERF_COUNT on. Each timed run reads
-OpenVINO's per-node profiling counters; the report sums them per operation class (quantized GEMMs,
+of the dense model's plain fp32 ONNX export) and compiled with PERF_COUNT on. The two run
+interleaved, one run of each per round; each timed run reads OpenVINO's per-node profiling counters; the report sums them per operation class (quantized GEMMs,
 fused attention, everything else) and per (node type, kernel), beside the wall-clock median of the
 same runs. Writes bench/results/NAME.{json,md}.
 """
@@ -43,34 +43,46 @@ def op_class(node_type: str) -> str:
     return "other"
 
 
-def profile(compiled, feed: dict, runs: int, warmup: int) -> dict:
-    request = compiled.create_infer_request()
-    names = [i.get_any_name() for i in compiled.inputs]
-    f = {n: feed[n] for n in names}
-    for _ in range(warmup):
-        request.infer(f)
-    wall, per_kind, per_class, count = [], defaultdict(float), defaultdict(float), defaultdict(int)
+def profile(compiled: dict, feed: dict, runs: int, warmup: int) -> dict:
+    """{engine: its wall-clock median and node times} for compiled models run interleaved, one run of
+    each per round, so that background load hits them alike."""
+    engines = {}
+    for key, c in compiled.items():
+        request = c.create_infer_request()
+        engines[key] = (request, {n: feed[n] for n in (i.get_any_name() for i in c.inputs)})
+        for _ in range(warmup):
+            request.infer(engines[key][1])
+    wall = {k: [] for k in engines}
+    per_kind = {k: defaultdict(float) for k in engines}
+    per_class = {k: defaultdict(float) for k in engines}
+    count = {k: defaultdict(int) for k in engines}
     for _ in range(runs):
-        t0 = time.perf_counter()
-        request.infer(f)
-        wall.append((time.perf_counter() - t0) * 1000.0)
-        for p in request.profiling_info:
-            ms = p.real_time.total_seconds() * 1000.0 / runs
-            per_kind[f"{p.node_type} / {p.exec_type}"] += ms
-            per_class[op_class(p.node_type)] += ms
-            count[f"{p.node_type} / {p.exec_type}"] += 1
-    nodes = sum(per_class.values())
-    return {"wall_median_ms": round(float(np.median(wall)), 3), "node_sum_ms": round(nodes, 3),
-            "per_class_ms": {k: round(v, 3) for k, v in sorted(per_class.items(), key=lambda kv: -kv[1])},
-            "per_kind": [{"kind": k, "ms": round(v, 3), "nodes": count[k] // runs}
-                         for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1]) if v >= 0.005]}
+        for key, (request, f) in engines.items():
+            t0 = time.perf_counter()
+            request.infer(f)
+            wall[key].append((time.perf_counter() - t0) * 1000.0)
+            for p in request.profiling_info:
+                ms = p.real_time.total_seconds() * 1000.0 / runs
+                per_kind[key][f"{p.node_type} / {p.exec_type}"] += ms
+                per_class[key][op_class(p.node_type)] += ms
+                count[key][f"{p.node_type} / {p.exec_type}"] += 1
+    out = {}
+    for key in engines:
+        kinds, classes = per_kind[key], per_class[key]
+        out[key] = {"wall_median_ms": round(float(np.median(wall[key])), 3),
+                    "node_sum_ms": round(sum(classes.values()), 3),
+                    "per_class_ms": {k: round(v, 3) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
+                    "per_kind": [{"kind": k, "ms": round(v, 3), "nodes": count[key][k] // runs}
+                                 for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]) if v >= 0.005]}
+    return out
 
 
 def markdown(r: dict) -> str:
     e = r["engines"]
     ours, peer = e["ours_openvino"], e["openvino_nncf_int8"]
     lines = [f"# Per-operation profile on OpenVINO ({r['date']}, {r['machine']})", "",
-             f"Batch {r['batch']}, sequence {r['seq']}, {r['threads']} thread(s), {r['runs']} timed runs; "
+             f"Batch {r['batch']}, sequence {r['seq']}, {r['threads']} thread(s), {r['runs']} timed runs per engine, "
+             "interleaved; "
              f"checkpoint `{r['checkpoint']}`, dense model `{r['dense']}`; OpenVINO {r['versions']['openvino']}, "
              f"NNCF {r['versions']['nncf']}. Load average before/after: {r['loadavg_before']} / {r['loadavg_after']}.",
              "", "| | " + " | ".join(ENGINES[k] for k in ENGINES) + " | ours / NNCF |", "| --- | ---: | ---: | ---: |"]
@@ -132,12 +144,12 @@ def main(argv=None) -> int:
         core = ov.Core()
         config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": args.threads, "PERF_COUNT": True}
         before = load_avg()
-        engines = {}
-        for key, path in (("openvino_nncf_int8", nncf_ir), ("ours_openvino", ours)):
-            engines[key] = profile(core.compile_model(core.read_model(str(path)), "CPU", config), feed,
-                                   args.runs, args.warmup)
-            print(f"{ENGINES[key]}: wall {engines[key]['wall_median_ms']:.2f} ms, nodes "
-                  f"{engines[key]['node_sum_ms']:.2f} ms {engines[key]['per_class_ms']}", flush=True)
+        compiled = {key: core.compile_model(core.read_model(str(path)), "CPU", config)
+                    for key, path in (("openvino_nncf_int8", nncf_ir), ("ours_openvino", ours))}
+        engines = profile(compiled, feed, args.runs, args.warmup)
+        for key, e in engines.items():
+            print(f"{ENGINES[key]}: wall {e['wall_median_ms']:.2f} ms, nodes {e['node_sum_ms']:.2f} ms "
+                  f"{e['per_class_ms']}", flush=True)
     report = {"benchmark": "cpu_profile_openvino", "date": datetime.now(timezone.utc).date().isoformat(),
               "machine": describe_cpu(), "checkpoint": art.path.name, "dense": args.dense.name,
               "batch": args.batch, "seq": args.seq, "threads": args.threads, "runs": args.runs,
