@@ -118,6 +118,7 @@ def _stats(xs: list[float]) -> dict | None:
 def summarize(task: str, per_seed: dict[int, dict[str, dict]]) -> dict:
     """Mean ± std over seeds of every column for one task; `per_seed[seed][key]` is a run record
     (the dense column comes from the teacher each seed's runs share)."""
+    per_seed = {seed: runs for seed, runs in per_seed.items() if runs}  # a seed with no finished run yet
     row: dict = {"task": task, "seeds": sorted(per_seed), "per_seed": per_seed, "columns": {}}
     for key in COLUMNS:
         if key == "dense":
@@ -182,7 +183,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
             st = r["columns"].get(k)
             kept = f" ({100 * st['kept']:.1f} %)" if st and k != "dense" and st.get("kept") else ""
             cells.append(fmt_stat(st) + kept)
-        lines.append(f"| {r['task']} | {r.get('metric', '—')} | " + " | ".join(cells) + " |")
+        n = "" if r["seeds"] == seeds else f" (seed{'s' if len(r['seeds']) > 1 else ''} {', '.join(map(str, r['seeds']))})"
+        lines.append(f"| {r['task']}{n} | {r.get('metric', '—')} | " + " | ".join(cells) + " |")
     ov = meta.get("overall") or {}
     if ov.get("means") and len(rows) > 1:
         lines.append("| **mean over tasks** | | " + " | ".join(

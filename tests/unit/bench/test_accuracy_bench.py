@@ -58,6 +58,12 @@ def test_seeds_share_one_teacher_per_seed_and_aggregate(bench, monkeypatch):
     _main(mod, argv + ["--report-only"], monkeypatch)
     assert {p: p.stat().st_mtime_ns for p in runs.glob("*/manifest.json")} == stamp
     assert json.loads((root / "results" / "accuracy.json").read_text())["rows"][0]["columns"].keys() == cols.keys()
+    # a report over a seed that has no finished run yet counts only the seeds that have
+    _main(mod, [*argv[:argv.index("--seeds") + 1], "0,1,2", *argv[argv.index("--seeds") + 2:], "--report-only"],
+          monkeypatch)
+    assert json.loads((root / "results" / "accuracy.json").read_text())["rows"][0]["seeds"] == [0, 1]
+    md = (root / "results" / "accuracy.md").read_text()
+    assert "seeds 0, 1 (" in md and "0, 1, 2" not in md
 
 
 def test_unknown_row_is_refused(bench, monkeypatch, capsys):
