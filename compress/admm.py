@@ -24,7 +24,7 @@ from .project import project
 
 class Admm:
     def __init__(self, model: nn.Module, layers: list[str], cfg: AdmmConfig, total_steps: int,
-                 n: int = 2, m: int = 4, quant: bool = True):
+                 n: int = 2, m: int = 4, quant: bool = True, importance: Mapping[str, torch.Tensor] | None = None):
         from holoserve import HoloServeError
 
         if cfg.penalty not in ("decoupled", "loss"):
@@ -33,16 +33,17 @@ class Admm:
             raise HoloServeError("admm_cfg: rho_start and rho_end must be > 0 and interval >= 1 "
                                  f"(got {cfg.rho_start}, {cfg.rho_end}, {cfg.interval})")
         self.layers, self.cfg, self.n, self.m, self.quant = list(layers), cfg, n, m, quant
+        self.importance = dict(importance or {})  # per-input-channel weights of the Z-step's mask (see nm_mask)
         self.weights = {name: get_linear(model, name).weight for name in self.layers}
         self.num_updates = max(1, total_steps // max(1, cfg.interval))
         self.k = 0  # Z/U updates done
         self.mask_moves: list[float] = []  # per Z-update: share of weights whose kept/pruned state changed
         with torch.no_grad():
-            self.Z = {name: self._proj(w) for name, w in self.weights.items()}
+            self.Z = {name: self._proj(name, w) for name, w in self.weights.items()}
             self.U = {name: torch.zeros_like(w) for name, w in self.weights.items()}
 
-    def _proj(self, w: torch.Tensor) -> torch.Tensor:
-        return project(w.detach(), self.n, self.m, quant=self.quant).z
+    def _proj(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        return project(w.detach(), self.n, self.m, quant=self.quant, importance=self.importance.get(name)).z
 
     @property
     def rho(self) -> float:
@@ -73,7 +74,7 @@ class Admm:
         old = self.rho
         moved = total = 0
         for name, w in self.weights.items():
-            z = self._proj(w + self.U[name])
+            z = self._proj(name, w + self.U[name])
             moved += int(((z != 0) != (self.Z[name] != 0)).sum())
             total += z.numel()
             self.Z[name] = z

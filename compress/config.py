@@ -64,6 +64,12 @@ class Preset:
     qat: PhaseConfig = PhaseConfig(lr=1e-4, epochs=2, max_steps=200)
     admm_cfg: AdmmConfig = AdmmConfig()
     distill: DistillConfig = DistillConfig()
+    # How the one-shot and ADMM methods choose which 2 of every 4 weights to keep:
+    #   "magnitude"   the 2 largest |w_ij|
+    #   "activation"  the 2 largest |w_ij| * ||x_j||, x_j the layer's input channel j over the calibration
+    #                 batches (Wanda's score: the mask closest to w in the layer's output error)
+    # (`--method magnitude` is the APEX ASP baseline and always uses magnitude.)
+    mask_metric: str = "magnitude"
     calib_batches: int = 16  # training batches used to calibrate activation ranges
     calib_percentile: float | None = 99.99  # None = plain max
     # The word-embedding table (30k x hidden) dominates the optimizer's memory traffic on CPU and is

@@ -127,7 +127,8 @@ class AdmmMethod(_FromTeacher):
         reg = run.task.is_regression
 
         def admm_phase():
-            admm = Admm(student, layers, p.admm_cfg, p.admm.steps, quant=job.quant)
+            admm = Admm(student, layers, p.admm_cfg, p.admm.steps, quant=job.quant,
+                        importance=run.mask_importance(student, layers))
             ctx = None
             if p.admm_cfg.act_quant and job.quant:  # INT8 activations in the same constraint (ranges: teacher's)
                 amax = run.calibrate(student, layers)
@@ -155,7 +156,7 @@ def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module,
     fine-tune without INT8) with distillation for `cfg`'s steps. Returns (scales, amax, extra metrics)."""
     job, p = run.job, run.preset
     reg = run.task.is_regression
-    masks = hard_masks(student, layers)
+    masks = hard_masks(student, layers, importance=run.mask_importance(student, layers))
     finalize(student, masks, quant=job.quant)
     if job.quant:
         run.quantize_embeddings(student)

@@ -36,7 +36,7 @@ from .data import Encoded, encode, train_batches
 from .evaluate import evaluate
 from .layers import encoder_linear_names
 from .methods import Outcome, get_method
-from .quant import calibrate_amax, calibrate_tensorrt_amax
+from .quant import calibrate_amax, calibrate_tensorrt_amax, input_channel_norms
 from .sparsify import nm_share, quantize_embeddings
 from .state import load_state, save_state
 from .trainer import train_phase
@@ -345,7 +345,8 @@ class Runner:
         fixed = next(iter(self.emb_scales.values())) if self.emb_scales else None
         self.emb_scales = quantize_embeddings(model, fixed)
 
-    def calibrate(self, model: nn.Module, layers) -> dict[str, float]:
+    def calibration_batches(self) -> list[dict]:
+        """The preset's calibration batches: the first `calib_batches` training batches of a fixed order."""
         p = self.preset
         stream = train_batches(self.train, p.batch_size, self.job.seed + 7, p.group_size)
         batches = []
@@ -353,6 +354,23 @@ class Runner:
             b = next(stream)
             b.pop("labels")
             batches.append(b)
+        return batches
+
+    def mask_importance(self, model: nn.Module, layers) -> dict[str, torch.Tensor] | None:
+        """Per-input-channel weights for choosing 2:4 masks (preset mask_metric), or None for plain magnitude."""
+        metric = self.preset.mask_metric
+        if metric == "magnitude":
+            return None
+        if metric == "activation":
+            norms = input_channel_norms(model, layers, self.calibration_batches())
+            log.info("[mask] activation-aware 2:4 masks: |w| x input-channel norm over %d calibration batches",
+                     self.preset.calib_batches)
+            return norms
+        raise HoloServeError(f"mask_metric={metric!r}: choose magnitude or activation")
+
+    def calibrate(self, model: nn.Module, layers) -> dict[str, float]:
+        p = self.preset
+        batches = self.calibration_batches()
         amax = calibrate_amax(model, layers, batches, percentile=p.calib_percentile)
         if p.tensorrt_qat:  # ranges for the TensorRT placement's extra quantizers
             amax.update(calibrate_tensorrt_amax(model, layers, batches))

@@ -23,14 +23,24 @@ class Projection(NamedTuple):
     scales: torch.Tensor | None  # per-output-channel scales (float32), or None without quantization
 
 
-def nm_mask(w: torch.Tensor, n: int = 2, m: int = 4) -> torch.Tensor:
-    """Keep the n largest |w| in every group of m along the last (input) dimension."""
+def nm_mask(w: torch.Tensor, n: int = 2, m: int = 4, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep the n largest |w| in every group of m along the last (input) dimension.
+
+    With `importance` (one non-negative value per input channel), keep the n largest |w_ij| * importance_j
+    instead: with importance_j = ||x_j||, the input channel's norm over sample data, that is the 2:4 mask
+    closest to w in the output-error metric sum_j ||x_j||^2 (w_ij - z_ij)^2 (Wanda's score).
+    """
     if w.dim() != 2:
         raise ValueError(f"N:M masks need a 2-D weight, got shape {tuple(w.shape)}")
     out_f, in_f = w.shape
     if in_f % m:
         raise ValueError(f"input dimension {in_f} is not a multiple of {m}; this layer cannot be {n}:{m} sparse")
-    groups = w.detach().abs().reshape(out_f, in_f // m, m)
+    score = w.detach().abs()
+    if importance is not None:
+        if importance.shape != (in_f,):
+            raise ValueError(f"importance has shape {tuple(importance.shape)}, expected ({in_f},): one value per input")
+        score = score * importance.to(score.device, score.dtype)
+    groups = score.reshape(out_f, in_f // m, m)
     idx = groups.topk(n, dim=-1, sorted=False).indices
     mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, idx, True)
     return mask.reshape(out_f, in_f)
@@ -57,10 +67,12 @@ def project(
     quant: bool = True,
     mask: torch.Tensor | None = None,
     scales: torch.Tensor | None = None,
+    importance: torch.Tensor | None = None,
 ) -> Projection:
-    """Π_{S∩Q}(w) (or Π_S with quant=False). A given mask/scales is kept fixed (QAT and frozen-mask phases)."""
+    """Π_{S∩Q}(w) (or Π_S with quant=False). A given mask/scales is kept fixed (QAT and frozen-mask phases);
+    `importance` weighs the input channels when the mask is chosen (see nm_mask)."""
     if mask is None:
-        mask = nm_mask(w, n, m)
+        mask = nm_mask(w, n, m, importance)
     kept = w * mask
     if not quant:
         return Projection(kept, mask, None)

@@ -123,6 +123,39 @@ def calibrate_amax(
     return out
 
 
+@torch.no_grad()
+def input_channel_norms(model: nn.Module, layers: Iterable[str], batches: Iterable[Mapping[str, torch.Tensor]]
+                        ) -> dict[str, torch.Tensor]:
+    """||x_j||_2 of each input channel j of the named Linears over the non-padding tokens of `batches`
+    (float32, on the CPU): the per-input weights of the activation-aware 2:4 mask (compress.project.nm_mask)."""
+    layers = list(layers)
+    sums: dict[str, torch.Tensor] = {}
+    keep: list[torch.Tensor | None] = [None]  # the current batch's non-padding positions, flattened
+
+    def hook(name):
+        def fn(_m, args):
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+            if keep[0] is not None and keep[0].numel() == x.shape[0]:
+                x = x[keep[0]]
+            sq = (x * x).sum(0).cpu()
+            sums[name] = sums[name] + sq if name in sums else sq
+        return fn
+
+    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in layers]
+
+    def with_mask(batches):
+        for b in batches:
+            am = b.get("attention_mask")
+            keep[0] = am.reshape(-1).to(next(model.parameters()).device).bool() if am is not None else None
+            yield b
+
+    _observe(model, with_mask(batches), handles)
+    missing = [n for n in layers if n not in sums]
+    if missing:
+        raise ValueError(f"input norms saw no batches for {missing[:3]}")
+    return {n: sums[n].sqrt() for n in layers}
+
+
 # ------------------------------------------------------- the TensorRT placement's extra tensors
 #
 # TensorRT's QDQBERT placement also quantizes both inputs of every residual Add (the sub-layer's

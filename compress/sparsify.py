@@ -35,8 +35,11 @@ class MaskedWeight(nn.Module):
         return w
 
 
-def hard_masks(model: nn.Module, layers: list[str], n: int = 2, m: int = 4) -> dict[str, torch.Tensor]:
-    return {name: nm_mask(get_linear(model, name).weight.detach(), n, m) for name in layers}
+def hard_masks(model: nn.Module, layers: list[str], n: int = 2, m: int = 4,
+               importance: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Each layer's N:M mask from its current weight (scored by |w|, or |w| * importance[layer])."""
+    return {name: nm_mask(get_linear(model, name).weight.detach(), n, m, importance.get(name) if importance else None)
+            for name in layers}
 
 
 def attach_masks(model: nn.Module, masks: Mapping[str, torch.Tensor], quant: bool) -> None:

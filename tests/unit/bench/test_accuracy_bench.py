@@ -17,7 +17,7 @@ def bench(tmp_path_factory):
     glue = write_glue(root / "glue")
     mod = bench_module("accuracy", "run")
     argv = ["run.py", "--data-dir", str(glue), "--tasks", "sst2", "--seeds", "0,1", "--model", str(model),
-            "--max-steps", "3", "--threads", "1", "--only", "admm_int8,oneshot_int8,nncf_ptq",
+            "--max-steps", "3", "--threads", "1", "--only", "admm_int8,oneshot_act_int8,nncf_ptq",
             "--calibration-rows", "8", "--runs-dir", str(root / "runs"), "--results", str(root / "results"),
             "--set", "batch_size=8", "--set", "calib_batches=2"]
     return mod, argv, root
@@ -35,21 +35,26 @@ def test_seeds_share_one_teacher_per_seed_and_aggregate(bench, monkeypatch):
     runs = root / "runs"
     for seed in (0, 1):
         first = json.loads((runs / f"sst2-s{seed}-admm_int8" / "manifest.json").read_text())["training"]
-        other = json.loads((runs / f"sst2-s{seed}-oneshot_int8" / "manifest.json").read_text())["training"]
+        other = json.loads((runs / f"sst2-s{seed}-oneshot_act_int8" / "manifest.json").read_text())["training"]
         assert first["teacher"] is None and other["teacher"] == "teacher"  # trained once, then reused
+        assert first["preset_config"]["mask_metric"] == "magnitude"  # each row names its mask metric
+        assert other["preset_config"]["mask_metric"] == "activation" and other["method"] == "oneshot"
         assert first["seed"] == other["seed"] == seed
         peer = json.loads((runs / f"sst2-s{seed}-nncf_ptq.json").read_text())
         assert peer["calibration_rows"] == 8 and 0 <= peer["metrics"]["accuracy"] <= 1
     out = json.loads((root / "results" / "accuracy.json").read_text())
     (row,) = out["rows"]
     cols = row["columns"]
-    assert set(cols) == {"dense", "nncf_ptq", "oneshot_int8", "admm_int8"} and row["seeds"] == [0, 1]
+    assert set(cols) == {"dense", "nncf_ptq", "oneshot_act_int8", "admm_int8"} and row["seeds"] == [0, 1]
     for key, st in cols.items():
         vals = [row["per_seed"][str(s)][key]["value"] if key != "dense" else None for s in (0, 1)]
         if key != "dense":
             assert st["values"] == vals and st["n"] == 2
             assert st["mean"] == pytest.approx(sum(vals) / 2)
     assert out["meta"]["seeds"] == [0, 1] and "overall" in out["meta"]
+    means = out["meta"]["overall"]["means"]
+    assert out["meta"]["overall"]["admm_margin_over_best_baseline"] == pytest.approx(
+        means["admm_int8"] - means["oneshot_act_int8"])
     md = (root / "results" / "accuracy.md").read_text()
     assert "mean ± std over seeds" in md and "NNCF INT8 PTQ" in md
     assert (root / "results" / "accuracy.png").stat().st_size > 1000

@@ -78,3 +78,19 @@ def test_bad_shapes_are_refused():
         nm_mask(torch.randn(4, 6))
     with pytest.raises(ValueError, match="2-D"):
         nm_mask(torch.randn(4))
+
+
+def test_importance_weighs_input_channels_in_the_mask(w):
+    """|w_ij| * importance_j: a small weight on a loud input channel outranks a large one on a quiet channel."""
+    imp = torch.ones(64)
+    imp[0::4] = 1e4  # the first input of every group of 4 is always kept
+    mask = nm_mask(w, importance=imp)
+    assert mask[:, 0::4].all() and (mask.reshape(24, 16, 4).sum(-1) == 2).all()
+    assert torch.equal(nm_mask(w, importance=torch.full((64,), 3.0)), nm_mask(w))  # uniform = magnitude
+    # the chosen mask is the 2:4 pattern closest to w in the importance-weighted norm
+    z = project(w, quant=False, importance=imp).z
+    other = project(w, quant=False).z
+    weighted = lambda d: torch.norm(d * imp)  # noqa: E731
+    assert weighted(w - z) <= weighted(w - other)
+    with pytest.raises(ValueError, match="one value per input"):
+        nm_mask(w, importance=torch.ones(32))

@@ -197,3 +197,28 @@ def test_presets_size_each_phase_in_epochs_of_the_training_set():
         apply_overrides(quick, ["qat.epochs=-1"]).sized(100)
     with pytest.raises(HoloServeError, match="steps"):
         apply_overrides(quick, ["qat.steps=-3"]).sized(100)
+
+
+def test_input_channel_norms_skip_padding(setup):
+    """||x_j|| per input channel of each Linear over the non-padding tokens, as a direct computation gives."""
+    from holoserve.compress.quant import input_channel_norms
+
+    model_dir, data = setup
+    model, layers, _ = _projected(model_dir)
+    batches = [{k: torch.nn.functional.pad(v, (0, 5)) for k, v in b.items() if k != "labels"}  # 5 padding columns
+               for _, b in zip(range(2), train_batches(data, 16, 0))]
+    assert all((b["attention_mask"] == 0).any() for b in batches)
+    norms = input_channel_norms(model, layers, batches)
+    name = layers[0]
+    seen = []
+    h = get_linear(model, name).register_forward_pre_hook(lambda _m, a: seen.append(a[0].detach()))
+    with torch.no_grad():
+        model.eval()
+        for b in batches:
+            model(**b)
+    h.remove()
+    rows = torch.cat([x[b["attention_mask"].bool()] for x, b in zip(seen, batches)])
+    assert set(norms) == set(layers) and norms[name].shape == (rows.shape[1],)
+    torch.testing.assert_close(norms[name], rows.pow(2).sum(0).sqrt())
+    with_pad = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen]).pow(2).sum(0).sqrt()
+    assert not torch.allclose(norms[name], with_pad)
