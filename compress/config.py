@@ -70,7 +70,7 @@ class Preset:
     #                 batches (Wanda's score: the mask closest to w in the layer's output error)
     # (`--method magnitude` is the APEX ASP baseline and always uses magnitude.) "activation" is the default:
     # one-shot + QAT at the quick budget, SST-2/STS-B/MRPC/CoLA x 3 seeds, ties magnitude on the mean
-    # (69.36 both) and wins three of the four tasks (SST-2 +1.4, STS-B +1.1, MRPC +0.4; CoLA -2.9 MCC)
+    # (69.35 vs 69.36) and wins three of the four tasks (SST-2 +1.4, STS-B +1.1, MRPC +0.4; CoLA -2.9 MCC)
     # (docs/results/2026-11-24-activation-aware-masks.md).
     mask_metric: str = "activation"
     calib_batches: int = 16  # training batches used to calibrate activation ranges

@@ -130,23 +130,23 @@ def input_channel_norms(model: nn.Module, layers: Iterable[str], batches: Iterab
     (float32, on the CPU): the per-input weights of the activation-aware 2:4 mask (compress.project.nm_mask)."""
     layers = list(layers)
     sums: dict[str, torch.Tensor] = {}
-    keep: list[torch.Tensor | None] = [None]  # the current batch's non-padding positions, flattened
+    keep: list[torch.Tensor | None] = [None]  # the current batch's attention mask [batch, seq] as bool, if any
 
     def hook(name):
         def fn(_m, args):
-            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-            if keep[0] is not None and keep[0].numel() == x.shape[0]:
-                x = x[keep[0]]
+            x = args[0].detach().float()
+            x = x[keep[0]] if keep[0] is not None else x.reshape(-1, x.shape[-1])  # [tokens, in]
             sq = (x * x).sum(0).cpu()
             sums[name] = sums[name] + sq if name in sums else sq
         return fn
 
     handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in layers]
+    device = next(model.parameters()).device
 
     def with_mask(batches):
         for b in batches:
             am = b.get("attention_mask")
-            keep[0] = am.reshape(-1).to(next(model.parameters()).device).bool() if am is not None else None
+            keep[0] = am.to(device).bool() if am is not None else None
             yield b
 
     _observe(model, with_mask(batches), handles)
