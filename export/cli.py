@@ -37,9 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensorrt-precision", choices=("fp16", "fp32"), default="fp32",
                    help="float type of the tensorrt target outside its Q/DQ pairs (strongly typed TensorRT runs the "
                         "graph's own types): fp32 (default) or fp16 (LayerNormalization and Softmax stay fp32)")
-    adv.add_argument("--tensorrt-float-residuals", action="store_true",
-                     help="tensorrt target: leave the residual Adds' inputs in float (more accurate: SST-2 85.09 "
-                          "instead of 84.52 vs 85.32; the two GEMMs feeding them then output float)")
+    adv.add_argument("--tensorrt-residuals", choices=("auto", "int8", "float"), default="auto",
+                     help="tensorrt target: which residual-Add inputs get INT8 Q/DQ. auto (default): each one whose "
+                          "INT8 SQNR on the calibration rows is >= 20 dB (on MiniLM all but the six FFN outputs, "
+                          "whose GEMMs then write float); int8: all (every GEMM INT8-out; SST-2 85.09 vs 86.70); "
+                          "float: none")
+    adv.add_argument("--tensorrt-float-residuals", dest="tensorrt_residuals", action="store_const", const="float",
+                     help="the same as --tensorrt-residuals float")
     p.add_argument("--embeddings", choices=("auto", "int8", "fp32"), default="auto",
                    help="word-embedding table storage: int8 + per-row scale makes the file ~3.7x instead of "
                         "~1.5x smaller than fp32 for MiniLM, but is a numeric change unless the checkpoint's "
@@ -98,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         max_metric_diff=args.max_metric_diff,
         embeddings=args.embeddings,
         tensorrt_precision=args.tensorrt_precision,
-        tensorrt_residual_qdq=not args.tensorrt_float_residuals,
+        tensorrt_residuals=args.tensorrt_residuals,
         fuse_attention=not args.no_fuse_attention,
         fuse_matmul=not args.no_fuse_matmul,
         fuse_gelu=not args.no_fuse_gelu,

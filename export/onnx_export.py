@@ -12,7 +12,8 @@ Ranges of the tensors only the TensorRT placement quantizes (attention MatMul in
 Add inputs) are not in the manifest: they are calibrated here by running the ONNX Runtime
 placement — which reproduces the checkpoint's fake-quant numerics — on rows of the task's
 training split (max |x| over `calib_rows` rows), or on built-in sentences when no data dir is
-given; the source is recorded in the manifest's export entry.
+given; the source is recorded in the manifest's export entry. The same rows measure each residual
+input's INT8 SQNR, which decides whether it is quantized (`tensorrt_residuals="auto"`).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -237,30 +238,51 @@ def reference_logits(model, art: Artifact, batches) -> np.ndarray:
 # ------------------------------------------------------------------------------------------- pipeline
 
 
-def _calibrate_extra(ort_onnx: Path, tensors: list[str], batches) -> dict[str, float]:
-    """max |x| of `tensors` when running the ORT-placement model (exact checkpoint numerics)."""
+def _extra_ranges(ort_onnx: Path, tensors: list[str], batches, trained: Mapping[str, float],
+                  sqnr_of: list[str]) -> tuple[dict[str, float], dict[str, float]]:
+    """Ranges for the TensorRT placement's extra `tensors` and the INT8 SQNR (dB) of those in `sqnr_of`,
+    from the ORT-placement model (exact checkpoint numerics) over `batches`.
+
+    A range is `trained` (TensorRT QAT) where the checkpoint has one, else max |x| over the batches.
+    The SQNR, of the per-tensor int8 Q/DQ pair with that range over the batches' non-padding tokens,
+    needs the final range, so it takes a second pass over the same session.
+    """
     import onnx
 
-    if not tensors:
-        return {}
-
+    amax = {t: float(trained[t]) for t in tensors if t in trained}
+    todo = [t for t in tensors if t not in amax]
+    if not (todo or sqnr_of):
+        return amax, {}
     m = onnx.load(str(ort_onnx))
     have = {o.name for o in m.graph.output}
-    for t in tensors:
+    taps = list(dict.fromkeys(todo + list(sqnr_of)))
+    for t in taps:
         if t not in have:
             m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
     tmp = ort_onnx.with_suffix(".calib.onnx")
     onnx.save(m, str(tmp))
     try:
         sess = ort_session(tmp, threads=max(1, min(2, os.cpu_count() or 1)), optimize=False)
-        amax = {t: 0.0 for t in tensors}
-        for b in batches:
-            vals = sess.run(tensors, b)
-            for t, v in zip(tensors, vals):
-                amax[t] = max(amax[t], float(np.abs(v).max()))
+        if todo:
+            found = {t: 0.0 for t in todo}
+            for b in batches:
+                for t, v in zip(todo, sess.run(todo, b)):
+                    found[t] = max(found[t], float(np.abs(v).max()))
+            amax.update({t: max(v, 1e-6) for t, v in found.items()})
+        sums = {t: [0.0, 0.0] for t in sqnr_of}
+        if sqnr_of:
+            for b in batches:
+                real = np.asarray(b["attention_mask"]).astype(bool)
+                for t, v in zip(sqnr_of, sess.run(list(sqnr_of), b)):
+                    signal, noise = qdq.int8_error(v[real] if v.shape[:2] == real.shape else v, amax[t])
+                    sums[t][0] += signal
+                    sums[t][1] += noise
     finally:
         tmp.unlink(missing_ok=True)
-    return {t: max(v, 1e-6) for t, v in amax.items()}
+    # capped at 120 dB, which a tensor exactly on its grid (or all zeros) gets
+    sqnr = {t: 120.0 if sg == 0 else round(min(120.0, 10 * float(np.log10(sg / max(n, sg * 1e-12)))), 2)
+            for t, (sg, n) in sums.items()}
+    return amax, sqnr
 
 
 def _metric(task, logits: np.ndarray, labels) -> dict[str, float]:
@@ -295,12 +317,13 @@ class ExportOptions:
                      network (TensorRT-RTX, TensorRT >= 11, or 10.12+ without the deprecated flags) runs the
                      graph's own types: "fp16" writes a float16 graph (float16 Q/DQ scales, LayerNormalization
                      and Softmax in float32, float32 logits, opset 19), "fp32" (default) the float32 graph
-    tensorrt_residual_qdq: the tensorrt target also quantizes both inputs of every residual Add (default),
-                     so the attention-output and FFN-output GEMMs are INT8-in/INT8-out; False keeps those Adds
-                     in float: on SST-2 the placement then scores 85.09 instead of 84.52 against the
-                     checkpoint's 85.32 (docs/results/2026-11-24-tensorrt-placement.md), at the cost of
-                     float outputs from those two GEMMs (whether TensorRT then still picks sparse INT8
-                     tactics for them is unmeasured)
+    tensorrt_residuals: which residual-Add inputs the tensorrt target quantizes (qdq.RESIDUAL_MODES).
+                     "int8": all, so the attention-output and FFN-output GEMMs are INT8-in/INT8-out; "float":
+                     none; "auto" (default): each input whose per-tensor INT8 SQNR on the calibration rows is
+                     at least qdq.RESIDUAL_MIN_SQNR_DB (on MiniLM: all but the six FFN-output sides, whose
+                     GEMMs then write float). SST-2 quick checkpoint, 86.70: int8 85.09, auto 87.27,
+                     float 86.70 (docs/results/2026-11-24-tensorrt-placement.md); whether TensorRT still
+                     picks sparse INT8 tactics for a GEMM that writes float is unmeasured
     """
 
     targets: tuple[str, ...] = ("onnxruntime",)
@@ -321,12 +344,15 @@ class ExportOptions:
     fuse_gelu: bool = True
     classifier_row: bool = True
     tensorrt_precision: str = "fp32"
-    tensorrt_residual_qdq: bool = True
+    tensorrt_residuals: str = "auto"
 
     def validate(self) -> "ExportOptions":
         for t in self.targets:
             if t not in TARGET_FILES:
                 raise HoloServeError(f"unknown export target {t!r}: choose onnxruntime, tensorrt or all")
+        if self.tensorrt_residuals not in qdq.RESIDUAL_MODES:
+            raise HoloServeError(f"unknown --tensorrt-residuals {self.tensorrt_residuals!r}: choose "
+                                 + ", ".join(qdq.RESIDUAL_MODES))
         if self.embeddings not in ("auto", "int8", "fp32"):
             raise HoloServeError(f"--embeddings must be auto, int8 or fp32, not {self.embeddings!r}")
         if self.tensorrt_precision not in TENSORRT_PRECISIONS:
@@ -449,18 +475,25 @@ class _Export:
         self.bar.set_postfix_str(f"QDQ {target}")
         m = onnx.load(str(self.float_path))
         sites = qdq.find_linears(m, self.weights, rename=False)
-        extra = None
+        extra, float_res = None, []
         if target == "tensorrt":
-            pts = qdq.tensorrt_extra_tensors(m, sites, self.opts.tensorrt_residual_qdq)
-            wanted = {p[0] for p in pts}
+            mode = self.opts.tensorrt_residuals
+            residual = qdq.residual_tensors(m, sites)
+            wanted = sorted({p[0] for p in qdq.tensorrt_extra_tensors(m, sites, residual if mode == "float" else ())})
             trained = {t: v for t, v in qdq.trained_ranges(m, sites, self.act_amax).items()  # from TensorRT QAT
                        if t in wanted}
-            tensors = sorted(wanted - set(trained))
-            extra = {**_calibrate_extra(self.calib_model, tensors, self.calib_batches), **trained}
-            self.report["tensorrt_extra_ranges"] = {"from_checkpoint_qat": len(trained), "calibrated_here": len(tensors)}
+            extra, sqnr = _extra_ranges(self.calib_model, wanted, self.calib_batches, trained,
+                                        residual if mode == "auto" else [])
+            float_res = residual if mode == "float" else [t for t in residual if sqnr.get(t, 120.0) < qdq.RESIDUAL_MIN_SQNR_DB]
+            extra = {t: v for t, v in extra.items() if t not in float_res}
+            self.report["tensorrt_extra_ranges"] = {"from_checkpoint_qat": len(trained),
+                                                    "calibrated_here": len(wanted) - len(trained)}
+            self.residuals = {"mode": mode, "int8": len(residual) - len(float_res), "float": float_res}
+            if mode == "auto":
+                self.residuals.update(min_sqnr_db=qdq.RESIDUAL_MIN_SQNR_DB, sqnr_db=sqnr)
         placement = PLACEMENT[target]
         rep = qdq.apply_placement(m, sites, self.weight_scales, self.act_amax, placement, extra,
-                                  residual=self.opts.tensorrt_residual_qdq)
+                                  float_tensors=float_res)
         emb = None
         if self.emb_int8:
             emb = qdq.quantize_embedding(m, self.table, lookup_first=placement == "onnxruntime",
@@ -528,7 +561,8 @@ class _Export:
             + ("MatMulIntegerToFloat" if target == "onnxruntime" and self.opts.fuse_matmul else "DequantizeLinear"),
             "activations": "uint8 zero-point 128 (MatMul inputs only)" if PLACEMENT[target] == "onnxruntime"
             else "int8 zero-point 0 (Linear inputs, attention MatMul inputs"
-            + (", residual Add inputs)" if self.opts.tensorrt_residual_qdq else "; residual Adds in float)")
+            + (f", {self.residuals['int8']} of {self.residuals['int8'] + len(self.residuals['float'])} residual Add "
+               "inputs)" if target == "tensorrt" else ")")
             + ("; float16 outside Q/DQ (float16 scales), LayerNormalization and Softmax in float32"
                if target == "tensorrt" and self.trt_fp16 else ""),
             "quantized_linears": len(rep.linears),
@@ -548,6 +582,7 @@ class _Export:
                 "source": f"max |x| from the onnxruntime placement (checkpoint numerics) on {self.calib_source}",
                 "amax": {k: round(v, 6) for k, v in extra.items()},
             }
+            entry["residual_adds"] = self.residuals
         return entry
 
     def verify(self) -> None:

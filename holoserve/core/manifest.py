@@ -149,6 +149,7 @@ class OnnxExport(_Strict):
     attention: Optional[str | dict[str, Any]] = None  # what the attention rewrite did
     fused_ops: Optional[dict[str, Any]] = None  # onnxruntime placement: what each graph rewrite matched
     extra_ranges: Optional[dict[str, Any]] = None  # tensorrt placement: ranges calibrated at export
+    residual_adds: Optional[dict[str, Any]] = None  # tensorrt placement: which residual-Add inputs are INT8, and why
     verification: Optional[dict[str, Any]] = None
 
 

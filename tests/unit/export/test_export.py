@@ -413,13 +413,15 @@ def test_eval_onnx_without_export_says_how_to_make_one(tmp_path):
 
 
 def test_tensorrt_placement_uses_the_ranges_trained_in_qat(tmp_path):
-    """Q/K/V and residual-Add inputs get the checkpoint's QAT ranges; only the softmax is calibrated here."""
+    """Q/K/V and residual-Add inputs get the checkpoint's QAT ranges; only the softmax is calibrated here.
+    (tensorrt_residuals="int8": the test's ranges are shrunk so it can tell them from calibrated ones, and
+    the clipping that makes would send some residual inputs to float under "auto".)"""
     from onnx import numpy_helper
 
     from holoserve.export.onnx_export import export_checkpoint
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=2, tensorrt_qat=True)
-    res = export_checkpoint(ckpt, ["tensorrt"], progress=False)
+    res = export_checkpoint(ckpt, ["tensorrt"], progress=False, tensorrt_residuals="int8")
     # per layer: residual Adds 2 x 2 inputs, attention MatMuls Q, K, V (trained) + softmax (calibrated)
     assert res.report["tensorrt_extra_ranges"] == {"from_checkpoint_qat": 14, "calibrated_here": 2}
     amax = load_artifact(ckpt).activation_amax()
@@ -433,12 +435,12 @@ def test_tensorrt_placement_uses_the_ranges_trained_in_qat(tmp_path):
 
 
 def test_tensorrt_placement_can_leave_the_residual_adds_in_float(tmp_path):
-    """tensorrt_residual_qdq=False (--tensorrt-float-residuals): the attention MatMuls keep both inputs
+    """tensorrt_residuals="float" (--tensorrt-float-residuals): the attention MatMuls keep both inputs
     quantized, the residual Adds read float tensors, and their QAT ranges are not used."""
     from holoserve.export.onnx_export import export_checkpoint
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=2, tensorrt_qat=True)
-    res = export_checkpoint(ckpt, ["tensorrt"], progress=False, tensorrt_residual_qdq=False)
+    res = export_checkpoint(ckpt, ["tensorrt"], progress=False, tensorrt_residuals="float")
     # per layer: Q, K, V (trained) + softmax (calibrated); no residual-Add inputs
     assert res.report["tensorrt_extra_ranges"] == {"from_checkpoint_qat": 6, "calibrated_here": 2}
     m = onnx.load(str(ckpt / "model.trt.onnx"))
@@ -448,7 +450,75 @@ def test_tensorrt_placement_can_leave_the_residual_adds_in_float(tmp_path):
     adds = [x for x in m.graph.node if x.op_type == "Add" and len(x.input) == 2 and all(i in prod for i in x.input)]
     residual = [x for x in adds if "encoder" in x.name and any(prod[i].op_type == "Add" for i in x.input)]
     assert len(residual) == 4 and not any(prod[i].op_type == "DequantizeLinear" for x in residual for i in x.input)
-    assert "residual Adds in float" in load_artifact(ckpt).export("tensorrt-onnx").activations
+    entry = load_artifact(ckpt).export("tensorrt-onnx")
+    assert "0 of 8 residual Add inputs" in entry.activations
+    assert entry.residual_adds["mode"] == "float" and len(entry.residual_adds["float"]) == 8
+
+
+def _residual_qdq(path: Path) -> tuple[int, set[str]]:
+    """(residual-Add inputs in the graph, those of them read through a DequantizeLinear, by source tensor)."""
+    m = onnx.load(str(path))
+    prod = {o: x for x in m.graph.node for o in x.output}
+    adds = [x for x in m.graph.node if x.op_type == "Add" and "encoder" in x.name and len(x.input) == 2
+            and all(i in prod for i in x.input)]
+    residual = [x for x in adds if any(prod[i].op_type in ("Add", "DequantizeLinear") for i in x.input)
+                and any(prod[i].op_type in ("LayerNormalization", "DequantizeLinear") for i in x.input)]
+    inputs = [i for x in residual for i in x.input]
+    quantized = {prod[prod[i].input[0]].input[0] for i in inputs if prod[i].op_type == "DequantizeLinear"}
+    return len(inputs), quantized
+
+
+def test_tensorrt_residuals_auto_spares_exactly_the_inputs_below_the_sqnr_floor(tmp_path, monkeypatch):
+    """"auto" measures every residual input's INT8 SQNR on the calibration rows, records it, and leaves in
+    float exactly those below qdq.RESIDUAL_MIN_SQNR_DB; the others keep their Q/DQ pair with the range that
+    "int8" gives them."""
+    from holoserve.export import qdq
+    from holoserve.export.onnx_export import export_checkpoint
+
+    ckpt = make_calibrated_checkpoint(tmp_path, layers=2, biases=True)
+    export_checkpoint(ckpt, ["tensorrt"], progress=False, verify_exports=False, tensorrt_residuals="int8")
+    n_int8, q_int8 = _residual_qdq(ckpt / "model.trt.onnx")
+    assert n_int8 == 8 and len(q_int8) == 8
+    assert load_artifact(ckpt).export("tensorrt-onnx").residual_adds == {"mode": "int8", "int8": 8, "float": []}
+
+    # random weights: every residual input is near-Gaussian, ~40 dB in INT8, so all stay quantized
+    export_checkpoint(ckpt, ["tensorrt"], progress=False, verify_exports=False)
+    rec = load_artifact(ckpt).export("tensorrt-onnx").residual_adds
+    assert rec["mode"] == "auto" and rec["float"] == [] and rec["min_sqnr_db"] == qdq.RESIDUAL_MIN_SQNR_DB
+    sqnr = rec["sqnr_db"]
+    assert set(sqnr) == q_int8 and all(25 < v < 60 for v in sqnr.values())
+    assert _residual_qdq(ckpt / "model.trt.onnx") == (8, q_int8)
+
+    # a floor between the measured values sends exactly the lower ones to float
+    floor = sorted(sqnr.values())[3] + 1e-3
+    monkeypatch.setattr(qdq, "RESIDUAL_MIN_SQNR_DB", floor)
+    export_checkpoint(ckpt, ["tensorrt"], progress=False, verify_exports=False)
+    rec = load_artifact(ckpt).export("tensorrt-onnx").residual_adds
+    low = {t for t, v in sqnr.items() if v < floor}
+    assert len(low) == 4 and set(rec["float"]) == low and rec["int8"] == 4
+    assert _residual_qdq(ckpt / "model.trt.onnx") == (8, q_int8 - low)
+    assert "4 of 8 residual Add inputs" in load_artifact(ckpt).export("tensorrt-onnx").activations
+
+
+def test_int8_error_separates_outlier_tensors_from_gaussian_ones():
+    """The SQNR behind "auto": a Gaussian tensor at its max range keeps ~40 dB; one whose range is set by rare
+    outliers 100x the bulk (as the FFN outputs of trained BERTs) rounds most values to zero and falls
+    far below the 20 dB floor."""
+    from holoserve.export.qdq import RESIDUAL_MIN_SQNR_DB, int8_error
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(100_000).astype(np.float32)
+    signal, noise = int8_error(x, float(np.abs(x).max()))
+    assert np.isclose(signal, float((x.astype(np.float64) ** 2).sum()))
+    step = np.abs(x).max() / 127
+    assert np.isclose(noise / x.size, step ** 2 / 12, rtol=0.05)  # uniform rounding noise
+    assert 10 * np.log10(signal / noise) > RESIDUAL_MIN_SQNR_DB + 15
+    y = x.copy()
+    y[::10_000] = 100.0  # 0.01 % outliers
+    signal, noise = int8_error(y, 100.0)
+    assert 10 * np.log10(signal / noise) < RESIDUAL_MIN_SQNR_DB
+    signal, noise = int8_error(y, 50.0)  # a clipped range adds the clipping error
+    assert noise > int8_error(y, 100.0)[1]
 
 
 def test_eval_cli_onnx_flag(exported, tmp_path, capsys):
@@ -944,3 +1014,18 @@ def test_tensorrt_precision_is_validated():
     assert ExportOptions().tensorrt_precision == "fp32"
     with pytest.raises(HoloServeError, match="--tensorrt-precision"):
         ExportOptions(tensorrt_precision="bf16").validate()
+
+
+def test_tensorrt_residuals_option():
+    """auto by default; --tensorrt-float-residuals is the same as --tensorrt-residuals float; a bad mode names
+    the choices."""
+    from holoserve import HoloServeError
+    from holoserve.cli import build_parser
+    from holoserve.export.onnx_export import ExportOptions
+
+    parse = build_parser().parse_args
+    assert ExportOptions().tensorrt_residuals == "auto" == parse(["export", "ck"]).tensorrt_residuals
+    assert parse(["export", "ck", "--tensorrt-float-residuals"]).tensorrt_residuals == "float"
+    assert parse(["export", "ck", "--tensorrt-residuals", "int8"]).tensorrt_residuals == "int8"
+    with pytest.raises(HoloServeError, match="--tensorrt-residuals 'some'.*auto, int8, float"):
+        ExportOptions(tensorrt_residuals="some").validate()
