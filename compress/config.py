@@ -73,6 +73,9 @@ class Preset:
     # (69.35 vs 69.36) and wins three of the four tasks (SST-2 +1.4, STS-B +1.1, MRPC +0.4; CoLA -2.9 MCC)
     # (docs/results/2026-11-24-activation-aware-masks.md).
     mask_metric: str = "activation"
+    # "activation" weighs |w_ij| by ||x_j|| ** mask_activation_power: 1 is Wanda's score, 0.5 RIA's
+    # (Zhang et al. 2024, who report it better than 1 for N:M), 0 is plain magnitude
+    mask_activation_power: float = 1.0
     calib_batches: int = 16  # training batches used to calibrate activation ranges
     calib_percentile: float | None = 99.99  # None = plain max
     # The word-embedding table (30k x hidden) dominates the optimizer's memory traffic on CPU and is

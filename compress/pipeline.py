@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -362,10 +363,14 @@ class Runner:
         if metric == "magnitude":
             return None
         if metric == "activation":
+            power = self.preset.mask_activation_power
+            if not (math.isfinite(power) and power >= 0):
+                raise HoloServeError(f"mask_activation_power={power}: use a number >= 0 (1 = |w| x ||x||, "
+                                     "0.5 = |w| x sqrt(||x||), 0 = |w|)")
             norms = input_channel_norms(model, layers, self.calibration_batches())
-            log.info("[mask] activation-aware 2:4 masks: |w| x input-channel norm over %d calibration batches",
-                     self.preset.calib_batches)
-            return norms
+            log.info("[mask] activation-aware 2:4 masks: |w| x input-channel norm%s over %d calibration batches",
+                     "" if power == 1 else f" ^ {power:g}", self.preset.calib_batches)
+            return norms if power == 1 else {k: v.pow(power) for k, v in norms.items()}
         raise HoloServeError(f"mask_metric={metric!r}: choose magnitude or activation")
 
     def calibrate(self, model: nn.Module, layers) -> dict[str, float]:
