@@ -37,7 +37,7 @@ METHODS = {  # row key -> (label, extra CLI arguments); the order is the run ord
     "admm_act_int8": ("ADMM 2:4 ∩ INT8 + QAT, activation-aware mask",
                       ["--method", "admm", "--set", "mask_metric=activation", "--set", "mask_activation_power=1"]),
     # |w| x sqrt(||x||) (RIA's exponent): between the two masks above
-    "oneshot_act05_int8": ("one-shot 2:4 ∩ INT8 + QAT, mask |w| × ‖x‖^0.5",
+    "oneshot_act05_int8": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5)",
                            ["--method", "oneshot", "--set", "mask_metric=activation",
                             "--set", "mask_activation_power=0.5"]),
 }
