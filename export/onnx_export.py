@@ -320,8 +320,8 @@ class ExportOptions:
     tensorrt_residuals: which residual-Add inputs the tensorrt target quantizes (qdq.RESIDUAL_MODES).
                      "int8": all, so the attention-output and FFN-output GEMMs are INT8-in/INT8-out; "float":
                      none; "auto" (default): each input whose per-tensor INT8 SQNR on the calibration rows is
-                     at least qdq.RESIDUAL_MIN_SQNR_DB (on MiniLM: all but the six FFN-output sides, whose
-                     GEMMs then write float). SST-2 quick checkpoint, 86.70: int8 85.09, auto 87.27,
+                     at least qdq.RESIDUAL_MIN_SQNR_DB (on MiniLM: all but 2-6 of the six FFN-output sides,
+                     whose GEMMs then write float). SST-2 quick checkpoint, 86.70: int8 85.09, auto 87.27,
                      float 86.70 (docs/results/2026-11-24-tensorrt-placement.md); whether TensorRT still
                      picks sparse INT8 tactics for a GEMM that writes float is unmeasured
     """
