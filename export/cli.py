@@ -42,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "INT8 SQNR on the calibration rows is >= 20 dB (on MiniLM all but 2-6 of the six FFN outputs, "
                           "whose GEMMs then write float); int8: all (every GEMM INT8-out; SST-2 85.09 vs 86.70); "
                           "float: none")
+    adv.add_argument("--openvino-precision", choices=("auto", "f32", "bf16", "f16"), default="auto",
+                     help="openvino target: the precision its check runs OpenVINO's float ops at; auto (default) is "
+                          "OpenVINO's CPU default, bf16 on CPUs with bf16 units (~2%% of predictions differ from "
+                          "`holoserve eval`), f32 the checkpoint's numerics. Serve with the same "
+                          "--openvino-precision")
     adv.add_argument("--tensorrt-float-residuals", dest="tensorrt_residuals", action="store_const", const="float",
                      help="the same as --tensorrt-residuals float")
     p.add_argument("--embeddings", choices=("auto", "int8", "fp32"), default="auto",
@@ -103,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         embeddings=args.embeddings,
         tensorrt_precision=args.tensorrt_precision,
         tensorrt_residuals=args.tensorrt_residuals,
+        openvino_precision=args.openvino_precision,
         fuse_attention=not args.no_fuse_attention,
         fuse_matmul=not args.no_fuse_matmul,
         fuse_gelu=not args.no_fuse_gelu,

@@ -324,6 +324,9 @@ class ExportOptions:
                      whose GEMMs then write float). SST-2 quick checkpoint, 86.70: int8 85.09, auto 87.27,
                      float 86.70 (docs/results/2026-11-24-tensorrt-placement.md); whether TensorRT still
                      picks sparse INT8 tactics for a GEMM that writes float is unmeasured
+    openvino_precision: the precision the openvino target's check runs OpenVINO's float ops at
+                     (holoserve.backends.openvino.PRECISIONS; "auto" = OpenVINO's CPU default, bf16 where the
+                     CPU has bf16 units; "f32" = the checkpoint's numerics); serve with the same setting
     """
 
     targets: tuple[str, ...] = ("onnxruntime",)
@@ -345,6 +348,7 @@ class ExportOptions:
     classifier_row: bool = True
     tensorrt_precision: str = "fp32"
     tensorrt_residuals: str = "auto"
+    openvino_precision: str = "auto"
 
     def validate(self) -> "ExportOptions":
         for t in self.targets:
@@ -353,6 +357,9 @@ class ExportOptions:
         if self.tensorrt_residuals not in qdq.RESIDUAL_MODES:
             raise HoloServeError(f"unknown --tensorrt-residuals {self.tensorrt_residuals!r}: choose "
                                  + ", ".join(qdq.RESIDUAL_MODES))
+        from holoserve.backends.openvino import check_precision
+
+        check_precision(self.openvino_precision)
         if self.embeddings not in ("auto", "int8", "fp32"):
             raise HoloServeError(f"--embeddings must be auto, int8 or fp32, not {self.embeddings!r}")
         if self.tensorrt_precision not in TENSORRT_PRECISIONS:
@@ -598,6 +605,7 @@ class _Export:
             self.art, ref_model, self.built, opts.targets, self.float_path, self.sites, self.sparse, self.tok,
             self.data, opts.dev_rows, opts.threads, self.tmp, opts.polygraphy,
             opts.max_metric_diff, self.emb_int8 and not self.lossless, tensorrt_fp32=self.trt_fp32_path,
+            openvino_precision=opts.openvino_precision,
         )
         for t in opts.targets:
             self.result.entries[MANIFEST_KEYS[t]]["verification"] = self.report["verification"][t]
@@ -626,20 +634,21 @@ def _version() -> str:
     return __version__
 
 
-def _verify_openvino(path, batches, ref, rows_source, threads, task, labels, order) -> dict:
+def _verify_openvino(path, batches, ref, rows_source, threads, task, labels, order, precision="auto") -> dict:
     """The openvino target through OpenVINO itself, on the same batches as the ONNX Runtime check."""
     from holoserve.backends.base import BackendUnavailable
-    from holoserve.backends.openvino import compile_model, gemm_precisions
+    from holoserve.backends.openvino import compile_model, gemm_precisions, inference_precision
 
     try:
-        compiled, sparse = compile_model(path, threads=threads)
+        compiled, sparse = compile_model(path, threads=threads, precision=precision)
     except BackendUnavailable as e:
         return {"openvino": f"not run: {e}"}
     req = compiled.create_infer_request()
     names = [i.get_any_name() for i in compiled.inputs]
     got = np.concatenate([np.asarray(req.infer({n: b[n] for n in names})[compiled.outputs[0]]) for b in batches])
     out = {"parity_openvino_vs_pytorch_fakequant": verify.parity(got, ref) | {"rows_source": rows_source},
-           "openvino_gemm_precisions": gemm_precisions(compiled), "openvino_sparse_weights": sparse}
+           "openvino_gemm_precisions": gemm_precisions(compiled), "openvino_sparse_weights": sparse,
+           "openvino_inference_precision": inference_precision(compiled)}
     if labels is not None:
         out["dev_metric_openvino"] = _metric(task, got, np.asarray(labels)[order])
     return out
@@ -677,7 +686,7 @@ def _verify_tensorrt_fp16(fp32_path, threads, batches, got, ref, rows_source, ta
 
 
 def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, dev_rows, threads, tmp,
-            polygraphy, max_metric_diff, lossy_embeddings=False, tensorrt_fp32=None) -> dict:
+            polygraphy, max_metric_diff, lossy_embeddings=False, tensorrt_fp32=None, openvino_precision="auto") -> dict:
     out: dict[str, dict] = {}
     # Polygraphy on the float-weight export: every sparse encoder weight must be 2:4 along K.
     poly = None
@@ -737,7 +746,8 @@ def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, de
             v.update(_verify_tensorrt_fp16(tensorrt_fp32, threads, batches, got, ref, rows_source, task, labels, order,
                                            ref_metric, max_metric_diff))
         if t == "openvino":
-            v.update(_verify_openvino(path, batches, ref, rows_source, threads, task, labels, order))
+            v.update(_verify_openvino(path, batches, ref, rows_source, threads, task, labels, order,
+                                      openvino_precision))
         if t == "onnxruntime":
             fused = verify.fused_matmuls(path, tmp)
             v["ort_fusion"] = fused

@@ -5,6 +5,11 @@ It reads the `openvino` export (`holoserve export CKPT --target openvino`: the O
 in standard ONNX ops, with the [CLS]-row rewrite). On CPUs with AMX, OpenVINO can also decompress sparse
 INT8 weights (`CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE`): 2:4 weights are half zeros, so it is switched on
 there and reported by `info()`; elsewhere it is off and `info()` says why.
+
+The float ops around the Q/DQ GEMMs run at OpenVINO's inference precision. Its CPU plugin defaults to
+bf16 on CPUs with AVX-512 BF16 or AMX, which changes ~2 % of SST-2 predictions against `holoserve eval`
+(the checkpoint's numerics, which ONNX Runtime reproduces); `precision="f32"` keeps them in float32, at
+some speed (docs/results/2026-11-24-openvino.md). `info()` reports the precision in use.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from holoserve import HoloServeError
 from holoserve.core.artifact import Artifact
 from holoserve.core.manifest import OPENVINO
 
@@ -21,6 +27,8 @@ from .base import BackendUnavailable
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 SPARSE_RATE = 0.5  # every 2:4 weight is at least half zeros
+# INFERENCE_PRECISION_HINT values; "auto" leaves OpenVINO's own default for the CPU (bf16 where it has bf16 units)
+PRECISIONS = ("auto", "f32", "bf16", "f16")
 
 
 def cpu_has_amx() -> bool:
@@ -31,8 +39,16 @@ def cpu_has_amx() -> bool:
     return "amx_int8" in flags.split()
 
 
-def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool | None = None):
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise HoloServeError(f"unknown OpenVINO precision {precision!r}: choose one of {', '.join(PRECISIONS)} "
+                             "(f32 matches `holoserve eval`; auto is OpenVINO's default, bf16 on CPUs with bf16 units)")
+    return precision
+
+
+def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool | None = None, precision: str = "auto"):
     """(compiled model, sparse-weights note) for an ONNX file on OpenVINO's CPU plugin."""
+    check_precision(precision)
     try:
         import openvino as ov
     except ImportError as e:
@@ -41,6 +57,8 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool | N
     config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
     if threads > 0:
         config["INFERENCE_NUM_THREADS"] = int(threads)
+    if precision != "auto":
+        config["INFERENCE_PRECISION_HINT"] = precision
     amx = cpu_has_amx()
     if sparse is None:
         sparse = amx
@@ -69,11 +87,20 @@ def gemm_precisions(compiled) -> dict[str, int]:
     return out
 
 
+def inference_precision(compiled) -> str:
+    """The precision OpenVINO runs the float ops at ("bf16", "f32", ...)."""
+    try:
+        t = compiled.get_property("INFERENCE_PRECISION_HINT")
+    except Exception:  # a plugin without the property
+        return "unknown"
+    return t.get_type_name() if hasattr(t, "get_type_name") else str(t)
+
+
 class OpenVinoBackend:
     name = "openvino"
 
     def __init__(self, artifact: Artifact, *, threads: int | None = None, sparse: bool | None = None,
-                 export_key: str = OPENVINO):
+                 precision: str = "auto", export_key: str = OPENVINO):
         entry = artifact.export(export_key)
         if entry is None:
             raise BackendUnavailable(
@@ -81,7 +108,8 @@ class OpenVinoBackend:
                 "openvino` first")
         self.path = artifact.path / entry.file
         threads = threads if threads is not None else int(os.environ.get("HOLOSERVE_ORT_THREADS", "0") or 0)
-        self.compiled, self.sparse_note = compile_model(self.path, threads=threads or 0, sparse=sparse)
+        self.compiled, self.sparse_note = compile_model(self.path, threads=threads or 0, sparse=sparse,
+                                                        precision=precision)
         self.request = self.compiled.create_infer_request()
         self.input_names = [i.get_any_name() for i in self.compiled.inputs]
         unknown = [n for n in self.input_names if n not in INPUTS]
@@ -100,8 +128,10 @@ class OpenVinoBackend:
 
         return {"backend": self.name, "model": self.path.name, "openvino_version": ov.__version__,
                 "device": "CPU", "threads": self.threads or "default", "gemm_precisions": gemm_precisions(self.compiled),
+                "inference_precision": inference_precision(self.compiled),
                 "sparse_weights_decompression": self.sparse_note}
 
 
 def load(artifact: Artifact, **options: Any) -> OpenVinoBackend:
-    return OpenVinoBackend(artifact, threads=options.get("threads"), sparse=options.get("sparse"))
+    return OpenVinoBackend(artifact, threads=options.get("threads"), sparse=options.get("sparse"),
+                           precision=options.get("openvino_precision") or "auto")

@@ -36,6 +36,8 @@ def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dic
     opts: dict[str, Any] = {"max_batch": config.max_batch_size}
     if config.threads:
         opts["threads"] = config.threads
+    if config.openvino_precision != "auto":
+        opts["openvino_precision"] = config.openvino_precision
     if config.backend == "auto":
         from ..backends.auto import select_backend
 

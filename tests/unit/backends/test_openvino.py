@@ -48,3 +48,47 @@ def test_auto_times_both_cpu_backends_and_says_which_won(with_openvino, monkeypa
     reason = decision["reason"]
     assert "fastest CPU backend on a warm-up batch" in reason and "openvino" in reason and "onnxruntime" in reason
     assert reason.count(" ms") == 2
+
+
+def test_openvino_precision_f32_is_set_reported_and_served(with_openvino):
+    """--openvino-precision f32 keeps OpenVINO's float ops in float32 (its CPU default is bf16 where the CPU has
+    bf16 units); the backend, the server's backend choice and the export's check all report what ran."""
+    from holoserve.server.config import ServerConfig
+    from holoserve.server.service import open_backend
+
+    ckpt, _ = with_openvino
+    art = load_artifact(ckpt)
+    ov = load_backend("openvino", art, threads=1, openvino_precision="f32")
+    info = ov.info()
+    assert info["inference_precision"] == "f32"
+    assert set(info["gemm_precisions"]) <= {"u8", "i8", "f32"}, info["gemm_precisions"]  # nothing in bf16/f16
+    served, decision = open_backend(ServerConfig(artifact_dir=str(ckpt), backend="openvino", threads=1,
+                                                 openvino_precision="f32"), art)
+    assert served.info()["inference_precision"] == "f32" and decision["picked"] == "openvino"
+    enc = TextEncoder(ckpt / "tokenizer.json", art.max_seq_length)
+    batch = pad_batch(enc.encode(["a good film", "the plot is thin"]), enc.pad_id)
+    np.testing.assert_array_equal(served.infer(*batch), ov.infer(*batch))
+
+
+def test_openvino_export_check_runs_at_the_requested_precision(exported, tmp_path):
+    from holoserve.export.onnx_export import export_checkpoint
+
+    ckpt, _ = exported
+    res = export_checkpoint(ckpt, ["openvino"], progress=False, polygraphy=False, out_dir=tmp_path / "ov",
+                            openvino_precision="f32")
+    assert res.entries["openvino"]["verification"]["openvino_inference_precision"] == "f32"
+
+
+def test_bad_openvino_precision_names_the_choices():
+    from holoserve import HoloServeError
+    from holoserve.backends.openvino import PRECISIONS, compile_model
+    from holoserve.export.onnx_export import ExportOptions
+    from holoserve.server.config import OPENVINO_PRECISIONS, ServerConfig
+
+    assert OPENVINO_PRECISIONS == PRECISIONS  # the server's light copy of the list
+    with pytest.raises(HoloServeError, match="unknown OpenVINO precision 'fp64'.*f32"):
+        compile_model("unused.onnx", precision="fp64")
+    with pytest.raises(HoloServeError, match="unknown OpenVINO precision 'f64'"):
+        ExportOptions(openvino_precision="f64").validate()
+    with pytest.raises(HoloServeError, match="openvino precision 'fp16' is not one of auto, f32, bf16, f16"):
+        ServerConfig(openvino_precision="fp16").validate()
