@@ -313,7 +313,8 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="preset override passed to every run")
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "bench-accuracy")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
-    ap.add_argument("--only", help=f"comma-separated rows to run, of {', '.join([*METHODS, PEER])} (default: all)")
+    ap.add_argument("--only", help=f"comma-separated rows to run (with --report-only: to report), of "
+                                   f"{', '.join([*METHODS, PEER])} (default: all)")
     ap.add_argument("--calibration-rows", type=int, default=256, help="NNCF row: training rows to calibrate on")
     ap.add_argument("--report-only", action="store_true", help="rebuild the tables from finished runs only")
     ap.add_argument("--notes", default="")
@@ -345,8 +346,9 @@ def main() -> int:
             teacher = None
             for key in METHODS:
                 path = args.runs_dir / f"{task}-s{seed}-{key}"
-                if args.report_only or key not in only:
-                    ckpts[key] = path if (path / "manifest.json").is_file() else None
+                if args.report_only or key not in only:  # a report covers only the --only rows
+                    wanted = key in only or not args.report_only
+                    ckpts[key] = path if wanted and (path / "manifest.json").is_file() else None
                 else:
                     ckpts[key] = run_one(task, seed, key, args, teacher)
                 state = args.runs_dir / f"{task}-s{seed}-{key}.state" / "teacher"

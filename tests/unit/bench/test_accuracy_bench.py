@@ -69,6 +69,12 @@ def test_seeds_share_one_teacher_per_seed_and_aggregate(bench, monkeypatch):
     assert json.loads((root / "results" / "accuracy.json").read_text())["rows"][0]["seeds"] == [0, 1]
     md = (root / "results" / "accuracy.md").read_text()
     assert "seeds 0, 1 (" in md and "0, 1, 2" not in md
+    # --only with --report-only reports just those rows (e.g. the rows that ran over more seeds than others)
+    only = argv.index("--only") + 1
+    _main(mod, [*argv[:only], "oneshot_act_int8,nncf_ptq", *argv[only + 1:], "--report-only"], monkeypatch)
+    cols = json.loads((root / "results" / "accuracy.json").read_text())["rows"][0]["columns"]
+    assert set(cols) == {"dense", "nncf_ptq", "oneshot_act_int8"}
+    assert "ADMM" not in (root / "results" / "accuracy.md").read_text().split("Steps per phase")[0]
 
 
 def test_unknown_row_is_refused(bench, monkeypatch, capsys):
