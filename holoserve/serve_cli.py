@@ -12,6 +12,7 @@ from . import HoloServeError
 from .server.config import OPENVINO_PRECISIONS, TOKEN_ENV, ServerConfig, env_name
 
 BACKENDS = ("auto", "onnxruntime", "openvino", "tensorrt", "torch-cuda", "torch")
+CHOICES = {"backend": BACKENDS, "openvino_precision": OPENVINO_PRECISIONS}  # fields with a fixed set of values
 
 HELP = {
     "backend": "inference backend; auto = tensorrt > torch-cuda > the faster of openvino and onnxruntime (timed "
@@ -72,9 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            kw = {"choices": BACKENDS} if f.name == "backend" else \
-                {"choices": OPENVINO_PRECISIONS} if f.name == "openvino_precision" else {}
-            parser.add_argument(flag, dest=f.name, type=type(default), default=None, help=text, **kw)
+            parser.add_argument(flag, dest=f.name, type=type(default), default=None, help=text,
+                                choices=CHOICES.get(f.name))
     parser.epilog = (f"Bearer-token auth: set {TOKEN_ENV} (never a flag, so it does not show in `ps`); it must not "
                      "be empty or carry surrounding whitespace, or the server refuses to start.")
 

@@ -346,9 +346,10 @@ def main() -> int:
             teacher = None
             for key in METHODS:
                 path = args.runs_dir / f"{task}-s{seed}-{key}"
-                if args.report_only or key not in only:  # a report covers only the --only rows
-                    wanted = key in only or not args.report_only
-                    ckpts[key] = path if wanted and (path / "manifest.json").is_file() else None
+                if args.report_only and key not in only:  # a report covers only the --only rows
+                    ckpts[key] = None
+                elif args.report_only or key not in only:
+                    ckpts[key] = path if (path / "manifest.json").is_file() else None
                 else:
                     ckpts[key] = run_one(task, seed, key, args, teacher)
                 state = args.runs_dir / f"{task}-s{seed}-{key}.state" / "teacher"
