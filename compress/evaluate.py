@@ -12,7 +12,7 @@ from holoserve.data.metrics import compute
 from holoserve.data.tasks import Task
 
 from .data import Encoded, eval_batches, to_device
-from .quant import input_quantizers
+from .quant import input_quantizers, tensorrt_quantizers
 
 
 def predict(model: nn.Module, data: Encoded, batch_size: int = 128) -> np.ndarray:
@@ -55,13 +55,14 @@ def evaluate(
     batch_size: int = 128,
     act_amax: Mapping[str, float] | None = None,
     quant_layers: list[str] | None = None,
+    tensorrt: bool = False,
 ) -> dict[str, float]:
-    """Task metrics on `data`; with `act_amax` the named Linears see fake-quantized inputs."""
-    ctx = (
-        input_quantizers(model, act_amax, quant_layers or [], exact=True)
-        if act_amax is not None
-        else contextlib.nullcontext()
-    )
-    with ctx:
+    """Task metrics on `data`; with `act_amax` the named Linears see fake-quantized inputs, and with
+    `tensorrt` also the TensorRT placement's extra tensors (a TensorRT-QAT checkpoint's deployed numerics)."""
+    with contextlib.ExitStack() as stack:
+        if act_amax is not None:
+            stack.enter_context(input_quantizers(model, act_amax, quant_layers or [], exact=True))
+            if tensorrt:
+                stack.enter_context(tensorrt_quantizers(model, act_amax, quant_layers or []))
         logits = predict(model, data, batch_size)
     return score(task, logits, data.labels)

@@ -111,6 +111,9 @@ class _FromTeacher:
         log.info("[result] dense %s | compressed %s", _fmt(dense_metrics), _fmt(compressed))
         metrics = {"primary": run.task.primary_metric, "split": "dev", "dev_rows": len(run.dev),
                    "dense": dense_metrics, "compressed": compressed, **extra}
+        if amax and p.tensorrt_qat:  # what model.trt.onnx computes (the export checks it against these numerics)
+            metrics["compressed_tensorrt"] = run.dev_metrics(student, amax, layers, tensorrt=True)
+            log.info("[result] with the TensorRT placement's extra quantizers: %s", _fmt(metrics["compressed_tensorrt"]))
         return Outcome(student, layers, scales, amax, metrics, sparse_layers=layers,
                        distillation=self.distills and p.distill.enabled)
 

@@ -28,6 +28,7 @@ from holoserve.core.files import atomic_write_json
 from holoserve.core.tokenizer import load_tokenizer
 from holoserve.data.tabular import DataOptions, load_for_training
 from holoserve.core.machine import describe_cpu
+from holoserve.core.numerics import RESIDUAL_MIN_SQNR_DB
 from holoserve.data.tasks import Task
 
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
@@ -37,7 +38,7 @@ from .data import Encoded, encode, train_batches
 from .evaluate import evaluate
 from .layers import encoder_linear_names
 from .methods import Outcome, get_method
-from .quant import calibrate_amax, calibrate_tensorrt_amax, input_channel_norms
+from .quant import calibrate_amax, calibrate_tensorrt_amax, input_channel_norms, input_quantizers
 from .sparsify import nm_share, quantize_embeddings
 from .state import load_state, save_state
 from .trainer import train_phase
@@ -197,6 +198,7 @@ class Runner:
         self.dev: Encoded | None = None
         self.base_name: str = ""
         self.t_start = time.perf_counter()
+        self.tensorrt_residuals: dict | None = None  # TensorRT QAT: residual-Add inputs left float, their SQNR
         self.procs = Processes(resolve_device(job.device))
         self.device = self.procs.device
         if not self.procs.main:  # one voice: the main process logs and shows progress
@@ -240,9 +242,10 @@ class Runner:
                  self.task.name, len(self.train), len(self.dev), p.max_seq_length, p.dense.steps, p.admm.steps,
                  p.qat.steps, p.batch_size)
 
-    def dev_metrics(self, model: nn.Module, amax: Mapping[str, float] | None = None, layers=None) -> dict[str, float]:
+    def dev_metrics(self, model: nn.Module, amax: Mapping[str, float] | None = None, layers=None,
+                    tensorrt: bool = False) -> dict[str, float]:
         return evaluate(model, self.task, self.dev, batch_size=self.preset.eval_batch_size, act_amax=amax,
-                        quant_layers=layers)
+                        quant_layers=layers, tensorrt=tensorrt)
 
     def fingerprint(self, **extra) -> dict[str, Any]:
         j = self.job
@@ -377,8 +380,15 @@ class Runner:
         p = self.preset
         batches = self.calibration_batches()
         amax = calibrate_amax(model, layers, batches, percentile=p.calib_percentile)
-        if p.tensorrt_qat:  # ranges for the TensorRT placement's extra quantizers
-            amax.update(calibrate_tensorrt_amax(model, layers, batches))
+        if p.tensorrt_qat:  # ranges for the TensorRT placement's extra quantizers, seen through the INT8 GEMMs
+            with input_quantizers(model, amax, layers):
+                extra, sqnr = calibrate_tensorrt_amax(model, layers, batches)
+            low = sorted(k for k in sqnr if k not in extra)
+            log.info("[calibrate] TensorRT QAT: %d of %d residual-Add inputs in INT8; in float (INT8 SQNR < %g dB): %s",
+                     len(sqnr) - len(low), len(sqnr), RESIDUAL_MIN_SQNR_DB,
+                     ", ".join(f"{k} {sqnr[k]:.1f} dB" for k in low) or "none")
+            self.tensorrt_residuals = {"min_sqnr_db": RESIDUAL_MIN_SQNR_DB, "float": low, "sqnr_db": sqnr}
+            amax.update(extra)
         return amax
 
     # -- the job
@@ -407,6 +417,8 @@ class Runner:
         }
         if self.procs.world > 1:
             training["processes"] = self.procs.world
+        if self.tensorrt_residuals:
+            training["tensorrt_qat_residuals"] = self.tensorrt_residuals
         art = None
         with self.procs.main_first() as main:
             if main:

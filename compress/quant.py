@@ -9,13 +9,15 @@ Activation ranges are keyed "<linear name>.input" in the manifest (holoserve.cor
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
 from torch import nn
 
-from holoserve.core.artifact import act_key, output_key, residual_key
-from holoserve.core.numerics import ACT_QMAX, ACT_QMIN, ACT_SCALE_DIV, WEIGHT_QMAX
+from holoserve.core.artifact import act_key, output_key, residual_key, softmax_key
+from holoserve.core.numerics import (ACT_QMAX, ACT_QMIN, ACT_SCALE_DIV, RESIDUAL_MIN_SQNR_DB, SQNR_CAP_DB, WEIGHT_QMAX,
+                                     int8_error, sqnr_db)
 
 from .data import to_device
 
@@ -141,15 +143,7 @@ def input_channel_norms(model: nn.Module, layers: Iterable[str], batches: Iterab
         return fn
 
     handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in layers]
-    device = next(model.parameters()).device
-
-    def with_mask(batches):
-        for b in batches:
-            am = b.get("attention_mask")
-            keep[0] = am.to(device).bool() if am is not None else None
-            yield b
-
-    _observe(model, with_mask(batches), handles)
+    _observe(model, _with_mask(batches, keep, model), handles)
     missing = [n for n in layers if n not in sums]
     if missing:
         raise ValueError(f"input norms saw no batches for {missing[:3]}")
@@ -158,31 +152,45 @@ def input_channel_norms(model: nn.Module, layers: Iterable[str], batches: Iterab
 
 # ------------------------------------------------------- the TensorRT placement's extra tensors
 #
-# TensorRT's QDQBERT placement also quantizes both inputs of every residual Add (the sub-layer's
-# dense + bias output, and the skip connection) and both inputs of the two attention MatMuls
-# (Q, K, V projections and the softmax), so its GEMMs can read and write INT8. Ranges calibrated
-# only at export cost ~3 points on SST-2: BERT's residual stream has outlier channels that one
-# per-tensor INT8 scale fits badly. With `tensorrt_qat`, QAT fake-quantizes these tensors too, so
-# the model adapts; the ranges go in the manifest as "<linear>.output" and "<block>.residual"
-# next to the "<linear>.input" ones. The softmax output keeps a range calibrated at export (it
-# lies in [0, 1]). The ONNX Runtime placement keeps all of them in float, and so does evaluation.
+# TensorRT's QDQBERT placement also quantizes both inputs of the two attention MatMuls (the Q, K, V
+# projections and the softmax output P) and both inputs of every residual Add (the sub-layer's
+# dense + bias output, and the skip connection), so its GEMMs can read and write INT8. With
+# `tensorrt_qat`, QAT fake-quantizes these tensors too, so the model learns the numerics it is
+# deployed with; the ranges go in the manifest as "<linear>.output", "<block>.residual" and
+# "<attention>.softmax" next to the "<linear>.input" ones. BERT's residual stream has outlier
+# channels that one per-tensor scale fits badly: a residual input whose INT8 SQNR on the calibration
+# rows is under RESIDUAL_MIN_SQNR_DB gets no range, so QAT and the export (its "auto" mode) both keep
+# it in float. The ONNX Runtime placement keeps all of them in float, and so does `holoserve eval`.
 
 _QKV = (".attention.self.query", ".attention.self.key", ".attention.self.value")
+ATTENTION_IMPL = "holoserve_tensorrt_qat"  # eager attention with a hook on the softmax output
 
 
-def tensorrt_sites(model: nn.Module, layers: Iterable[str]) -> tuple[list[str], list[str]]:
-    """(Linears whose output TensorRT quantizes, residual blocks whose skip input it quantizes).
+@dataclass(frozen=True)
+class TensorrtSites:
+    outputs: list[str]    # Linears whose output TensorRT quantizes: Q/K/V, and the sub-layer dense before each Add
+    blocks: list[str]     # residual blocks (dense -> dropout -> LayerNorm(x + input_tensor)): their skip input
+    attention: list[str]  # self-attention modules: their softmax output
 
-    A residual block is a sub-layer output module: dense -> dropout -> LayerNorm(x + input_tensor).
-    """
-    outputs, blocks = [], []
+    def residual_keys(self) -> list[str]:
+        """The keys of both inputs of every residual Add: the dense side, then the skip side."""
+        return [output_key(f"{b}.dense") for b in self.blocks] + [residual_key(b) for b in self.blocks]
+
+    def required_keys(self) -> list[str]:
+        return [output_key(n) for n in self.outputs if n.endswith(_QKV)] + [softmax_key(a) for a in self.attention]
+
+
+def tensorrt_sites(model: nn.Module, layers: Iterable[str]) -> TensorrtSites:
+    outputs, blocks, attention = [], [], []
     for name in layers:
         if name.endswith(_QKV):
             outputs.append(name)
+            if name.endswith(".query"):
+                attention.append(name[: -len(".query")])
         elif name.endswith(".output.dense") and hasattr(model.get_submodule(name[: -len(".dense")]), "LayerNorm"):
             outputs.append(name)
             blocks.append(name[: -len(".dense")])
-    return outputs, blocks
+    return TensorrtSites(outputs, blocks, attention)
 
 
 def _residual_arg(args, kwargs):
@@ -193,25 +201,73 @@ def _residual_arg(args, kwargs):
     raise RuntimeError("residual block called without its residual input (expected (hidden_states, input_tensor))")
 
 
+def _attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **_kw):
+    """Eager scaled dot-product attention (as the exported graph computes it), with the softmax output
+    passed through the module's `_holoserve_softmax` hook when one is set."""
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    probs = torch.softmax(scores, dim=-1)
+    hook = getattr(module, "_holoserve_softmax", None)
+    if hook is not None:
+        probs = hook(probs)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+@contextmanager
+def _softmax_hooks(model: nn.Module, hooks: Mapping[str, object]):
+    """Run attention through `_attention`, calling hooks[name] on the softmax output of each named module."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTENTION_IMPL, _attention)  # idempotent
+    AttentionMaskInterface.register(ATTENTION_IMPL, eager_mask)  # else the encoder passes no padding mask
+    config = model.config
+    before = config._attn_implementation
+    mods = [model.get_submodule(n) for n in hooks]
+    try:
+        config._attn_implementation = ATTENTION_IMPL
+        for mod, fn in zip(mods, hooks.values()):
+            mod._holoserve_softmax = fn
+        yield model
+    finally:
+        for mod in mods:
+            mod.__dict__.pop("_holoserve_softmax", None)
+        config._attn_implementation = before
+
+
 @contextmanager
 def tensorrt_quantizers(model: nn.Module, amax: Mapping[str, float], layers: Iterable[str]):
-    """Fake-quantize the TensorRT placement's extra tensors with their per-tensor ranges (STE, for QAT)."""
-    outputs, blocks = tensorrt_sites(model, layers)
+    """Fake-quantize the TensorRT placement's extra tensors with their per-tensor ranges (STE, for QAT):
+    Q/K/V and the softmax output always; each residual-Add input that has a range (see above)."""
+    sites = tensorrt_sites(model, layers)
+    missing = [k for k in sites.required_keys() if k not in amax]
+    if missing:
+        raise KeyError(f"no activation range {missing[0]!r}; calibrate first")
     handles = []
     try:
-        for key in [output_key(n) for n in outputs] + [residual_key(b) for b in blocks]:
-            if key not in amax:
-                raise KeyError(f"no activation range {key!r}; calibrate first")
-        for n in outputs:
-            handles.append(model.get_submodule(n).register_forward_hook(
-                lambda _m, _a, out, s=act_scale(amax[output_key(n)]): fake_quant_act(out, s)))
-        for b in blocks:
+        for n in sites.outputs:
+            if output_key(n) in amax:
+                handles.append(model.get_submodule(n).register_forward_hook(
+                    lambda _m, _a, out, s=act_scale(amax[output_key(n)]): fake_quant_act(out, s)))
+        for b in sites.blocks:
+            if residual_key(b) not in amax:
+                continue
+
             def pre(_m, args, kwargs, s=act_scale(amax[residual_key(b)])):
                 x, rebuild = _residual_arg(args, kwargs)
                 return rebuild(fake_quant_act(x, s))
 
             handles.append(model.get_submodule(b).register_forward_pre_hook(pre, with_kwargs=True))
-        yield model
+        softmax = {a: (lambda p, s=act_scale(amax[softmax_key(a)]): fake_quant_act(p, s)) for a in sites.attention}
+        with _softmax_hooks(model, softmax):
+            yield model
     finally:
         for h in handles:
             h.remove()
@@ -219,23 +275,60 @@ def tensorrt_quantizers(model: nn.Module, amax: Mapping[str, float], layers: Ite
 
 @torch.no_grad()
 def calibrate_tensorrt_amax(model: nn.Module, layers: Iterable[str],
-                            batches: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, float]:
-    """max |x| of each extra TensorRT tensor. A plain max: the residual stream's outlier channels
-    carry signal, and clipping them costs more than the coarser grid (measured on SST-2)."""
-    outputs, blocks = tensorrt_sites(model, layers)
+                            batches: Iterable[Mapping[str, torch.Tensor]]) -> tuple[dict[str, float], dict[str, float]]:
+    """(ranges, residual SQNR) of the extra TensorRT tensors over `batches`.
+
+    Ranges are a plain max |x| (the residual stream's outlier channels carry signal; clipping them cost
+    more than the coarser grid on SST-2). The SQNR (dB) of each residual-Add input, over the batches'
+    real (non-padding) tokens with that range, is measured in a second pass; the ranges returned leave
+    out the residual inputs under RESIDUAL_MIN_SQNR_DB, which then stay float in QAT and in the export.
+    """
+    batches = list(batches)
+    sites = tensorrt_sites(model, layers)
     seen: dict[str, float] = {}
-    handles = []
+    sums: dict[str, list[float]] = {}
+    keep: list[torch.Tensor | None] = [None]  # the current batch's attention mask as bool, if any
+    measure = [False]
 
     def note(key, t):
-        seen[key] = max(seen.get(key, 0.0), float(t.detach().abs().max()))
+        t = t.detach()
+        if not measure[0]:
+            seen[key] = max(seen.get(key, 0.0), float(t.abs().max()))
+            return
+        real = t[keep[0]] if keep[0] is not None and t.shape[:2] == keep[0].shape else t
+        sg, nz = int8_error(real.float().cpu().numpy(), seen[key])
+        acc = sums.setdefault(key, [0.0, 0.0])
+        acc[0] += sg
+        acc[1] += nz
 
-    for n in outputs:
-        handles.append(model.get_submodule(n).register_forward_hook(lambda _m, _a, out, k=output_key(n): note(k, out)))
-    for b in blocks:
-        handles.append(model.get_submodule(b).register_forward_pre_hook(
-            lambda _m, args, kwargs, k=residual_key(b): note(k, _residual_arg(args, kwargs)[0]), with_kwargs=True))
-    _observe(model, batches, handles)
-    return {k: max(v, 1e-6) for k, v in seen.items()}
+    def observe(residual_only: bool):
+        handles = []
+        for n in sites.outputs:
+            if not residual_only or n.endswith(".output.dense"):
+                handles.append(model.get_submodule(n).register_forward_hook(
+                    lambda _m, _a, out, k=output_key(n): note(k, out)))
+        for b in sites.blocks:
+            handles.append(model.get_submodule(b).register_forward_pre_hook(
+                lambda _m, args, kwargs, k=residual_key(b): note(k, _residual_arg(args, kwargs)[0]), with_kwargs=True))
+        hooks = {} if residual_only else {a: (lambda p, k=softmax_key(a): note(k, p) or p) for a in sites.attention}
+        with _softmax_hooks(model, hooks):
+            _observe(model, _with_mask(batches, keep, model), handles)
+
+    observe(residual_only=False)
+    measure[0] = True
+    observe(residual_only=True)
+    sqnr = {k: sqnr_db(*sums[k]) for k in sites.residual_keys()}
+    amax = {k: max(v, 1e-6) for k, v in seen.items() if sqnr.get(k, SQNR_CAP_DB) >= RESIDUAL_MIN_SQNR_DB}
+    return amax, sqnr
+
+
+def _with_mask(batches, keep: list, model: nn.Module):
+    """Yield `batches`, setting keep[0] to each one's attention mask as bool (None if it has none)."""
+    device = next(model.parameters()).device
+    for b in batches:
+        am = b.get("attention_mask")
+        keep[0] = am.to(device).bool() if am is not None else None
+        yield b
 
 
 def _observe(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], handles: list) -> None:

@@ -160,6 +160,14 @@ def run(args: argparse.Namespace) -> int:
         print(line)
         if "dev_metric_ort" in v:
             print(f"  dev metric ORT {v['dev_metric_ort']} vs PyTorch fake-quant {v['dev_metric_pytorch_fakequant']}")
+        if "parity_vs_pytorch_tensorrt_qat" in v:
+            pq = v["parity_vs_pytorch_tensorrt_qat"]
+            line = f"  vs the checkpoint's TensorRT QAT numerics: max |dlogit| {pq['max_abs_diff']:.4g}"
+            if "argmax_agreement" in pq:
+                line += f", argmax agreement {100 * pq['argmax_agreement']:.2f}%"
+            if "dev_metric_pytorch_tensorrt_qat" in v:
+                line += f"; their dev metric {v['dev_metric_pytorch_tensorrt_qat']}"
+            print(line)
         if "dev_metric_checkpoint_numerics" in v:
             print(f"  (int8 word embeddings: the checkpoint's own numerics score {v['dev_metric_checkpoint_numerics']})")
         if "dev_metric_openvino" in v or "parity_openvino_vs_pytorch_fakequant" in v:

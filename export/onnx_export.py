@@ -31,6 +31,7 @@ from holoserve import HoloServeError
 from holoserve.core.artifact import Artifact, ArtifactError, add_files, load_artifact
 from holoserve.core.files import atomic_copy, atomic_write_json, sweep_stale, temp_sibling
 from holoserve.core.manifest import ONNXRUNTIME, OPENVINO, TENSORRT_ONNX
+from holoserve.core.numerics import SQNR_CAP_DB, sqnr_db
 from holoserve.core.ort import session as ort_session
 from holoserve.core.tokenizer import load_tokenizer
 from holoserve.data.tabular import DataOptions
@@ -217,19 +218,24 @@ def _keep_all_inputs(path: Path, names: Sequence[str]) -> None:
     onnx.save(m, str(path))
 
 
-def reference_logits(model, art: Artifact, batches) -> np.ndarray:
-    """The checkpoint's fake-quant numerics in PyTorch (what `holoserve eval` computes).
+def reference_logits(model, art: Artifact, batches, *, tensorrt: bool = False) -> np.ndarray:
+    """The checkpoint's fake-quant numerics in PyTorch (what `holoserve eval` computes); with `tensorrt`,
+    also the extra quantizers TensorRT QAT trained (what its `model.trt.onnx` computes).
 
     Pass the model from compress.checkpoint.load_model, as `holoserve eval` does: the quantized
     network amplifies float noise (e.g. eager vs SDPA attention flips ~0.1% of SST-2 predictions).
     """
+    import contextlib
+
     import torch
 
-    from holoserve.compress.quant import input_quantizers
+    from holoserve.compress.quant import input_quantizers, tensorrt_quantizers
 
     layers = quantized_layers(art)
+    amax = art.activation_amax()
     out = []
-    with torch.no_grad(), input_quantizers(model, art.activation_amax(), layers, exact=True):
+    with torch.no_grad(), input_quantizers(model, amax, layers, exact=True), \
+            (tensorrt_quantizers(model, amax, layers) if tensorrt else contextlib.nullcontext()):
         for b in batches:
             out.append(model(**{k: torch.from_numpy(v) for k, v in b.items()}).logits.float().numpy())
     return np.concatenate(out, axis=0)
@@ -279,9 +285,7 @@ def _extra_ranges(ort_onnx: Path, tensors: list[str], batches, trained: Mapping[
                     sums[t][1] += noise
     finally:
         tmp.unlink(missing_ok=True)
-    # capped at 120 dB, which a tensor exactly on its grid (or all zeros) gets
-    sqnr = {t: 120.0 if sg == 0 else round(min(120.0, 10 * float(np.log10(sg / max(n, sg * 1e-12)))), 2)
-            for t, (sg, n) in sums.items()}
+    sqnr = {t: sqnr_db(sg, n) for t, (sg, n) in sums.items()}
     return amax, sqnr
 
 
@@ -321,7 +325,8 @@ class ExportOptions:
                      "int8": all, so the attention-output and FFN-output GEMMs are INT8-in/INT8-out; "float":
                      none; "auto" (default): each input whose per-tensor INT8 SQNR on the calibration rows is
                      at least qdq.RESIDUAL_MIN_SQNR_DB (on MiniLM: all but 2-6 of the six FFN-output sides,
-                     whose GEMMs then write float). SST-2 quick checkpoint, 86.70: int8 85.09, auto 87.27,
+                     whose GEMMs then write float); for a checkpoint made with TensorRT QAT, exactly the
+                     inputs QAT quantized (it applies the same floor at its calibration). SST-2 quick checkpoint, 86.70: int8 85.09, auto 87.27,
                      float 86.70 (docs/results/2026-11-24-tensorrt-placement.md); whether TensorRT still
                      picks sparse INT8 tactics for a GEMM that writes float is unmeasured
     openvino_precision: the precision the openvino target's check runs OpenVINO's float ops at
@@ -409,6 +414,7 @@ class _Export:
         self.built: dict[str, Path] = {}
         self.trt_fp16 = "tensorrt" in opts.targets and opts.tensorrt_precision == "fp16"
         self.trt_fp32_path = tmp / TRT_FP32_FILE if self.trt_fp16 and opts.verify_exports else None
+        self.trt_as_trained = False  # the tensorrt placement quantizes exactly what the checkpoint's TensorRT QAT did
 
     def run(self) -> ExportResult:
         from tqdm import tqdm
@@ -491,13 +497,22 @@ class _Export:
                        if t in wanted}
             extra, sqnr = _extra_ranges(self.calib_model, wanted, self.calib_batches, trained,
                                         residual if mode == "auto" else [])
-            float_res = residual if mode == "float" else [t for t in residual if sqnr.get(t, 120.0) < qdq.RESIDUAL_MIN_SQNR_DB]
+            qat = any(t not in residual for t in trained)  # a TensorRT-QAT checkpoint (Q/K/V ranges trained)
+            if mode == "float":
+                float_res = residual
+            elif mode == "auto" and qat:  # what QAT trained: it left the inputs it stored no range for in float
+                float_res = [t for t in residual if t not in trained]
+            else:
+                float_res = [t for t in residual if mode == "auto" and sqnr.get(t, SQNR_CAP_DB) < qdq.RESIDUAL_MIN_SQNR_DB]
             extra = {t: v for t, v in extra.items() if t not in float_res}
+            # the placement is exactly what QAT trained: the export can check it against those numerics
+            self.trt_as_trained = qat and mode == "auto" and all(t in trained for t in extra)
             self.report["tensorrt_extra_ranges"] = {"from_checkpoint_qat": len(trained),
-                                                    "calibrated_here": len(wanted) - len(trained)}
+                                                    "calibrated_here": sum(t not in trained for t in extra)}
             self.residuals = {"mode": mode, "int8": len(residual) - len(float_res), "float": float_res}
             if mode == "auto":
-                self.residuals.update(min_sqnr_db=qdq.RESIDUAL_MIN_SQNR_DB, sqnr_db=sqnr)
+                self.residuals.update(min_sqnr_db=qdq.RESIDUAL_MIN_SQNR_DB, sqnr_db=sqnr,
+                                      chosen_by="checkpoint's TensorRT QAT" if qat else "SQNR here")
         placement = PLACEMENT[target]
         rep = qdq.apply_placement(m, sites, self.weight_scales, self.act_amax, placement, extra,
                                   float_tensors=float_res)
@@ -605,7 +620,7 @@ class _Export:
             self.art, ref_model, self.built, opts.targets, self.float_path, self.sites, self.sparse, self.tok,
             self.data, opts.dev_rows, opts.threads, self.tmp, opts.polygraphy,
             opts.max_metric_diff, self.emb_int8 and not self.lossless, tensorrt_fp32=self.trt_fp32_path,
-            openvino_precision=opts.openvino_precision,
+            openvino_precision=opts.openvino_precision, tensorrt_qat=self.trt_as_trained,
         )
         for t in opts.targets:
             self.result.entries[MANIFEST_KEYS[t]]["verification"] = self.report["verification"][t]
@@ -686,7 +701,8 @@ def _verify_tensorrt_fp16(fp32_path, threads, batches, got, ref, rows_source, ta
 
 
 def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, dev_rows, threads, tmp,
-            polygraphy, max_metric_diff, lossy_embeddings=False, tensorrt_fp32=None, openvino_precision="auto") -> dict:
+            polygraphy, max_metric_diff, lossy_embeddings=False, tensorrt_fp32=None, openvino_precision="auto",
+            tensorrt_qat=False) -> dict:
     out: dict[str, dict] = {}
     # Polygraphy on the float-weight export: every sparse encoder weight must be 2:4 along K.
     poly = None
@@ -742,6 +758,11 @@ def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, de
             if lossy_embeddings:
                 v["dev_metric_checkpoint_numerics"] = ckpt_metric  # what `holoserve eval` computes
                 v["reference_note"] = "PyTorch fake-quant reference uses the same int8 word-embedding table"
+        if t == "tensorrt" and tensorrt_qat:  # the numerics TensorRT QAT trained: model.trt.onnx must compute them
+            ref_trt = reference_logits(model, art, batches, tensorrt=True)
+            v["parity_vs_pytorch_tensorrt_qat"] = verify.parity(got, ref_trt) | {"rows_source": rows_source}
+            if labels is not None:
+                v["dev_metric_pytorch_tensorrt_qat"] = _metric(task, ref_trt, np.asarray(labels)[order])
         if t == "tensorrt" and tensorrt_fp32 is not None:
             v.update(_verify_tensorrt_fp16(tensorrt_fp32, threads, batches, got, ref, rows_source, task, labels, order,
                                            ref_metric, max_metric_diff))

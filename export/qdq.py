@@ -26,20 +26,19 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from holoserve.core.artifact import act_key, output_key, residual_key
-from holoserve.core.numerics import (ACT_QMAX, ACT_QMIN, UINT8_ZERO_POINT, WEIGHT_QMAX, activation_scale, grid_codes,
-                                     round_codes)
+from holoserve.core.artifact import act_key, output_key, residual_key, softmax_key
+from holoserve.core.numerics import (RESIDUAL_MIN_SQNR_DB, UINT8_ZERO_POINT, WEIGHT_QMAX,  # noqa: F401 (floor: re-exported)
+                                     activation_scale, grid_codes, int8_error, round_codes)
 
 PLACEMENTS = ("onnxruntime", "tensorrt")
 
 # The TensorRT placement's residual-Add inputs: "int8" quantizes all of them, "float" none, "auto" (the
-# default) each one whose per-tensor INT8 Q/DQ keeps at least RESIDUAL_MIN_SQNR_DB of signal-to-noise
-# on the calibration rows. On MiniLM (SST-2) the six FFN-output sides measure 16.1-19.0 dB (ranges of 27-122
+# default) each one whose per-tensor INT8 Q/DQ keeps at least RESIDUAL_MIN_SQNR_DB (holoserve.core.numerics)
+# of signal-to-noise on the calibration rows, or, for a checkpoint made with TensorRT QAT, those QAT trained. On MiniLM (SST-2) the six FFN-output sides measure 16.1-19.0 dB (ranges of 27-122
 # against an RMS of 0.5-1.7: one scale rounds 31-89 % of their values to zero) and every other
 # residual input 21.0-35.7 dB; sparing those six scored SST-2 87.27 against 85.09 with all 24 in INT8 and
 # 86.70 for the checkpoint (docs/results/2026-11-24-tensorrt-placement.md).
 RESIDUAL_MODES = ("auto", "int8", "float")
-RESIDUAL_MIN_SQNR_DB = 20.0
 
 
 @dataclass
@@ -280,10 +279,11 @@ def trained_ranges(model, sites: list[LinearSite], act_amax: Mapping[str, float]
     """Ranges for the TensorRT placement's extra tensors that compression trained with (QAT), by tensor.
 
     Residual Adds: "<dense>.output" for the side coming from that Linear's bias Add and
-    "<block>.residual" for the skip connection. Attention MatMuls: "<query|key|value>.output" for
-    an input that is that Linear's bias-Add output after Reshape/Transpose only (they move values,
-    never change them). The softmax output has no trained range. Empty for checkpoints made without
-    TensorRT QAT; what is missing here is calibrated at export.
+    "<block>.residual" for the skip connection, each where QAT quantized it (it leaves low-SQNR ones in
+    float and stores no range). Attention MatMuls: "<query|key|value>.output" for an input that is that
+    Linear's bias-Add output after Reshape/Transpose only (they move values, never change them), and
+    "<attention>.softmax" for the other input of the MatMul that reads V. Empty for checkpoints made
+    without TensorRT QAT; what is missing here is calibrated at export.
     """
     g = model.graph
     prod = _producers(g)
@@ -295,18 +295,26 @@ def trained_ranges(model, sites: list[LinearSite], act_amax: Mapping[str, float]
             continue
         layer = bias_out[dense_side[0]]
         skip = next(t for t in n.input if t != dense_side[0])
-        k_out, k_res = output_key(layer), residual_key(layer[: -len(".dense")])
-        if k_out in act_amax and k_res in act_amax:
-            out[dense_side[0]] = float(act_amax[k_out])
-            out[skip] = float(act_amax[k_res])
-    for n in attention_matmuls(model, sites):
-        for t in n.input:
-            src = t
-            while src not in bias_out and src in prod and prod[src].op_type in ("Reshape", "Transpose"):
-                src = prod[src].input[0]
-            key = output_key(bias_out[src]) if src in bias_out else None
+        for t, key in ((dense_side[0], output_key(layer)), (skip, residual_key(layer[: -len(".dense")]))):
             if key in act_amax:
                 out[t] = float(act_amax[key])
+
+    def source(t: str) -> str | None:
+        while t not in bias_out and t in prod and prod[t].op_type in ("Reshape", "Transpose"):
+            t = prod[t].input[0]
+        return bias_out.get(t)
+
+    for n in attention_matmuls(model, sites):
+        layers = [source(t) for t in n.input]
+        for t, layer in zip(n.input, layers):
+            if layer is not None and output_key(layer) in act_amax:
+                out[t] = float(act_amax[output_key(layer)])
+        values = [x for x in layers if x is not None and x.endswith(".value")]
+        if len(values) == 1:  # P·V: the input that is not V is the softmax output
+            key = softmax_key(values[0][: -len(".value")])
+            for t, layer in zip(n.input, layers):
+                if layer is None and key in act_amax:
+                    out[t] = float(act_amax[key])
     return out
 
 
@@ -325,15 +333,6 @@ def tensorrt_extra_tensors(model, sites: list[LinearSite], float_tensors: Iterab
     for n in residual_adds(model, sites):
         pts += [(t, n.name, k) for k, t in enumerate(n.input) if t not in keep_float]
     return pts
-
-
-def int8_error(x: np.ndarray, amax: float) -> tuple[float, float]:
-    """(sum of x^2, sum of (x - QDQ(x))^2) for the per-tensor int8 Q/DQ pair `insert_qdq` writes with `amax`;
-    summed over batches, 10 log10 of their ratio is the tensor's SQNR in dB."""
-    s = activation_scale(amax)
-    x = np.asarray(x, dtype=np.float32)
-    q = np.clip(np.rint(x / s), ACT_QMIN, ACT_QMAX) * s
-    return float(np.square(x, dtype=np.float64).sum()), float(np.square(q - x, dtype=np.float64).sum())
 
 
 def _safe(name: str) -> str:

@@ -55,6 +55,11 @@ def residual_key(block: str) -> str:
     return f"{block}.residual"
 
 
+def softmax_key(attention: str) -> str:
+    """The attention probabilities of a self-attention module, the P in P·V (TensorRT QAT only)."""
+    return f"{attention}.softmax"
+
+
 def input_layers(amax: Mapping[str, float]) -> list[str]:
     """The Linears whose inputs have a range, in manifest order."""
     suffix = act_key("")

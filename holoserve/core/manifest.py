@@ -120,6 +120,7 @@ class Metrics(_Strict):
     sparse_fp32: Optional[dict[str, float]] = None  # magnitude: after the masked fine-tune, before INT8
     after_projection: Optional[dict[str, float]] = None  # admm: right after the hard projection
     one_shot: Optional[dict[str, float]] = None  # magnitude: right after one-shot pruning
+    compressed_tensorrt: Optional[dict[str, float]] = None  # TensorRT QAT: with the TensorRT placement's quantizers
 
 
 class FileEntry(_Strict):

@@ -21,10 +21,33 @@ ACT_QMIN, ACT_QMAX = -128, 127
 ACT_SCALE_DIV = 127.0
 UINT8_ZERO_POINT = 128
 
+# The TensorRT placement quantizes a residual-Add input only if its per-tensor INT8 Q/DQ keeps at least
+# this signal-to-noise ratio on the calibration rows' real tokens (export "auto", and TensorRT QAT).
+# On MiniLM the FFN-output sides measure 14-23 dB (one scale over outlier channels rounds most values
+# to zero) and every other residual input 20-39 dB (docs/results/2026-11-24-tensorrt-placement.md).
+RESIDUAL_MIN_SQNR_DB = 20.0
+SQNR_CAP_DB = 120.0  # what a tensor exactly on its grid (or all zeros) gets
+
 
 def activation_scale(amax: float) -> np.float32:
     """The per-tensor activation scale for a calibrated range, in float32 as QuantizeLinear reads it."""
     return np.float32(amax) / np.float32(ACT_SCALE_DIV)
+
+
+def int8_error(x: np.ndarray, amax: float) -> tuple[float, float]:
+    """(sum of x^2, sum of (x - QDQ(x))^2) for the per-tensor int8 Q/DQ pair with range `amax`; summed over
+    batches, `sqnr_db` of the two sums is the tensor's INT8 SQNR."""
+    s = activation_scale(amax)
+    x = np.asarray(x, dtype=np.float32)
+    q = np.clip(np.rint(x / s), ACT_QMIN, ACT_QMAX) * s
+    return float(np.square(x, dtype=np.float64).sum()), float(np.square(q - x, dtype=np.float64).sum())
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    """10 log10(signal / noise), capped at SQNR_CAP_DB, rounded to 0.01 dB."""
+    if signal == 0:
+        return SQNR_CAP_DB
+    return round(min(SQNR_CAP_DB, 10 * float(np.log10(signal / max(noise, signal * 1e-12)))), 2)
 
 
 def round_codes(w: np.ndarray, scales: np.ndarray) -> np.ndarray:

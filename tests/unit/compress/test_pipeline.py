@@ -43,18 +43,25 @@ def admm_ckpt(env):
 
 
 def test_tensorrt_qat_stores_the_extra_ranges(env):
-    """--set tensorrt_qat=true: QAT also quantizes Q/K/V outputs and both residual-Add inputs, and the
-    manifest carries their ranges for the TensorRT export."""
+    """--set tensorrt_qat=true: QAT also quantizes Q/K/V outputs, the softmax and the residual-Add inputs
+    whose INT8 SQNR clears the floor; the manifest carries their ranges for the TensorRT export, each
+    residual input's SQNR, and the dev metric with those quantizers on."""
     out = env["root"] / "admm-trt"
     assert compress(env, out, "--set", "tensorrt_qat=true") == 0
     check_saved_checkpoint(out)
     m = json.loads((out / "manifest.json").read_text())
     amax, layers = m["quantization"]["activations"]["amax"], m["sparsity"]["layers"]
-    extra = [f"{n}.output" for n in layers if n.endswith((".query", ".key", ".value", ".output.dense"))]
-    extra += [f"{n[: -len('.dense')]}.residual" for n in layers if n.endswith(".output.dense")]
-    assert len(extra) == 7 * (len(layers) // 6)
+    residual = [f"{n}.output" for n in layers if n.endswith(".output.dense")]
+    residual += [f"{n[: -len('.dense')]}.residual" for n in layers if n.endswith(".output.dense")]
+    rec = m["training"]["tensorrt_qat_residuals"]
+    assert sorted(rec["sqnr_db"]) == sorted(residual) and rec["min_sqnr_db"] == 20.0
+    assert rec["float"] == sorted(k for k in residual if rec["sqnr_db"][k] < 20.0)
+    extra = [f"{n}.output" for n in layers if n.endswith((".query", ".key", ".value"))]
+    extra += [f"{n[: -len('.query')]}.softmax" for n in layers if n.endswith(".query")]
+    extra += [k for k in residual if k not in rec["float"]]
     assert sorted(amax) == sorted([f"{n}.input" for n in layers] + extra)
     assert m["training"]["preset_config"]["tensorrt_qat"] is True
+    assert set(m["metrics"]["compressed_tensorrt"]) == set(m["metrics"]["compressed"])
 
 
 def test_admm_checkpoint_is_2to4_and_int8_on_disk(admm_ckpt):

@@ -128,25 +128,33 @@ def test_exact_input_quantizers_equal_the_integer_gemm():
     assert torch.equal(plain, lin(x))
 
 
-def test_tensorrt_quantizers_quantize_qkv_and_both_add_inputs(setup):
-    """TensorRT QAT: LayerNorm sees fq(dense output) + fq(skip input); Q/K/V leave their Linears quantized."""
+def test_tensorrt_quantizers_quantize_qkv_softmax_and_both_add_inputs(setup):
+    """TensorRT QAT: LayerNorm sees fq(dense output) + fq(skip input); Q/K/V leave their Linears quantized;
+    the attention probabilities are on their INT8 grid; padding stays masked."""
     from holoserve.compress.quant import (act_scale, calibrate_tensorrt_amax, fake_quant_act, output_key, residual_key,
-                                tensorrt_quantizers, tensorrt_sites)
+                                          softmax_key, tensorrt_quantizers, tensorrt_sites)
 
     model_dir, data = setup
     model, layers, _ = _projected(model_dir)
     model.eval()
-    outputs, blocks = tensorrt_sites(model, layers)
+    sites = tensorrt_sites(model, layers)
     n_layers = model.config.num_hidden_layers
-    assert len(outputs) == 5 * n_layers and len(blocks) == 2 * n_layers
-    assert all(b.endswith((".attention.output", ".output")) for b in blocks)
+    assert len(sites.outputs) == 5 * n_layers and len(sites.blocks) == 2 * n_layers
+    assert len(sites.attention) == n_layers and all(a.endswith(".attention.self") for a in sites.attention)
+    assert all(b.endswith((".attention.output", ".output")) for b in sites.blocks)
     batch = next(train_batches(data, 4, seed=0))
     batch.pop("labels")
-    amax = calibrate_tensorrt_amax(model, layers, [batch])
-    assert sorted(amax) == sorted([output_key(n) for n in outputs] + [residual_key(b) for b in blocks])
+    batch["attention_mask"][0, 5:] = 0  # a padded row: the quantized attention must still mask it
+    amax, sqnr = calibrate_tensorrt_amax(model, layers, [batch])
+    # a random tiny model has no outlier channels: every residual input keeps > 20 dB and its range
+    assert sorted(sqnr) == sorted(sites.residual_keys()) and min(sqnr.values()) > 20
+    assert sorted(amax) == sorted([output_key(n) for n in sites.outputs] + [residual_key(b) for b in sites.blocks]
+                                  + [softmax_key(a) for a in sites.attention])
+    assert 0 < amax[softmax_key(sites.attention[0])] <= 1.0
 
-    block = blocks[0]
-    dense, query = f"{block}.dense", next(n for n in outputs if n.endswith(".query"))
+    block = sites.blocks[0]
+    dense, query = f"{block}.dense", next(n for n in sites.outputs if n.endswith(".query"))
+    attn = sites.attention[0]
     amax = {k: v / 4 for k, v in amax.items()}  # a coarse grid, so quantization visibly changes values
     seen = {}
 
@@ -160,7 +168,7 @@ def test_tensorrt_quantizers_quantize_qkv_and_both_add_inputs(setup):
              model.get_submodule(block).register_forward_pre_hook(keep("skip", 1)),
              model.get_submodule(f"{block}.LayerNorm").register_forward_pre_hook(keep("sum"))]
     with torch.no_grad(), tensorrt_quantizers(model, amax, layers):
-        quantized = model(**batch).logits
+        out = model(**batch, output_attentions=True)
         q_out = model.get_submodule(query)(seen["query"].new_ones(2, seen["query"].shape[-1]) * 3)
     for h in hooks:
         h.remove()
@@ -170,12 +178,43 @@ def test_tensorrt_quantizers_quantize_qkv_and_both_add_inputs(setup):
     assert not torch.allclose(seen["sum"], seen["dense"] + seen["skip"])
     s_q = act_scale(amax[output_key(query)])
     assert torch.allclose(q_out / s_q, torch.round(q_out / s_q), atol=1e-4)  # on the INT8 grid
+    probs = out.attentions[0]  # layer 0's softmax output, as P·V reads it
+    s_p = act_scale(amax[softmax_key(attn)])
+    assert torch.allclose(probs / s_p, torch.round(probs / s_p), atol=1e-4)
+    assert torch.all(probs[0, :, :, 5:] == 0)  # padded keys get no attention
     with torch.no_grad():
         plain = model(**batch).logits
-    assert not torch.allclose(plain, quantized)  # hooks removed: the float model again
+    assert model.config._attn_implementation != "holoserve_tensorrt_qat"  # restored
+    assert not torch.allclose(plain, out.logits)  # hooks removed: the float model again
     with pytest.raises(KeyError, match="calibrate first"):
         with tensorrt_quantizers(model, {}, layers):
             pass
+
+
+def test_tensorrt_calibration_leaves_low_sqnr_residual_inputs_float(setup, monkeypatch):
+    """A residual-Add input under the SQNR floor gets no range, and QAT then leaves that input alone."""
+    import holoserve.compress.quant as quant
+
+    model_dir, data = setup
+    model, layers, _ = _projected(model_dir)
+    model.eval()
+    batch = next(train_batches(data, 4, seed=0))
+    batch.pop("labels")
+    _, sqnr = quant.calibrate_tensorrt_amax(model, layers, [batch])
+    floor = sorted(sqnr.values())[2] + 1e-3  # between the measured values: the three lowest go float
+    monkeypatch.setattr(quant, "RESIDUAL_MIN_SQNR_DB", floor)
+    amax, again = quant.calibrate_tensorrt_amax(model, layers, [batch])
+    low = {k for k, v in sqnr.items() if v < floor}
+    assert again == sqnr and len(low) == 3 and not low & set(amax) and set(sqnr) - low <= set(amax)
+    dense_side = next(k for k in sqnr if k.endswith(".dense.output"))
+    layer, block = dense_side[: -len(".output")], dense_side[: -len(".dense.output")]
+    query = next(n for n in layers if n.endswith(".query"))
+    amax.pop(dense_side, None)
+    amax[f"{block}.residual"] = 1.0
+    with quant.tensorrt_quantizers(model, amax, layers):
+        assert len(model.get_submodule(query)._forward_hooks) == 1  # quantized
+        assert not model.get_submodule(layer)._forward_hooks  # no range: its output stays float
+        assert len(model.get_submodule(block)._forward_pre_hooks) == 1  # the skip side has one: quantized
 
 
 def test_presets_size_each_phase_in_epochs_of_the_training_set():

@@ -16,7 +16,8 @@ ort = pytest.importorskip("onnxruntime")
 
 
 def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = "sst2", name: str = "ckpt",
-                               tensorrt_qat: bool = False, biases: bool = False, hidden_act: str = "") -> Path:
+                               tensorrt_qat: bool = False, biases: bool = False, hidden_act: str = "",
+                               classifier_gain: float = 1.0) -> Path:
     """Tiny random BERT: encoder Linears projected to 2:4 + INT8 grid, input ranges calibrated, saved."""
     from transformers import AutoModelForSequenceClassification
 
@@ -47,7 +48,11 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
     if tensorrt_qat:  # what TensorRT QAT stores (scaled, so the test can tell them from export calibration)
         from holoserve.compress.quant import calibrate_tensorrt_amax
 
-        amax.update({k: v * 0.75 for k, v in calibrate_tensorrt_amax(model, names, batches).items()})
+        extra, _sqnr = calibrate_tensorrt_amax(model, names, batches)
+        amax.update({k: v * 0.75 for k, v in extra.items()})
+    if classifier_gain != 1.0:  # a random tiny model's logits are ~0.01: scale them so numerics show
+        with torch.no_grad():
+            model.classifier.weight.mul_(classifier_gain)
     save_checkpoint(model, src, root / name, task=task, base_model="tiny-random-bert", max_seq_length=32,
                     sparse_layers=names, weight_scales=scales, act_amax=amax)
     return root / name
@@ -413,23 +418,22 @@ def test_eval_onnx_without_export_says_how_to_make_one(tmp_path):
 
 
 def test_tensorrt_placement_uses_the_ranges_trained_in_qat(tmp_path):
-    """Q/K/V and residual-Add inputs get the checkpoint's QAT ranges; only the softmax is calibrated here.
-    (tensorrt_residuals="int8": the test's ranges are shrunk so it can tell them from calibrated ones, and
-    the clipping that makes would send some residual inputs to float under "auto".)"""
+    """Q/K/V, softmax and residual-Add inputs get the checkpoint's QAT ranges; nothing is calibrated here.
+    (The test's ranges are shrunk so it can tell them from calibrated ones.)"""
     from onnx import numpy_helper
 
     from holoserve.export.onnx_export import export_checkpoint
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=2, tensorrt_qat=True)
     res = export_checkpoint(ckpt, ["tensorrt"], progress=False, tensorrt_residuals="int8")
-    # per layer: residual Adds 2 x 2 inputs, attention MatMuls Q, K, V (trained) + softmax (calibrated)
-    assert res.report["tensorrt_extra_ranges"] == {"from_checkpoint_qat": 14, "calibrated_here": 2}
+    # per layer: residual Adds 2 x 2 inputs, attention MatMuls Q, K, V + softmax, all trained
+    assert res.report["tensorrt_extra_ranges"] == {"from_checkpoint_qat": 16, "calibrated_here": 0}
     amax = load_artifact(ckpt).activation_amax()
     m = onnx.load(str(ckpt / "model.trt.onnx"))
     inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
     q_scales = sorted({float(inits[n.input[1]]) for n in m.graph.node if n.op_type == "QuantizeLinear"})
-    trained = [k for k in amax if k.endswith((".residual", ".output"))]
-    assert len(trained) == 14
+    trained = [k for k in amax if k.endswith((".residual", ".output", ".softmax"))]
+    assert len(trained) == 16
     for k in trained:  # every trained range is the scale of some Q/DQ pair in the graph
         assert np.isclose(q_scales, amax[k] / 127, rtol=1e-6).any(), k
 
@@ -441,8 +445,8 @@ def test_tensorrt_placement_can_leave_the_residual_adds_in_float(tmp_path):
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=2, tensorrt_qat=True)
     res = export_checkpoint(ckpt, ["tensorrt"], progress=False, tensorrt_residuals="float")
-    # per layer: Q, K, V (trained) + softmax (calibrated); no residual-Add inputs
-    assert res.report["tensorrt_extra_ranges"] == {"from_checkpoint_qat": 6, "calibrated_here": 2}
+    # per layer: Q, K, V + softmax (trained); no residual-Add inputs
+    assert res.report["tensorrt_extra_ranges"] == {"from_checkpoint_qat": 8, "calibrated_here": 0}
     m = onnx.load(str(ckpt / "model.trt.onnx"))
     prod = {o: x for x in m.graph.node for o in x.output}
     mm = [x for x in m.graph.node if x.op_type == "MatMul"]  # 2 x 6 Linears + 2 x 2 attention MatMuls
@@ -453,6 +457,37 @@ def test_tensorrt_placement_can_leave_the_residual_adds_in_float(tmp_path):
     entry = load_artifact(ckpt).export("tensorrt-onnx")
     assert "0 of 8 residual Add inputs" in entry.activations
     assert entry.residual_adds["mode"] == "float" and len(entry.residual_adds["float"]) == 8
+
+
+def test_tensorrt_qat_numerics_are_what_model_trt_onnx_computes(tmp_path):
+    """QAT trains what the TensorRT placement deploys: PyTorch with the checkpoint's TensorRT-QAT quantizers
+    and ONNX Runtime on model.trt.onnx give the same logits, padded rows included, while `holoserve eval`'s
+    numerics (Linear inputs only) are far off; "auto" follows what QAT left in float, and the export's
+    check reports the comparison."""
+    from holoserve.export.onnx_export import export_checkpoint, load_torch_model, reference_logits
+    from holoserve.export.verify import ort_logits, ort_session
+
+    ckpt = make_calibrated_checkpoint(tmp_path, layers=2, tensorrt_qat=True, classifier_gain=300.0)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    amax = manifest["quantization"]["activations"]["amax"]
+    del amax[next(k for k in amax if k.endswith("layer.1.output.dense.output"))]  # as if its SQNR were low
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    res = export_checkpoint(ckpt, ["tensorrt"], progress=False)
+    rec = load_artifact(ckpt).export("tensorrt-onnx").residual_adds
+    assert rec["chosen_by"] == "checkpoint's TensorRT QAT" and len(rec["float"]) == 1 and rec["int8"] == 7
+    assert res.report["tensorrt_extra_ranges"] == {"from_checkpoint_qat": 15, "calibrated_here": 0}
+    v = res.report["verification"]["tensorrt"]
+    assert v["parity_vs_pytorch_tensorrt_qat"]["max_abs_diff"] < 1e-3
+
+    art = load_artifact(ckpt)
+    model = load_torch_model(art)
+    b = _feeds(model.config.vocab_size, 6, 12)
+    b["attention_mask"][3:, 8:] = 0
+    got = ort_logits(ort_session(ckpt / "model.trt.onnx"), [b])
+    trained = reference_logits(model, art, [b], tensorrt=True)
+    plain = reference_logits(model, art, [b])
+    assert np.abs(got - trained).max() < 1e-4
+    assert np.abs(got - plain).max() > 1e-2 > 100 * np.abs(got - trained).max()
 
 
 def _residual_qdq(path: Path) -> tuple[int, set[str]]:
