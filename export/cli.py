@@ -8,6 +8,7 @@ import argparse
 import json
 
 from holoserve.cli_options import add_data_arguments, advanced
+from holoserve.core.choices import OPENVINO_PRECISIONS
 
 TARGETS = ("onnxruntime", "tensorrt", "openvino", "all")
 
@@ -42,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "INT8 SQNR on the calibration rows is >= 20 dB (on MiniLM all but 2-6 of the six FFN outputs, "
                           "whose GEMMs then write float); int8: all (every GEMM INT8-out; SST-2 85.09 vs 86.70); "
                           "float: none")
-    adv.add_argument("--openvino-precision", choices=("auto", "f32", "bf16", "f16"), default="auto",
+    adv.add_argument("--openvino-precision", choices=OPENVINO_PRECISIONS, default="auto",
                      help="openvino target: the precision its check runs OpenVINO's float ops at; auto (default) is "
                           "OpenVINO's CPU default, bf16 on CPUs with bf16 units (~2%% of predictions differ from "
                           "`holoserve eval`), f32 the checkpoint's numerics. Serve with the same "

@@ -21,14 +21,14 @@ import numpy as np
 
 from holoserve import HoloServeError
 from holoserve.core.artifact import Artifact
+from holoserve.core.choices import OPENVINO_PRECISIONS
 from holoserve.core.manifest import OPENVINO
 
 from .base import BackendUnavailable
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 SPARSE_RATE = 0.5  # every 2:4 weight is at least half zeros
-# INFERENCE_PRECISION_HINT values; "auto" leaves OpenVINO's own default for the CPU (bf16 where it has bf16 units)
-PRECISIONS = ("auto", "f32", "bf16", "f16")
+PRECISIONS = OPENVINO_PRECISIONS  # INFERENCE_PRECISION_HINT values (holoserve.core.choices)
 
 
 def cpu_has_amx() -> bool:

@@ -6,10 +6,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import HoloServeError
+from ..core.choices import OPENVINO_PRECISIONS
 from ..core.settings import field_types, parse_setting
 
 TOKEN_ENV = "HOLOSERVE_API_TOKEN"
-OPENVINO_PRECISIONS = ("auto", "f32", "bf16", "f16")  # holoserve.backends.openvino.PRECISIONS (not imported: light)
 
 
 @dataclass

@@ -1,0 +1,10 @@
+"""Fixed sets of values that CLI flags, the server's settings and the backends share.
+
+Import-light on purpose (no numpy, pydantic or runtime libraries): `holoserve serve --help`, the server
+config and `holoserve export`'s argument parser read these without loading a backend.
+"""
+from __future__ import annotations
+
+# OpenVINO's INFERENCE_PRECISION_HINT for the float ops of model.ov.onnx: "auto" keeps the CPU plugin's
+# default (bf16 where the CPU has bf16 units), "f32" the checkpoint's numerics.
+OPENVINO_PRECISIONS = ("auto", "f32", "bf16", "f16")
