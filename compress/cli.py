@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "magnitude: one-shot magnitude 2:4 + masked fine-tune with distillation, then post-training "
                         "INT8; ptq: post-training INT8 of --model")
     p.add_argument("--no-quant", action="store_true", help="sparsity only: keep fp32 weights (no INT8)")
+    p.add_argument("--tensorrt-qat", action="store_true",
+                   help="for TensorRT deployment: QAT also trains the extra tensors model.trt.onnx quantizes (Q/K/V, "
+                        "softmax, residual inputs with INT8 SQNR >= 20 dB), so the engine computes what was trained "
+                        "(same as --set tensorrt_qat=true)")
     adv.add_argument("--max-steps", type=int, help="cap the optimizer steps of every training phase")
     adv.add_argument("--train-limit", type=int, help="use only the first N training rows")
     adv.add_argument("--dev-limit", type=int, help="evaluate on the first N dev rows only (for smoke tests)")
@@ -68,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         method=args.method, quant=not args.no_quant, max_steps=args.max_steps, train_limit=args.train_limit,
         dev_limit=args.dev_limit, seed=args.seed, teacher=args.teacher, state_dir=args.state_dir,
         overwrite=args.overwrite, restart=args.restart, progress=not args.no_progress,
-        overrides=tuple(args.overrides), device=args.device, data=data_options(args), metric=args.metric,
+        overrides=tuple(args.overrides) + (("tensorrt_qat=true",) if args.tensorrt_qat else ()),
+        device=args.device, data=data_options(args), metric=args.metric,
     )
     art = compress(job)
     m = art.manifest.metrics

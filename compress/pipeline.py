@@ -184,6 +184,10 @@ class Runner:
         self.preset: Preset = apply_overrides(get_preset(job.preset), list(job.overrides))
         self.method = get_method(job.method)
         job.validate()
+        if self.preset.tensorrt_qat and (not job.quant or job.method not in ("oneshot", "admm")):
+            raise HoloServeError(f"tensorrt_qat trains the TensorRT placement's quantizers during QAT, which --method "
+                                 f"{job.method}{' --no-quant' if not job.quant else ''} does not run: use --method "
+                                 "oneshot or admm with INT8, or leave tensorrt_qat off")
         self.out = Path(job.out)
         self.state = Path(job.state_dir) if job.state_dir else self.out.with_name(self.out.name + ".state")
         if job.restart and self.state.exists():

@@ -47,7 +47,7 @@ def test_tensorrt_qat_stores_the_extra_ranges(env):
     whose INT8 SQNR clears the floor; the manifest carries their ranges for the TensorRT export, each
     residual input's SQNR, and the dev metric with those quantizers on."""
     out = env["root"] / "admm-trt"
-    assert compress(env, out, "--set", "tensorrt_qat=true") == 0
+    assert compress(env, out, "--tensorrt-qat") == 0
     check_saved_checkpoint(out)
     m = json.loads((out / "manifest.json").read_text())
     amax, layers = m["quantization"]["activations"]["amax"], m["sparsity"]["layers"]
@@ -62,6 +62,15 @@ def test_tensorrt_qat_stores_the_extra_ranges(env):
     assert sorted(amax) == sorted([f"{n}.input" for n in layers] + extra)
     assert m["training"]["preset_config"]["tensorrt_qat"] is True
     assert set(m["metrics"]["compressed_tensorrt"]) == set(m["metrics"]["compressed"])
+
+
+def test_tensorrt_qat_without_qat_is_refused(env, capsys):
+    """--tensorrt-qat with a method that runs no QAT would silently train nothing: a clear error instead."""
+    for extra in (("--method", "magnitude"), ("--no-quant",)):
+        assert compress(env, env["root"] / "never", "--tensorrt-qat", *extra) == 2
+        err = capsys.readouterr().err
+        assert "tensorrt_qat" in err and "--method oneshot or admm" in err
+    assert not (env["root"] / "never").exists()
 
 
 def test_admm_checkpoint_is_2to4_and_int8_on_disk(admm_ckpt):
