@@ -283,8 +283,14 @@ def calibrate_tensorrt_amax(model: nn.Module, layers: Iterable[str],
     real (non-padding) tokens with that range, is measured in a second pass; the ranges returned leave
     out the residual inputs under RESIDUAL_MIN_SQNR_DB, which then stay float in QAT and in the export.
     """
+    from holoserve import HoloServeError
+
     batches = list(batches)
     sites = tensorrt_sites(model, layers)
+    if not sites.attention:
+        raise HoloServeError(f"tensorrt_qat: no BERT-style self-attention (…attention.self.query/key/value) among the "
+                             f"encoder Linears of this {type(model).__name__}; TensorRT QAT supports BERT, RoBERTa, "
+                             "XLM-R and ELECTRA encoders: leave it off for this model")
     seen: dict[str, float] = {}
     sums: dict[str, list[float]] = {}
     keep: list[torch.Tensor | None] = [None]  # the current batch's attention mask as bool, if any
@@ -315,6 +321,11 @@ def calibrate_tensorrt_amax(model: nn.Module, layers: Iterable[str],
             _observe(model, _with_mask(batches, keep, model), handles)
 
     observe(residual_only=False)
+    unseen = [a for a in sites.attention if softmax_key(a) not in seen]
+    if unseen:
+        raise HoloServeError(f"tensorrt_qat: the attention of {type(model).__name__} does not run through transformers' "
+                             f"attention interface, so its softmax cannot be quantized in QAT ({unseen[0]}); "
+                             "leave tensorrt_qat off for this model")
     measure[0] = True
     observe(residual_only=True)
     sqnr = {k: sqnr_db(*sums[k]) for k in sites.residual_keys()}

@@ -217,6 +217,21 @@ def test_tensorrt_calibration_leaves_low_sqnr_residual_inputs_float(setup, monke
         assert len(model.get_submodule(block)._forward_pre_hooks) == 1  # the skip side has one: quantized
 
 
+def test_tensorrt_calibration_refuses_models_it_cannot_quantize(setup):
+    """No BERT-style attention among the layers (DistilBERT's q_lin, MPNet's attn.q): a clear error, not a
+    QAT that silently trains without the placement's quantizers."""
+    from holoserve import HoloServeError
+    from holoserve.compress.quant import calibrate_tensorrt_amax
+
+    model_dir, data = setup
+    model, layers, _ = _projected(model_dir)
+    batch = next(train_batches(data, 4, seed=0))
+    batch.pop("labels")
+    ffn = [n for n in layers if n.endswith(("intermediate.dense", "output.dense"))]
+    with pytest.raises(HoloServeError, match="no BERT-style self-attention.*leave it off"):
+        calibrate_tensorrt_amax(model, ffn, [batch])
+
+
 def test_presets_size_each_phase_in_epochs_of_the_training_set():
     """A preset's budget is epochs, capped: quick on MRPC-sized data runs whole epochs, on SST-2-sized
     data the caps bind; an exact --set PHASE.steps wins over epochs; bad budgets get a clear error."""
