@@ -113,7 +113,8 @@ class _FromTeacher:
                    "dense": dense_metrics, "compressed": compressed, **extra}
         if amax and p.tensorrt_qat:  # what model.trt.onnx computes (the export checks it against these numerics)
             metrics["compressed_tensorrt"] = run.dev_metrics(student, amax, layers, tensorrt=True)
-            log.info("[result] with the TensorRT placement's extra quantizers: %s", _fmt(metrics["compressed_tensorrt"]))
+            log.info("[result] with the TensorRT placement's extra quantizers: %s",
+                     _fmt(metrics["compressed_tensorrt"]))
         return Outcome(student, layers, scales, amax, metrics, sparse_layers=layers,
                        distillation=self.distills and p.distill.enabled)
 

@@ -326,9 +326,10 @@ class ExportOptions:
                      none; "auto" (default): each input whose per-tensor INT8 SQNR on the calibration rows is
                      at least qdq.RESIDUAL_MIN_SQNR_DB (on MiniLM: all but 2-6 of the six FFN-output sides,
                      whose GEMMs then write float); for a checkpoint made with TensorRT QAT, exactly the
-                     inputs QAT quantized (it applies the same floor at its calibration). SST-2 quick checkpoint, 86.70: int8 85.09, auto 87.27,
-                     float 86.70 (docs/results/2026-11-24-tensorrt-placement.md); whether TensorRT still
-                     picks sparse INT8 tactics for a GEMM that writes float is unmeasured
+                     inputs QAT quantized (it applies the same floor at its calibration). SST-2 quick
+                     checkpoint, 86.70: int8 85.09, auto 87.27, float 86.70
+                     (docs/results/2026-11-24-tensorrt-placement.md); whether TensorRT still picks sparse
+                     INT8 tactics for a GEMM that writes float is unmeasured
     openvino_precision: the precision the openvino target's check runs OpenVINO's float ops at
                      (holoserve.backends.openvino.PRECISIONS; "auto" = OpenVINO's CPU default, bf16 where the
                      CPU has bf16 units; "f32" = the checkpoint's numerics); serve with the same setting
@@ -503,7 +504,8 @@ class _Export:
             elif mode == "auto" and qat:  # what QAT trained: it left the inputs it stored no range for in float
                 float_res = [t for t in residual if t not in trained]
             else:
-                float_res = [t for t in residual if mode == "auto" and sqnr.get(t, SQNR_CAP_DB) < qdq.RESIDUAL_MIN_SQNR_DB]
+                float_res = [t for t in residual
+                             if mode == "auto" and sqnr.get(t, SQNR_CAP_DB) < qdq.RESIDUAL_MIN_SQNR_DB]
             extra = {t: v for t, v in extra.items() if t not in float_res}
             # the placement is exactly what QAT trained: the export can check it against those numerics
             self.trt_as_trained = qat and mode == "auto" and all(t in trained for t in extra)

@@ -27,14 +27,15 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from holoserve.core.artifact import act_key, output_key, residual_key, softmax_key
-from holoserve.core.numerics import (RESIDUAL_MIN_SQNR_DB, UINT8_ZERO_POINT, WEIGHT_QMAX,  # noqa: F401 (floor: re-exported)
-                                     activation_scale, grid_codes, int8_error, round_codes)
+from holoserve.core.numerics import RESIDUAL_MIN_SQNR_DB, int8_error  # noqa: F401 (re-exported for the export)
+from holoserve.core.numerics import UINT8_ZERO_POINT, WEIGHT_QMAX, activation_scale, grid_codes, round_codes
 
 PLACEMENTS = ("onnxruntime", "tensorrt")
 
 # The TensorRT placement's residual-Add inputs: "int8" quantizes all of them, "float" none, "auto" (the
 # default) each one whose per-tensor INT8 Q/DQ keeps at least RESIDUAL_MIN_SQNR_DB (holoserve.core.numerics)
-# of signal-to-noise on the calibration rows, or, for a checkpoint made with TensorRT QAT, those QAT trained. On MiniLM (SST-2) the six FFN-output sides measure 16.1-19.0 dB (ranges of 27-122
+# of signal-to-noise on the calibration rows, or, for a checkpoint made with TensorRT QAT, those QAT trained.
+# On MiniLM (SST-2) the six FFN-output sides measure 16.1-19.0 dB (ranges of 27-122
 # against an RMS of 0.5-1.7: one scale rounds 31-89 % of their values to zero) and every other
 # residual input 21.0-35.7 dB; sparing those six scored SST-2 87.27 against 85.09 with all 24 in INT8 and
 # 86.70 for the checkpoint (docs/results/2026-11-24-tensorrt-placement.md).
