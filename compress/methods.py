@@ -92,6 +92,7 @@ class _FromTeacher:
 
     name = ""
     distills = False
+    qat = False  # ends with QAT (_project_and_finetune), so preset tensorrt_qat can train the TensorRT placement
 
     def run(self, run: "Runner") -> Outcome:
         job, p = run.job, run.preset
@@ -125,6 +126,7 @@ class _FromTeacher:
 @register("admm")
 class AdmmMethod(_FromTeacher):
     distills = True
+    qat = True
 
     def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
         job, p = run.job, run.preset
@@ -135,7 +137,7 @@ class AdmmMethod(_FromTeacher):
                         importance=run.mask_importance(student, layers))
             ctx = None
             if p.admm_cfg.act_quant and job.quant:  # INT8 activations in the same constraint (ranges: teacher's)
-                amax = run.calibrate(student, layers)
+                amax = run.calibrate(student, layers, tensorrt=False)  # the TensorRT ranges come after projection
                 ctx = lambda: input_quantizers(student, amax, layers)  # noqa: E731
             res = train_phase("admm", student, p.admm, run.train, p, job.seed + 1, run.state, regression=reg,
                               teacher=teacher, distill=p.distill, admm=admm, context=ctx, progress=job.progress,
@@ -199,6 +201,7 @@ class OneShotMethod(_FromTeacher):
     distillation for every step ADMM + QAT would spend, so the two compare at the same budget."""
 
     distills = True
+    qat = True
 
     def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
         p = run.preset
@@ -248,6 +251,7 @@ class PtqMethod:
     """Post-training INT8 of an existing model (a HoloServe checkpoint or a fine-tuned HF folder)."""
 
     name = "ptq"
+    qat = False
 
     def run(self, run: "Runner") -> Outcome:
         job = run.job

@@ -184,7 +184,7 @@ class Runner:
         self.preset: Preset = apply_overrides(get_preset(job.preset), list(job.overrides))
         self.method = get_method(job.method)
         job.validate()
-        if self.preset.tensorrt_qat and (not job.quant or job.method not in ("oneshot", "admm")):
+        if self.preset.tensorrt_qat and not (job.quant and self.method.qat):
             raise HoloServeError(f"tensorrt_qat trains the TensorRT placement's quantizers during QAT, which --method "
                                  f"{job.method}{' --no-quant' if not job.quant else ''} does not run: use --method "
                                  "oneshot or admm with INT8, or leave tensorrt_qat off")
@@ -380,11 +380,13 @@ class Runner:
             return norms if power == 1 else {k: v.pow(power) for k, v in norms.items()}
         raise HoloServeError(f"mask_metric={metric!r}: choose magnitude or activation")
 
-    def calibrate(self, model: nn.Module, layers) -> dict[str, float]:
+    def calibrate(self, model: nn.Module, layers, tensorrt: bool = True) -> dict[str, float]:
+        """Activation ranges of the Linear inputs; with preset tensorrt_qat (unless `tensorrt` is False), also
+        those of the TensorRT placement's extra quantizers."""
         p = self.preset
         batches = self.calibration_batches()
         amax = calibrate_amax(model, layers, batches, percentile=p.calib_percentile)
-        if p.tensorrt_qat:  # ranges for the TensorRT placement's extra quantizers, seen through the INT8 GEMMs
+        if p.tensorrt_qat and tensorrt:  # the TensorRT placement's extra quantizers, seen through the INT8 GEMMs
             with input_quantizers(model, amax, layers):
                 extra, sqnr = calibrate_tensorrt_amax(model, layers, batches)
             low = sorted(k for k in sqnr if k not in extra)

@@ -9,7 +9,8 @@ import os
 from dataclasses import fields
 
 from . import HoloServeError
-from .server.config import OPENVINO_PRECISIONS, TOKEN_ENV, ServerConfig, env_name
+from .core.choices import OPENVINO_PRECISIONS
+from .server.config import TOKEN_ENV, ServerConfig, env_name
 
 BACKENDS = ("auto", "onnxruntime", "openvino", "tensorrt", "torch-cuda", "torch")
 CHOICES = {"backend": BACKENDS, "openvino_precision": OPENVINO_PRECISIONS}  # fields with a fixed set of values
