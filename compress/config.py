@@ -73,8 +73,14 @@ class Preset:
     # with power 0.5, has the best mean of the three over SST-2/STS-B/MRPC/CoLA x 3 seeds (one-shot + QAT,
     # quick budget): power 1 wins STS-B but loses CoLA by 2.9 MCC to magnitude, 0.5 wins CoLA and SST-2
     # (docs/results/2026-11-24-activation-aware-masks.md).
+    #   "saliency"    SparseGPT's w_ij^2 / [H^-1]_jj^2, chosen inside the OBS projection (projection="obs" only)
     mask_metric: str = "activation"
     mask_activation_power: float = 0.5
+    # How the one-shot projection (and ADMM's final one) treats the weights it keeps:
+    #   "nearest"  keep them as they are: the Frobenius-nearest point of 2:4 (then the INT8 grid)
+    #   "obs"      update them by optimal-brain-surgeon steps on the calibration batches' input Hessians so
+    #              each layer's output moves as little as it can (SparseGPT's sequential pass), then the grid
+    projection: str = "nearest"
     calib_batches: int = 16  # training batches used to calibrate activation ranges
     calib_percentile: float | None = 99.99  # None = plain max
     # The word-embedding table (30k x hidden) dominates the optimizer's memory traffic on CPU and is

@@ -162,12 +162,12 @@ def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module,
     fine-tune without INT8) with distillation for `cfg`'s steps. Returns (scales, amax, extra metrics)."""
     job, p = run.job, run.preset
     reg = run.task.is_regression
-    masks = hard_masks(student, layers, importance=run.mask_importance(student, layers))
+    masks = run.project_masks(student, layers)
     finalize(student, masks, quant=job.quant)
     if job.quant:
         run.quantize_embeddings(student)
     projected = run.dev_metrics(student)
-    log.info("[project] hard 2:4%s projection: dev %s | 2:4=%.1f%%", " ∩ INT8" if job.quant else "",
+    log.info("[project] hard 2:4%s projection (%s): dev %s | 2:4=%.1f%%", " ∩ INT8" if job.quant else "", p.projection,
              _fmt(projected), nm_share(student, layers) * 100)
     amax = run.calibrate(student, layers) if job.quant else None
     name = "qat" if job.quant else "masked"

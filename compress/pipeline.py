@@ -39,7 +39,7 @@ from .evaluate import evaluate
 from .layers import encoder_linear_names
 from .methods import Outcome, get_method
 from .quant import calibrate_amax, calibrate_tensorrt_amax, input_channel_norms, input_quantizers
-from .sparsify import nm_share, quantize_embeddings
+from .sparsify import hard_masks, nm_share, obs_masks, quantize_embeddings
 from .state import load_state, save_state
 from .trainer import train_phase
 
@@ -378,7 +378,27 @@ class Runner:
             log.info("[mask] activation-aware 2:4 masks: |w| x input-channel norm%s over %d calibration batches",
                      "" if power == 1 else f" ^ {power:g}", self.preset.calib_batches)
             return norms if power == 1 else {k: v.pow(power) for k, v in norms.items()}
-        raise HoloServeError(f"mask_metric={metric!r}: choose magnitude or activation")
+        if metric == "saliency":
+            raise HoloServeError("mask_metric=saliency is SparseGPT's score, known only inside the one-time OBS "
+                                 "projection: use it with --method oneshot and --set projection=obs, or choose "
+                                 "mask_metric=activation or magnitude")
+        raise HoloServeError(f"mask_metric={metric!r}: choose activation, magnitude or saliency (projection=obs only)")
+
+    def project_masks(self, model: nn.Module, layers) -> dict[str, torch.Tensor]:
+        """The hard projection's 2:4 masks (preset mask_metric); with preset projection="obs" the kept weights
+        are also updated in place to compensate for the pruned ones (compress.sparsify.obs_masks)."""
+        p = self.preset
+        if p.projection == "nearest":
+            return hard_masks(model, layers, importance=self.mask_importance(model, layers))
+        if p.projection != "obs":
+            raise HoloServeError(f"projection={p.projection!r}: choose nearest or obs")
+        importance = None if p.mask_metric == "saliency" else self.mask_importance(model, layers)
+        t0 = time.monotonic()
+        masks = obs_masks(model, layers, self.calibration_batches(), importance=importance)
+        log.info("[project] OBS 2:4 projection (masks by %s) over %d calibration batches: %.0fs",
+                 "SparseGPT saliency" if importance is None else p.mask_metric, p.calib_batches,
+                 time.monotonic() - t0)
+        return masks
 
     def calibrate(self, model: nn.Module, layers, tensorrt: bool = True) -> dict[str, float]:
         """Activation ranges of the Linear inputs; with preset tensorrt_qat (unless `tensorrt` is False), also

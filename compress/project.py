@@ -79,3 +79,51 @@ def project(
     if scales is None:
         scales = channel_scales(kept)
     return Projection(to_grid(kept, scales), mask, scales)
+
+
+def obs_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *, mask: torch.Tensor | None = None,
+              damp: float = 0.01, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """N:M pruning with optimal-brain-surgeon updates of the kept weights (SparseGPT, Frantar & Alistarh 2023).
+
+    `hessian` is X^T X of the layer's inputs ([in, in], any positive scale). Input columns are pruned left
+    to right; each pruned weight's error on the layer output, measured by the Hessian, is moved onto the
+    columns not yet processed, so the pruned layer's output stays as close as it can to the dense one's on
+    those inputs. The group mask is the given `mask` (compensation only) or, without one, chosen as each
+    group is reached by SparseGPT's saliency w_ij^2 / [H^-1]_jj^2 on the updated weights.
+    `damp` × mean(diag H) is added to the diagonal. Returns (pruned weight in w's dtype, bool mask).
+    """
+    if w.dim() != 2:
+        raise ValueError(f"N:M masks need a 2-D weight, got shape {tuple(w.shape)}")
+    out_f, in_f = w.shape
+    if in_f % m:
+        raise ValueError(f"input dimension {in_f} is not a multiple of {m}; this layer cannot be {n}:{m} sparse")
+    if hessian.shape != (in_f, in_f):
+        raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({in_f}, {in_f})")
+    if mask is not None and mask.shape != w.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(w.shape)}")
+    block = max(m, block - block % m)
+    W = w.detach().double().clone()
+    H = hessian.detach().double().clone()
+    diag = H.diagonal()
+    diag[diag <= 0] = 1.0  # an input never seen in the samples: no error to compensate through it
+    diag += damp * float(diag.mean())
+    # the upper Cholesky factor of H^-1: row j holds how column j's error spreads over columns j..in
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    keep = mask.detach().to(torch.bool).clone() if mask is not None else torch.zeros(out_f, in_f, dtype=torch.bool)
+    for b0 in range(0, in_f, block):
+        b1 = min(b0 + block, in_f)
+        Wb = W[:, b0:b1]  # a view: updates land in W
+        Ub = U[b0:b1, b0:b1]
+        err = torch.zeros_like(Wb)
+        for j in range(b1 - b0):
+            if mask is None and j % m == 0:
+                d = Ub.diagonal()[j:j + m]
+                top = (Wb[:, j:j + m] ** 2 / d ** 2).topk(n, dim=1).indices
+                keep[:, b0 + j:b0 + j + m].scatter_(1, top, True)
+            col = Wb[:, j].clone()
+            e = col * ~keep[:, b0 + j] / Ub[j, j]
+            Wb[:, j:] -= e.unsqueeze(1) * Ub[j, j:].unsqueeze(0)
+            err[:, j] = e
+        if b1 < in_f:
+            W[:, b1:] -= err @ U[b0:b1, b1:]
+    return (W * keep).to(w.dtype), keep

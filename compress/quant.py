@@ -126,10 +126,9 @@ def calibrate_amax(
 
 
 @torch.no_grad()
-def input_channel_norms(model: nn.Module, layers: Iterable[str], batches: Iterable[Mapping[str, torch.Tensor]]
-                        ) -> dict[str, torch.Tensor]:
-    """||x_j||_2 of each input channel j of the named Linears over the non-padding tokens of `batches`
-    (float32, on the CPU): the per-input weights of the activation-aware 2:4 mask (compress.project.nm_mask)."""
+def _input_sums(model: nn.Module, layers: Iterable[str], batches: Iterable[Mapping[str, torch.Tensor]], stat, what: str
+                ) -> dict[str, torch.Tensor]:
+    """sum over `batches` of stat(x) for each named Linear's input x [tokens, in] (non-padding tokens, float32)."""
     layers = list(layers)
     sums: dict[str, torch.Tensor] = {}
     keep: list[torch.Tensor | None] = [None]  # the current batch's attention mask [batch, seq] as bool, if any
@@ -138,16 +137,31 @@ def input_channel_norms(model: nn.Module, layers: Iterable[str], batches: Iterab
         def fn(_m, args):
             x = args[0].detach().float()
             x = x[keep[0]] if keep[0] is not None else x.reshape(-1, x.shape[-1])  # [tokens, in]
-            sq = (x * x).sum(0).cpu()
-            sums[name] = sums[name] + sq if name in sums else sq
+            s = stat(x).cpu()
+            sums[name] = sums[name] + s if name in sums else s
         return fn
 
     handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in layers]
     _observe(model, _with_mask(batches, keep, model), handles)
     missing = [n for n in layers if n not in sums]
     if missing:
-        raise ValueError(f"input norms saw no batches for {missing[:3]}")
-    return {n: sums[n].sqrt() for n in layers}
+        raise ValueError(f"{what} saw no batches for {missing[:3]}")
+    return sums
+
+
+def input_channel_norms(model: nn.Module, layers: Iterable[str], batches: Iterable[Mapping[str, torch.Tensor]]
+                        ) -> dict[str, torch.Tensor]:
+    """||x_j||_2 of each input channel j of the named Linears over the non-padding tokens of `batches`
+    (float32, on the CPU): the per-input weights of the activation-aware 2:4 mask (compress.project.nm_mask)."""
+    sums = _input_sums(model, layers, batches, lambda x: (x * x).sum(0), "input norms")
+    return {n: v.sqrt() for n, v in sums.items()}
+
+
+def input_hessians(model: nn.Module, layers: Iterable[str], batches: Iterable[Mapping[str, torch.Tensor]]
+                   ) -> dict[str, torch.Tensor]:
+    """X^T X [in, in] of each named Linear's inputs over the non-padding tokens of `batches` (float64, on
+    the CPU): the Hessian of the layer's squared output error, for compress.project.obs_prune."""
+    return _input_sums(model, layers, batches, lambda x: x.double().T @ x.double(), "input Hessians")
 
 
 # ------------------------------------------------------- the TensorRT placement's extra tensors

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .layers import encoder_linear_names, get_linear
-from .project import channel_scales, nm_mask, project, to_grid
-from .quant import fake_quant_weight
+from .layers import encoder_layer_stack, encoder_linear_names, get_linear
+from .project import channel_scales, nm_mask, obs_prune, project, to_grid
+from .quant import fake_quant_weight, input_hessians
 
 
 # --------------------------------------------------------------------------- frozen mask (+ fake quant)
@@ -40,6 +40,32 @@ def hard_masks(model: nn.Module, layers: list[str], n: int = 2, m: int = 4,
     """Each layer's N:M mask from its current weight (scored by |w|, or |w| * importance[layer])."""
     return {name: nm_mask(get_linear(model, name).weight.detach(), n, m, importance.get(name) if importance else None)
             for name in layers}
+
+
+@torch.no_grad()
+def obs_masks(model: nn.Module, layers: list[str], batches: list[Mapping[str, torch.Tensor]], n: int = 2, m: int = 4,
+              importance: Mapping[str, torch.Tensor] | None = None, damp: float = 0.01) -> dict[str, torch.Tensor]:
+    """Each layer's N:M mask, with the kept weights updated in place by optimal-brain-surgeon steps (obs_prune)
+    so each pruned layer's output stays close to the unpruned one's on `batches`.
+
+    Encoder layers are taken in order and each one's Linear inputs are measured after the layers before it
+    were pruned, so later layers also compensate for the earlier ones (SparseGPT's sequential pass). The masks
+    come from |w| * importance[layer] when `importance` is given, else from SparseGPT's saliency.
+    """
+    stack, _ = encoder_layer_stack(model)
+    blocks: dict[str, list[str]] = {}
+    for name in layers:
+        rest = name[len(stack) + 1:] if name.startswith(f"{stack}.") else name
+        blocks.setdefault(rest.split(".")[0], []).append(name)
+    masks: dict[str, torch.Tensor] = {}
+    for names in blocks.values():
+        hessians = input_hessians(model, names, batches)
+        for name in names:
+            lin = get_linear(model, name)
+            given = nm_mask(lin.weight.detach(), n, m, importance[name]) if importance else None
+            w, masks[name] = obs_prune(lin.weight.detach(), hessians[name], n, m, mask=given, damp=damp)
+            lin.weight.copy_(w)
+    return masks
 
 
 def attach_masks(model: nn.Module, masks: Mapping[str, torch.Tensor], quant: bool) -> None:

@@ -42,6 +42,13 @@ METHODS = {  # row key -> (label, extra CLI arguments); the order is the run ord
                             "--set", "mask_activation_power=0.5"]),
     "admm_act05_int8": ("ADMM 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5)",
                         ["--method", "admm", "--set", "mask_metric=activation", "--set", "mask_activation_power=0.5"]),
+    # the default recipe with the kept weights updated by OBS at the projection (SparseGPT's compensation),
+    # masks as in the default, or chosen by SparseGPT's saliency
+    "oneshot_act05_obs": ("one-shot 2:4 ∩ INT8 (OBS) + QAT, activation-aware mask (‖x‖^0.5)",
+                          ["--method", "oneshot", "--set", "mask_metric=activation",
+                           "--set", "mask_activation_power=0.5", "--set", "projection=obs"]),
+    "oneshot_obs_sal": ("one-shot 2:4 ∩ INT8 (OBS) + QAT, SparseGPT saliency mask",
+                        ["--method", "oneshot", "--set", "mask_metric=saliency", "--set", "projection=obs"]),
     # the default recipe with QAT also training the TensorRT placement's extra quantizers (for model.trt.onnx)
     "oneshot_act05_trtqat": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5), TensorRT QAT",
                              ["--method", "oneshot", "--set", "mask_metric=activation",
@@ -50,8 +57,10 @@ METHODS = {  # row key -> (label, extra CLI arguments); the order is the run ord
 PEER = "nncf_ptq"  # NNCF INT8 PTQ of the same teacher (dense weights)
 LABELS = {"dense": "dense teacher", PEER: "NNCF INT8 PTQ (dense W)", **{k: v[0] for k, v in METHODS.items()}}
 COLUMNS = ("dense", PEER, "magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "admm_sparse",
-           "admm_int8", "admm_act_int8", "admm_act05_int8", "oneshot_act05_trtqat")
-BASELINES = ("magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8")  # the 2:4 ∩ INT8 recipes ADMM has to beat
+           "admm_int8", "admm_act_int8", "admm_act05_int8", "oneshot_act05_obs", "oneshot_obs_sal",
+           "oneshot_act05_trtqat")
+BASELINES = ("magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "oneshot_act05_obs",
+             "oneshot_obs_sal")  # the 2:4 ∩ INT8 recipes ADMM has to beat
 ADMM_ROWS = ("admm_int8", "admm_act_int8", "admm_act05_int8")
 
 

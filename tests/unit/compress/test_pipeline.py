@@ -299,4 +299,47 @@ def test_negative_mask_activation_power_is_refused(admm_ckpt, env, capsys):
 def test_unknown_mask_metric_is_refused(admm_ckpt, env, capsys):
     teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
     assert compress(env, env["root"] / "bad-metric", "--teacher", str(teacher), "--set", "mask_metric=wanda") != 0
-    assert "mask_metric='wanda': choose magnitude or activation" in capsys.readouterr().err
+    assert "mask_metric='wanda': choose activation, magnitude or saliency" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("metric", ["activation", "saliency"])
+def test_obs_projection(admm_ckpt, env, caplog, metric):
+    """--set projection=obs: the one-shot projection updates the kept weights (SparseGPT's compensation), with
+    the default masks or SparseGPT's saliency ones; the checkpoint keeps the contract and records the choice."""
+    from safetensors.torch import load_file
+
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    out = env["root"] / f"obs-{metric}"
+    with caplog.at_level("INFO"):
+        assert compress(env, out, "--teacher", str(teacher), "--set", "projection=obs",
+                        "--set", f"mask_metric={metric}") == 0
+    check_saved_checkpoint(out)
+    assert f"OBS 2:4 projection (masks by {'SparseGPT saliency' if metric == 'saliency' else metric})" in caplog.text
+    assert "hard 2:4 ∩ INT8 projection (obs)" in caplog.text
+    cfg = json.loads((out / "manifest.json").read_text())["training"]["preset_config"]
+    assert cfg["projection"] == "obs" and cfg["mask_metric"] == metric
+    if metric == "activation":  # the default's masks (tests/unit/compress/test_qat.py), other weights
+        ref = env["root"] / "obs-ref"
+        assert compress(env, ref, "--teacher", str(teacher)) == 0
+        a, b = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+        layer = next(k for k in a if k.endswith("attention.self.query.weight"))
+        assert not torch.equal(a[layer], b[layer])
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["mask_metric=saliency"], "mask_metric=saliency is SparseGPT's score, known only inside the one-time OBS"),
+    (["projection=exact"], "projection='exact': choose nearest or obs"),
+])
+def test_bad_projection_settings_are_refused(admm_ckpt, env, capsys, sets, message):
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    assert compress(env, env["root"] / f"bad-projection-{len(message)}", "--teacher", str(teacher),
+                    *[a for x in sets for a in ("--set", x)]) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_admm_refuses_saliency_masks(admm_ckpt, env, capsys):
+    """ADMM's Z-steps need a mask score of their own; SparseGPT's exists only inside the OBS projection."""
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    assert compress(env, env["root"] / "bad-admm", "--method", "admm", "--teacher", str(teacher),
+                    "--set", "projection=obs", "--set", "mask_metric=saliency") != 0
+    assert "mask_metric=saliency is SparseGPT's score" in capsys.readouterr().err

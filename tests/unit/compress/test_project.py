@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from holoserve.compress.project import channel_scales, nm_mask, project, to_grid
+from holoserve.compress.project import channel_scales, nm_mask, obs_prune, project, to_grid
 from holoserve.core.numerics import grid_codes as np_codes, is_nm_sparse, round_codes
 
 
@@ -94,3 +94,59 @@ def test_importance_weighs_input_channels_in_the_mask(w):
     assert weighted(w - z) <= weighted(w - other)
     with pytest.raises(ValueError, match="one value per input"):
         nm_mask(w, importance=torch.ones(32))
+
+
+def _inputs(n_tokens=512, in_f=64, seed=1):
+    """Correlated inputs with channels of very different scales, as a transformer's are; `seed` draws the
+    samples, the distribution (mixing and channel scales) is fixed."""
+    g = torch.Generator().manual_seed(0)
+    mix = (torch.eye(in_f) + 0.3 * torch.randn(in_f, in_f, generator=g)) * torch.logspace(-1, 1, in_f)[
+        torch.randperm(in_f, generator=g)]
+    return torch.randn(n_tokens, in_f, generator=torch.Generator().manual_seed(seed)) @ mix
+
+
+def _output_error(w, z, x):
+    return float(((x @ (w - z).T) ** 2).sum())
+
+
+def test_obs_prune_compensates_the_pruned_weights_on_the_inputs(w):
+    """Same mask as the nearest projection, kept weights updated: a smaller output error on the inputs the
+    Hessian came from and on fresh inputs of the same distribution; the pattern is still exactly 2:4."""
+    x, fresh = _inputs(), _inputs(seed=2)
+    mask = nm_mask(w)
+    z, kept = obs_prune(w, x.T @ x, mask=mask)
+    assert torch.equal(kept, mask) and torch.equal(z != 0, mask) and is_nm_sparse(z.numpy())
+    nearest = w * mask
+    assert _output_error(w, z, x) < 0.9 * _output_error(w, nearest, x)
+    assert _output_error(w, z, fresh) < _output_error(w, nearest, fresh)
+    assert not torch.equal(z[mask], w[mask])  # the kept weights moved
+
+
+def test_obs_prune_saliency_mask_beats_magnitude_and_is_2to4(w):
+    """Without a mask, SparseGPT's saliency chooses each group's 2 as it is reached: exactly 2 of every 4, and
+    a smaller output error than compensating the magnitude mask."""
+    x = _inputs()
+    z, kept = obs_prune(w, x.T @ x)
+    assert (kept.reshape(24, 16, 4).sum(-1) == 2).all() and torch.equal(z != 0, kept)
+    z_mag, _ = obs_prune(w, x.T @ x, mask=nm_mask(w))
+    assert _output_error(w, z, x) < _output_error(w, z_mag, x)
+
+
+def test_obs_prune_with_uncorrelated_unit_inputs_is_the_nearest_projection(w):
+    """H = I: no input carries another's error, so the update is nothing and the mask is magnitude's."""
+    z, kept = obs_prune(w, torch.eye(64), damp=0.0)
+    assert torch.equal(kept, nm_mask(w))
+    torch.testing.assert_close(z, w * kept)
+
+
+def test_obs_prune_survives_dead_inputs_and_refuses_bad_shapes(w):
+    x = _inputs()
+    x[:, 5] = 0  # an input channel never active in the samples: a zero row/column in H
+    z, kept = obs_prune(w, x.T @ x)
+    assert torch.isfinite(z).all() and (kept.reshape(24, 16, 4).sum(-1) == 2).all()
+    with pytest.raises(ValueError, match="expected \\(64, 64\\)"):
+        obs_prune(w, torch.eye(32))
+    with pytest.raises(ValueError, match="mask has shape"):
+        obs_prune(w, torch.eye(64), mask=torch.ones(24, 32, dtype=torch.bool))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        obs_prune(torch.randn(4, 6), torch.eye(6))

@@ -276,3 +276,57 @@ def test_input_channel_norms_skip_padding(setup):
     torch.testing.assert_close(norms[name], rows.pow(2).sum(0).sqrt())
     with_pad = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen]).pow(2).sum(0).sqrt()
     assert not torch.allclose(norms[name], with_pad)
+
+
+def _dense(model_dir):
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), local_files_only=True)
+    return model.eval(), encoder_linear_names(model)
+
+
+def _calib(data, n=4):
+    return [{k: v for k, v in b.items() if k != "labels"} for _, b in zip(range(n), train_batches(data, 16, 0))]
+
+
+def test_input_hessians_are_xtx_over_the_non_padding_tokens(setup):
+    from holoserve.compress.quant import input_channel_norms, input_hessians
+
+    model_dir, data = setup
+    model, layers = _dense(model_dir)
+    batches = _calib(data, 2)
+    hess = input_hessians(model, layers[:2], batches)
+    norms = input_channel_norms(model, layers[:2], batches)
+    for name in layers[:2]:
+        assert hess[name].shape == (32, 32) and hess[name].dtype == torch.float64
+        torch.testing.assert_close(hess[name].diagonal().sqrt().float(), norms[name])  # diag(X^T X) = ||x_j||^2
+        assert torch.allclose(hess[name], hess[name].T)
+
+
+def test_obs_masks_keep_the_pruned_model_closer_to_the_dense_one(setup):
+    """The sequential OBS projection: exactly 2:4 in every encoder Linear, and with the same masks as the
+    nearest projection the pruned model's outputs on the calibration rows (and on other rows) stay closer
+    to the dense model's; SparseGPT's saliency masks too."""
+    from holoserve.compress.sparsify import obs_masks
+
+    model_dir, data = setup
+    dense, layers = _dense(model_dir)
+    calib, other = _calib(data), [b for _, b in zip(range(6), train_batches(data, 16, 5))][4:]
+    other = [{k: v for k, v in b.items() if k != "labels"} for b in other]
+
+    def gap(model, batches):
+        with torch.no_grad():
+            return sum(float(((model(**b, output_hidden_states=True).hidden_states[-1]
+                               - dense(**b, output_hidden_states=True).hidden_states[-1]) ** 2).sum())
+                       for b in batches)
+
+    near, _ = _dense(model_dir)
+    masks = hard_masks(near, layers)
+    finalize(near, masks, quant=False)
+    obs, _ = _dense(model_dir)
+    obs_m = obs_masks(obs, layers, calib, importance={n: torch.ones(get_linear(obs, n).in_features) for n in layers})
+    assert all(torch.equal(obs_m[n], masks[n]) for n in layers)  # uniform importance: the magnitude masks
+    assert nm_share(obs, layers) == 1.0 and all(torch.equal(get_linear(obs, n).weight != 0, obs_m[n]) for n in layers)
+    assert gap(obs, calib) < 0.5 * gap(near, calib)
+    assert gap(obs, other) < gap(near, other)
+    sal, _ = _dense(model_dir)
+    obs_masks(sal, layers, calib)
+    assert nm_share(sal, layers) == 1.0 and gap(sal, calib) < gap(near, calib)
