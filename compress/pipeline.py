@@ -123,6 +123,23 @@ def _load_hf(folder: Path, task: Task) -> nn.Module:
     return model
 
 
+def check_mask_settings(preset: Preset, method: str) -> None:
+    """Refuse mask/projection settings no phase can honour, before the teacher is trained."""
+    if preset.projection not in ("nearest", "obs"):
+        raise HoloServeError(f"projection={preset.projection!r}: choose nearest or obs")
+    if preset.mask_metric not in ("activation", "magnitude", "saliency"):
+        raise HoloServeError(f"mask_metric={preset.mask_metric!r}: choose activation, magnitude or saliency "
+                             "(projection=obs only)")
+    power = preset.mask_activation_power
+    if not (math.isfinite(power) and power >= 0):
+        raise HoloServeError(f"mask_activation_power={power}: use a number >= 0 (1 = |w| x ||x||, "
+                             "0.5 = |w| x sqrt(||x||), 0 = |w|)")
+    if preset.mask_metric == "saliency" and (preset.projection != "obs" or method == "admm"):
+        raise HoloServeError("mask_metric=saliency is SparseGPT's score, known only inside the one-time OBS "
+                             "projection: use it with --method oneshot and --set projection=obs, or choose "
+                             "mask_metric=activation or magnitude")
+
+
 def resolve_device(name: str) -> torch.device:
     """'auto' = CUDA when this machine has a GPU, else CPU; 'cuda' without one is a clear error."""
     if name not in ("auto", "cpu", "cuda"):
@@ -188,6 +205,7 @@ class Runner:
             raise HoloServeError(f"tensorrt_qat trains the TensorRT placement's quantizers during QAT, which --method "
                                  f"{job.method}{' --no-quant' if not job.quant else ''} does not run: use --method "
                                  "oneshot or admm with INT8, or leave tensorrt_qat off")
+        check_mask_settings(self.preset, job.method)
         self.out = Path(job.out)
         self.state = Path(job.state_dir) if job.state_dir else self.out.with_name(self.out.name + ".state")
         if job.restart and self.state.exists():
@@ -371,18 +389,11 @@ class Runner:
             return None
         if metric == "activation":
             power = self.preset.mask_activation_power
-            if not (math.isfinite(power) and power >= 0):
-                raise HoloServeError(f"mask_activation_power={power}: use a number >= 0 (1 = |w| x ||x||, "
-                                     "0.5 = |w| x sqrt(||x||), 0 = |w|)")
             norms = input_channel_norms(model, layers, self.calibration_batches())
             log.info("[mask] activation-aware 2:4 masks: |w| x input-channel norm%s over %d calibration batches",
                      "" if power == 1 else f" ^ {power:g}", self.preset.calib_batches)
             return norms if power == 1 else {k: v.pow(power) for k, v in norms.items()}
-        if metric == "saliency":
-            raise HoloServeError("mask_metric=saliency is SparseGPT's score, known only inside the one-time OBS "
-                                 "projection: use it with --method oneshot and --set projection=obs, or choose "
-                                 "mask_metric=activation or magnitude")
-        raise HoloServeError(f"mask_metric={metric!r}: choose activation, magnitude or saliency (projection=obs only)")
+        raise AssertionError(f"mask_metric={metric!r} outside a projection (refused by check_mask_settings)")
 
     def project_masks(self, model: nn.Module, layers) -> dict[str, torch.Tensor]:
         """The hard projection's 2:4 masks (preset mask_metric); with preset projection="obs" the kept weights
@@ -390,8 +401,6 @@ class Runner:
         p = self.preset
         if p.projection == "nearest":
             return hard_masks(model, layers, importance=self.mask_importance(model, layers))
-        if p.projection != "obs":
-            raise HoloServeError(f"projection={p.projection!r}: choose nearest or obs")
         importance = None if p.mask_metric == "saliency" else self.mask_importance(model, layers)
         t0 = time.monotonic()
         masks = obs_masks(model, layers, self.calibration_batches(), importance=importance)

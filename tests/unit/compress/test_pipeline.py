@@ -330,11 +330,12 @@ def test_obs_projection(admm_ckpt, env, caplog, metric):
     (["mask_metric=saliency"], "mask_metric=saliency is SparseGPT's score, known only inside the one-time OBS"),
     (["projection=exact"], "projection='exact': choose nearest or obs"),
 ])
-def test_bad_projection_settings_are_refused(admm_ckpt, env, capsys, sets, message):
-    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
-    assert compress(env, env["root"] / f"bad-projection-{len(message)}", "--teacher", str(teacher),
-                    *[a for x in sets for a in ("--set", x)]) != 0
+def test_bad_projection_settings_are_refused(env, capsys, sets, message):
+    """Refused before any work: no teacher is trained, no state is written."""
+    out = env["root"] / f"bad-projection-{len(message)}"
+    assert compress(env, out, *[a for x in sets for a in ("--set", x)]) != 0
     assert message in capsys.readouterr().err
+    assert not out.exists() and not out.with_name(out.name + ".state").exists()
 
 
 def test_admm_refuses_saliency_masks(admm_ckpt, env, capsys):
