@@ -403,10 +403,15 @@ class Runner:
             return hard_masks(model, layers, importance=self.mask_importance(model, layers))
         importance = None if p.mask_metric == "saliency" else self.mask_importance(model, layers)
         t0 = time.monotonic()
-        masks = obs_masks(model, layers, self.calibration_batches(), importance=importance)
-        log.info("[project] OBS 2:4 projection (masks by %s) over %d calibration batches: %.0fs",
+        masks, ratios = obs_masks(model, layers, self.calibration_batches(), importance=importance)
+        seconds = time.monotonic() - t0
+        r = sorted(ratios.values())
+        log.info("[project] OBS 2:4 projection (masks by %s) over %d calibration batches: each layer's output error "
+                 "%.2f (median; %.2f-%.2f) of keeping the kept weights as they are | %.0fs",
                  "SparseGPT saliency" if importance is None else p.mask_metric, p.calib_batches,
-                 time.monotonic() - t0)
+                 r[len(r) // 2], r[0], r[-1], seconds)
+        self.phases["projection"] = {"method": "obs", "seconds": round(seconds, 1),
+                                     "output_error_vs_nearest": {k: round(v, 4) for k, v in ratios.items()}}
         return masks
 
     def calibrate(self, model: nn.Module, layers, tensorrt: bool = True) -> dict[str, float]:

@@ -316,8 +316,10 @@ def test_obs_projection(admm_ckpt, env, caplog, metric):
     check_saved_checkpoint(out)
     assert f"OBS 2:4 projection (masks by {'SparseGPT saliency' if metric == 'saliency' else metric})" in caplog.text
     assert "hard 2:4 ∩ INT8 projection (obs)" in caplog.text
-    cfg = json.loads((out / "manifest.json").read_text())["training"]["preset_config"]
+    training = json.loads((out / "manifest.json").read_text())["training"]
+    cfg, proj = training["preset_config"], training["phases"]["projection"]
     assert cfg["projection"] == "obs" and cfg["mask_metric"] == metric
+    assert proj["method"] == "obs" and len(proj["output_error_vs_nearest"]) == 12
     if metric == "activation":  # the default's masks (tests/unit/compress/test_qat.py), other weights
         ref = env["root"] / "obs-ref"
         assert compress(env, ref, "--teacher", str(teacher)) == 0
