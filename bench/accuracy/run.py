@@ -26,22 +26,27 @@ from holoserve.core.artifact import read_manifest  # noqa: E402
 from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
 from holoserve.core.manifest import Manifest  # noqa: E402
 
+NEAREST = ["--set", "projection=nearest"]  # the rows measured before the OBS projection keep their own
 METHODS = {  # row key -> (label, extra CLI arguments); the order is the run order (the first trains the teacher)
-    "admm_int8": ("ADMM 2:4 ∩ INT8 + QAT", ["--method", "admm", "--set", "mask_metric=magnitude"]),
-    "oneshot_int8": ("one-shot 2:4 ∩ INT8 + QAT", ["--method", "oneshot", "--set", "mask_metric=magnitude"]),
+    "admm_int8": ("ADMM 2:4 ∩ INT8 + QAT", ["--method", "admm", "--set", "mask_metric=magnitude"] + NEAREST),
+    "oneshot_int8": ("one-shot 2:4 ∩ INT8 + QAT",
+                     ["--method", "oneshot", "--set", "mask_metric=magnitude"] + NEAREST),
     "magnitude_ptq": ("magnitude 2:4 + fine-tune + PTQ", ["--method", "magnitude"]),
-    "admm_sparse": ("ADMM 2:4 (fp32)", ["--method", "admm", "--no-quant"]),
+    "admm_sparse": ("ADMM 2:4 (fp32)", ["--method", "admm", "--no-quant"] + NEAREST),
     # the same two recipes choosing each 2:4 mask by |w| x input-channel norm (preset mask_metric)
     "oneshot_act_int8": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask",
-                         ["--method", "oneshot", "--set", "mask_metric=activation", "--set", "mask_activation_power=1"]),
+                         ["--method", "oneshot", "--set", "mask_metric=activation",
+                          "--set", "mask_activation_power=1"] + NEAREST),
     "admm_act_int8": ("ADMM 2:4 ∩ INT8 + QAT, activation-aware mask",
-                      ["--method", "admm", "--set", "mask_metric=activation", "--set", "mask_activation_power=1"]),
+                      ["--method", "admm", "--set", "mask_metric=activation",
+                       "--set", "mask_activation_power=1"] + NEAREST),
     # |w| x sqrt(||x||) (RIA's exponent): between the two masks above
     "oneshot_act05_int8": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5)",
                            ["--method", "oneshot", "--set", "mask_metric=activation",
-                            "--set", "mask_activation_power=0.5"]),
+                            "--set", "mask_activation_power=0.5"] + NEAREST),
     "admm_act05_int8": ("ADMM 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5)",
-                        ["--method", "admm", "--set", "mask_metric=activation", "--set", "mask_activation_power=0.5"]),
+                        ["--method", "admm", "--set", "mask_metric=activation",
+                         "--set", "mask_activation_power=0.5"] + NEAREST),
     # the default recipe with the kept weights updated by OBS at the projection (SparseGPT's compensation),
     # masks as in the default, or chosen by SparseGPT's saliency
     "oneshot_act05_obs": ("one-shot 2:4 ∩ INT8 (OBS) + QAT, activation-aware mask (‖x‖^0.5)",
@@ -52,7 +57,7 @@ METHODS = {  # row key -> (label, extra CLI arguments); the order is the run ord
     # the default recipe with QAT also training the TensorRT placement's extra quantizers (for model.trt.onnx)
     "oneshot_act05_trtqat": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5), TensorRT QAT",
                              ["--method", "oneshot", "--set", "mask_metric=activation",
-                              "--set", "mask_activation_power=0.5", "--set", "tensorrt_qat=true"]),
+                              "--set", "mask_activation_power=0.5", "--set", "tensorrt_qat=true"] + NEAREST),
 }
 PEER = "nncf_ptq"  # NNCF INT8 PTQ of the same teacher (dense weights)
 LABELS = {"dense": "dense teacher", PEER: "NNCF INT8 PTQ (dense W)", **{k: v[0] for k, v in METHODS.items()}}
