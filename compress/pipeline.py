@@ -399,16 +399,17 @@ class Runner:
         """The hard projection's 2:4 masks (preset mask_metric); with preset projection="obs" the kept weights
         are also updated in place to compensate for the pruned ones (compress.sparsify.obs_masks)."""
         p = self.preset
+        chosen = None if p.mask_metric == "saliency" else \
+            hard_masks(model, layers, importance=self.mask_importance(model, layers))
         if p.projection == "nearest":
-            return hard_masks(model, layers, importance=self.mask_importance(model, layers))
-        importance = None if p.mask_metric == "saliency" else self.mask_importance(model, layers)
+            return chosen
         t0 = time.monotonic()
-        masks, ratios = obs_masks(model, layers, self.calibration_batches(), importance=importance)
+        masks, ratios = obs_masks(model, layers, self.calibration_batches(), masks=chosen)
         seconds = time.monotonic() - t0
         r = sorted(ratios.values())
         log.info("[project] OBS 2:4 projection (masks by %s) over %d calibration batches: each layer's output error "
                  "%.2f (median; %.2f-%.2f) of keeping the kept weights as they are | %.0fs",
-                 "SparseGPT saliency" if importance is None else p.mask_metric, p.calib_batches,
+                 "SparseGPT saliency" if chosen is None else p.mask_metric, p.calib_batches,
                  r[len(r) // 2], r[0], r[-1], seconds)
         self.phases["projection"] = {"method": "obs", "seconds": round(seconds, 1),
                                      "output_error_vs_nearest": {k: round(v, 4) for k, v in ratios.items()}}

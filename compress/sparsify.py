@@ -44,14 +44,14 @@ def hard_masks(model: nn.Module, layers: list[str], n: int = 2, m: int = 4,
 
 @torch.no_grad()
 def obs_masks(model: nn.Module, layers: list[str], batches: list[Mapping[str, torch.Tensor]], n: int = 2, m: int = 4,
-              importance: Mapping[str, torch.Tensor] | None = None, damp: float = 0.01
+              masks: Mapping[str, torch.Tensor] | None = None, damp: float = 0.01
               ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Each layer's N:M mask, with the kept weights updated in place by optimal-brain-surgeon steps (obs_prune)
     so each pruned layer's output stays close to the unpruned one's on `batches`.
 
     Encoder layers are taken in order and each one's Linear inputs are measured after the layers before it
-    were pruned, so later layers also compensate for the earlier ones (SparseGPT's sequential pass). The masks
-    come from |w| * importance[layer] when `importance` is given, else from SparseGPT's saliency.
+    were pruned, so later layers also compensate for the earlier ones (SparseGPT's sequential pass). The given
+    `masks` are kept (compensation only); without them each is chosen by SparseGPT's saliency.
     Returns (masks, each layer's output error on its inputs relative to keeping the same mask's weights as
     they are, the nearest projection's: tr((W - Z) H (W - Z)^T) over the same for W * mask).
     """
@@ -60,15 +60,14 @@ def obs_masks(model: nn.Module, layers: list[str], batches: list[Mapping[str, to
     for name in layers:
         rest = name[len(stack) + 1:] if name.startswith(f"{stack}.") else name
         blocks.setdefault(rest.split(".")[0], []).append(name)
-    masks: dict[str, torch.Tensor] = {}
+    given, masks = masks, {}
     ratios: dict[str, float] = {}
     for names in blocks.values():
         hessians = input_hessians(model, names, batches)
         for name in names:
             lin = get_linear(model, name)
             dense, h = lin.weight.detach().double(), hessians[name]
-            given = nm_mask(lin.weight.detach(), n, m, importance[name]) if importance else None
-            w, masks[name] = obs_prune(lin.weight.detach(), h, n, m, mask=given, damp=damp)
+            w, masks[name] = obs_prune(lin.weight.detach(), h, n, m, mask=given[name] if given else None, damp=damp)
             err = lambda z: float(((dense - z) @ h * (dense - z)).sum())  # noqa: E731
             ratios[name] = err(w.double()) / max(err(dense * masks[name]), 1e-30)
             lin.weight.copy_(w)

@@ -304,8 +304,8 @@ def test_unknown_mask_metric_is_refused(admm_ckpt, env, capsys):
 
 @pytest.mark.parametrize("metric", ["activation", "saliency"])
 def test_obs_projection(admm_ckpt, env, caplog, metric):
-    """--set projection=obs: the one-shot projection updates the kept weights (SparseGPT's compensation), with
-    the default masks or SparseGPT's saliency ones; the checkpoint keeps the contract and records the choice."""
+    """projection=obs (the default): the one-shot projection updates the kept weights (SparseGPT's compensation),
+    with the default masks or SparseGPT's saliency ones; the checkpoint keeps the contract and records the choice."""
     from safetensors.torch import load_file
 
     teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
@@ -322,14 +322,15 @@ def test_obs_projection(admm_ckpt, env, caplog, metric):
     assert proj["method"] == "obs" and len(proj["output_error_vs_nearest"]) == 12
     if metric == "activation":  # the default's masks (tests/unit/compress/test_qat.py), other weights
         ref = env["root"] / "obs-ref"
-        assert compress(env, ref, "--teacher", str(teacher)) == 0
+        assert compress(env, ref, "--teacher", str(teacher), "--set", "projection=nearest") == 0
         a, b = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
         layer = next(k for k in a if k.endswith("attention.self.query.weight"))
         assert not torch.equal(a[layer], b[layer])
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["mask_metric=saliency"], "mask_metric=saliency is SparseGPT's score, known only inside the one-time OBS"),
+    (["mask_metric=saliency", "projection=nearest"],
+     "mask_metric=saliency is SparseGPT's score, known only inside the one-time OBS"),
     (["projection=exact"], "projection='exact': choose nearest or obs"),
 ])
 def test_bad_projection_settings_are_refused(env, capsys, sets, message):
@@ -344,5 +345,5 @@ def test_admm_refuses_saliency_masks(admm_ckpt, env, capsys):
     """ADMM's Z-steps need a mask score of their own; SparseGPT's exists only inside the OBS projection."""
     teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
     assert compress(env, env["root"] / "bad-admm", "--method", "admm", "--teacher", str(teacher),
-                    "--set", "projection=obs", "--set", "mask_metric=saliency") != 0
+                    "--set", "mask_metric=saliency") != 0
     assert "mask_metric=saliency is SparseGPT's score" in capsys.readouterr().err

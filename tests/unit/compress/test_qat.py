@@ -322,9 +322,8 @@ def test_obs_masks_keep_the_pruned_model_closer_to_the_dense_one(setup):
     masks = hard_masks(near, layers)
     finalize(near, masks, quant=False)
     obs, _ = _dense(model_dir)
-    uniform = {n: torch.ones(get_linear(obs, n).in_features) for n in layers}
-    obs_m, ratios = obs_masks(obs, layers, calib, importance=uniform)
-    assert all(torch.equal(obs_m[n], masks[n]) for n in layers)  # uniform importance: the magnitude masks
+    obs_m, ratios = obs_masks(obs, layers, calib, masks=masks)
+    assert all(torch.equal(obs_m[n], masks[n]) for n in layers)  # the given masks are kept
     assert nm_share(obs, layers) == 1.0 and all(torch.equal(get_linear(obs, n).weight != 0, obs_m[n]) for n in layers)
     assert set(ratios) == set(layers) and all(0 < r < 1 for r in ratios.values())  # each layer's own error falls
     assert gap(obs, calib) < 0.5 * gap(near, calib)
