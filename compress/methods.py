@@ -4,8 +4,9 @@ A handler gets the job's shared machinery (compress.pipeline.Runner: data, the d
 resumable phases, calibration) and returns an `Outcome`: the compressed model and what the
 checkpoint records about it. Adding a method is one class here with `@register("name")`.
 
-  oneshot    dense teacher -> one-shot projection onto 2:4 ∩ INT8 -> QAT with distillation for the
-             steps ADMM + QAT spend. The default: it measured best (docs/results/2026-11-24-admm-search.md)
+  oneshot    dense teacher -> one-shot projection onto 2:4 ∩ INT8 (kept weights OBS-compensated, preset
+             projection) -> QAT with distillation for the steps ADMM + QAT spend. The default: it measured best
+             (docs/results/2026-11-24-admm-search.md, docs/results/2026-11-25-obs-projection.md)
   admm       dense teacher -> ADMM toward 2:4 ∩ INT8 (INT8 activations fake-quantized too) with
              distillation -> hard projection -> QAT
   magnitude  one-shot magnitude 2:4 of the teacher -> masked fine-tune with distillation -> post-training
