@@ -90,7 +90,8 @@ def obs_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *,
     columns not yet processed, so the pruned layer's output stays as close as it can to the dense one's on
     those inputs. The group mask is the given `mask` (compensation only) or, without one, chosen as each
     group is reached by SparseGPT's saliency w_ij^2 / [H^-1]_jj^2 on the updated weights.
-    `damp` × mean(diag H) is added to the diagonal. Returns (pruned weight in w's dtype, bool mask).
+    `damp` × mean(diag H) is added to the diagonal. The arithmetic runs in float64 on the CPU. Returns
+    (pruned weight in w's dtype, bool mask), both on w's device.
     """
     if w.dim() != 2:
         raise ValueError(f"N:M masks need a 2-D weight, got shape {tuple(w.shape)}")
@@ -102,14 +103,15 @@ def obs_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *,
     if mask is not None and mask.shape != w.shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(w.shape)}")
     block = max(m, block - block % m)
-    W = w.detach().double().clone()
-    H = hessian.detach().double().clone()
+    W = w.detach().to("cpu", torch.float64, copy=True)
+    H = hessian.detach().to("cpu", torch.float64, copy=True)
     diag = H.diagonal()
     diag[diag <= 0] = 1.0  # an input never seen in the samples: no error to compensate through it
     diag += damp * float(diag.mean())
     # the upper Cholesky factor of H^-1: row j holds how column j's error spreads over columns j..in
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    keep = mask.detach().to(torch.bool).clone() if mask is not None else torch.zeros(out_f, in_f, dtype=torch.bool)
+    keep = mask.detach().to("cpu", torch.bool, copy=True) if mask is not None else \
+        torch.zeros(out_f, in_f, dtype=torch.bool)
     for b0 in range(0, in_f, block):
         b1 = min(b0 + block, in_f)
         Wb = W[:, b0:b1]  # a view: updates land in W
@@ -126,4 +128,4 @@ def obs_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *,
             err[:, j] = e
         if b1 < in_f:
             W[:, b1:] -= err @ U[b0:b1, b1:]
-    return (W * keep).to(w.dtype), keep
+    return (W * keep).to(w.device, w.dtype), keep.to(w.device)

@@ -66,10 +66,10 @@ def obs_masks(model: nn.Module, layers: list[str], batches: list[Mapping[str, to
         hessians = input_hessians(model, names, batches)
         for name in names:
             lin = get_linear(model, name)
-            dense, h = lin.weight.detach().double(), hessians[name]
+            dense, h = lin.weight.detach().to("cpu", torch.float64), hessians[name]
             w, masks[name] = obs_prune(lin.weight.detach(), h, n, m, mask=given[name] if given else None, damp=damp)
             err = lambda z: float(((dense - z) @ h * (dense - z)).sum())  # noqa: E731
-            ratios[name] = err(w.double()) / max(err(dense * masks[name]), 1e-30)
+            ratios[name] = err(w.to("cpu", torch.float64)) / max(err(dense * masks[name].cpu()), 1e-30)
             lin.weight.copy_(w)
     return masks, ratios
 

@@ -17,6 +17,7 @@ def test_compress_and_eval_on_the_gpu(env, capsys):
     assert info["layers"] == 12 and info["quantized"]
     m = json.loads((out / "manifest.json").read_text())
     assert m["training"]["device"] == "cuda" and "GPU" in m["training"]["machine"]
+    assert m["training"]["phases"]["projection"]["method"] == "obs"  # the default projection, weights on the GPU
     capsys.readouterr()
     assert main(["eval", str(out), "--data-dir", str(env["glue"]), "--device", "cuda"]) == 0
     on_gpu = json.loads(capsys.readouterr().out)["metrics"]["accuracy"]
