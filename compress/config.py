@@ -80,8 +80,8 @@ class Preset:
     #   "nearest"  keep them as they are: the Frobenius-nearest point of 2:4 (then the INT8 grid)
     #   "obs"      update them by optimal-brain-surgeon steps on the calibration batches' input Hessians so
     #              each layer's output moves as little as it can (SparseGPT's sequential pass), then the grid
-    # The default, obs, has the better mean over SST-2/CoLA/MRPC/STS-B at the quick budget (70.52 vs 69.79),
-    # mostly from CoLA (+3.0 MCC over three seeds; SST-2 +0.15, MRPC +0.42, STS-B -0.68 on its one seed)
+    # The default, obs, has the better mean over SST-2/CoLA/MRPC/STS-B at the quick budget (70.50 vs 69.81),
+    # from CoLA (+3.0 MCC over three seeds; SST-2 +0.15, MRPC +0.42; STS-B -0.85 over two seeds)
     # (docs/results/2026-11-25-obs-projection.md).
     projection: str = "obs"
     calib_batches: int = 16  # training batches used to calibrate activation ranges
