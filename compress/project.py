@@ -23,6 +23,16 @@ class Projection(NamedTuple):
     scales: torch.Tensor | None  # per-output-channel scales (float32), or None without quantization
 
 
+def _nm_shape(w: torch.Tensor, n: int, m: int) -> tuple[int, int]:
+    """(out, in) of a weight that can be N:M sparse along its input; ValueError naming why otherwise."""
+    if w.dim() != 2:
+        raise ValueError(f"N:M masks need a 2-D weight, got shape {tuple(w.shape)}")
+    out_f, in_f = w.shape
+    if in_f % m:
+        raise ValueError(f"input dimension {in_f} is not a multiple of {m}; this layer cannot be {n}:{m} sparse")
+    return out_f, in_f
+
+
 def nm_mask(w: torch.Tensor, n: int = 2, m: int = 4, importance: torch.Tensor | None = None) -> torch.Tensor:
     """Keep the n largest |w| in every group of m along the last (input) dimension.
 
@@ -30,11 +40,7 @@ def nm_mask(w: torch.Tensor, n: int = 2, m: int = 4, importance: torch.Tensor | 
     instead: with importance_j = ||x_j||, the input channel's norm over sample data, that is the 2:4 mask
     closest to w in the output-error metric sum_j ||x_j||^2 (w_ij - z_ij)^2 (Wanda's score).
     """
-    if w.dim() != 2:
-        raise ValueError(f"N:M masks need a 2-D weight, got shape {tuple(w.shape)}")
-    out_f, in_f = w.shape
-    if in_f % m:
-        raise ValueError(f"input dimension {in_f} is not a multiple of {m}; this layer cannot be {n}:{m} sparse")
+    out_f, in_f = _nm_shape(w, n, m)
     score = w.detach().abs()
     if importance is not None:
         if importance.shape != (in_f,):
@@ -93,11 +99,7 @@ def obs_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *,
     `damp` × mean(diag H) is added to the diagonal. The arithmetic runs in float64 on the CPU. Returns
     (pruned weight in w's dtype, bool mask), both on w's device.
     """
-    if w.dim() != 2:
-        raise ValueError(f"N:M masks need a 2-D weight, got shape {tuple(w.shape)}")
-    out_f, in_f = w.shape
-    if in_f % m:
-        raise ValueError(f"input dimension {in_f} is not a multiple of {m}; this layer cannot be {n}:{m} sparse")
+    out_f, in_f = _nm_shape(w, n, m)
     if hessian.shape != (in_f, in_f):
         raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({in_f}, {in_f})")
     if mask is not None and mask.shape != w.shape:
@@ -122,8 +124,7 @@ def obs_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *,
                 d = Ub.diagonal()[j:j + m]
                 top = (Wb[:, j:j + m] ** 2 / d ** 2).topk(n, dim=1).indices
                 keep[:, b0 + j:b0 + j + m].scatter_(1, top, True)
-            col = Wb[:, j].clone()
-            e = col * ~keep[:, b0 + j] / Ub[j, j]
+            e = Wb[:, j] * ~keep[:, b0 + j] / Ub[j, j]  # a new tensor: the update below cannot change it
             Wb[:, j:] -= e.unsqueeze(1) * Ub[j, j:].unsqueeze(0)
             err[:, j] = e
         if b1 < in_f:
