@@ -80,7 +80,7 @@ def run_one(task: str, seed: int, key: str, args, teacher: Path | None) -> Path 
            "--out", str(out), "--preset", args.preset, "--seed", str(seed), "--no-progress", *METHODS[key][1]]
     if teacher is not None:
         cmd += ["--teacher", str(teacher)]
-    elif args.model:
+    if args.model:  # also with a teacher: the run records (and may tokenize with) the base model
         cmd += ["--model", str(args.model)]
     for flag in ("max_steps", "train_limit", "threads", "device"):
         if getattr(args, flag):

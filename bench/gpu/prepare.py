@@ -9,6 +9,7 @@ writes
     .carry/carry.json    what is inside and how big
     .whl/                wheels the GPU image lacks (torchao 0.16.0: the last release with
                          int8_dynamic_activation_int8_semi_sparse_weight; pure Python, no deps;
+                         `datasets` and the few of its needs the image lacks, to read GLUE;
                          with --serve also the HTTP stack for bench/serve_load)
 
 and checks that the packed checkpoint unpacks to the same INT8 weights, and that the tree plus
@@ -32,22 +33,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import carry  # noqa: E402
 
 DEFAULT_WHEELS = ["torchao==0.16.0"]
+# holoserve.data reads CSV/TSV through `datasets`, which the GPU image lacks (it has pyarrow, pandas,
+# xxhash and huggingface-hub): the parity check and `holoserve compress` need it there.
+DATA_PACKAGES = ["datasets", "dill", "multiprocess", "fsspec"]
 # `holoserve serve` and bench/serve_load on the GPU machine (its image has torch, transformers and
 # tokenizers, not the HTTP stack): pinned to the versions this environment runs and tests.
 SERVE_PACKAGES = ["fastapi", "starlette", "pydantic", "pydantic-core", "typing-inspection", "annotated-types",
-                  "uvicorn", "httptools", "uvloop", "h11", "click", "anyio", "idna", "prometheus-client"]
+                  "uvicorn", "httptools", "uvloop", "h11", "click", "anyio", "idna", "prometheus-client",
+                  "opentelemetry-api", "annotated-doc"]
 
 
-def serve_wheels() -> list[str]:
+def pinned(names: list[str], why: str) -> list[str]:
+    """NAME==VERSION for each package, at the version installed here (the one the tests run)."""
     from importlib.metadata import PackageNotFoundError, version
 
     specs = []
-    for name in SERVE_PACKAGES:
+    for name in names:
         try:
             specs.append(f"{name}=={version(name)}")
         except PackageNotFoundError:
-            raise SystemExit(f"--serve: {name} is not installed here; pip install -e '.[server]' first") from None
+            raise SystemExit(f"{why}: {name} is not installed here; pip install -e '.[server,compress]' first") from None
     return specs
+
+
+def serve_wheels() -> list[str]:
+    return pinned(SERVE_PACKAGES, "--serve")
+
+
+def data_wheels() -> list[str]:
+    return pinned(DATA_PACKAGES, "GLUE reading on the GPU machine")
 CARRY_LIMIT = 64 * 2**20
 
 
@@ -160,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     wheels: list[str] = []
     if not args.no_wheels:
-        wheels = fetch_wheels((args.wheel or DEFAULT_WHEELS) + (serve_wheels() if args.serve else []),
+        wheels = fetch_wheels((args.wheel or DEFAULT_WHEELS) + data_wheels() + (serve_wheels() if args.serve else []),
                               Path(args.wheels), args.wheel_script)
         print(f"wheels: {', '.join(wheels)}")
 

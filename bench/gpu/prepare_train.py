@@ -8,10 +8,11 @@ writes, git-ignored:
                                     (45 MiB instead of 90; `holoserve compress` loads them as float32)
     .carry-train/glue/<TASK>/       train.tsv and dev.tsv of each task
     .carry-train/carry.json         what is inside and how big
+    .whl/                           `datasets` and the few of its needs the GPU image lacks (it has
+                                    torch, transformers, tokenizers and safetensors)
 
-and checks that the tree plus this folder fit the 64 MiB a GPU call carries. The GPU image already
-has torch, transformers, tokenizers and safetensors: no wheels are needed. bench/gpu/README.md has
-the command to run there.
+and checks that the tree plus these folders fit the 64 MiB a GPU call carries. bench/gpu/README.md
+has the command to run there.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prepare import folder_bytes, report_sizes, tree_bytes  # noqa: E402
+from prepare import data_wheels, fetch_wheels, folder_bytes, report_sizes, tree_bytes  # noqa: E402
 
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default="sst2,mrpc,cola")
     ap.add_argument("--model", type=Path, help="base model folder (default: all-MiniLM-L6-v2 from its package)")
     ap.add_argument("--out", type=Path, default=ROOT / ".carry-train")
+    ap.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="wheel folder (default .whl, git-ignored)")
+    ap.add_argument("--wheel-script", help="script that downloads GPU wheels into .whl/ (default: pip download)")
+    ap.add_argument("--no-wheels", action="store_true", help="skip downloading wheels")
     args = ap.parse_args(argv)
     if not args.data_dir:
         ap.error("--data-dir (or HOLOSERVE_DATA_DIR) is required")
@@ -90,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst)
             copied[f"{task.folder}/{src.name}"] = src.stat().st_size
-    sizes = {"carry": folder_bytes(args.out), "tree": tree_bytes()}
+    if not args.no_wheels:
+        print(f"wheels: {', '.join(fetch_wheels(data_wheels(), args.wheels, args.wheel_script))}")
+    sizes = {"carry": folder_bytes(args.out), "wheels": folder_bytes(args.wheels), "tree": tree_bytes()}
     from holoserve.core.files import atomic_write_json
 
     atomic_write_json(args.out / "carry.json", {"base_model": name, "glue": copied, "bytes": sizes, **info})

@@ -87,7 +87,7 @@ class QuantLinear(Module):  # type: ignore[misc]
         if kernel == "cslt":
             self.register_buffer("packed", torch._cslt_compress(w_codes.contiguous()))
         elif kernel == "int_mm":
-            self.register_buffer("w_t", w_codes.t().contiguous())  # _int_mm wants [K, N]
+            self.register_buffer("w_nk", w_codes.contiguous())  # [N, K]; passed as a column-major [K, N] view
         elif kernel == "reference":
             self.register_buffer("w_codes", w_codes)
         else:
@@ -121,7 +121,7 @@ class QuantLinear(Module):  # type: ignore[misc]
         if self.kernel == "reference":  # exact integer accumulation, as int8_linear_reference
             return int8_linear_codes(xq[:m], self.w_codes, self.alpha, self.bias32).to(self.dtype)
         if self.kernel == "int_mm":
-            acc = torch._int_mm(xq, self.w_t)[:m]
+            acc = torch._int_mm(xq, self.w_nk.t())[:m]
             y = dequantize(acc, self.alpha, self.bias32).to(self.dtype)
         else:
             y = self._cslt(xq)[:m]

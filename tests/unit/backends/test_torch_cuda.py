@@ -206,3 +206,27 @@ def test_backend_says_clearly_that_cuda_is_absent(tiny_checkpoint):
     art, _ = tiny_checkpoint
     with pytest.raises(BackendUnavailable, match="needs an NVIDIA GPU"):
         load_backend("torch-cuda", load_artifact(art.path))
+
+
+def test_dense_int8_layer_passes_int_mm_a_column_major_weight(monkeypatch):
+    """torch._int_mm's fast cuBLASLt INT8 kernels take B column-major: with a row-major [K, N] weight the
+    same product ran 6x slower on an H100 (133 vs 840 TOPS at 8192^3). The layer keeps [N, K] and hands
+    over its transposed view; the result is the exact integer product either way."""
+    from holoserve.backends.torch_cuda.layers import QuantLinear
+
+    g = torch.Generator().manual_seed(0)
+    p = project(torch.randn(48, 64, generator=g))
+    codes = tc.weight_codes(p.z, p.scales)
+    act, bias = torch.tensor(3.0 / 127), torch.randn(48, generator=g)
+    seen = []
+
+    def int_mm(a, b):
+        seen.append((tuple(b.shape), b.stride()))
+        return (a.long() @ b.long()).to(torch.int32)
+
+    monkeypatch.setattr(torch, "_int_mm", int_mm)
+    layer = QuantLinear(codes, p.scales, act, bias, kernel="int_mm", dtype=torch.float32)
+    x = torch.randn(3, 5, 64, generator=g)
+    y = layer(x)
+    assert seen == [((64, 48), (1, 64))]  # [K, N] with unit stride down K: column-major
+    assert torch.allclose(y, tc.int8_linear_reference(x, codes, p.scales, act, bias), rtol=1e-6, atol=1e-6)

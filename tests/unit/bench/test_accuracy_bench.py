@@ -40,6 +40,8 @@ def test_seeds_share_one_teacher_per_seed_and_aggregate(bench, monkeypatch):
         assert first["preset_config"]["mask_metric"] == "magnitude"  # each row names its mask metric
         assert other["preset_config"]["mask_metric"] == "activation" and other["method"] == "oneshot"
         assert first["seed"] == other["seed"] == seed
+        for run in ("admm_int8", "oneshot_act_int8"):  # --model reaches the runs that reuse the teacher too
+            assert json.loads((runs / f"sst2-s{seed}-{run}" / "manifest.json").read_text())["base_model"] == "tiny"
         peer = json.loads((runs / f"sst2-s{seed}-nncf_ptq.json").read_text())
         assert peer["calibration_rows"] == 8 and 0 <= peer["metrics"]["accuracy"] <= 1
     out = json.loads((root / "results" / "accuracy.json").read_text())
