@@ -981,6 +981,11 @@ def render_markdown(report: dict[str, Any]) -> str:
          f"transformers {env.get('transformers', '—')} · torchao {env.get('torchao', '—')}", "",
          f"Mode: {report['mode']}. Method: {report['method']['timer']}; {report['method']['warmup']} warm-up, "
          f"{report['method']['iters']} timed calls, median; {report['method']['inputs']}.", ""]
+    if report.get("merged_from"):
+        L += [f"Merged from {len(report['merged_from'])} runs on the same machine kind, started at "
+              + ", ".join(f"{str(d)[11:16]}" for d in report["merged_from"])
+              + " UTC (`run.py --merge`): sections and GEMM rows each come whole from one run; an encoder "
+              "variant marked with a run's time was measured in that run, not beside the rest of its table.", ""]
     if "targets" in report:
         L += ["## Targets", "", "| target | measured | threshold | met |", "| --- | --- | --- | --- |"]
         for t in report["targets"]:
@@ -1155,11 +1160,71 @@ def finish(run: Run) -> None:
     log(f"wrote {run.out}/results.json, results.md, {', '.join(plots.get('files', []))} in {run.elapsed():.0f} s")
 
 
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from several runs of this script (the sweep split over calls of limited length).
+
+    The first report is the base; a later one adds the sections the base lacks or failed, the GEMM rows
+    (K, N, M) it lacks, and the encoder variants it lacks, each such variant named with the time of
+    the run that measured it, since ratios across runs are not measured side by side."""
+    import copy
+
+    out = copy.deepcopy(reports[0])
+    out["merged_from"] = [r.get("date") for r in reports]
+    out["errors"] = []
+    for r in reports[1:]:
+        when = f" (run of {str(r.get('date', '?'))[11:16]} UTC)"
+        for name, sec in r["sections"].items():
+            mine = out["sections"].get(name)
+            if name == "encoder_3p" or "error" in sec and len(sec) <= 3:
+                continue
+            if mine is None or "error" in mine and len(mine) <= 3:
+                out["sections"][name] = copy.deepcopy(sec)
+            elif name == "gemm":
+                have = {(x["K"], x["N"], x["M"]) for x in mine.get("rows", [])}
+                mine.setdefault("rows", []).extend(copy.deepcopy(x) for x in sec.get("rows", [])
+                                                   if (x["K"], x["N"], x["M"]) not in have)
+                mine.pop("truncated", None)
+            elif name == "encoder":
+                for model, entry in sec.get("models", {}).items():
+                    base = mine.setdefault("models", {}).setdefault(model, copy.deepcopy(entry))
+                    for variant, cells in entry.get("variants", {}).items():
+                        if variant not in base.get("variants", {}):
+                            base["variants"][variant + when] = copy.deepcopy(cells)
+    for r in reports:
+        out["errors"] += [e for e in r.get("errors", []) if e.split(":")[0] not in out["sections"]
+                          or "error" in out["sections"][e.split(":")[0]]]
+    model_shapes = [(768, 768), (768, 3072), (3072, 768), (384, 384), (384, 1536), (1536, 384)]
+    rows = out["sections"].get("gemm", {}).get("rows", [])
+    rows.sort(key=lambda x: (model_shapes.index((x["K"], x["N"])) if (x["K"], x["N"]) in model_shapes
+                             else len(model_shapes), x["K"], x["N"], x["M"]))
+    out["targets"] = targets(out)
+    return out
+
+
+def merge_main(paths: list[str], out: Path) -> int:
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    report = merge_reports(reports)
+    out.mkdir(parents=True, exist_ok=True)
+    report["plots"] = {"files": write_plots(report, out)}
+    from holoserve.core.files import atomic_write_json, atomic_write_text
+
+    atomic_write_json(out / "results.json", report)
+    atomic_write_text(out / "results.md", render_markdown(report))
+    print(f"merged {len(paths)} runs into {out}/results.json, results.md, {', '.join(report['plots']['files'])}")
+    return 0
+
+
 SECTIONS = {"env": section_env, "peak": section_peak, "gemm": section_gemm, "encoder": section_encoder,
             "parity": section_parity, "encoder_3p": section_encoder_3p}
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--merge"]:  # --merge A/results.json B/results.json ... --out DIR
+        if "--out" not in argv or argv.index("--out") < 3 or len(argv) != argv.index("--out") + 2:
+            print("usage: run.py --merge RESULTS.json RESULTS.json ... --out DIR", file=sys.stderr)
+            return 2
+        return merge_main(argv[1:argv.index("--out")], Path(argv[-1]))
     args = parse_args(argv)
     run = Run(args)
     if not run.smoke:

@@ -357,10 +357,17 @@ def machine() -> dict:
             "uptime_at_start": uptime, "load_avg_at_start": os.getloadavg()}
 
 
+def _gpu_of(desc: str) -> str | None:
+    """The GPU named in a backend description such as "PyTorch CUDA 2:4 INT8 (NVIDIA H100 80GB HBM3)"."""
+    inner = desc[desc.rfind("(") + 1:-1] if desc.endswith(")") else ""
+    return inner if inner and inner not in ("no GPU", "no torch") else None
+
+
 def write_markdown(res: dict, path: Path) -> None:
     m = res["machine"]
     lines = [
-        f"# Serving load: {res['checkpoint']['name']} on {m['cores']}-core {m['arch']} CPU",
+        f"# Serving load: {res['checkpoint']['name']} on "
+        + (f"{gpu} + " if (gpu := _gpu_of(res.get("backend_desc", ""))) else "") + f"{m['cores']}-core {m['arch']} CPU",
         "",
         f"{res['date']} · {m['cpu']} · {res.get('backend_desc', 'ONNX Runtime CPU')}, {res['threads']} intra-op thread(s) · "
         f"{res['texts']} · one text per request, closed-loop clients on loopback, "

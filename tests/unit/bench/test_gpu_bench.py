@@ -143,3 +143,32 @@ def test_setup_script_lays_out_the_package_as_installed(tmp_path):
     assert out.returncode == 0, out.stderr
     first, second = out.stdout.split()
     assert first.startswith(str(copy)) and second.startswith(str(copy / "holoserve" / "compress"))
+
+
+def test_merge_combines_split_runs_and_marks_borrowed_variants(tmp_path):
+    run = gpu_module("run")
+    a = _report(ours_ms=4.0, eager_ms=10.0, ao_ms=5.2, ratio=1.6, agree=0.997, acc_delta=0.0)
+    method = {"timer": "CUDA events", "warmup": 1, "iters": 2, "inputs": "random"}
+    a.update(date="2026-01-01T10:05:00+00:00", errors=[], mode="gpu", method=method)
+    a["sections"]["parity"] = {"error": "ModuleNotFoundError: x"}
+    b = _report(ours_ms=9.0, eager_ms=9.0, ao_ms=9.0, ratio=1.1, agree=0.999, acc_delta=-0.001)
+    b.update(date="2026-01-01T09:58:00+00:00", errors=[], mode="gpu", method=method)
+    b["sections"]["gemm"]["rows"].append({"K": 3072, "N": 768, "M": 16384, "sparse_int8_over_dense_int8": 2.0})
+    b["sections"]["encoder"]["models"]["BERT-base shapes (RANDOM weights)"]["variants"]["torchao 2:4 INT8 + CUDA graphs"] = \
+        {"128": {"median_ms": 4.5}}
+    m = run.merge_reports([a, b])
+    assert m["merged_from"] == [a["date"], b["date"]]
+    assert m["sections"]["parity"] == b["sections"]["parity"]  # a failed section is taken from the other run
+    assert [(r["K"], r["N"], r["M"]) for r in m["sections"]["gemm"]["rows"]] == \
+        [(768, 768, 128), (768, 768, 16384), (3072, 768, 16384)]  # a row both runs hold is kept from the first
+    variants = m["sections"]["encoder"]["models"]["BERT-base shapes (RANDOM weights)"]["variants"]
+    assert variants["2:4 INT8 + CUDA graphs (ours)"]["128"]["median_ms"] == 4.0
+    assert "torchao 2:4 INT8 + CUDA graphs (run of 09:58 UTC)" in variants
+    assert m["targets"][0]["value"] == pytest.approx(2.5) and m["targets"][2]["value"] == pytest.approx(1.8)
+    assert a["sections"]["parity"] == {"error": "ModuleNotFoundError: x"}  # the inputs are left as they were
+    for i, r in enumerate((a, b)):  # the command line (its encoder and parity tables need fields these lack)
+        (tmp_path / f"{i}.json").write_text(json.dumps({**r, "sections": {k: v for k, v in r["sections"].items()
+                                                                           if k not in ("encoder", "parity")}}))
+    assert run.main(["--merge", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--out", str(tmp_path / "m")]) == 0
+    assert "Merged from 2 runs" in (tmp_path / "m" / "results.md").read_text()
+    assert run.main(["--merge", str(tmp_path / "0.json")]) == 2  # no --out: usage, not a traceback
