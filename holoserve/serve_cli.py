@@ -24,7 +24,8 @@ HELP = {
     "max_batch_size": "largest batch the dynamic batcher forms; 1 turns batching off",
     "max_queue_delay_ms": "how long a non-full batch waits for more requests",
     "max_padding_waste": "split a merged batch into length groups when padding would exceed this share of its "
-                         "tokens (negative: always pad the whole batch to its longest)",
+                         "tokens (negative: always pad the whole batch to its longest; auto: 0.25 on CPU "
+                         "backends, never split on GPU backends)",
     "max_batch_tokens": "close a batch when its padded tokens (sequences x its longest sequence) would pass this "
                         "budget, so short requests are not batched behind long ones; a sequence longer than the "
                         "budget runs alone; 0 = batches close on --max-batch-size only",

@@ -21,6 +21,9 @@ class BackendUnavailable(HoloServeError):
 
 class Backend(Protocol):
     name: str
+    # True where one padded launch costs less than several smaller ones (GPU backends): the server then
+    # runs a merged batch whole instead of in length groups (ServerConfig.max_padding_waste="auto").
+    whole_batches: bool
 
     def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray) -> np.ndarray: ...
 

@@ -49,6 +49,7 @@ def choose_providers(available: list[str], device: str = "auto") -> list[str]:
 
 class OrtBackend:
     name = "onnxruntime"
+    whole_batches = False  # on a CPU, length groups save the padded tokens' work
 
     def __init__(self, artifact: Artifact, *, device: str = "auto", threads: int | None = None,
                  export_key: str = EXPORT_KEY):

@@ -98,6 +98,7 @@ def inference_precision(compiled) -> str:
 
 class OpenVinoBackend:
     name = "openvino"
+    whole_batches = False  # on a CPU, length groups save the padded tokens' work
 
     def __init__(self, artifact: Artifact, *, threads: int | None = None, sparse: bool | None = None,
                  precision: str = "auto", export_key: str = OPENVINO):

@@ -333,6 +333,7 @@ class _Chosen:
 
 class TensorRTBackend:
     name = "tensorrt"
+    whole_batches = True  # one padded engine launch beats several smaller ones
 
     def __init__(self, artifact: Artifact, *, library: str | None = None, engine_cache: str | os.PathLike | None = None,
                  build_engine: str | None = None, max_batch: int | None = None):

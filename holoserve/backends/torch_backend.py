@@ -15,6 +15,7 @@ from .base import BackendUnavailable
 
 class TorchBackend:
     name = "torch"
+    whole_batches = False  # on a CPU, length groups save the padded tokens' work
 
     def __init__(self, artifact: Artifact, *, device: str = "auto", threads: int | None = None):
         try:

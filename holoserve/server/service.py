@@ -150,7 +150,7 @@ class ClassifierService:
         self.batcher = DynamicBatcher(self.backend.infer, max_batch_size=cfg.max_batch_size,
                                       max_queue_delay_ms=cfg.max_queue_delay_ms,
                                       max_queue_size=cfg.max_queue_size, pad_id=self.encoder.pad_id,
-                                      max_padding_waste=cfg.max_padding_waste,
+                                      max_padding_waste=cfg.padding_waste_for(self.backend),
                                       metrics=self.metrics, inline_single=cfg.inline_single,
                                       max_batch_tokens=cfg.max_batch_tokens)
         self.batcher.start()
@@ -213,7 +213,7 @@ class ClassifierService:
             metrics=s["metrics"],
             base_model=s["base_model"],
             batching={"max_batch_size": cfg.max_batch_size, "max_queue_delay_ms": cfg.max_queue_delay_ms,
-                      "max_queue_size": cfg.max_queue_size, "max_padding_waste": cfg.max_padding_waste,
+                      "max_queue_size": cfg.max_queue_size, "max_padding_waste": cfg.padding_waste_for(self.backend),
                       "max_batch_tokens": cfg.max_batch_tokens,
                       "inline_single": cfg.inline_single},
             limits={"max_items": cfg.max_items, "max_text_bytes": cfg.max_text_bytes,

@@ -63,6 +63,7 @@ def test_health_ready_models_metrics(server):
     assert m["sparsity"]["pattern"] == "2:4" and m["precision"] == "int8"
     assert m["backend"]["backend"] == "onnxruntime" and m["backend"]["device"] == "cpu"
     assert m["batching"]["max_batch_size"] == 8 and "metrics" in m
+    assert m["batching"]["max_padding_waste"] == 0.25  # "auto" on a CPU backend: length groups
     r = httpx.get(server.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     for name in ("holoserve_inference_request_duration_seconds_bucket", "holoserve_inference_queue_duration_seconds",
