@@ -54,6 +54,10 @@ METHODS = {  # row key -> (label, extra CLI arguments); the order is the run ord
                            "--set", "mask_activation_power=0.5", "--set", "projection=obs"]),
     "oneshot_obs_sal": ("one-shot 2:4 ∩ INT8 (OBS) + QAT, SparseGPT saliency mask",
                         ["--method", "oneshot", "--set", "mask_metric=saliency", "--set", "projection=obs"]),
+    # ADMM with the same masks and the same OBS projection at its end as the default one-shot recipe
+    "admm_act05_obs": ("ADMM 2:4 ∩ INT8 (OBS) + QAT, activation-aware mask (‖x‖^0.5)",
+                       ["--method", "admm", "--set", "mask_metric=activation",
+                        "--set", "mask_activation_power=0.5", "--set", "projection=obs"]),
     # the default recipe with QAT also training the TensorRT placement's extra quantizers (for model.trt.onnx)
     "oneshot_act05_trtqat": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5), TensorRT QAT",
                              ["--method", "oneshot", "--set", "mask_metric=activation",
@@ -63,10 +67,10 @@ PEER = "nncf_ptq"  # NNCF INT8 PTQ of the same teacher (dense weights)
 LABELS = {"dense": "dense teacher", PEER: "NNCF INT8 PTQ (dense W)", **{k: v[0] for k, v in METHODS.items()}}
 COLUMNS = ("dense", PEER, "magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "admm_sparse",
            "admm_int8", "admm_act_int8", "admm_act05_int8", "oneshot_act05_obs", "oneshot_obs_sal",
-           "oneshot_act05_trtqat")
+           "admm_act05_obs", "oneshot_act05_trtqat")
 BASELINES = ("magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "oneshot_act05_obs",
              "oneshot_obs_sal")  # the 2:4 ∩ INT8 recipes ADMM has to beat
-ADMM_ROWS = ("admm_int8", "admm_act_int8", "admm_act05_int8")
+ADMM_ROWS = ("admm_int8", "admm_act_int8", "admm_act05_int8", "admm_act05_obs")
 
 
 def run_one(task: str, seed: int, key: str, args, teacher: Path | None) -> Path | None:
