@@ -73,11 +73,21 @@ class TorchCudaBackend:
         }
 
 
+# cuSPARSELt's algorithm search up to this many tokens (batch x padded length). On an H100 at seq 128
+# it made whole encoders 1.15-1.57x faster at batch 1 and 8 (128 and 1,024 tokens; per GEMM up to 3x at
+# 128 tokens) and changed little or lost up to 6 % from 4,096 tokens on (bench/results/gpu).
+ALG_SEARCH_MAX_TOKENS = 2048
+
+
 def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kernel: str = "cslt",
          batch_buckets: Iterable[int] = DEFAULT_BATCH_BUCKETS, seq_buckets: Iterable[int] | None = None,
-         max_batch: int | None = None, quantizer: str = "auto", alg_search: bool = False,
+         max_batch: int | None = None, quantizer: str = "auto", alg_search: bool | int = ALG_SEARCH_MAX_TOKENS,
          precision: str = "fp16", **_ignored: Any) -> TorchCudaBackend:
     """Load a checkpoint for 2:4 INT8 inference on the GPU (raises BackendUnavailable off-GPU).
+
+    alg_search: where cuSPARSELt's own algorithm search picks each GEMM's algorithm (once per token
+    count, at warm-up, before the CUDA graphs are captured): True for every token count, an int N up
+    to N tokens, False never (algorithm 0).
 
     precision="fp16" (default): everything outside the INT8 GEMMs in FP16, fused Triton kernels.
     precision="fp32": the GEMMs write INT32 and everything else runs in FP32 with the torch ops,

@@ -193,7 +193,7 @@ class _FusedQKV(Module):  # type: ignore[misc]
 
 def make_linear(weight, bias, *, scales=None, act_amax: float | None = None, sparse: bool = False,
                 kernel: str = "cslt", dtype=None, device="cpu", epilogue: Epilogue | None = None,
-                quantizer: str = "torch", alg_search: bool = False):
+                quantizer: str = "torch", alg_search: bool | int = False):
     """One Linear of the encoder. Quantized layers (scales and an activation range) use `kernel`;
     with kernel="cslt" a quantized layer that is not 2:4 falls back to dense INT8 (`int_mm`)."""
     dtype = dtype or torch.float16
@@ -223,7 +223,7 @@ def build_encoder(
     epilogue: Epilogue | None = None,
     fuse_qkv: bool = True,
     quantizer: str = "torch",
-    alg_search: bool = False,
+    alg_search: bool | int = False,
     gelu_quant: bool = False,
     ln_quant: bool = False,
 ) -> "Encoder":
@@ -280,7 +280,7 @@ def checkpoint_tensors(art: Artifact) -> tuple[dict[str, Any], dict[str, "torch.
 
 def encoder_from_artifact(art: Artifact, *, kernel: str = "cslt", dtype=None, device="cpu",
                           epilogue: Epilogue | None = None, quantizer: str = "torch",
-                          alg_search: bool = False, gelu_quant: bool = False, ln_quant: bool = False) -> "Encoder":
+                          alg_search: bool | int = False, gelu_quant: bool = False, ln_quant: bool = False) -> "Encoder":
     """The Encoder of a checkpoint folder: its weights, INT8 weight scales and activation ranges
     (its sparse layers count as 2:4 only when the checkpoint's pattern is 2:4)."""
     config, state = checkpoint_tensors(art)

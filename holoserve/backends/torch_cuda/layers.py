@@ -58,7 +58,7 @@ class QuantLinear(Module):  # type: ignore[misc]
     """
 
     def __init__(self, w_codes, w_scales, act_scale, bias, *, kernel: str, dtype, epilogue: Epilogue | None = None,
-                 quantizer: str = "torch", alg_search: bool = False):
+                 quantizer: str = "torch", alg_search: bool | int = False):
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; choose one of {KERNELS}")
@@ -128,9 +128,11 @@ class QuantLinear(Module):  # type: ignore[misc]
         return y
 
     def _alg(self, xq, **kw) -> int:
-        if not self.alg_search:
-            return 0
+        """cuSPARSELt's algorithm for this many token rows: its own search's pick where alg_search covers
+        the row count (True: any; an int N: up to N rows; False or 0: none), else 0, the library default."""
         m = xq.shape[0]
+        if self.alg_search is False or (self.alg_search is not True and m > int(self.alg_search)):
+            return 0
         if m not in self.algs:
             if torch.cuda.is_current_stream_capturing():
                 return 0

@@ -230,3 +230,42 @@ def test_dense_int8_layer_passes_int_mm_a_column_major_weight(monkeypatch):
     y = layer(x)
     assert seen == [((64, 48), (1, 64))]  # [K, N] with unit stride down K: column-major
     assert torch.allclose(y, tc.int8_linear_reference(x, codes, p.scales, act, bias), rtol=1e-6, atol=1e-6)
+
+
+def test_algorithm_search_covers_the_token_counts_it_is_given(monkeypatch):
+    """alg_search=N: cuSPARSELt's own search picks the algorithm up to N token rows (once per count, never
+    inside a graph capture); above N, and with False, algorithm 0; True searches every count."""
+    from holoserve.backends.torch_cuda.layers import QuantLinear
+
+    p = project(torch.randn(16, 32))
+    codes = tc.weight_codes(p.z, p.scales)
+    searched = []
+
+    def search(packed, x_t, **kw):
+        searched.append(x_t.shape[1])
+        return 3
+
+    monkeypatch.setattr(torch, "_cslt_sparse_mm_search", search, raising=False)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+
+    def layer(alg_search):
+        lin = QuantLinear(codes, p.scales, torch.tensor(0.01), None, kernel="reference", dtype=torch.float32,
+                          alg_search=alg_search)
+        lin.packed = codes  # stands in for the compressed weight: the search only passes it on
+        return lin
+
+    rows = lambda m: torch.zeros(m, 32, dtype=torch.int8)  # noqa: E731
+    lin = layer(2048)
+    capturing[0] = True
+    assert lin._alg(rows(128)) == 0 and searched == []  # no search inside a capture, and nothing remembered
+    capturing[0] = False
+    assert [lin._alg(rows(m)) for m in (128, 2048, 4096, 128)] == [3, 3, 0, 3]
+    assert searched == [128, 2048]  # once per token count, none above the limit
+    assert layer(False)._alg(rows(16)) == 0 and layer(0)._alg(rows(16)) == 0
+    searched.clear()
+    assert layer(True)._alg(rows(16384)) == 3 and searched == [16384]
+    from holoserve.backends.torch_cuda.backend import ALG_SEARCH_MAX_TOKENS, load
+    import inspect
+
+    assert inspect.signature(load).parameters["alg_search"].default == ALG_SEARCH_MAX_TOKENS == 2048
