@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="output folder (default $OUT, else bench/results/gpu)")
     ap.add_argument("--carry", default=str(ROOT / ".carry"), help="folder written by prepare.py (default .carry)")
     ap.add_argument("--sections", default="env,peak,gemm,encoder,parity",
-                    help="comma-separated subset of env,peak,gemm,encoder,parity")
+                    help="comma-separated subset of env,peak,gemm,encoder,parity,profile (profile: where "
+                         "the encoder's time goes, per kernel category; not in the default set)")
     ap.add_argument("--kn", default=",".join(map(str, KN_DEFAULT)), help="GEMM K and N values")
     ap.add_argument("--m", default=",".join(map(str, M_DEFAULT)), help="GEMM M values (tokens)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES_DEFAULT)), help="encoder batch sizes")
@@ -93,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.m_list = [int(x) for x in args.m.split(",") if x]
     args.batch_list = [int(x) for x in args.batches.split(",") if x]
     args.section_list = [s.strip() for s in args.sections.split(",") if s.strip()]
-    bad = set(args.section_list) - {"env", "peak", "gemm", "encoder", "parity"}
+    bad = set(args.section_list) - {"env", "peak", "gemm", "encoder", "parity", "profile"}
     if bad:
         ap.error(f"unknown sections: {', '.join(sorted(bad))}")
     if args.cpu_smoke:
@@ -746,6 +747,81 @@ def section_encoder(run: Run) -> dict[str, Any]:
     return res
 
 
+# Kernel (GPU) or operator (CPU smoke) names to categories; the first category with a matching
+# substring wins. The run also keeps the top kernels by name, so a misfiled one can be seen.
+PROFILE_CATEGORIES = (
+    ("2:4 GEMM (cuSPARSELt)", ("sparse", "cusparselt", "cslt")),
+    ("attention", ("flash", "fmha", "attention", "softmax", "sdpa", "bmm", "baddbmm")),
+    ("dense GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "addmm", "aten::mm", "matmul", "linear", "int_mm")),
+    ("activation quantizer / fused Triton", ("triton", "quantize", "round", "clamp")),
+    ("LayerNorm", ("layer_norm", "layernorm")),
+)
+
+
+def _profile_categories(events: list[tuple[str, float, int]], iters: int) -> dict[str, Any]:
+    """(name, total ms, calls) per kernel -> ms per forward in each category, and the top kernels."""
+    cats: dict[str, float] = {}
+    for name, ms, _ in events:
+        low = name.lower()
+        cat = next((c for c, keys in PROFILE_CATEGORIES if any(k in low for k in keys)), "element-wise and other")
+        cats[cat] = cats.get(cat, 0.0) + ms / iters
+    total = sum(cats.values())
+    top = sorted(events, key=lambda e: -e[1])[:15]
+    return {"ms_per_forward": round(total, 4),
+            "categories": {c: {"ms": round(v, 4), "share": round(v / total, 4) if total else None}
+                           for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "top_kernels": [{"name": n[:160], "ms_per_forward": round(ms / iters, 4), "calls_per_forward": c / iters}
+                            for n, ms, c in top]}
+
+
+def section_profile(run: Run) -> dict[str, Any]:
+    """Where a whole encoder's time goes: torch.profiler over eager forwards of the BERT-base-shaped model
+    (random weights) at the largest batch, per kernel category, FP16 (transformers) and ours (2:4 INT8).
+    Kernel times are the same eager or in a graph; eager only adds the launch gaps between them."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg, dense, sparse, quant = _bert_base_random(run)
+    variants = dict((name, build) for name, build, graphs, _ in _encoder_variants(run, cfg, dense, sparse, quant)
+                    if not graphs)
+    b, iters = max(run.args.batch_list), 5
+    inp = _token_batch(torch, b, run.args.seq, int(cfg["vocab_size"]), run.device, seed=7)
+    acts = [ProfilerActivity.CPU] if run.smoke else [ProfilerActivity.CUDA]
+    res: dict[str, Any] = {"batch": b, "seq": run.args.seq, "iters": iters, "model": "BERT-base shapes (random weights)",
+                           "timer": "operator self time on the CPU" if run.smoke else "CUDA kernel time (CUPTI)",
+                           "variants": {}}
+    for name in (n for n in variants if "eager" in n or "ours, CPU" in n):
+        def one(name=name):
+            call = variants[name]()
+            with torch.inference_mode():
+                for _ in range(2):
+                    call(inp)
+                if not run.smoke:
+                    torch.cuda.synchronize()
+                with profile(activities=acts) as prof:
+                    for _ in range(iters):
+                        call(inp)
+                    if not run.smoke:
+                        torch.cuda.synchronize()
+            events = []
+            for e in prof.key_averages():
+                on_gpu = str(getattr(e, "device_type", "")).endswith("CUDA")
+                if run.smoke:
+                    us = getattr(e, "self_cpu_time_total", 0.0)
+                elif on_gpu:
+                    us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+                else:
+                    continue
+                if us > 0:
+                    events.append((e.key, us / 1000, e.count))
+            return _profile_categories(events, iters)
+
+        res["variants"][name] = guarded(f"profile {name}", one)
+        log(f"profile {name}: " + ", ".join(f"{c} {v['ms']:.3g} ms" for c, v in
+                                            res["variants"][name].get("categories", {}).items()))
+    return res
+
+
 def section_encoder_3p(run: Run) -> dict[str, Any]:
     """The third-party CUDA-graph captures, last of all (a failed capture can spoil the context)."""
     plan = getattr(run, "encoder_plan", None)
@@ -1057,6 +1133,24 @@ def render_markdown(report: dict[str, Any]) -> str:
                     cells.append(f"err: {str(err)[:60]}" if err else (f"skipped ({skipped})" if skipped else "—"))
             L.append(f"| {name} | " + " | ".join(cells) + " |")
         L.append("")
+    prof = s.get("profile")
+    if prof and prof.get("variants"):
+        L += [f"## Where the encoder's time goes: {prof['model']}, batch {prof['batch']}, seq {prof['seq']}", "",
+              f"{prof['timer']}, mean over {prof['iters']} eager forwards, ms per forward (share).", ""]
+        names = [n for n, v in prof["variants"].items() if "categories" in v]
+        cats = list(dict.fromkeys(c for n in names for c in prof["variants"][n]["categories"]))
+        L += ["| category | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+        for c in cats:
+            cells = []
+            for n in names:
+                v = prof["variants"][n]["categories"].get(c)
+                cells.append(f"{v['ms']:.3f} ({100 * v['share']:.0f} %)" if v else "—")
+            L.append(f"| {c} | " + " | ".join(cells) + " |")
+        L.append("| **total** | " + " | ".join(f"{prof['variants'][n]['ms_per_forward']:.3f}" for n in names) + " |")
+        for n, v in prof["variants"].items():
+            if "error" in v:
+                L.append(f"\n{n}: not measured: {_last_line(v['error'])}")
+        L.append("")
     par = s.get("parity")
     if par:
         L += ["## Parity with the checkpoint's fake-quant model", ""]
@@ -1215,7 +1309,7 @@ def merge_main(paths: list[str], out: Path) -> int:
 
 
 SECTIONS = {"env": section_env, "peak": section_peak, "gemm": section_gemm, "encoder": section_encoder,
-            "parity": section_parity, "encoder_3p": section_encoder_3p}
+            "parity": section_parity, "encoder_3p": section_encoder_3p, "profile": section_profile}
 
 
 def main(argv=None) -> int:
@@ -1244,7 +1338,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     # parity first (the check that must not be lost), then the whole-encoder targets, then the GEMM
     # sweep (it stops at the time budget), and third-party graph captures last of all
-    order = [s for s in ("env", "peak", "parity", "encoder", "gemm") if s in args.section_list or s == "env"]
+    order = [s for s in ("env", "peak", "parity", "profile", "encoder", "gemm") if s in args.section_list or s == "env"]
     if "encoder" in args.section_list:
         order.append("encoder_3p")
     try:

@@ -172,3 +172,25 @@ def test_merge_combines_split_runs_and_marks_borrowed_variants(tmp_path):
     assert run.main(["--merge", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--out", str(tmp_path / "m")]) == 0
     assert "Merged from 2 runs" in (tmp_path / "m" / "results.md").read_text()
     assert run.main(["--merge", str(tmp_path / "0.json")]) == 2  # no --out: usage, not a traceback
+
+
+def test_profile_files_kernels_by_category_and_reports_them(tmp_path):
+    run = gpu_module("run")
+    events = [("sm90_xmma_sparse_gemm_s8s8_i8i32_f16", 30.0, 360), ("nvjet_hsh_256x128_2cta", 10.0, 120),
+              ("flash_fwd_kernel<Flash_fwd_kernel_traits>", 20.0, 60), ("triton_poi_fused_quantize_0", 5.0, 300),
+              ("void at::native::vectorized_layer_norm_kernel", 4.0, 120), ("elementwise_kernel_with_index", 1.0, 60)]
+    out = run._profile_categories(events, iters=5)
+    cats = out["categories"]
+    assert cats["2:4 GEMM (cuSPARSELt)"]["ms"] == pytest.approx(6.0) and cats["dense GEMM"]["ms"] == pytest.approx(2.0)
+    assert cats["attention"]["ms"] == pytest.approx(4.0) and cats["LayerNorm"]["ms"] == pytest.approx(0.8)
+    assert cats["activation quantizer / fused Triton"]["ms"] == pytest.approx(1.0)
+    assert cats["element-wise and other"]["ms"] == pytest.approx(0.2)
+    assert out["ms_per_forward"] == pytest.approx(14.0) and sum(c["share"] for c in cats.values()) == pytest.approx(1.0)
+    assert out["top_kernels"][0]["calls_per_forward"] == 72 and list(cats)[0] == "2:4 GEMM (cuSPARSELt)"
+    # the section end to end on the CPU (operator times there), and its table in results.md
+    assert run.main(["--cpu-smoke", "--out", str(tmp_path), "--sections", "env,profile"]) == 0
+    prof = json.loads((tmp_path / "results.json").read_text())["sections"]["profile"]
+    assert {"FP32 eager (transformers)", "INT8 reference (ours, CPU)"} <= set(prof["variants"])
+    for v in prof["variants"].values():
+        assert v["ms_per_forward"] > 0 and v["top_kernels"]
+    assert "Where the encoder's time goes" in (tmp_path / "results.md").read_text()
