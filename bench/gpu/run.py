@@ -1219,24 +1219,27 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     models = {k: v for k, v in (report["sections"].get("encoder", {}).get("models") or {}).items()
               if isinstance(v, dict) and "variants" in v}
     if models:
-        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+        fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5.2), squeeze=False)
+        palette = plt.get_cmap("tab20").colors
         for ax, (label, m) in zip(axes[0], models.items()):
-            for name, r in m["variants"].items():
+            for i, (name, r) in enumerate(m["variants"].items()):
                 if not isinstance(r, dict):
                     continue
                 pts = [(int(b), c["seq_per_s"]) for b, c in r.items() if b.isdigit() and isinstance(c, dict) and "seq_per_s" in c]
                 if pts:
                     pts.sort()
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+                    ours = "ours" in name or "backend" in name  # ours solid, the baselines dashed
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^vD<>p"[i % 8],
+                            color=palette[(2 * i) % 20 + (i // 10) % 2], linestyle="-" if ours else "--", label=name)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("batch size")
             ax.set_ylabel("sequences / s")
             ax.set_title(label[:70], fontsize=8)
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=6)
+            ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
         fig.tight_layout()
-        fig.savefig(out / "encoder.png", dpi=110)
+        fig.savefig(out / "encoder.png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append("encoder.png")
     return written
