@@ -389,8 +389,12 @@ def main(argv=None) -> int:
                     for _ in range(args.warmup):
                         fn()
                 times = {k: [] for k in fns}
-                for _ in range(args.runs):
-                    for k, fn in fns.items():  # interleaved: background load hits every engine alike
+                order = list(fns.items())
+                for i in range(args.runs):
+                    # interleaved, so background load hits every engine alike, and in reverse order every
+                    # other round: an engine timed right after a similar one ran up to 12 % faster at batch 1
+                    # on a 2-core Xeon (docs/results/2026-11-24-openvino.md), a bias the reversal cancels
+                    for k, fn in (order if i % 2 == 0 else order[::-1]):
                         t0 = time.perf_counter()
                         fn()
                         times[k].append((time.perf_counter() - t0) * 1000.0)
@@ -422,7 +426,7 @@ def main(argv=None) -> int:
         "checkpoint": art.path.name,
         "dense_baseline": dense_dir.name,
         "method": {"runs": args.runs, "warmup": args.warmup, "inputs": "random token ids, full-length rows (no padding)",
-                   "interleaved": True, "dynamic_int8": "onnxruntime.quantization.quantize_dynamic(weight_type=QInt8)",
+                   "interleaved": "every round, the order reversed every other round", "dynamic_int8": "onnxruntime.quantization.quantize_dynamic(weight_type=QInt8)",
                    "baseline_attention": baseline_attention,
                    "baseline_classifier_row": baseline_classifier_row,
                    "openvino_baselines": "the dense fp32 ONNX as exported (standard ops, no ORT rewrites), compiled "
@@ -458,7 +462,7 @@ def markdown(r: dict) -> str:
     lines = [f"# CPU latency — {r['date']}, {r['machine']}", "",
              f"Checkpoint `{r['checkpoint']}`; baselines from `{r['dense_baseline']}`. "
              f"Median / p90 of {r['method']['runs']} runs after {r['method']['warmup']} warm-up runs, engines "
-             f"interleaved, full-length rows. {versions}. "
+             f"interleaved (the order reversed every other round), full-length rows. {versions}. "
              f"Attention in the ORT baselines: {r['method'].get('baseline_attention', 'as exported')}; "
              f"their last layer: {r['method'].get('baseline_classifier_row', 'all rows computed')}.",
              f"Load before: `{r['load']['uptime_before']}`; after: `{r['load']['uptime_after']}` "
