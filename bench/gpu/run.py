@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.m_list = [int(x) for x in args.m.split(",") if x]
     args.batch_list = [int(x) for x in args.batches.split(",") if x]
     args.section_list = [s.strip() for s in args.sections.split(",") if s.strip()]
-    bad = set(args.section_list) - {"env", "peak", "gemm", "encoder", "parity", "profile"}
+    bad = set(args.section_list) - (set(SECTIONS) - {"encoder_3p"})  # encoder_3p follows encoder on its own
     if bad:
         ap.error(f"unknown sections: {', '.join(sorted(bad))}")
     if args.cpu_smoke:
@@ -184,6 +184,11 @@ def measure(run: Run, fn: Callable[[int], Any], *, warmup: int | None = None, it
     q = sorted(times)
     return {"median_ms": statistics.median(times), "p10_ms": q[len(q) // 10], "p90_ms": q[min(len(q) - 1, (9 * len(q)) // 10)],
             "n": len(times)}
+
+
+def only_failure(sec: dict[str, Any]) -> bool:
+    """A section result that holds nothing but its failure (as guarded() returns it, timed or not)."""
+    return "error" in sec and set(sec) <= {"error", "trace", "seconds"}
 
 
 def guarded(label: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -303,19 +308,24 @@ def section_peak(run: Run) -> dict[str, Any]:
     out["fp16"] = r
     if "median_ms" in r:
         out["fp16_tflops"] = 2 * n**3 / (r["median_ms"] * 1e-3) / 1e12
-    r = guarded("peak int8", lambda: measure(run, lambda i: torch._int_mm(a8, b8), warmup=5, iters=20))
-    out["int8"] = r
-    if "median_ms" in r:
-        out["int8_tops"] = 2 * n**3 / (r["median_ms"] * 1e-3) / 1e12
-    r = guarded("peak int8 row-major B", lambda: measure(run, lambda i: torch._int_mm(a8, b8_rows), warmup=5, iters=20))
-    out["int8_row_major_b"] = r
-    if "median_ms" in r:
-        out["int8_row_major_b_tops"] = 2 * n**3 / (r["median_ms"] * 1e-3) / 1e12
+    for key, b in (("int8", b8), ("int8_row_major_b", b8_rows)):
+        r = guarded(f"peak {key}", lambda b=b: measure(run, lambda i: torch._int_mm(a8, b), warmup=5, iters=20))
+        out[key] = r
+        if "median_ms" in r:
+            out[f"{key}_tops"] = 2 * n**3 / (r["median_ms"] * 1e-3) / 1e12
     del a16, b16, a8, b8, b8_rows
     torch.cuda.empty_cache()
     log(f"peak: fp16 {out.get('fp16_tflops', float('nan')):.0f} TFLOP/s, int8 {out.get('int8_tops', float('nan')):.0f} TOPS "
         f"(row-major B: {out.get('int8_row_major_b_tops', float('nan')):.0f})")
     return out
+
+
+MODEL_SHAPES = [(768, 768), (768, 3072), (3072, 768), (384, 384), (384, 1536), (1536, 384)]  # (K, N) of BERT-base, MiniLM
+
+
+def _shape_rank(kn: tuple[int, int]) -> int:
+    """Sort key for GEMM shapes: the model Linears' (K, N) in MODEL_SHAPES order, then the rest."""
+    return MODEL_SHAPES.index(kn) if kn in MODEL_SHAPES else len(MODEL_SHAPES)
 
 
 def section_gemm(run: Run) -> dict[str, Any]:
@@ -339,9 +349,8 @@ def section_gemm(run: Run) -> dict[str, Any]:
             log(f"no working 2:4 INT8 epilogue: {e}")
     gen = torch.Generator(device=run.device).manual_seed(0)
     # the Linear shapes of BERT-base and MiniLM first, so a run cut short by the budget keeps them
-    model_shapes = [(768, 768), (768, 3072), (3072, 768), (384, 384), (384, 1536), (1536, 384)]
     pairs = [(k, n) for k in args.kn_list for n in args.kn_list]
-    pairs.sort(key=lambda kn: model_shapes.index(kn) if kn in model_shapes else len(model_shapes))
+    pairs.sort(key=_shape_rank)
     for K, N in pairs:
         if run.over_budget():
             res["truncated"] = f"time budget reached at K={K}, N={N}"
@@ -518,7 +527,14 @@ def _token_batch(torch, b: int, n: int, vocab: int, device, seed: int | None = N
 
 
 def _bert_base_random(run: Run):
-    """BERT-base shapes (12 x 768, FFN 3072) with random weights: dense state, and a 2:4 INT8 version."""
+    """BERT-base shapes (12 x 768, FFN 3072) with random weights: dense state, and a 2:4 INT8 version.
+    Built (and calibrated) once per run: the encoder and profile sections share it."""
+    if getattr(run, "bert_base", None) is None:
+        run.bert_base = _build_bert_base_random(run)
+    return run.bert_base
+
+
+def _build_bert_base_random(run: Run):
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -1272,9 +1288,9 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         when = f" (run of {str(r.get('date', '?'))[11:16]} UTC)"
         for name, sec in r["sections"].items():
             mine = out["sections"].get(name)
-            if name == "encoder_3p" or "error" in sec and len(sec) <= 3:
+            if name == "encoder_3p" or only_failure(sec):
                 continue
-            if mine is None or "error" in mine and len(mine) <= 3:
+            if mine is None or only_failure(mine):
                 out["sections"][name] = copy.deepcopy(sec)
             elif name == "gemm":
                 have = {(x["K"], x["N"], x["M"]) for x in mine.get("rows", [])}
@@ -1290,10 +1306,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     for r in reports:
         out["errors"] += [e for e in r.get("errors", []) if e.split(":")[0] not in out["sections"]
                           or "error" in out["sections"][e.split(":")[0]]]
-    model_shapes = [(768, 768), (768, 3072), (3072, 768), (384, 384), (384, 1536), (1536, 384)]
     rows = out["sections"].get("gemm", {}).get("rows", [])
-    rows.sort(key=lambda x: (model_shapes.index((x["K"], x["N"])) if (x["K"], x["N"]) in model_shapes
-                             else len(model_shapes), x["K"], x["N"], x["M"]))
+    rows.sort(key=lambda x: (_shape_rank((x["K"], x["N"])), x["K"], x["N"], x["M"]))
     out["targets"] = targets(out)
     return out
 
@@ -1352,7 +1366,7 @@ def main(argv=None) -> int:
             log(f"section {name}")
             t = time.perf_counter()
             r = guarded(name, lambda name=name: SECTIONS[name](run))
-            if "error" in r and len(r) <= 2:
+            if only_failure(r):
                 run.report["errors"].append(f"{name}: {r['error']}")
             r["seconds"] = round(time.perf_counter() - t, 1)
             run.report["sections"][name] = r
