@@ -49,8 +49,8 @@ from holoserve.core.files import atomic_savefig  # noqa: E402
 from holoserve.core.machine import describe_cpu  # noqa: E402
 from holoserve.core.ort import session  # noqa: E402
 
-ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "openvino_fp32", "openvino_nncf_int8", "ours_qdq_int8",
-           "ours_openvino", "ours_openvino_dense")
+ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "openvino_fp32", "openvino_nncf_int8",
+           "openvino_nncf_int8_static", "ours_qdq_int8", "ours_openvino", "ours_openvino_dense", "ours_openvino_static")
 LABELS = {
     "pytorch_fp32": "PyTorch fp32 (eager)",
     "ort_fp32": "ORT fp32",
@@ -62,7 +62,13 @@ LABELS = {
     # the same model with OpenVINO's sparse-weight decompression forced off: beside the row above (on
     # where the CPU has AMX) it shows what the 2:4 zeros buy there; where it has none, both rows run dense
     "ours_openvino_dense": "ours on OpenVINO, sparse-weight decompression off",
+    # compiled for each cell's one shape: OpenVINO fuses more with every dimension static. Ours through the
+    # backend's --openvino-shapes; the NNCF baseline gets the same treatment, so the pair compares alike
+    "openvino_nncf_int8_static": "OpenVINO INT8 (NNCF PTQ), static shape",
+    "ours_openvino_static": "ours on OpenVINO, static shape",
 }
+# static-shape rows and the dynamic row whose model they compile per cell
+STATIC_OF = {"openvino_nncf_int8_static": "openvino_nncf_int8", "ours_openvino_static": "ours_openvino"}
 OPENVINO_ENGINES = ("openvino_fp32", "openvino_nncf_int8", "ours_openvino", "ours_openvino_dense")
 INT8_REFERENCE = "openvino_nncf_int8"  # the second ratio in the table: speed-up over OpenVINO INT8 (NNCF)
 
@@ -241,6 +247,9 @@ def main(argv=None) -> int:
         except ImportError as e:
             for k in OPENVINO_ENGINES:
                 skipped.setdefault(k, f"OpenVINO is not installed ({e}): pip install 'holoserve[bench]'")
+    for k, base in STATIC_OF.items():
+        if base in skipped:
+            skipped.setdefault(k, skipped[base])
     for k, why in skipped.items():
         print(f"skipping {LABELS[k]}: {why}", flush=True)
     dense_dir = args.dense or art.path
@@ -310,6 +319,9 @@ def main(argv=None) -> int:
             calibration = {"rows": len(samples), "split": "train", "task": task.name, "first_rows": True,
                            "seconds": round(time.perf_counter() - t0, 1)}
             sizes["openvino_nncf_int8_ir_bytes"] = nncf_ir.stat().st_size + nncf_ir.with_suffix(".bin").stat().st_size
+    for k, base in STATIC_OF.items():
+        if base in skipped:
+            skipped.setdefault(k, skipped[base])
     engines = [k for k in ENGINES if k not in skipped]
     onnx_of = {"ort_fp32": fp32_onnx, "ort_dynamic_int8": dyn_onnx, "ours_qdq_int8": ours}
     openvino_of = {"openvino_fp32": (plain_fp32_onnx, False), "openvino_nncf_int8": (nncf_ir, False),
@@ -322,6 +334,16 @@ def main(argv=None) -> int:
         path, sparse = openvino_of[key]
         compiled, note = compile_model(path, threads=threads, sparse=sparse)
         return compiled, note
+
+    def static_runner(key: str, threads: int, batch: int, seq: int):
+        """feed -> logits for a static-shape row, compiled for this one cell."""
+        from holoserve.backends.openvino import OpenVinoBackend, compile_model
+
+        if key == "ours_openvino_static":  # the product path: the backend with --openvino-shapes BATCHxSEQ
+            backend = OpenVinoBackend(art, threads=threads, shapes=[(batch, seq)])
+            run = (lambda feed: backend.infer(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"]))
+            return run, backend
+        return openvino_runner(compile_model(nncf_ir, threads=threads, sparse=False, shape=(batch, seq))[0]), None
 
     def runners(threads: int) -> dict:
         out = {}
@@ -383,8 +405,13 @@ def main(argv=None) -> int:
                         dense(**tfeed)
 
                 fns = {"pytorch_fp32": run_torch}
-                for k, run in engine_runs.items():
-                    fns[k] = (lambda run=run: run(feed))
+                static_backends = {}
+                for k in engines:
+                    if k in STATIC_OF:
+                        run, static_backends[k] = static_runner(k, th, b, s)
+                        engine_runs[k] = run
+                for k in engines[1:]:
+                    fns[k] = (lambda run=engine_runs[k]: run(feed))
                 for fn in fns.values():
                     for _ in range(args.warmup):
                         fn()
@@ -399,6 +426,9 @@ def main(argv=None) -> int:
                         fn()
                         times[k].append((time.perf_counter() - t0) * 1000.0)
                 row = {"threads": th, "batch": b, "seq": s}
+                for k, backend in static_backends.items():
+                    if backend is not None and backend.runs["static"] == 0:  # the cell must have run static
+                        raise RuntimeError(f"{LABELS[k]} never ran its static model: {backend.runs}")
                 for k in engines:
                     row[k] = {"median_ms": round(percentile(times[k], 50), 3), "p90_ms": round(percentile(times[k], 90), 3)}
                 base = row["pytorch_fp32"]["median_ms"]
@@ -432,6 +462,9 @@ def main(argv=None) -> int:
                    "openvino_baselines": "the dense fp32 ONNX as exported (standard ops, no ORT rewrites), compiled "
                                          "by OpenVINO; INT8: nncf.quantize(model_type=TRANSFORMER, subset_size="
                                          f"{args.calibration_rows}) on the first training rows, dense weights",
+                   "static_shape_rows": "compiled for each cell's (batch, seq) alone; ours through the OpenVINO "
+                                        "backend's static shapes (--openvino-shapes), NNCF's IR reshaped to the "
+                                        "cell; no dev accuracy (the same models as their dynamic rows)",
                    "nncf_calibration": calibration},
         "engines": engines,
         "skipped_engines": skipped,

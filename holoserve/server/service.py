@@ -38,6 +38,8 @@ def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dic
         opts["threads"] = config.threads
     if config.openvino_precision != "auto":
         opts["openvino_precision"] = config.openvino_precision
+    if config.openvino_shapes:
+        opts["openvino_shapes"] = config.openvino_shapes
     if config.backend == "auto":
         from ..backends.auto import select_backend
 

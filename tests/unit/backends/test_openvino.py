@@ -91,3 +91,61 @@ def test_bad_openvino_precision_names_the_choices():
         ExportOptions(openvino_precision="f64").validate()
     with pytest.raises(HoloServeError, match="openvino precision 'fp16' is not one of auto, f32, bf16, f16"):
         ServerConfig(openvino_precision="fp16").validate()
+
+
+def _rows(rng, vocab: int, batch: int, seq: int):
+    """Random ids with rows of different lengths (the first row full), padded with mask 0."""
+    ids = rng.integers(5, vocab, size=(batch, seq), dtype=np.int64)
+    lengths = np.concatenate([[seq], rng.integers(2, seq + 1, size=batch - 1)])
+    mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+    return ids * mask, mask, np.zeros_like(ids)
+
+
+def test_static_shapes_run_padded_batches_with_the_dynamic_models_logits(with_openvino):
+    """--openvino-shapes: a batch that fits a listed shape with at most STATIC_PAD_SHARE padding runs on the
+    model compiled for it (rows repeated, positions masked, extra logits dropped) and gives the dynamic
+    model's logits; a batch that would need more padding runs on the dynamic model; the server passes the
+    setting through and info() says what ran where."""
+    import json
+
+    from holoserve.backends.openvino import STATIC_PAD_SHARE
+    from holoserve.server.config import ServerConfig
+    from holoserve.server.service import open_backend
+
+    assert STATIC_PAD_SHARE == 0.10  # the cases below sit on its edges
+    ckpt, _ = with_openvino
+    art = load_artifact(ckpt)
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    dyn = load_backend("openvino", art, threads=1, openvino_precision="f32")
+    st, decision = open_backend(ServerConfig(artifact_dir=str(ckpt), backend="openvino", threads=1,
+                                             openvino_precision="f32", openvino_shapes="11x12, 3x16"), art)
+    assert st.info()["static_shapes"] == ["3x16", "11x12"] and decision["picked"] == "openvino"
+    rng = np.random.default_rng(0)
+    # (batch, seq) -> where it runs: 3x15 pads 3 positions (48 <= 49.5 tokens), 10x12 one row (132 <= 132),
+    # 3x16 fits exactly; 3x14 would pad 14 % and 12x12 / 3x17 fit no shape
+    cases = [((3, 15), "static"), ((10, 12), "static"), ((3, 16), "static"), ((3, 14), "dynamic"),
+             ((12, 12), "dynamic"), ((3, 17), "dynamic")]
+    for (b, s), where in cases:
+        before = dict(st.runs)
+        batch = _rows(rng, vocab, b, s)
+        want, got = dyn.infer(*batch), st.infer(*batch)
+        assert got.shape == (b, art.num_labels) and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, float(np.abs(want).max())))
+        assert st.runs[where] == before[where] + 1, ((b, s), st.runs, before)
+    assert st.info()["runs"] == {"static": 3, "dynamic": 3}
+
+
+def test_bad_openvino_shapes_say_what_to_write():
+    from holoserve import HoloServeError
+    from holoserve.backends.openvino import parse_shapes
+    from holoserve.server.config import ServerConfig
+
+    assert parse_shapes("32x128, 1x128,1X128") == [(1, 128), (32, 128)]
+    assert parse_shapes("") == [] and parse_shapes([(2, 8)]) == [(2, 8)]
+    for bad, why in (("1x", "write BATCHxSEQ"), ("128", "write BATCHxSEQ"), ("0x8", ">= 1"), ("axb", "BATCHxSEQ")):
+        with pytest.raises(HoloServeError, match=why):
+            parse_shapes(bad)
+    with pytest.raises(HoloServeError, match="invalid server settings: bad OpenVINO static shape '4x'"):
+        ServerConfig(openvino_shapes="1x8,4x").validate()
+    with pytest.raises(HoloServeError, match="longer than the checkpoint's max_seq_length \\(64\\)"):
+        parse_shapes("1x128", max_seq_length=64)

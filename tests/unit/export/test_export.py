@@ -693,15 +693,17 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
     r = json.loads((tmp_path / "lat.json").read_text())
     assert r["method"]["baseline_attention"].startswith("2 blocks fused")
     assert [(x["batch"], x["seq"]) for x in r["results"]] == [(1, 8), (2, 8)]
-    ran = [k for k in run.ENGINES if (k not in run.OPENVINO_ENGINES or has_ov)
-           and (k != "openvino_nncf_int8" or has_nncf)]
+    ran = [k for k in run.ENGINES if (k not in run.OPENVINO_ENGINES and k not in run.STATIC_OF or has_ov)
+           and (run.STATIC_OF.get(k, k) != "openvino_nncf_int8" or has_nncf)]
     assert r["engines"] == ran and set(r["skipped_engines"]) == set(run.ENGINES) - set(ran)
     for k, why in r["skipped_engines"].items():  # never silently: the reason is recorded and shown
         assert "not installed" in why and f"Not run: {run.LABELS[k]}" in (tmp_path / "lat.md").read_text()
     for x in r["results"]:
         assert all(x[k]["median_ms"] > 0 for k in ran)
-    assert set(r["dev_accuracy"]) >= set(ran[1:]) and r["dev_accuracy"]["rows"] == 6
-    assert all(0.0 <= r["dev_accuracy"][k] <= 1.0 for k in ran[1:])
+    dynamic = [k for k in ran[1:] if k not in run.STATIC_OF]  # static rows: the same models, one shape each
+    assert set(r["dev_accuracy"]) >= set(dynamic) and r["dev_accuracy"]["rows"] == 6
+    assert all(0.0 <= r["dev_accuracy"][k] <= 1.0 for k in dynamic)
+    assert not set(r["dev_accuracy"]) & set(run.STATIC_OF)
     if has_nncf:
         assert r["method"]["nncf_calibration"]["rows"] == 8
         assert r["openvino"]["openvino_nncf_int8"]["gemm_precisions"].get("u8", 0) > 0  # NNCF made INT8 GEMMs
@@ -734,6 +736,7 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
         r = json.loads((tmp_path / "lat2.json").read_text())
         assert r["engines"] == ["pytorch_fp32", "openvino_fp32", "ours_qdq_int8"]
         assert "--target openvino" in r["skipped_engines"]["ours_openvino"]
+        assert r["skipped_engines"]["ours_openvino_static"] == r["skipped_engines"]["ours_openvino"]
         assert "training rows to calibrate on" in r["skipped_engines"]["openvino_nncf_int8"]
         assert r["skipped_engines"]["ort_fp32"] == "left out (--skip)"
         assert "skipped" in r["dev_accuracy"]  # no data dir given: latency only, said so
