@@ -3,8 +3,10 @@ compiled by OpenVINO, whose CPU plugin runs the Q/DQ Linears as u8 x i8 GEMMs.
 
 It reads the `openvino` export (`holoserve export CKPT --target openvino`: the ONNX Runtime placement
 in standard ONNX ops, with the [CLS]-row rewrite). On CPUs with AMX, OpenVINO can also decompress sparse
-INT8 weights (`CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE`): 2:4 weights are half zeros, so it is switched on
-there and reported by `info()`; elsewhere it is off and `info()` says why.
+INT8 weights (`CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE`): 2:4 weights are half zeros. It is off by default:
+on a 2-core Xeon with AMX it made MiniLM 3-4 % slower at batch 1 and no faster at batch 32 (the
+weights fit in cache; OpenVINO aims it at memory-bound models). `sparse=True` (`--openvino-sparse-weights`)
+turns it on where the CPU has AMX; `info()` reports which.
 
 The float ops around the Q/DQ GEMMs run at OpenVINO's inference precision. Its CPU plugin defaults to
 bf16 on CPUs with AVX-512 BF16 or AMX, which changes ~2 % of SST-2 predictions against `holoserve eval`
@@ -60,7 +62,7 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool | None = None, precision: str = "auto",
+def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = False, precision: str = "auto",
                   shape: tuple[int, int] | None = None):
     """(compiled model, sparse-weights note) for an ONNX file on OpenVINO's CPU plugin; `shape` (batch,
     seq) compiles it for that one static shape."""
@@ -76,14 +78,13 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool | N
     if precision != "auto":
         config["INFERENCE_PRECISION_HINT"] = precision
     amx = cpu_has_amx()
-    if sparse is None:
-        sparse = amx
     if sparse and amx:
         config["CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE"] = SPARSE_RATE
         note = f"on (CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE {SPARSE_RATE}: AMX present)"
+    elif not amx:
+        note = "off: this CPU has no AMX (OpenVINO decompresses sparse INT8 weights only with AMX)"
     else:
-        note = "off: this CPU has no AMX (OpenVINO decompresses sparse INT8 weights only with AMX)" if not amx \
-            else "off (disabled)"
+        note = "off (the default; AMX present: --openvino-sparse-weights turns it on)"
     try:
         model = core.read_model(str(path))
         if shape is not None:
@@ -142,7 +143,7 @@ class OpenVinoBackend:
     name = "openvino"
     whole_batches = False  # on a CPU, length groups save the padded tokens' work
 
-    def __init__(self, artifact: Artifact, *, threads: int | None = None, sparse: bool | None = None,
+    def __init__(self, artifact: Artifact, *, threads: int | None = None, sparse: bool = False,
                  precision: str = "auto", export_key: str = OPENVINO, shapes: str | Sequence = ()):
         entry = artifact.export(export_key)
         if entry is None:
@@ -204,6 +205,6 @@ class OpenVinoBackend:
 
 
 def load(artifact: Artifact, **options: Any) -> OpenVinoBackend:
-    return OpenVinoBackend(artifact, threads=options.get("threads"), sparse=options.get("sparse"),
+    return OpenVinoBackend(artifact, threads=options.get("threads"), sparse=bool(options.get("openvino_sparse_weights")),
                            precision=options.get("openvino_precision") or "auto",
                            shapes=options.get("openvino_shapes") or ())

@@ -50,6 +50,8 @@ class ServerConfig:
     # OpenVINO models compiled for fixed (batch x seq) shapes beside the dynamic one, e.g. "1x128,32x128":
     # a batch that fits one with at most 10 % padding runs there, 13-17 % faster (backends/openvino.py).
     openvino_shapes: str = ""
+    # OpenVINO's sparse INT8 weight decompression (CPUs with AMX only): off, as it measured no faster.
+    openvino_sparse_weights: bool = False
     model_name: str = ""  # default: the checkpoint folder's name
     warmup: bool = True
     verify: bool = True  # check sha256 of every checkpoint file at start-up

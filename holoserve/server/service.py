@@ -40,6 +40,8 @@ def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dic
         opts["openvino_precision"] = config.openvino_precision
     if config.openvino_shapes:
         opts["openvino_shapes"] = config.openvino_shapes
+    if config.openvino_sparse_weights:
+        opts["openvino_sparse_weights"] = True
     if config.backend == "auto":
         from ..backends.auto import select_backend
 

@@ -149,3 +149,18 @@ def test_bad_openvino_shapes_say_what_to_write():
         ServerConfig(openvino_shapes="1x8,4x").validate()
     with pytest.raises(HoloServeError, match="longer than the checkpoint's max_seq_length \\(64\\)"):
         parse_shapes("1x128", max_seq_length=64)
+
+
+def test_sparse_weight_decompression_is_off_by_default_and_on_when_asked(with_openvino):
+    from holoserve.backends.openvino import cpu_has_amx
+    from holoserve.server.config import ServerConfig
+    from holoserve.server.service import open_backend
+
+    ckpt, _ = with_openvino
+    art = load_artifact(ckpt)
+    assert load_backend("openvino", art, threads=1).info()["sparse_weights_decompression"].startswith("off")
+    served, _ = open_backend(ServerConfig(artifact_dir=str(ckpt), backend="openvino", threads=1,
+                                          openvino_sparse_weights=True), art)
+    note = served.info()["sparse_weights_decompression"]
+    assert note.startswith("on (CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE") if cpu_has_amx() else \
+        note.startswith("off: this CPU has no AMX")
