@@ -44,9 +44,9 @@ HELP = {
                           "eval`), f32 = the checkpoint's numerics",
     "openvino_shapes": "openvino backend: BATCHxSEQ shapes to compile static models for, e.g. 1x128,32x128 "
                        "(~0.3 s each at start-up); a batch that fits one with at most 10 %% padding runs there "
-                       "(13-17 %% faster for MiniLM on a 2-core Xeon), every other batch on the dynamic model",
+                       "(13-26 %% less time for MiniLM on a 2-core Xeon), every other batch on the dynamic model",
     "openvino_sparse_weights": "openvino backend: let OpenVINO decompress the 2:4 INT8 weights (CPUs with AMX "
-                               "only; measured no faster for MiniLM on a 2-core Xeon, 3-4 %% slower at batch 1)",
+                               "only; no consistent gain measured for MiniLM on a 2-core Xeon)",
     "model_name": "name reported by the API and metrics; default: the checkpoint folder's name",
     "warmup": "run the model once before reporting ready",
     "verify": "check the sha256 of every checkpoint file at start-up",

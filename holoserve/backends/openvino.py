@@ -4,8 +4,8 @@ compiled by OpenVINO, whose CPU plugin runs the Q/DQ Linears as u8 x i8 GEMMs.
 It reads the `openvino` export (`holoserve export CKPT --target openvino`: the ONNX Runtime placement
 in standard ONNX ops, with the [CLS]-row rewrite). On CPUs with AMX, OpenVINO can also decompress sparse
 INT8 weights (`CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE`): 2:4 weights are half zeros. It is off by default:
-on a 2-core Xeon with AMX it made MiniLM 3-4 % slower at batch 1 and no faster at batch 32 (the
-weights fit in cache; OpenVINO aims it at memory-bound models). `sparse=True` (`--openvino-sparse-weights`)
+on a 2-core Xeon with AMX it made MiniLM no consistently faster (four runs: -6 % to +4 % at batch 1,
+within 1 % at batch 32; the weights fit in cache, and OpenVINO aims it at memory-bound models). `sparse=True` (`--openvino-sparse-weights`)
 turns it on where the CPU has AMX; `info()` reports which.
 
 The float ops around the Q/DQ GEMMs run at OpenVINO's inference precision. Its CPU plugin defaults to
@@ -16,10 +16,11 @@ some speed (docs/results/2026-11-24-openvino.md). `info()` reports the precision
 Static shapes (`shapes=[(batch, seq), ...]`, `--openvino-shapes 1x128,32x128`): OpenVINO's CPU plugin
 fuses the element-wise ops around the quantized GEMMs (LayerNorm's affine, the activation quantizers,
 residual adds) into JIT subgraphs only when every dimension is static; with dynamic shapes each runs as
-its own pass, the quantizers in float32 behind a bf16->f32 reorder. A model compiled for one shape ran
-13-17 % faster (MiniLM, seq 128, batch 1 and 32, 1 thread, 2-core Xeon with AMX). The backend compiles
-one such model per listed shape (~0.3 s each) beside the dynamic one, and runs a batch on the smallest
-listed shape that holds it when padding it up adds at most STATIC_PAD_SHARE of its tokens: extra rows
+its own pass, the quantizers in float32 behind a bf16->f32 reorder. A model compiled for one shape took
+13-26 % less time (MiniLM, seq 128, batch 1 and 32, 1 and 2 threads, 2-core Xeon with AMX; NNCF's INT8
+model 10-19 % less the same way). The backend compiles one such model per listed shape (~0.3 s each)
+beside the dynamic one, and runs a batch on the smallest listed shape that holds it when padding it
+up adds at most STATIC_PAD_SHARE of its tokens: extra rows
 repeat the first row, extra positions are masked out, and the padded rows' logits are dropped. Every
 other batch runs on the dynamic model. Worth it where traffic has fixed shapes (clients padding to a
 fixed length, offline scoring at a fixed batch size).
@@ -42,7 +43,7 @@ from .base import BackendUnavailable
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 SPARSE_RATE = 0.5  # every 2:4 weight is at least half zeros
 # A batch is padded up to a listed static shape only when that adds at most this share of its tokens:
-# static shapes measured 13-17 % faster, so a little padding still pays and more would not.
+# static shapes took 13-26 % less time, so a little padding still pays and more would not.
 STATIC_PAD_SHARE = 0.10
 PRECISIONS = OPENVINO_PRECISIONS  # INFERENCE_PRECISION_HINT values (holoserve.core.choices)
 

@@ -48,9 +48,9 @@ class ServerConfig:
     # the CPU has bf16 units: ~2 % of predictions differ from `holoserve eval`), "f32" matches it.
     openvino_precision: str = "auto"
     # OpenVINO models compiled for fixed (batch x seq) shapes beside the dynamic one, e.g. "1x128,32x128":
-    # a batch that fits one with at most 10 % padding runs there, 13-17 % faster (backends/openvino.py).
+    # a batch that fits one with at most 10 % padding runs there, in 13-26 % less time (backends/openvino.py).
     openvino_shapes: str = ""
-    # OpenVINO's sparse INT8 weight decompression (CPUs with AMX only): off, as it measured no faster.
+    # OpenVINO's sparse INT8 weight decompression (CPUs with AMX only): off, as it measured no consistent gain.
     openvino_sparse_weights: bool = False
     model_name: str = ""  # default: the checkpoint folder's name
     warmup: bool = True
