@@ -537,6 +537,11 @@ def markdown(r: dict) -> str:
                      + (f" / ×{x[ref][k]:.2f}" if ref in x else "") for k in engines]
             lines.append(f"| {x['batch']} | {x['seq']} | " + " | ".join(cells) + " |")
         lines.append("")
+        pair = [x for x in r["results"] if x["threads"] == th and all(k in x for k in STATIC_OF)]
+        if pair:  # the like-for-like ratio: both compiled for the cell's shape
+            lines += [f"{LABELS['ours_openvino_static']} vs {LABELS['openvino_nncf_int8_static']}: " + ", ".join(
+                f"batch {x['batch']} seq {x['seq']} ×{x['openvino_nncf_int8_static']['median_ms'] / x['ours_openvino_static']['median_ms']:.2f}"
+                for x in pair) + ".", ""]
     return "\n".join(lines)
 
 

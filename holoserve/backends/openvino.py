@@ -18,7 +18,7 @@ fuses the element-wise ops around the quantized GEMMs (LayerNorm's affine, the a
 residual adds) into JIT subgraphs only when every dimension is static; with dynamic shapes each runs as
 its own pass, the quantizers in float32 behind a bf16->f32 reorder. A model compiled for one shape took
 13-26 % less time (MiniLM, seq 128, batch 1 and 32, 1 and 2 threads, 2-core Xeon with AMX; NNCF's INT8
-model 10-19 % less the same way). The backend compiles one such model per listed shape (~0.3 s each)
+model 8-20 % less the same way). The backend compiles one such model per listed shape (~0.3 s each)
 beside the dynamic one, and runs a batch on the smallest listed shape that holds it when padding it
 up adds at most STATIC_PAD_SHARE of its tokens: extra rows
 repeat the first row, extra positions are masked out, and the padded rows' logits are dropped. Every
