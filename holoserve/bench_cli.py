@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results", help="folder for the JSON/Markdown/PNG results (default bench/results)")
     p.add_argument("--name", default=None, help="file name stem for the results (default holoserve-bench-<checkpoint>)")
     p.add_argument("--no-save", action="store_true", help="print only; write no files")
+    p.add_argument("--openvino-static", action="store_true",
+                   help="openvino backend: also compile a static-shape model for every batch x seq timed, as "
+                        "`holoserve serve --openvino-shapes` would, so each cell runs on one")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -137,15 +140,15 @@ def _resolve_backends(spec: str) -> list[str]:
     return names
 
 
-def _load(name: str, art):
+def _load(name: str, art, **options: Any):
     from .backends import load_backend
 
     if name == "auto":
         from .backends.auto import select_backend
 
-        backend, decision = select_backend(art)
+        backend, decision = select_backend(art, **options)
         return backend, {"auto": decision}
-    return load_backend(name, art), {}
+    return load_backend(name, art, **options), {}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,12 +176,13 @@ def run(args: argparse.Namespace) -> int:
         raise HoloServeError(f"--seq {too_long} exceeds the checkpoint's max_seq_length {art.max_seq_length}")
     rng = np.random.default_rng(args.seed)
     machine = machine_description()
+    options = {"openvino_shapes": [(b, s) for b in args.batch for s in seqs]} if args.openvino_static else {}
     results: list[dict[str, Any]] = []
     backends: dict[str, Any] = {}
     for name in names:
         t0 = time.perf_counter()
         try:
-            backend, extra = _load(name, art)
+            backend, extra = _load(name, art, **options)
         except (BackendUnavailable, ImportError) as e:
             backends[name] = {"status": "unavailable", "reason": str(e)}
             print(f"{name}: unavailable: {e}")
@@ -206,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{label:>14} batch {batch:>4} seq {seq:>4}: "
                       + (f"{r['latency_ms_median']:.3f} ms median, {r['seq_per_s']:.1f} seq/s"
                          if "error" not in r else r["error"]))
+        try:  # again after the timing: a backend may report what ran where (openvino: static vs dynamic runs)
+            backends[name]["info"] = backend.info()
+        except Exception:  # noqa: BLE001 - info is descriptive only
+            pass
     # speed as ratios measured in this run: against the slowest backend at the same (batch, seq)
     for r in results:
         peers = [p["seq_per_s"] for p in results if p.get("seq_per_s") and p["batch"] == r["batch"]
@@ -222,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
                        "precision": "int8" if art.quantized else "fp32"},
         "method": {"timer": "time.perf_counter around backend.infer (host arrays in, logits out)",
                    "warmup": args.warmup, "iters": args.iters, "statistic": "median",
-                   "inputs": "fresh random token ids per call, drawn away from special tokens; full attention mask"},
+                   "inputs": "fresh random token ids per call, drawn away from special tokens; full attention mask",
+                   "openvino_static_shapes": bool(args.openvino_static)},
         "backends": backends,
         "results": results,
     }

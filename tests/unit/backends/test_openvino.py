@@ -164,3 +164,18 @@ def test_sparse_weight_decompression_is_off_by_default_and_on_when_asked(with_op
     note = served.info()["sparse_weights_decompression"]
     assert note.startswith("on (CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE") if cpu_has_amx() else \
         note.startswith("off: this CPU has no AMX")
+
+
+def test_holoserve_bench_can_time_openvino_on_static_shapes(with_openvino, tmp_path):
+    import json
+
+    from holoserve.cli import main
+
+    ckpt, _ = with_openvino
+    rc = main(["bench", str(ckpt), "--backend", "openvino", "--batch", "1,2", "--seq", "8", "--warmup", "1",
+               "--iters", "2", "--openvino-static", "--out", str(tmp_path), "--name", "b"])
+    assert rc == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    info = report["backends"]["openvino"]["info"]
+    assert info["static_shapes"] == ["1x8", "2x8"] and report["method"]["openvino_static_shapes"] is True
+    assert info["runs"] == {"static": 2 * (1 + 2), "dynamic": 0}  # every warm-up and timed call ran static
