@@ -39,6 +39,10 @@ def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dic
     if config.openvino_precision != "auto":
         opts["openvino_precision"] = config.openvino_precision
     if config.openvino_shapes:
+        from ..backends.openvino import parse_shapes
+
+        # a shape longer than any request can be would only cost its compile time and memory
+        parse_shapes(config.openvino_shapes, effective_max_seq_length(config, artifact))
         opts["openvino_shapes"] = config.openvino_shapes
     if config.openvino_sparse_weights:
         opts["openvino_sparse_weights"] = True

@@ -108,6 +108,7 @@ def test_static_shapes_run_padded_batches_with_the_dynamic_models_logits(with_op
     setting through and info() says what ran where."""
     import json
 
+    from holoserve import HoloServeError
     from holoserve.backends.openvino import STATIC_PAD_SHARE
     from holoserve.server.config import ServerConfig
     from holoserve.server.service import open_backend
@@ -133,6 +134,9 @@ def test_static_shapes_run_padded_batches_with_the_dynamic_models_logits(with_op
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, float(np.abs(want).max())))
         assert st.runs[where] == before[where] + 1, ((b, s), st.runs, before)
     assert st.info()["runs"] == {"static": 3, "dynamic": 3}
+    too_long = f"1x{art.max_seq_length + 1}"  # no request can be that long: refused at start-up, not kept idle
+    with pytest.raises(HoloServeError, match=f"static shape '{too_long}' is longer than the longest sequence"):
+        open_backend(ServerConfig(artifact_dir=str(ckpt), backend="openvino", openvino_shapes=too_long), art)
 
 
 def test_bad_openvino_shapes_say_what_to_write():
@@ -147,7 +151,7 @@ def test_bad_openvino_shapes_say_what_to_write():
             parse_shapes(bad)
     with pytest.raises(HoloServeError, match="invalid server settings: bad OpenVINO static shape '4x'"):
         ServerConfig(openvino_shapes="1x8,4x").validate()
-    with pytest.raises(HoloServeError, match="longer than the checkpoint's max_seq_length \\(64\\)"):
+    with pytest.raises(HoloServeError, match="longer than the longest sequence served \\(max_seq_length 64\\)"):
         parse_shapes("1x128", max_seq_length=64)
 
 
