@@ -20,6 +20,10 @@
   weights stay dense). Both compiled with PERFORMANCE_HINT LATENCY and INFERENCE_NUM_THREADS =
   --threads. OpenVINO and NNCF are optional (`pip install 'holoserve[bench]'`): without them
   those engines are skipped with a message; --skip leaves out any engine but PyTorch.
+- static-shape rows: ours through the OpenVINO backend's static shapes (`--openvino-shapes`), and the NNCF
+  INT8 IR reshaped alike, each compiled for every cell's (batch, seq); OpenVINO fuses more of the graph
+  when every dimension is static. The report gives their ratio per cell; they get no dev accuracy (the
+  models are their dynamic rows').
 - batch 1/8/32 x sequence 32/128 x 1 and 2 threads; every run uses full-length rows of random
   token ids; median and p90 over --runs timed runs after --warmup runs, the engines interleaved
   per shape so that background load hits them alike. Also SST-2 (or the checkpoint's task) dev
@@ -103,6 +107,13 @@ def random_rows(rng, vocab: int, batch: int, seq: int, cls_id: int | None = None
     if cls_id is not None and sep_id is not None:
         ids[:, 0], ids[:, -1] = cls_id, sep_id
     return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+
+
+def skip_static_rows(skipped: dict) -> None:
+    """A static-shape row is skipped, for the same reason, when the row whose model it compiles is."""
+    for k, base in STATIC_OF.items():
+        if base in skipped:
+            skipped.setdefault(k, skipped[base])
 
 
 def percentile(xs, q):
@@ -248,9 +259,7 @@ def main(argv=None) -> int:
         except ImportError as e:
             for k in OPENVINO_ENGINES:
                 skipped.setdefault(k, f"OpenVINO is not installed ({e}): pip install 'holoserve[bench]'")
-    for k, base in STATIC_OF.items():
-        if base in skipped:
-            skipped.setdefault(k, skipped[base])
+    skip_static_rows(skipped)
     for k, why in skipped.items():
         print(f"skipping {LABELS[k]}: {why}", flush=True)
     dense_dir = args.dense or art.path
@@ -320,9 +329,7 @@ def main(argv=None) -> int:
             calibration = {"rows": len(samples), "split": "train", "task": task.name, "first_rows": True,
                            "seconds": round(time.perf_counter() - t0, 1)}
             sizes["openvino_nncf_int8_ir_bytes"] = nncf_ir.stat().st_size + nncf_ir.with_suffix(".bin").stat().st_size
-    for k, base in STATIC_OF.items():
-        if base in skipped:
-            skipped.setdefault(k, skipped[base])
+    skip_static_rows(skipped)
     engines = [k for k in ENGINES if k not in skipped]
     onnx_of = {"ort_fp32": fp32_onnx, "ort_dynamic_int8": dyn_onnx, "ours_qdq_int8": ours}
     openvino_of = {"openvino_fp32": (plain_fp32_onnx, False), "openvino_nncf_int8": (nncf_ir, False),
