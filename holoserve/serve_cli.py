@@ -43,8 +43,9 @@ HELP = {
                           "CPU default (bf16 on CPUs with bf16 units, ~2 %% of predictions differ from `holoserve "
                           "eval`), f32 = the checkpoint's numerics",
     "openvino_shapes": "openvino backend: BATCHxSEQ shapes to compile static models for, e.g. 1x128,32x128 "
-                       "(each ~0.3 s at start-up and ~40 MB for MiniLM); a batch that fits one with at most 10 %% padding runs there "
-                       "(13-26 %% less time for MiniLM on a 2-core Xeon), every other batch on the dynamic model",
+                       "(each ~0.3 s at start-up and ~40 MB for MiniLM); a batch that fits one with at most 10 %% "
+                       "padding runs there (13-26 %% less time for MiniLM on a 2-core Xeon), every other batch on "
+                       "the dynamic model",
     "openvino_sparse_weights": "openvino backend: let OpenVINO decompress the 2:4 INT8 weights (CPUs with AMX "
                                "only; no consistent gain measured for MiniLM on a 2-core Xeon)",
     "model_name": "name reported by the API and metrics; default: the checkpoint folder's name",

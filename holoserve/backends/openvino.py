@@ -5,8 +5,8 @@ It reads the `openvino` export (`holoserve export CKPT --target openvino`: the O
 in standard ONNX ops, with the [CLS]-row rewrite). On CPUs with AMX, OpenVINO can also decompress sparse
 INT8 weights (`CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE`): 2:4 weights are half zeros. It is off by default:
 on a 2-core Xeon with AMX it made MiniLM no consistently faster (four runs: -6 % to +4 % at batch 1,
-within 1 % at batch 32; the weights fit in cache, and OpenVINO aims it at memory-bound models). `sparse=True` (`--openvino-sparse-weights`)
-turns it on where the CPU has AMX; `info()` reports which.
+within 1 % at batch 32; the weights fit in cache, and OpenVINO aims it at memory-bound models).
+`sparse=True` (`--openvino-sparse-weights`) turns it on where the CPU has AMX; `info()` reports which.
 
 The float ops around the Q/DQ GEMMs run at OpenVINO's inference precision. Its CPU plugin defaults to
 bf16 on CPUs with AVX-512 BF16 or AMX, which changes ~2 % of SST-2 predictions against `holoserve eval`
@@ -203,13 +203,15 @@ class OpenVinoBackend:
         import openvino as ov
 
         return {"backend": self.name, "model": self.path.name, "openvino_version": ov.__version__,
-                "device": "CPU", "threads": self.threads or "default", "gemm_precisions": gemm_precisions(self.compiled),
+                "device": "CPU", "threads": self.threads or "default",
+                "gemm_precisions": gemm_precisions(self.compiled),
                 "inference_precision": inference_precision(self.compiled),
                 "sparse_weights_decompression": self.sparse_note,
                 "static_shapes": [f"{b}x{s}" for b, s, _ in self.static], "runs": dict(self.runs)}
 
 
 def load(artifact: Artifact, **options: Any) -> OpenVinoBackend:
-    return OpenVinoBackend(artifact, threads=options.get("threads"), sparse=bool(options.get("openvino_sparse_weights")),
+    return OpenVinoBackend(artifact, threads=options.get("threads"),
+                           sparse=bool(options.get("openvino_sparse_weights")),
                            precision=options.get("openvino_precision") or "auto",
                            shapes=options.get("openvino_shapes") or ())
