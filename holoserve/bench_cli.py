@@ -192,12 +192,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: cannot load this checkpoint: {e}")
             continue
         label = getattr(backend, "name", name)
-        try:
-            info = backend.info()
-        except Exception as e:  # noqa: BLE001 - info is descriptive only
-            info = {"info_error": str(e)}
-        backends[name] = {"status": "ok", "backend": label, "load_s": round(time.perf_counter() - t0, 3),
-                          "info": info, **extra}
+        backends[name] = {"status": "ok", "backend": label, "load_s": round(time.perf_counter() - t0, 3), **extra}
         for seq in seqs:
             for batch in args.batch:
                 try:
@@ -210,10 +205,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{label:>14} batch {batch:>4} seq {seq:>4}: "
                       + (f"{r['latency_ms_median']:.3f} ms median, {r['seq_per_s']:.1f} seq/s"
                          if "error" not in r else r["error"]))
-        try:  # again after the timing: a backend may report what ran where (openvino: static vs dynamic runs)
+        try:  # after the timing, so that a backend can report what ran where (openvino: static vs dynamic runs)
             backends[name]["info"] = backend.info()
-        except Exception:  # noqa: BLE001 - info is descriptive only
-            pass
+        except Exception as e:  # noqa: BLE001 - info is descriptive only
+            backends[name]["info"] = {"info_error": str(e)}
     # speed as ratios measured in this run: against the slowest backend at the same (batch, seq)
     for r in results:
         peers = [p["seq_per_s"] for p in results if p.get("seq_per_s") and p["batch"] == r["batch"]
