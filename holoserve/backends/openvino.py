@@ -93,19 +93,54 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = F
         compiled = core.compile_model(model, "CPU", config)
     except Exception as e:  # OpenVINO raises RuntimeError subclasses with long messages
         raise BackendUnavailable(f"OpenVINO cannot compile {path}: {str(e).splitlines()[0][:300]}") from None
+    check_gemm_kernels(compiled, path)
     return compiled, note
 
 
-def gemm_precisions(compiled) -> dict[str, int]:
-    """How many of the compiled graph's GEMMs run at each precision (e.g. {'u8': 36, 'bf16': 2})."""
+def check_gemm_kernels(compiled, path) -> dict[str, int]:
+    """The GEMM kernel counts, after one tiny run if the kernels are not chosen yet. Raises
+    BackendUnavailable when any GEMM runs OpenVINO's reference kernel: that is orders of magnitude
+    slower (on a Xeon with AVX-512 FP16, the INT8 GEMMs under INFERENCE_PRECISION_HINT f16 ran 2,600x
+    slower than under bf16), so a server would time out rather than serve."""
+    kernels = gemm_kernels(compiled)
+    if any(k.startswith("undef") for k in kernels):
+        request = compiled.create_infer_request()
+        probe = {}
+        for port in compiled.inputs:
+            dims = [1, 4] if port.get_partial_shape().is_dynamic else [d.get_length() for d in port.get_partial_shape()]
+            probe[port.get_any_name()] = np.zeros(dims, dtype=np.int64) + (port.get_any_name() != "token_type_ids")
+        request.infer(probe)
+        kernels = gemm_kernels(compiled)
+    slow = sum(n for k, n in kernels.items() if k.startswith("ref"))
+    if slow:
+        raise BackendUnavailable(
+            f"OpenVINO would run {slow} of {sum(kernels.values())} GEMMs of {Path(path).name} in its reference "
+            f"kernel at inference precision {inference_precision(compiled)} on this CPU (orders of magnitude "
+            "slower); use --openvino-precision auto, bf16 or f32")
+    return kernels
+
+
+def _count_gemms(compiled, key: str) -> dict[str, int]:
+    """How many of the compiled graph's GEMMs carry each value of a runtime-model property."""
     out: dict[str, int] = {}
     for op in compiled.get_runtime_model().get_ordered_ops():
         info = op.get_rt_info()
         kind = info["layerType"].astype(str) if "layerType" in info else op.get_type_name()
         if kind in ("FullyConnected", "MatMul"):
-            prec = info["runtimePrecision"].astype(str) if "runtimePrecision" in info else "?"
-            out[prec] = out.get(prec, 0) + 1
+            value = info[key].astype(str) if key in info else "?"
+            out[value] = out.get(value, 0) + 1
     return out
+
+
+def gemm_precisions(compiled) -> dict[str, int]:
+    """How many of the compiled graph's GEMMs run at each precision (e.g. {'u8': 36, 'bf16': 2})."""
+    return _count_gemms(compiled, "runtimePrecision")
+
+
+def gemm_kernels(compiled) -> dict[str, int]:
+    """How many of the compiled graph's GEMMs run each CPU kernel (e.g. {'brgemm_avx512_amx_I8': 36}).
+    A dynamic-shape model picks its kernels at its first run: before it they read 'undef'."""
+    return _count_gemms(compiled, "primitiveType")
 
 
 def parse_shapes(spec: str | Sequence[Sequence[int]] | None, max_seq_length: int | None = None
@@ -204,7 +239,7 @@ class OpenVinoBackend:
 
         return {"backend": self.name, "model": self.path.name, "openvino_version": ov.__version__,
                 "device": "CPU", "threads": self.threads or "default",
-                "gemm_precisions": gemm_precisions(self.compiled),
+                "gemm_precisions": gemm_precisions(self.compiled), "gemm_kernels": gemm_kernels(self.compiled),
                 "inference_precision": inference_precision(self.compiled),
                 "sparse_weights_decompression": self.sparse_note,
                 "static_shapes": [f"{b}x{s}" for b, s, _ in self.static], "runs": dict(self.runs)}

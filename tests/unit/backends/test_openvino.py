@@ -70,6 +70,28 @@ def test_openvino_precision_f32_is_set_reported_and_served(with_openvino):
     np.testing.assert_array_equal(served.infer(*batch), ov.infer(*batch))
 
 
+def test_openvino_refuses_a_precision_whose_gemms_would_run_reference_kernels(with_openvino):
+    """OpenVINO's CPU plugin has no optimised INT8 GEMM with f16 outputs on some CPUs (a Xeon with AVX-512
+    FP16 ran them in its reference kernel, 2,600x slower): the backend then refuses to load, naming the
+    precisions to use, instead of serving at that speed. Whatever loads reports its kernels, none of them
+    reference ones, all chosen (dynamic models pick theirs at a first, tiny run)."""
+    from holoserve.backends.base import BackendUnavailable
+
+    ckpt, _ = with_openvino
+    art = load_artifact(ckpt)
+    for precision in ("auto", "f32", "f16"):
+        try:
+            ov = load_backend("openvino", art, threads=1, openvino_precision=precision)
+        except BackendUnavailable as e:
+            assert precision == "f16", e  # auto and f32 always have optimised kernels
+            assert "reference kernel at inference precision f16" in str(e)
+            assert "use --openvino-precision auto, bf16 or f32" in str(e)
+            continue
+        kernels = ov.info()["gemm_kernels"]
+        assert sum(kernels.values()) == sum(ov.info()["gemm_precisions"].values()) > 0
+        assert not [k for k in kernels if k.startswith(("ref", "undef"))], kernels
+
+
 def test_openvino_export_check_runs_at_the_requested_precision(exported, tmp_path):
     from holoserve.export.onnx_export import export_checkpoint
 
