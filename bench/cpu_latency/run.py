@@ -24,6 +24,8 @@
   INT8 IR reshaped alike, each compiled for every cell's (batch, seq); OpenVINO fuses more of the graph
   when every dimension is static. The report gives their ratio per cell; they get no dev accuracy (the
   models are their dynamic rows').
+- f32 rows: ours on OpenVINO (dynamic and static) with `--openvino-precision f32`, the numerics of
+  `holoserve eval`; OpenVINO's default runs the float ops in bf16 where the CPU has bf16 units.
 - batch 1/8/32 x sequence 32/128 x 1 and 2 threads; every run uses full-length rows of random
   token ids; median and p90 over --runs timed runs after --warmup runs, the engines interleaved
   per shape so that background load hits them alike. Also SST-2 (or the checkpoint's task) dev
@@ -55,7 +57,7 @@ from holoserve.core.ort import session  # noqa: E402
 
 ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "openvino_fp32", "openvino_nncf_int8",
            "openvino_nncf_int8_static", "ours_qdq_int8", "ours_openvino", "ours_openvino_sparse",
-           "ours_openvino_static")
+           "ours_openvino_static", "ours_openvino_f32", "ours_openvino_static_f32")
 LABELS = {
     "pytorch_fp32": "PyTorch fp32 (eager)",
     "ort_fp32": "ORT fp32",
@@ -72,10 +74,17 @@ LABELS = {
     # backend's --openvino-shapes; the NNCF baseline gets the same treatment, so the pair compares alike
     "openvino_nncf_int8_static": "OpenVINO INT8 (NNCF PTQ), static shape",
     "ours_openvino_static": "ours on OpenVINO, static shape",
+    # --openvino-precision f32: the float ops in float32, `holoserve eval`'s numerics (OpenVINO's CPU default
+    # is bf16 where the CPU has bf16 units, which moves some predictions), at the speed this costs
+    "ours_openvino_f32": "ours on OpenVINO, f32 float ops",
+    "ours_openvino_static_f32": "ours on OpenVINO, static shape, f32 float ops",
 }
 # static-shape rows and the dynamic row whose model they compile per cell
-STATIC_OF = {"openvino_nncf_int8_static": "openvino_nncf_int8", "ours_openvino_static": "ours_openvino"}
-OPENVINO_ENGINES = ("openvino_fp32", "openvino_nncf_int8", "ours_openvino", "ours_openvino_sparse")
+STATIC_OF = {"openvino_nncf_int8_static": "openvino_nncf_int8", "ours_openvino_static": "ours_openvino",
+             "ours_openvino_static_f32": "ours_openvino_f32"}
+OPENVINO_ENGINES = ("openvino_fp32", "openvino_nncf_int8", "ours_openvino", "ours_openvino_sparse",
+                    "ours_openvino_f32")
+PRECISION_OF = {"ours_openvino_f32": "f32", "ours_openvino_static_f32": "f32"}  # others: OpenVINO's default
 INT8_REFERENCE = "openvino_nncf_int8"  # the second ratio in the table: speed-up over OpenVINO INT8 (NNCF)
 
 
@@ -247,7 +256,7 @@ def main(argv=None) -> int:
     if ours is None or not ours.is_file():
         raise SystemExit(f"{art.path} has no ONNX Runtime export: run `holoserve export {art.path}` first")
     ours_ov = art.export_path("openvino")
-    for key in ("ours_openvino", "ours_openvino_sparse"):
+    for key in ("ours_openvino", "ours_openvino_sparse", "ours_openvino_f32"):
         if key not in skipped and (ours_ov is None or not ours_ov.is_file()):
             skipped[key] = (f"{art.path.name} has no OpenVINO export (model.ov.onnx): run "
                             f"`holoserve export {art.path.name} --target openvino` to time ours on OpenVINO")
@@ -335,21 +344,22 @@ def main(argv=None) -> int:
     onnx_of = {"ort_fp32": fp32_onnx, "ort_dynamic_int8": dyn_onnx, "ours_qdq_int8": ours}
     openvino_of = {"openvino_fp32": (plain_fp32_onnx, False), "openvino_nncf_int8": (nncf_ir, False),
                    "ours_openvino": (ours_ov, False),  # (model, sparse-weights decompression)
-                   "ours_openvino_sparse": (ours_ov, True)}
+                   "ours_openvino_sparse": (ours_ov, True), "ours_openvino_f32": (ours_ov, False)}
 
     def compile_ov(key: str, threads: int):
         from holoserve.backends.openvino import compile_model
 
         path, sparse = openvino_of[key]
-        compiled, note = compile_model(path, threads=threads, sparse=sparse)
+        compiled, note = compile_model(path, threads=threads, sparse=sparse, precision=PRECISION_OF.get(key, "auto"))
         return compiled, note
 
     def static_runner(key: str, threads: int, batch: int, seq: int):
         """feed -> logits for a static-shape row, compiled for this one cell."""
         from holoserve.backends.openvino import OpenVinoBackend, compile_model
 
-        if key == "ours_openvino_static":  # the product path: the backend with --openvino-shapes BATCHxSEQ
-            backend = OpenVinoBackend(art, threads=threads, shapes=[(batch, seq)])
+        if key != "openvino_nncf_int8_static":  # ours: the product path, the backend with --openvino-shapes
+            backend = OpenVinoBackend(art, threads=threads, shapes=[(batch, seq)],
+                                      precision=PRECISION_OF.get(key, "auto"))
             run = (lambda feed: backend.infer(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"]))
             return run, backend
         return openvino_runner(compile_model(nncf_ir, threads=threads, sparse=False, shape=(batch, seq))[0]), None
@@ -545,11 +555,13 @@ def markdown(r: dict) -> str:
                      + (f" / ×{x[ref][k]:.2f}" if ref in x else "") for k in engines]
             lines.append(f"| {x['batch']} | {x['seq']} | " + " | ".join(cells) + " |")
         lines.append("")
-        pair = [x for x in r["results"] if x["threads"] == th and all(k in x for k in STATIC_OF)]
-        if pair:  # the like-for-like ratio: both compiled for the cell's shape
-            ratio = (lambda x: x["openvino_nncf_int8_static"]["median_ms"] / x["ours_openvino_static"]["median_ms"])
-            lines += [f"{LABELS['ours_openvino_static']} vs {LABELS['openvino_nncf_int8_static']}: " + ", ".join(
-                f"batch {x['batch']} seq {x['seq']} ×{ratio(x):.2f}" for x in pair) + ".", ""]
+        peer = "openvino_nncf_int8_static"
+        for ours_static in ("ours_openvino_static", "ours_openvino_static_f32"):
+            pair = [x for x in r["results"] if x["threads"] == th and peer in x and ours_static in x]
+            if pair:  # the like-for-like ratio: both compiled for the cell's shape
+                lines += [f"{LABELS[ours_static]} vs {LABELS[peer]}: " + ", ".join(
+                    f"batch {x['batch']} seq {x['seq']} ×{x[peer]['median_ms'] / x[ours_static]['median_ms']:.2f}"
+                    for x in pair) + ".", ""]
     return "\n".join(lines)
 
 

@@ -714,12 +714,15 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
         from holoserve.backends.openvino import cpu_has_amx
 
         assert r["openvino"]["ours_openvino"]["sparse_weights_decompression"].startswith("off")
+        assert r["openvino"]["ours_openvino_f32"]["inference_precision"] == "f32"  # holoserve eval's numerics
         assert r["openvino"]["ours_openvino_sparse"]["sparse_weights_decompression"].startswith(
             "on" if cpu_has_amx() else "off: this CPU has no AMX")
     assert r["method"]["baseline_classifier_row"] == "last layer on the [CLS] row only, as in ours (17 nodes)"
     md = (tmp_path / "lat.md").read_text()
     assert "Attention in the ORT baselines: 2 blocks fused" in md and "their last layer: last layer on the [CLS]" in md
     assert all(f" {run.LABELS[k]} |" in md for k in ran)
+    if has_nncf:  # ours static, both precisions, against NNCF static, per cell
+        assert md.count("vs OpenVINO INT8 (NNCF PTQ), static shape: batch 1 seq 8 ×") == 2
     if has_nncf:  # the per-operation profile of ours and NNCF's INT8 on OpenVINO
         prof = bench_module("cpu_latency", "profile_openvino")
         assert prof.main([str(ckpt), "--dense", str(ckpt), "--data-dir", str(glue), "--calibration-rows", "8",
@@ -741,6 +744,7 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
         assert r["engines"] == ["pytorch_fp32", "openvino_fp32", "ours_qdq_int8"]
         assert "--target openvino" in r["skipped_engines"]["ours_openvino"]
         assert r["skipped_engines"]["ours_openvino_static"] == r["skipped_engines"]["ours_openvino"]
+        assert r["skipped_engines"]["ours_openvino_static_f32"] == r["skipped_engines"]["ours_openvino_f32"]
         assert "training rows to calibrate on" in r["skipped_engines"]["openvino_nncf_int8"]
         assert r["skipped_engines"]["ort_fp32"] == "left out (--skip)"
         assert "skipped" in r["dev_accuracy"]  # no data dir given: latency only, said so
