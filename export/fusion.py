@@ -27,7 +27,8 @@ exactly 0 after softmax for any realistic logit range. Padded *query* positions 
 they do between attention kernels in PyTorch; nothing downstream of the [CLS] pooler reads them.
 
 Only for the onnxruntime placement: TensorRT fuses attention itself, and the TensorRT placement
-needs the attention MatMuls explicit for their Q/DQ pairs.
+needs the attention MatMuls explicit for their Q/DQ pairs. The openvino target gets the [CLS]-row
+rewrite and one exact rewrite of its own for OpenVINO's CPU plugin (split_key_transposes).
 """
 from __future__ import annotations
 
@@ -775,3 +776,32 @@ def keep_classifier_row(model, ranks: dict[str, int]) -> dict[str, int]:
     g.value_info.extend(keep_vi)
     _install(model, out)
     return {"row_nodes": len(row_nodes), "slices": len(sliced)}
+
+
+# ----------------------------------------------------------------------------------- OpenVINO: Kᵀ split
+
+def split_key_transposes(model) -> int:
+    """For the openvino target: write each attention's Kᵀ head split, Transpose(perm 0,2,3,1) into
+    Q·Kᵀ's MatMul, as Transpose(0,2,1,3) then Transpose(0,1,3,2). OpenVINO's CPU plugin folds the
+    second into the MatMul (its transpose_b) and runs the first, a plain head split, in a third of the
+    time the one 0,2,3,1 transpose took (its generic kernel). Exact: the same elements, moved. On MiniLM,
+    batch 32 / seq 128, static shapes, 1 thread, a 2-core Xeon with AMX: transposes 7.8 -> 3.5 ms of
+    120 ms. Returns how many transposes it split."""
+    from onnx import helper
+
+    g = model.graph
+    consumers = _consumers(g)
+    nodes, count = [], 0
+    for n in g.node:
+        users = consumers.get(n.output[0], []) if n.op_type == "Transpose" else []
+        if _perm(n) == [0, 2, 3, 1] and len(users) == 1 and users[0].op_type == "MatMul" \
+                and list(users[0].input).index(n.output[0]) == 1:
+            heads = n.output[0] + ".heads"
+            nodes.append(helper.make_node("Transpose", [n.input[0]], [heads], perm=[0, 2, 1, 3], name=n.name + "/heads"))
+            nodes.append(helper.make_node("Transpose", [heads], [n.output[0]], perm=[0, 1, 3, 2], name=n.name))
+            count += 1
+        else:
+            nodes.append(n)
+    del g.node[:]
+    g.node.extend(nodes)
+    return count

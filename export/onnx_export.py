@@ -537,6 +537,7 @@ class _Export:
             attention = "standard ONNX ops (MatMul, Softmax)"
             fused_ops = {"classifier_row": fusion.keep_classifier_row(m, fusion.tensor_ranks(m))} \
                 if self.opts.classifier_row else {}
+            fused_ops["key_transposes_split"] = fusion.split_key_transposes(m)  # for OpenVINO's MatMul
         onnx.save(m, str(path))
         self.built[target] = path
         if target in self.opts.targets:

@@ -26,6 +26,15 @@ def test_openvino_export_runs_int8_gemms_and_matches_onnxruntime(with_openvino):
     entry = res.entries["openvino"]
     assert entry["file"] == "model.ov.onnx" and entry["placement"] == "onnxruntime"
     assert not [op for op in entry["ops"] if op in ("MatMulIntegerToFloat", "MultiHeadAttention")]
+    import json
+
+    import onnx
+
+    layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    assert entry["fused_ops"]["key_transposes_split"] == layers  # every layer's Kᵀ, for OpenVINO's MatMul
+    perms = [list(a.ints) for n in onnx.load(str(ckpt / "model.ov.onnx")).graph.node if n.op_type == "Transpose"
+             for a in n.attribute if a.name == "perm"]
+    assert [0, 2, 3, 1] not in perms and perms.count([0, 1, 3, 2]) == layers
     v = entry["verification"]
     assert v["openvino_gemm_precisions"].get("u8", 0) >= entry["quantized_linears"] // 2  # INT8 GEMMs in OpenVINO
     assert "AMX" in v["openvino_sparse_weights"]
@@ -205,3 +214,34 @@ def test_holoserve_bench_can_time_openvino_on_static_shapes(with_openvino, tmp_p
     info = report["backends"]["openvino"]["info"]
     assert info["static_shapes"] == ["1x8", "2x8"] and report["method"]["openvino_static_shapes"] is True
     assert info["runs"] == {"static": 2 * (1 + 2), "dynamic": 0}  # every warm-up and timed call ran static
+
+
+def test_key_transpose_split_is_exact(tmp_path):
+    """Transpose(0,2,3,1) into a MatMul's second input, written as Transpose(0,2,1,3) + Transpose(0,1,3,2):
+    bit-identical results through ONNX Runtime; a transpose feeding anything else is left alone."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from holoserve.core.ort import session
+    from holoserve.export.fusion import split_key_transposes
+
+    g = helper.make_graph(
+        [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1], name="kt"),
+         helper.make_node("MatMul", ["q", "kt"], ["scores"], name="qk"),
+         helper.make_node("Transpose", ["k"], ["other"], perm=[0, 2, 3, 1], name="other")],
+        "g", [helper.make_tensor_value_info("q", TensorProto.FLOAT, [2, 3, 5, 4]),
+              helper.make_tensor_value_info("k", TensorProto.FLOAT, [2, 5, 3, 4])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [2, 3, 5, 5]),
+         helper.make_tensor_value_info("other", TensorProto.FLOAT, [2, 3, 4, 5])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    rng = np.random.default_rng(0)
+    feed = {"q": rng.standard_normal((2, 3, 5, 4)).astype(np.float32),
+            "k": rng.standard_normal((2, 5, 3, 4)).astype(np.float32)}
+    onnx.save(m, str(tmp_path / "before.onnx"))
+    before = session(tmp_path / "before.onnx", threads=1).run(None, feed)
+    assert split_key_transposes(m) == 1
+    onnx.checker.check_model(m)
+    onnx.save(m, str(tmp_path / "after.onnx"))
+    after = session(tmp_path / "after.onnx", threads=1).run(None, feed)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
