@@ -797,7 +797,8 @@ def split_key_transposes(model) -> int:
         if _perm(n) == [0, 2, 3, 1] and len(users) == 1 and users[0].op_type == "MatMul" \
                 and list(users[0].input).index(n.output[0]) == 1:
             heads = n.output[0] + ".heads"
-            nodes.append(helper.make_node("Transpose", [n.input[0]], [heads], perm=[0, 2, 1, 3], name=n.name + "/heads"))
+            nodes.append(helper.make_node("Transpose", [n.input[0]], [heads], perm=[0, 2, 1, 3],
+                                          name=n.name + "/heads"))
             nodes.append(helper.make_node("Transpose", [heads], [n.output[0]], perm=[0, 1, 3, 2], name=n.name))
             count += 1
         else:
