@@ -106,9 +106,11 @@ def check_gemm_kernels(compiled, path) -> dict[str, int]:
     if any(k.startswith("undef") for k in kernels):
         request = compiled.create_infer_request()
         probe = {}
-        for port in compiled.inputs:
-            dims = [1, 4] if port.get_partial_shape().is_dynamic else [d.get_length() for d in port.get_partial_shape()]
-            probe[port.get_any_name()] = np.zeros(dims, dtype=np.int64) + (port.get_any_name() != "token_type_ids")
+        for port in compiled.inputs:  # ids and mask 1, segments 0, in each input's own integer type
+            shape = port.get_partial_shape()
+            dims = [1, 4] if shape.is_dynamic else [d.get_length() for d in shape]
+            value = int(port.get_any_name() != "token_type_ids")
+            probe[port.get_any_name()] = np.full(dims, value, dtype=port.get_element_type().to_dtype())
         request.infer(probe)
         kernels = gemm_kernels(compiled)
     slow = sum(n for k, n in kernels.items() if k.startswith("ref"))
