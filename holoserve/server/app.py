@@ -101,6 +101,12 @@ def create_app(config: ServerConfig, *, artifact: Artifact | None = None, backen
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await service.start()
+        if config.workers > 1 and service.warmup_task is not None:
+            # One process alone answers /healthz while it warms up; of several workers sharing one
+            # socket, one still warming would take its share of connections and answer them 503
+            # not_ready while /readyz (answered by a warm worker) says ready. Until it is warm it
+            # accepts nothing, so the kernel hands every connection to a worker that is.
+            await service.warmup_task
         try:
             # The connection guard (connections.py) counts the connections it closes in these metrics.
             yield {"holoserve_metrics": service.metrics}
