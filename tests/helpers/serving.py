@@ -303,3 +303,16 @@ def metric(text: str, name: str, **labels) -> float:
             if all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def wait_metric(url: str, name: str, until, timeout: float = 10.0, **labels) -> float:
+    """Poll `url`/metrics until `until(value)` holds for the metric's sum over samples with `labels`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metric(httpx.get(url + "/metrics", timeout=10).text, name, **labels)
+        if until(value):
+            return value
+        assert time.monotonic() < deadline, f"{name} is {value} after {timeout} s"
+        time.sleep(0.02)

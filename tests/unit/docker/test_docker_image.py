@@ -19,7 +19,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.helpers.serving import REPO, tiny_checkpoint
+from tests.helpers.serving import REPO, tiny_checkpoint, wait_metric
 
 IMAGE = "holoserve-test:cpu"
 BASE = "python:3.11-slim-bookworm"
@@ -265,7 +265,7 @@ def test_docker_stop_drains_in_flight_requests_and_exits_0(containers):
 
     t = threading.Thread(target=ask)
     t.start()
-    time.sleep(0.7)  # the request now waits in the batch queue (2 s queue delay)
+    wait_metric(c.url, "holoserve_inference_pending_request_count", lambda v: v >= 1)  # it waits in the queue
     t0 = time.monotonic()
     c.docker("stop", "-t", "30", c.name, timeout=60)
     stop_s = time.monotonic() - t0

@@ -21,7 +21,7 @@ from holoserve.core.artifact import load_artifact
 from holoserve.core.tokenizer import TextEncoder
 from holoserve.server.app import create_app
 from holoserve.server.config import ServerConfig
-from tests.helpers.serving import running, metric, REPO, RawHTTP, server_env, tiny_checkpoint
+from tests.helpers.serving import running, metric, REPO, RawHTTP, server_env, tiny_checkpoint, wait_metric
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -232,10 +232,7 @@ def test_requests_left_when_the_drain_times_out_get_503_with_retry_after(sst2):
         t = threading.Thread(target=lambda: out.setdefault(
             "r", httpx.post(srv.url + "/predict", json={"text": "the movie was good"}, timeout=30)))
         t.start()
-        deadline = time.monotonic() + 10
-        while metric(httpx.get(srv.url + "/metrics").text, "holoserve_inference_pending_request_count") < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_metric(srv.url, "holoserve_inference_pending_request_count", lambda v: v >= 1)
         srv.server.should_exit = True
         t.join(30)
     r = out["r"]

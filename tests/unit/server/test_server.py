@@ -21,7 +21,8 @@ from holoserve.backends.onnxruntime import OrtBackend
 from holoserve.server.app import create_app
 from holoserve.server.config import ServerConfig
 from holoserve.core.tokenizer import TextEncoder, pad_batch
-from tests.helpers.serving import running, metric, REPO, ThreadServer, server_env, serve_subprocess, tiny_checkpoint, wait_ready
+from tests.helpers.serving import (running, metric, REPO, ThreadServer, server_env, serve_subprocess,
+                                   tiny_checkpoint, wait_metric, wait_ready)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -257,10 +258,7 @@ def test_full_queue_answers_503_with_retry_after(sst2):
         t = threading.Thread(target=lambda: results.setdefault(
             "a", httpx.post(srv.url + "/predict", json={"texts": ["good", "bad", "fine", "dull"]}, timeout=30)))
         t.start()
-        deadline = time.monotonic() + 10
-        while metric(httpx.get(srv.url + "/metrics").text, "holoserve_inference_pending_request_count") < 4:
-            assert time.monotonic() < deadline, "the first request never reached the queue"
-            time.sleep(0.02)
+        wait_metric(srv.url, "holoserve_inference_pending_request_count", lambda v: v >= 4)  # the first one is queued
         r = httpx.post(srv.url + "/predict", json={"text": "one more"})
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["type"] == "overloaded"
@@ -299,7 +297,7 @@ def test_cli_serves_and_drains_in_flight_requests_on_sigterm(sst2):
         t = threading.Thread(target=lambda: out.setdefault(
             "r", httpx.post(url + "/predict", json={"text": "the movie was good"}, timeout=30)))
         t.start()
-        time.sleep(0.5)
+        wait_metric(url, "holoserve_inference_pending_request_count", lambda v: v >= 1)  # the request is queued
         t_sig = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         t.join(30)
@@ -430,10 +428,7 @@ def test_a_client_that_leaves_does_not_disturb_the_others(sst2):
             httpx.post(srv.url + "/predict", json={"texts": ["good", "bad"]}, timeout=0.15)
         r = httpx.post(srv.url + "/predict", json={"text": "the movie was good"}, timeout=30)
         assert r.status_code == 200 and len(r.json()["predictions"]) == 1
-        deadline = time.monotonic() + 10
-        while metric(httpx.get(srv.url + "/metrics").text, "holoserve_inference_pending_request_count") != 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_metric(srv.url, "holoserve_inference_pending_request_count", lambda v: v == 0)
         assert httpx.get(srv.url + "/healthz").status_code == 200
 
 
