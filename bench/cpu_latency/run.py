@@ -51,6 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from holoserve.backends.openvino import inference_precision as openvino_inference_precision  # noqa: E402
 from holoserve.core.files import atomic_savefig  # noqa: E402
 from holoserve.core.machine import describe_cpu  # noqa: E402
 from holoserve.core.ort import session  # noqa: E402
@@ -82,8 +83,9 @@ LABELS = {
 # static-shape rows and the dynamic row whose model they compile per cell
 STATIC_OF = {"openvino_nncf_int8_static": "openvino_nncf_int8", "ours_openvino_static": "ours_openvino",
              "ours_openvino_static_f32": "ours_openvino_f32"}
-OPENVINO_ENGINES = ("openvino_fp32", "openvino_nncf_int8", "ours_openvino", "ours_openvino_sparse",
-                    "ours_openvino_f32")
+# our model.ov.onnx compiled by OpenVINO once for all shapes (the static rows compile it per cell)
+OURS_OPENVINO = ("ours_openvino", "ours_openvino_sparse", "ours_openvino_f32")
+OPENVINO_ENGINES = ("openvino_fp32", "openvino_nncf_int8", *OURS_OPENVINO)
 PRECISION_OF = {"ours_openvino_f32": "f32", "ours_openvino_static_f32": "f32"}  # others: OpenVINO's default
 INT8_REFERENCE = "openvino_nncf_int8"  # the second ratio in the table: speed-up over OpenVINO INT8 (NNCF)
 
@@ -189,16 +191,6 @@ def train_samples(art, tok, data_dir, rows: int):
                                          if task.is_pair else None, batch_size=1)], task
 
 
-def inference_precision(compiled) -> str:
-    """The CPU plugin's floating-point precision for the compiled model (its default is bf16 on CPUs
-    with bf16 instructions, even for an fp32 model)."""
-    try:
-        t = compiled.get_property("INFERENCE_PRECISION_HINT")
-        return t.get_type_name() if hasattr(t, "get_type_name") else str(t)
-    except Exception as e:
-        return f"unknown ({str(e)[:100]})"
-
-
 def int8_gemms(compiled) -> dict:
     try:
         from holoserve.backends.openvino import gemm_precisions
@@ -256,7 +248,7 @@ def main(argv=None) -> int:
     if ours is None or not ours.is_file():
         raise SystemExit(f"{art.path} has no ONNX Runtime export: run `holoserve export {art.path}` first")
     ours_ov = art.export_path("openvino")
-    for key in ("ours_openvino", "ours_openvino_sparse", "ours_openvino_f32"):
+    for key in OURS_OPENVINO:
         if key not in skipped and (ours_ov is None or not ours_ov.is_file()):
             skipped[key] = (f"{art.path.name} has no OpenVINO export (model.ov.onnx): run "
                             f"`holoserve export {art.path.name} --target openvino` to time ours on OpenVINO")
@@ -342,9 +334,8 @@ def main(argv=None) -> int:
     skip_static_rows(skipped)
     engines = [k for k in ENGINES if k not in skipped]
     onnx_of = {"ort_fp32": fp32_onnx, "ort_dynamic_int8": dyn_onnx, "ours_qdq_int8": ours}
-    openvino_of = {"openvino_fp32": (plain_fp32_onnx, False), "openvino_nncf_int8": (nncf_ir, False),
-                   "ours_openvino": (ours_ov, False),  # (model, sparse-weights decompression)
-                   "ours_openvino_sparse": (ours_ov, True), "ours_openvino_f32": (ours_ov, False)}
+    openvino_of = {"openvino_fp32": (plain_fp32_onnx, False), "openvino_nncf_int8": (nncf_ir, False),  # (model,
+                   **{k: (ours_ov, k == "ours_openvino_sparse") for k in OURS_OPENVINO}}  # sparse decompression)
 
     def compile_ov(key: str, threads: int):
         from holoserve.backends.openvino import compile_model
@@ -381,7 +372,7 @@ def main(argv=None) -> int:
             if k in engines:
                 compiled, note = compile_ov(k, 1)
                 openvino_info[k] = {"gemm_precisions": int8_gemms(compiled), "sparse_weights_decompression": note,
-                                    "inference_precision": inference_precision(compiled)}
+                                    "inference_precision": openvino_inference_precision(compiled)}
 
     # ---------------------------------------------------------------- accuracy (dev, through ORT)
     acc = {}
