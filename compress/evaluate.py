@@ -59,10 +59,18 @@ def evaluate(
 ) -> dict[str, float]:
     """Task metrics on `data`; with `act_amax` the named Linears see fake-quantized inputs, and with
     `tensorrt` also the TensorRT placement's extra tensors (a TensorRT-QAT checkpoint's deployed numerics)."""
+    logits = predict_quantized(model, data, batch_size=batch_size, act_amax=act_amax, quant_layers=quant_layers,
+                               tensorrt=tensorrt)
+    return score(task, logits, data.labels)
+
+
+def predict_quantized(model: nn.Module, data: Encoded, *, batch_size: int = 128,
+                      act_amax: Mapping[str, float] | None = None, quant_layers: list[str] | None = None,
+                      tensorrt: bool = False) -> np.ndarray:
+    """`predict` under the activation fake-quant that `evaluate` describes."""
     with contextlib.ExitStack() as stack:
         if act_amax is not None:
             stack.enter_context(input_quantizers(model, act_amax, quant_layers or [], exact=True))
             if tensorrt:
                 stack.enter_context(tensorrt_quantizers(model, act_amax, quant_layers or []))
-        logits = predict(model, data, batch_size)
-    return score(task, logits, data.labels)
+        return predict(model, data, batch_size)

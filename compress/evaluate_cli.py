@@ -9,6 +9,8 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
+
 from holoserve.cli_options import advanced
 from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ONNX
 
@@ -39,11 +41,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     adv.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --onnx (0 = default)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where the PyTorch model runs: auto = a CUDA GPU when torch sees one (default: auto)")
+    p.add_argument("--predictions", metavar="FILE", type=Path,
+                   help="also write one JSON line per scored row: its texts, gold label and prediction (with "
+                        "the class probabilities, or the score of a regression), in row order")
 
 
 def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None, batch_size=128, fp32=False,
-                        onnx=False, threads=0, onnx_export=ONNXRUNTIME, device="auto", data=None) -> dict:
-    """Dev metrics of a checkpoint: on `data` (DataOptions with a dev file), else a GLUE split."""
+                        onnx=False, threads=0, onnx_export=ONNXRUNTIME, device="auto", data=None,
+                        predictions=None) -> dict:
+    """Dev metrics of a checkpoint: on `data` (DataOptions with a dev file), else a GLUE split; with
+    `predictions` (a path) also each row's prediction, as JSON Lines."""
     import time
 
     from holoserve import HoloServeError
@@ -55,8 +62,11 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     from holoserve.core.tokenizer import load_tokenizer
 
     from .data import encode
-    from .evaluate import evaluate
+    from .evaluate import predict_quantized, score
 
+    if predictions is not None and Path(predictions).is_dir():
+        raise HoloServeError(f"--predictions {predictions} is a folder; give a file name, e.g. "
+                             f"{Path(predictions) / 'predictions.jsonl'}")
     if onnx and fp32:
         raise HoloServeError("--fp32 and --onnx do not combine: the ONNX export always has the checkpoint's numerics")
     if onnx:
@@ -83,17 +93,20 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     data = encode(tok, rows, task_obj.is_regression)
     t0 = time.perf_counter()
     if onnx:
-        metrics, numerics = _evaluate_onnx(art, task_obj, data, batch_size, threads, onnx_export)
+        logits, numerics = _onnx_logits(art, data, batch_size, threads, onnx_export)
     else:
         from holoserve.core.artifact import input_layers
 
         amax = art.activation_amax()
         layers = input_layers(amax)
         use_quant = bool(amax) and not fp32
-        metrics = evaluate(model, task_obj, data, batch_size=batch_size,
-                           act_amax=amax if use_quant else None, quant_layers=layers if use_quant else None)
+        logits = predict_quantized(model, data, batch_size=batch_size, act_amax=amax if use_quant else None,
+                                   quant_layers=layers if use_quant else None)
         numerics = ("int8 weights + int8 activations (fake-quant)" if use_quant
                     else ("int8 weights, fp32 activations" if art.quantized else "fp32"))
+    metrics = score(task_obj, logits, data.labels)
+    if predictions is not None:
+        write_predictions(predictions, rows, logits, task_obj.is_regression, art.labels)
     return {
         "checkpoint": str(art.path),
         "task": task_obj.name,
@@ -107,17 +120,40 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     }
 
 
-def _evaluate_onnx(art, task, data, batch_size: int, threads: int, export_key: str) -> tuple[dict, str]:
+def _onnx_logits(art, data, batch_size: int, threads: int, export_key: str) -> tuple[np.ndarray, str]:
     """An ONNX export through the server's own ONNX Runtime backend, on `holoserve eval`'s batches."""
     from holoserve.backends.onnxruntime import OrtBackend
 
-    from .evaluate import predict_with, score
+    from .evaluate import predict_with
 
     # a clear error when there is no such export
     backend = OrtBackend(art, device="cpu", threads=threads or None, export_key=export_key)
     logits = predict_with(lambda b: backend.infer(b["input_ids"].numpy(), b["attention_mask"].numpy(),
                                                   b["token_type_ids"].numpy()), data, batch_size)
-    return score(task, logits, data.labels), f"ONNX Runtime ({backend.path.name}, {export_key} export, CPU)"
+    return logits, f"ONNX Runtime ({backend.path.name}, {export_key} export, CPU)"
+
+
+def write_predictions(path: Path, rows, logits: np.ndarray, regression: bool, labels: list[str] | None) -> None:
+    """One JSON object per row, in row order, written atomically: the row's index, text (and text_pair),
+    gold label and prediction; class probabilities (softmax of the logits), or a regression's score."""
+    from holoserve.core.files import atomic_write_text
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, (row, z) in enumerate(zip(rows, logits)):
+        rec: dict = {"row": i, "text": row.text}
+        if row.text_pair is not None:
+            rec["text_pair"] = row.text_pair
+        if regression:
+            rec.update(label=float(row.label), score=round(float(z[0]), 6))
+        else:
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            names = labels or [str(k) for k in range(len(z))]
+            rec.update(label=names[int(row.label)], prediction=names[int(z.argmax())],
+                       probabilities={n: round(float(q), 6) for n, q in zip(names, p)})
+        lines.append(json.dumps(rec, ensure_ascii=False))
+    atomic_write_text(path, "\n".join(lines) + "\n" if lines else "")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,6 +165,6 @@ def run(args: argparse.Namespace) -> int:
 
     out = evaluate_checkpoint(args.checkpoint, args.task, args.data_dir, args.split, args.limit, args.batch_size,
                               args.fp32, args.onnx, args.threads, args.onnx_export, args.device,
-                              data=data_options(args))
+                              data=data_options(args), predictions=args.predictions)
     print(json.dumps(out, indent=2))
     return 0

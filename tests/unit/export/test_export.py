@@ -384,13 +384,26 @@ def test_eval_onnx_scores_the_export_on_eval_batches(exported, tmp_path):
     from holoserve.compress.quant import input_quantizers
     from holoserve.backends.onnxruntime import OrtBackend
     from holoserve.data.glue import read_split
+    from holoserve import HoloServeError
 
     ckpt, _ = exported
     data_dir = _tiny_sst2_dir(tmp_path)
-    got = evaluate_checkpoint(ckpt, data_dir=data_dir, onnx=True, batch_size=3)
-    ref = evaluate_checkpoint(ckpt, data_dir=data_dir, batch_size=3)
+    got = evaluate_checkpoint(ckpt, data_dir=data_dir, onnx=True, batch_size=3,
+                              predictions=tmp_path / "p" / "onnx.jsonl")
+    ref = evaluate_checkpoint(ckpt, data_dir=data_dir, batch_size=3, predictions=tmp_path / "torch.jsonl")
     assert got["numerics"].startswith("ONNX Runtime") and got["rows"] == ref["rows"] == 8
     assert set(got["metrics"]) == set(ref["metrics"])
+    rows = read_split("sst2", "dev", data_dir)
+    for name, result in (("p/onnx.jsonl", got), ("torch.jsonl", ref)):  # --predictions: one line per row, in order
+        lines = [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]
+        assert [x["text"] for x in lines] == [r.text for r in rows] and [x["row"] for x in lines] == list(range(8))
+        assert all(x["label"] == ["negative", "positive"][r.label] for x, r in zip(lines, rows))
+        assert all(abs(sum(x["probabilities"].values()) - 1) < 1e-4 and x["prediction"] ==
+                   max(x["probabilities"], key=x["probabilities"].get) for x in lines)
+        right = sum(x["prediction"] == x["label"] for x in lines) / 8
+        assert right == pytest.approx(result["metrics"]["accuracy"])
+    with pytest.raises(HoloServeError, match="is a folder"):
+        evaluate_checkpoint(ckpt, data_dir=data_dir, predictions=tmp_path)
 
     model, art = load_model(ckpt)
     data = encode(load_tokenizer(art.path, art.max_seq_length), read_split("sst2", "dev", data_dir))
@@ -406,6 +419,17 @@ def test_eval_onnx_scores_the_export_on_eval_batches(exported, tmp_path):
         fp32 = predict(model, data, 3)
     assert np.abs(ort_logits - exact).max() <= np.abs(ort_logits - fp32).max() + 1e-6
     assert np.abs(ort_logits - exact).max() < 1e-3
+
+
+def test_eval_predictions_of_a_pair_regression(tmp_path):
+    from holoserve.compress.evaluate_cli import write_predictions
+    from holoserve.data.glue import Example
+
+    rows = [Example("a man plays", "a man is playing", 4.2), Example("cats", "the market fell", 0.0)]
+    write_predictions(tmp_path / "p.jsonl", rows, np.array([[3.9], [0.5]], np.float32), True, None)
+    assert [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()] == [
+        {"row": 0, "text": "a man plays", "text_pair": "a man is playing", "label": pytest.approx(4.2), "score": 3.9},
+        {"row": 1, "text": "cats", "text_pair": "the market fell", "label": 0.0, "score": 0.5}]
 
 
 def test_eval_onnx_without_export_says_how_to_make_one(tmp_path):
