@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from holoserve import HoloServeError
 from holoserve.cli_options import advanced
 from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ONNX
 
@@ -53,7 +54,6 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     `predictions` (a path) also each row's prediction, as JSON Lines."""
     import time
 
-    from holoserve import HoloServeError
     from holoserve.data.glue import read_split
     from holoserve.data.tabular import rows_for
     from holoserve.data.tasks import get_task, task_of
@@ -64,9 +64,8 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     from .data import encode
     from .evaluate import predict_quantized, score
 
-    if predictions is not None and Path(predictions).is_dir():
-        raise HoloServeError(f"--predictions {predictions} is a folder; give a file name, e.g. "
-                             f"{Path(predictions) / 'predictions.jsonl'}")
+    if predictions is not None:  # a bad path fails now, not after the scoring
+        _predictions_folder(predictions)
     if onnx and fp32:
         raise HoloServeError("--fp32 and --onnx do not combine: the ONNX export always has the checkpoint's numerics")
     if onnx:
@@ -138,7 +137,7 @@ def write_predictions(path: Path, rows, logits: np.ndarray, regression: bool, la
     gold label and prediction; class probabilities (softmax of the logits), or a regression's score."""
     from holoserve.core.files import atomic_write_text
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    _predictions_folder(path)
     lines = []
     for i, (row, z) in enumerate(zip(rows, logits)):
         rec: dict = {"row": i, "text": row.text}
@@ -153,13 +152,26 @@ def write_predictions(path: Path, rows, logits: np.ndarray, regression: bool, la
             rec.update(label=names[int(row.label)], prediction=names[int(z.argmax())],
                        probabilities={n: round(float(q), 6) for n, q in zip(names, p)})
         lines.append(json.dumps(rec, ensure_ascii=False))
-    atomic_write_text(path, "\n".join(lines) + "\n" if lines else "")
+    try:
+        atomic_write_text(path, "\n".join(lines) + "\n" if lines else "")
+    except OSError as e:
+        raise HoloServeError(f"--predictions {path}: cannot write it ({e.strerror}); choose a writable path") from None
+
+
+def _predictions_folder(path) -> None:
+    """Make the folder of a --predictions file, or say clearly why the path cannot be one."""
+    path = Path(path)
+    if path.is_dir():
+        raise HoloServeError(f"--predictions {path} is a folder; give a file name, e.g. {path / 'predictions.jsonl'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HoloServeError(f"--predictions {path}: cannot make its folder {path.parent} ({e.strerror}); "
+                             "choose a writable path") from None
 
 
 def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit <= 0:
-        from holoserve import HoloServeError
-
         raise HoloServeError("--limit must be a positive number")
     from holoserve.data.tabular import data_options
 

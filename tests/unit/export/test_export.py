@@ -404,6 +404,9 @@ def test_eval_onnx_scores_the_export_on_eval_batches(exported, tmp_path):
         assert right == pytest.approx(result["metrics"]["accuracy"])
     with pytest.raises(HoloServeError, match="is a folder"):
         evaluate_checkpoint(ckpt, data_dir=data_dir, predictions=tmp_path)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(HoloServeError, match="cannot make its folder"):  # before any scoring
+        evaluate_checkpoint(ckpt, data_dir=data_dir, predictions=tmp_path / "a-file" / "p.jsonl")
 
     model, art = load_model(ckpt)
     data = encode(load_tokenizer(art.path, art.max_seq_length), read_split("sst2", "dev", data_dir))
