@@ -13,7 +13,12 @@ import numpy as np
 
 from holoserve import HoloServeError
 from holoserve.cli_options import advanced
+from holoserve.core.choices import OPENVINO_PRECISIONS
 from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ONNX
+
+# What `holoserve eval` can score through: the PyTorch fake-quant model (the checkpoint's own numerics),
+# or an export through the server's own CPU backend.
+EVAL_BACKENDS = ("pytorch", "onnxruntime", "openvino")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,13 +38,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     adv.add_argument("--limit", type=int, help="score only the first N rows")
     adv.add_argument("--batch-size", type=int, default=128)
     adv.add_argument("--fp32", action="store_true", help="skip activation fake-quant (weights still as stored)")
-    p.add_argument("--onnx", action="store_true",
-                   help="score an ONNX export through ONNX Runtime on the same batches, instead of the PyTorch "
-                        "fake-quant model")
+    p.add_argument("--backend", choices=EVAL_BACKENDS, default=None,
+                   help="what computes the logits: pytorch (default), the fake-quant model with the checkpoint's "
+                        "numerics; onnxruntime or openvino, an export through the server's own backend of that "
+                        "name, on the same batches (`holoserve export --target onnxruntime|openvino` first)")
+    p.add_argument("--onnx", action="store_true", help="the same as --backend onnxruntime")
+    p.add_argument("--compare", action="store_true",
+                   help="with --backend onnxruntime or openvino: also score the checkpoint's own numerics on the "
+                        "same rows and report how the backend's predictions differ: identical share, rows only "
+                        "one of them gets right, and McNemar's exact test of whether their accuracies differ "
+                        "(a regression: the correlation of the two scores and their largest difference)")
+    adv.add_argument("--openvino-precision", choices=OPENVINO_PRECISIONS, default=None,
+                     help="with --backend openvino: the precision of OpenVINO's float ops, as `holoserve serve "
+                          "--openvino-precision` takes it (default: auto, the CPU plugin's choice, bf16 on CPUs "
+                          "with bf16 units)")
     adv.add_argument("--onnx-export", default=ONNXRUNTIME, choices=(ONNXRUNTIME, TENSORRT_ONNX),
                    help="with --onnx: which export; 'onnxruntime' (what `holoserve serve` runs on a CPU) or "
                         "'tensorrt-onnx' (the TensorRT placement, emulated on the CPU)")
-    adv.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads with --onnx (0 = default)")
+    adv.add_argument("--threads", type=int, default=0,
+                     help="the backend's threads with --backend onnxruntime|openvino (0 = its default)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where the PyTorch model runs: auto = a CUDA GPU when torch sees one (default: auto)")
     p.add_argument("--predictions", metavar="FILE", type=Path,
@@ -49,9 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None, batch_size=128, fp32=False,
                         onnx=False, threads=0, onnx_export=ONNXRUNTIME, device="auto", data=None,
-                        predictions=None) -> dict:
+                        predictions=None, backend=None, openvino_precision=None, compare=False) -> dict:
     """Dev metrics of a checkpoint: on `data` (DataOptions with a dev file), else a GLUE split; with
-    `predictions` (a path) also each row's prediction, as JSON Lines."""
+    `predictions` (a path) also each row's prediction, as JSON Lines. `backend` (or `onnx=True`, the same as
+    backend="onnxruntime") scores an export through the server's backend of that name; with `compare` the
+    result also says how its predictions differ from the checkpoint's own numerics on the same rows."""
     import time
 
     from holoserve.data.glue import read_split
@@ -62,22 +81,21 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     from holoserve.core.tokenizer import load_tokenizer
 
     from .data import encode
-    from .evaluate import predict_quantized, score
+    from .evaluate import score
 
+    backend = _check_backend_options(backend, onnx, fp32, openvino_precision, compare, onnx_export)
     if predictions is not None:  # a bad path fails now, not after the scoring
         _predictions_folder(predictions)
-    if onnx and fp32:
-        raise HoloServeError("--fp32 and --onnx do not combine: the ONNX export always has the checkpoint's numerics")
-    if onnx:
-        from holoserve.core.artifact import load_artifact
-
-        art = load_artifact(path)
-        model = None
-    else:
+    model = None
+    if backend == "pytorch" or compare:
         from .pipeline import resolve_device
 
         model, art = load_model(path)
         model.to(resolve_device(device))
+    else:
+        from holoserve.core.artifact import load_artifact
+
+        art = load_artifact(path)
     tok = load_tokenizer(art.path, art.max_seq_length)
     if data is not None and data.dev is not None:
         task_obj = task_of(art)
@@ -91,22 +109,16 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
         rows = read_split(task_obj, split, data_dir, limit=limit)
     data = encode(tok, rows, task_obj.is_regression)
     t0 = time.perf_counter()
-    if onnx:
+    if backend == "onnxruntime":
         logits, numerics = _onnx_logits(art, data, batch_size, threads, onnx_export)
+    elif backend == "openvino":
+        logits, numerics = _openvino_logits(art, data, batch_size, threads, openvino_precision or "auto")
     else:
-        from holoserve.core.artifact import input_layers
-
-        amax = art.activation_amax()
-        layers = input_layers(amax)
-        use_quant = bool(amax) and not fp32
-        logits = predict_quantized(model, data, batch_size=batch_size, act_amax=amax if use_quant else None,
-                                   quant_layers=layers if use_quant else None)
-        numerics = ("int8 weights + int8 activations (fake-quant)" if use_quant
-                    else ("int8 weights, fp32 activations" if art.quantized else "fp32"))
+        logits, numerics = _pytorch_logits(model, art, data, batch_size, fp32)
     metrics = score(task_obj, logits, data.labels)
     if predictions is not None:
         write_predictions(predictions, rows, logits, task_obj.is_regression, art.labels)
-    return {
+    out = {
         "checkpoint": str(art.path),
         "task": task_obj.name,
         "split": split,
@@ -117,19 +129,80 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
         "manifest_metrics": art.manifest.metrics.model_dump(mode="json", exclude_none=True),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+    if compare:
+        from .evaluate import compare_predictions
+
+        ref, ref_numerics = _pytorch_logits(model, art, data, batch_size, False)
+        ref_metrics = score(task_obj, ref, data.labels)
+        primary = task_obj.primary_metric
+        out["compare"] = {"reference": ref_numerics + ", the checkpoint's numerics", "reference_metrics": ref_metrics,
+                          "primary_difference": round(metrics[primary] - ref_metrics[primary], 6),
+                          **compare_predictions(task_obj, logits, ref, data.labels)}
+    return out
+
+
+def _check_backend_options(backend, onnx: bool, fp32: bool, openvino_precision, compare: bool, onnx_export) -> str:
+    """The backend to score through, or a clear error for options that do not go together."""
+    if onnx and backend not in (None, "onnxruntime"):
+        raise HoloServeError(f"--onnx means --backend onnxruntime, not --backend {backend}: give one of them")
+    backend = "onnxruntime" if onnx else (backend or "pytorch")
+    if backend not in EVAL_BACKENDS:
+        raise HoloServeError(f"unknown backend {backend!r}: choose one of {', '.join(EVAL_BACKENDS)}")
+    if fp32 and backend != "pytorch":
+        raise HoloServeError(f"--fp32 and --backend {backend} (or --onnx) do not combine: an export always has the "
+                             "checkpoint's numerics; drop --fp32")
+    if openvino_precision is not None and backend != "openvino":
+        raise HoloServeError(f"--openvino-precision only applies to --backend openvino (got --backend {backend})")
+    if onnx_export != ONNXRUNTIME and backend != "onnxruntime":
+        raise HoloServeError(f"--onnx-export only applies to --backend onnxruntime (got --backend {backend})")
+    if compare and backend == "pytorch":
+        raise HoloServeError("--compare compares a backend's predictions with the checkpoint's numerics: add "
+                             "--backend onnxruntime or --backend openvino")
+    return backend
+
+
+def _pytorch_logits(model, art, data, batch_size: int, fp32: bool) -> tuple[np.ndarray, str]:
+    """The PyTorch model's logits: the checkpoint's numerics (int8 activations fake-quantized with exact
+    integer sums), or with `fp32` its stored weights on float activations."""
+    from holoserve.core.artifact import input_layers
+
+    from .evaluate import predict_quantized
+
+    amax = art.activation_amax()
+    layers = input_layers(amax)
+    use_quant = bool(amax) and not fp32
+    logits = predict_quantized(model, data, batch_size=batch_size, act_amax=amax if use_quant else None,
+                               quant_layers=layers if use_quant else None)
+    numerics = ("int8 weights + int8 activations (fake-quant)" if use_quant
+                else ("int8 weights, fp32 activations" if art.quantized else "fp32"))
+    return logits, numerics
 
 
 def _onnx_logits(art, data, batch_size: int, threads: int, export_key: str) -> tuple[np.ndarray, str]:
     """An ONNX export through the server's own ONNX Runtime backend, on `holoserve eval`'s batches."""
     from holoserve.backends.onnxruntime import OrtBackend
 
-    from .evaluate import predict_with
-
     # a clear error when there is no such export
     backend = OrtBackend(art, device="cpu", threads=threads or None, export_key=export_key)
-    logits = predict_with(lambda b: backend.infer(b["input_ids"].numpy(), b["attention_mask"].numpy(),
-                                                  b["token_type_ids"].numpy()), data, batch_size)
-    return logits, f"ONNX Runtime ({backend.path.name}, {export_key} export, CPU)"
+    return _backend_logits(backend, data, batch_size), f"ONNX Runtime ({backend.path.name}, {export_key} export, CPU)"
+
+
+def _openvino_logits(art, data, batch_size: int, threads: int, precision: str) -> tuple[np.ndarray, str]:
+    """The `openvino` export through the server's own OpenVINO backend, on `holoserve eval`'s batches."""
+    try:
+        from holoserve.backends.openvino import OpenVinoBackend, inference_precision
+    except ImportError as e:  # pragma: no cover - openvino is an optional extra
+        raise HoloServeError(f"--backend openvino needs OpenVINO ({e}): pip install 'holoserve[openvino]'") from None
+    backend = OpenVinoBackend(art, threads=threads or None, precision=precision)  # clear error without the export
+    return _backend_logits(backend, data, batch_size), (
+        f"OpenVINO ({backend.path.name}, float ops in {inference_precision(backend.compiled)}, CPU)")
+
+
+def _backend_logits(backend, data, batch_size: int) -> np.ndarray:
+    from .evaluate import predict_with
+
+    return predict_with(lambda b: backend.infer(b["input_ids"].numpy(), b["attention_mask"].numpy(),
+                                                b["token_type_ids"].numpy()), data, batch_size)
 
 
 def write_predictions(path: Path, rows, logits: np.ndarray, regression: bool, labels: list[str] | None) -> None:
@@ -177,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
 
     out = evaluate_checkpoint(args.checkpoint, args.task, args.data_dir, args.split, args.limit, args.batch_size,
                               args.fp32, args.onnx, args.threads, args.onnx_export, args.device,
-                              data=data_options(args), predictions=args.predictions)
+                              data=data_options(args), predictions=args.predictions, backend=args.backend,
+                              openvino_precision=args.openvino_precision, compare=args.compare)
     print(json.dumps(out, indent=2))
     return 0

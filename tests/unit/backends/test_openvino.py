@@ -245,3 +245,30 @@ def test_key_transpose_split_is_exact(tmp_path):
     after = session(tmp_path / "after.onnx", threads=1).run(None, feed)
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
+
+
+def test_eval_scores_the_openvino_export_and_compares_it_with_the_checkpoint(with_openvino, tmp_path):
+    """`holoserve eval --backend openvino --compare`: the served OpenVINO model's dev metric, and how its
+    predictions differ from the checkpoint's own numerics on the same rows."""
+    import json
+
+    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+    from tests.unit.export.test_export import _tiny_sst2_dir
+
+    ckpt, _ = with_openvino
+    data_dir = _tiny_sst2_dir(tmp_path)
+    got = evaluate_checkpoint(ckpt, data_dir=data_dir, backend="openvino", openvino_precision="f32", threads=1,
+                              batch_size=3, compare=True, predictions=tmp_path / "ov.jsonl")
+    ref = evaluate_checkpoint(ckpt, data_dir=data_dir, batch_size=3, predictions=tmp_path / "torch.jsonl")
+    assert got["numerics"].startswith("OpenVINO (model.ov.onnx, float ops in f32") and got["rows"] == 8
+    cmp = got["compare"]
+    assert cmp["reference_metrics"] == ref["metrics"] and "checkpoint's numerics" in cmp["reference"]
+    ov = [json.loads(x) for x in (tmp_path / "ov.jsonl").read_text().splitlines()]
+    pt = [json.loads(x) for x in (tmp_path / "torch.jsonl").read_text().splitlines()]
+    same = sum(a["prediction"] == b["prediction"] for a, b in zip(ov, pt))
+    here = sum(a["prediction"] == a["label"] != b["prediction"] for a, b in zip(ov, pt))
+    there = sum(b["prediction"] == b["label"] != a["prediction"] for a, b in zip(ov, pt))
+    assert (cmp["identical_predictions"], cmp["different_predictions"]) == (pytest.approx(same / 8), 8 - same)
+    assert (cmp["right_here_only"], cmp["right_in_reference_only"]) == (here, there)
+    assert cmp["primary_difference"] == pytest.approx((here - there) / 8)
+    assert 0 < cmp["mcnemar_exact_p"] <= 1

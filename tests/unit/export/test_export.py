@@ -424,6 +424,56 @@ def test_eval_onnx_scores_the_export_on_eval_batches(exported, tmp_path):
     assert np.abs(ort_logits - exact).max() < 1e-3
 
 
+def test_eval_compare_through_onnxruntime(exported, tmp_path):
+    """`--compare`: the export's predictions against the checkpoint's numerics, on the same rows; ONNX
+    Runtime reproduces them, so nothing differs."""
+    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+
+    ckpt, _ = exported
+    got = evaluate_checkpoint(ckpt, data_dir=_tiny_sst2_dir(tmp_path), backend="onnxruntime", compare=True,
+                              batch_size=3)
+    cmp = got["compare"]
+    assert got["numerics"].startswith("ONNX Runtime") and cmp["reference_metrics"] == got["metrics"]
+    assert cmp["identical_predictions"] == 1.0 and cmp["different_predictions"] == 0
+    assert cmp["right_here_only"] == cmp["right_in_reference_only"] == 0
+    assert cmp["primary_difference"] == 0 and cmp["mcnemar_exact_p"] == 1.0
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(compare=True), "add --backend onnxruntime or --backend openvino"),
+    (dict(backend="onnxruntime", openvino_precision="f32"), "only applies to --backend openvino"),
+    (dict(onnx=True, backend="openvino"), "--onnx means --backend onnxruntime"),
+    (dict(backend="openvino", fp32=True), "drop --fp32"),
+    (dict(backend="openvino", onnx_export="tensorrt-onnx"), "only applies to --backend onnxruntime"),
+])
+def test_eval_options_that_do_not_go_together(tmp_path, options, message):
+    from holoserve import HoloServeError
+    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+
+    with pytest.raises(HoloServeError, match=message):  # before anything is loaded: the path need not exist
+        evaluate_checkpoint(tmp_path / "no-checkpoint", data_dir=tmp_path, **options)
+
+
+def test_compare_predictions_counts_and_mcnemar():
+    from holoserve.compress.evaluate import compare_predictions, mcnemar_exact_p
+    from holoserve.data.tasks import get_task
+
+    labels = np.array([0, 1, 1, 0, 1, 0])
+    ref = np.eye(2)[[0, 1, 0, 0, 0, 1]]  # right on rows 0, 1, 3
+    here = np.eye(2)[[0, 1, 1, 1, 1, 1]]  # right on rows 0, 1, 2, 4
+    cmp = compare_predictions(get_task("sst2"), here, ref, labels)
+    assert cmp == {"identical_predictions": pytest.approx(3 / 6, abs=1e-6), "different_predictions": 3,
+                   "right_here_only": 2, "right_in_reference_only": 1, "mcnemar_exact_p": 1.0}
+    assert mcnemar_exact_p(0, 0) == 1.0
+    assert mcnemar_exact_p(2, 5) == pytest.approx(0.453125)  # scipy.stats.binomtest(2, 7).pvalue
+    assert mcnemar_exact_p(0, 10) == pytest.approx(2 / 1024)
+    assert mcnemar_exact_p(300, 200) < 1e-5 and mcnemar_exact_p(200, 300) == mcnemar_exact_p(300, 200)
+    reg = compare_predictions(get_task("stsb"), np.array([[1.0], [2.0], [3.5]]), np.array([[1.0], [2.5], [3.0]]),
+                              np.array([1.0, 2.0, 3.0]))
+    assert reg["max_abs_difference"] == 0.5 and reg["mean_abs_difference"] == pytest.approx(1 / 3, abs=1e-6)
+    assert 0.8 < reg["pearson_with_reference"] < 1
+
+
 def test_eval_predictions_of_a_pair_regression(tmp_path):
     from holoserve.compress.evaluate_cli import write_predictions
     from holoserve.data.glue import Example
@@ -596,6 +646,10 @@ def test_eval_cli_onnx_flag(exported, tmp_path, capsys):
     assert "model.trt.onnx" in out["numerics"] and out["rows"] == 8
     assert main(["eval", str(ckpt), "--data-dir", str(_tiny_sst2_dir(tmp_path)), "--onnx", "--fp32"]) != 0
     assert "do not combine" in capsys.readouterr().err
+    assert main(["eval", str(ckpt), "--data-dir", str(_tiny_sst2_dir(tmp_path)), "--backend", "onnxruntime",
+                 "--compare", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["numerics"].startswith("ONNX Runtime") and out["compare"]["identical_predictions"] == 1.0
 
 
 # ------------------------------------------------------------------------------ attention fusion (ORT)
