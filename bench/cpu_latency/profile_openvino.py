@@ -1,11 +1,12 @@
 """Where the time goes: ours on OpenVINO against OpenVINO's NNCF INT8 of the dense model, per operation.
 
     python bench/cpu_latency/profile_openvino.py CHECKPOINT --dense HF_FOLDER --data-dir GLUE_DIR \
-        [--batch 1] [--seq 128] [--threads 1]
+        [--batch 1] [--seq 128] [--threads 1] [--static]
 
 Both engines are built as `bench/cpu_latency/run.py` builds them (ours: the checkpoint's `openvino`
 export; the peer: `nncf.quantize`, transformer preset, on the first --calibration-rows training rows
-of the dense model's plain fp32 ONNX export) and compiled with PERF_COUNT on. The two run
+of the dense model's plain fp32 ONNX export) and compiled with PERF_COUNT on; with --static both are
+compiled for the one [batch, seq] shape, as `--openvino-shapes` and run.py's static rows do. The two run
 interleaved, one run of each per round; each timed run reads OpenVINO's per-node profiling counters; the report sums them per operation class (quantized GEMMs,
 fused attention, everything else) and per (node type, kernel), beside the wall-clock median of the
 same runs. Writes bench/results/NAME.{json,md}.
@@ -81,7 +82,9 @@ def markdown(r: dict) -> str:
     e = r["engines"]
     ours, peer = e["ours_openvino"], e["openvino_nncf_int8"]
     lines = [f"# Per-operation profile on OpenVINO ({r['date']}, {r['machine']})", "",
-             f"Batch {r['batch']}, sequence {r['seq']}, {r['threads']} thread(s), {r['runs']} timed runs per engine, "
+             f"Batch {r['batch']}, sequence {r['seq']}"
+             f"{' (both compiled for that static shape)' if r.get('static') else ''}, {r['threads']} thread(s), "
+             f"{r['runs']} timed runs per engine, "
              "interleaved; "
              f"checkpoint `{r['checkpoint']}`, dense model `{r['dense']}`; OpenVINO {r['versions']['openvino']}, "
              f"NNCF {r['versions']['nncf']}. Load average before/after: {r['loadavg_before']} / {r['loadavg_after']}.",
@@ -112,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--calibration-rows", type=int, default=64)
+    ap.add_argument("--static", action="store_true", help="compile both models for the one [batch, seq] shape")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--name", default="cpu_profile_openvino")
     args = ap.parse_args(argv)
@@ -144,15 +148,20 @@ def main(argv=None) -> int:
         core = ov.Core()
         config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": args.threads, "PERF_COUNT": True}
         before = load_avg()
-        compiled = {key: core.compile_model(core.read_model(str(path)), "CPU", config)
-                    for key, path in (("openvino_nncf_int8", nncf_ir), ("ours_openvino", ours))}
+        compiled = {}
+        for key, path in (("openvino_nncf_int8", nncf_ir), ("ours_openvino", ours)):
+            model = core.read_model(str(path))
+            if args.static:
+                model.reshape({i.get_any_name(): ov.PartialShape([args.batch, args.seq]) for i in model.inputs})
+            compiled[key] = core.compile_model(model, "CPU", config)
         engines = profile(compiled, feed, args.runs, args.warmup)
         for key, e in engines.items():
             print(f"{ENGINES[key]}: wall {e['wall_median_ms']:.2f} ms, nodes {e['node_sum_ms']:.2f} ms "
                   f"{e['per_class_ms']}", flush=True)
     report = {"benchmark": "cpu_profile_openvino", "date": datetime.now(timezone.utc).date().isoformat(),
               "machine": describe_cpu(), "checkpoint": art.path.name, "dense": args.dense.name,
-              "batch": args.batch, "seq": args.seq, "threads": args.threads, "runs": args.runs,
+              "batch": args.batch, "seq": args.seq, "static": args.static, "threads": args.threads,
+              "runs": args.runs,
               "versions": {"openvino": ov.__version__, "nncf": nncf.__version__},
               "loadavg_before": before, "loadavg_after": load_avg(), "engines": engines}
     args.out.mkdir(parents=True, exist_ok=True)
