@@ -50,6 +50,11 @@ class AdmmConfig:
     # teacher), so W is shaped for INT8 activations as well as for the 2:4 ∩ INT8 weight set. On SST-2
     # at the quick budget (same teacher, seed 0) it lifted ADMM from 83.72 to 85.32.
     act_quant: bool = True
+    # Where W starts: "teacher" (the dense fine-tuned weights; Z = the nearest projection of them) or
+    # "projection" (the teacher's hard projection onto the set, with the preset's mask metric and projection,
+    # OBS by default, so W starts on the set with the compensated weights one-shot starts QAT from, and
+    # ADMM lets the mask move while it trains).
+    init: str = "teacher"
 
 
 @dataclass(frozen=True)

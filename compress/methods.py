@@ -134,6 +134,11 @@ class AdmmMethod(_FromTeacher):
         reg = run.task.is_regression
 
         def admm_phase():
+            start = None
+            if p.admm_cfg.init == "projection":  # W starts on the set, from one-shot's compensated projection
+                finalize(student, run.project_masks(student, layers), quant=job.quant)
+                start = run.dev_metrics(student)
+                log.info("[admm] starts from the teacher's hard projection (%s): dev %s", p.projection, _fmt(start))
             admm = Admm(student, layers, p.admm_cfg, p.admm.steps, quant=job.quant,
                         importance=run.mask_importance(student, layers))
             ctx = None
@@ -147,7 +152,8 @@ class AdmmMethod(_FromTeacher):
             pre = run.dev_metrics(student)
             moves = admm.mask_moves
             result = {**_result(res), "residual": resid, "rho_final": admm.rho, "z_updates": admm.k,
-                      "penalty": p.admm_cfg.penalty, "dev_before_projection": pre,
+                      "penalty": p.admm_cfg.penalty, "init": p.admm_cfg.init, "dev_before_projection": pre,
+                      **({"dev_at_start": start} if start is not None else {}),
                       # share of the 2:4 mask that changed at each Z-update (first, median, last)
                       "mask_moves": [round(x, 5) for x in (moves[0], sorted(moves)[len(moves) // 2], moves[-1])]
                       if moves else []}

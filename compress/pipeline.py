@@ -31,6 +31,7 @@ from holoserve.core.machine import describe_cpu
 from holoserve.core.numerics import RESIDUAL_MIN_SQNR_DB
 from holoserve.data.tasks import Task
 
+from .admm import ADMM_INITS
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
 from .distributed import Processes
 from .config import Preset, apply_overrides, get_preset
@@ -138,6 +139,9 @@ def check_mask_settings(preset: Preset, method: str) -> None:
         raise HoloServeError("mask_metric=saliency is SparseGPT's score, known only inside the one-time OBS "
                              "projection: use it with --method oneshot and --set projection=obs, or choose "
                              "mask_metric=activation or magnitude")
+    if preset.admm_cfg.init not in ADMM_INITS:
+        raise HoloServeError(f"admm_cfg.init={preset.admm_cfg.init!r}: choose one of {', '.join(ADMM_INITS)} "
+                             "(projection: W starts from the teacher's hard projection)")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -347,3 +347,21 @@ def test_admm_refuses_saliency_masks(admm_ckpt, env, capsys):
     assert compress(env, env["root"] / "bad-admm", "--method", "admm", "--teacher", str(teacher),
                     "--set", "mask_metric=saliency") != 0
     assert "mask_metric=saliency is SparseGPT's score" in capsys.readouterr().err
+
+
+def test_admm_can_start_from_the_hard_projection(admm_ckpt, env, capsys):
+    """admm_cfg.init=projection: W starts on 2:4 ∩ INT8 (the teacher's OBS projection), so the ADMM phase
+    starts from what one-shot would train; the run records where it started, the checkpoint is 2:4 ∩ INT8."""
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    out = env["root"] / "admm-from-projection"
+    assert compress(env, out, "--method", "admm", "--teacher", str(teacher), "--set", "projection=obs",
+                    "--set", "admm_cfg.init=projection") == 0
+    check_saved_checkpoint(out)
+    admm = json.loads((out / "manifest.json").read_text())["training"]["phases"]["admm"]
+    assert admm["init"] == "projection" and admm["steps"] > 0 and "dev_at_start" in admm
+    plain = json.loads((admm_ckpt / "manifest.json").read_text())["training"]["phases"]["admm"]
+    assert plain["init"] == "teacher" and "dev_at_start" not in plain
+    assert compress(env, env["root"] / "bad-init", "--method", "admm", "--teacher", str(teacher),
+                    "--set", "admm_cfg.init=random") != 0
+    assert "admm_cfg.init='random': choose one of teacher, projection" in capsys.readouterr().err
+    assert not (env["root"] / "bad-init").exists()
