@@ -58,6 +58,11 @@ METHODS = {  # row key -> (label, extra CLI arguments); the order is the run ord
     "admm_act05_obs": ("ADMM 2:4 ∩ INT8 (OBS) + QAT, activation-aware mask (‖x‖^0.5)",
                        ["--method", "admm", "--set", "mask_metric=activation",
                         "--set", "mask_activation_power=0.5", "--set", "projection=obs"]),
+    # ADMM starting on the set, from the default's OBS projection of the teacher (admm_cfg.init=projection):
+    # the mask may still move while it trains; OBS again at its end
+    "admm_init_obs": ("ADMM from the OBS projection + QAT, activation-aware mask (‖x‖^0.5)",
+                      ["--method", "admm", "--set", "mask_metric=activation", "--set", "mask_activation_power=0.5",
+                       "--set", "projection=obs", "--set", "admm_cfg.init=projection"]),
     # the default recipe with QAT also training the TensorRT placement's extra quantizers (for model.trt.onnx)
     "oneshot_act05_trtqat": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5), TensorRT QAT",
                              ["--method", "oneshot", "--set", "mask_metric=activation",
@@ -67,10 +72,10 @@ PEER = "nncf_ptq"  # NNCF INT8 PTQ of the same teacher (dense weights)
 LABELS = {"dense": "dense teacher", PEER: "NNCF INT8 PTQ (dense W)", **{k: v[0] for k, v in METHODS.items()}}
 COLUMNS = ("dense", PEER, "magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "admm_sparse",
            "admm_int8", "admm_act_int8", "admm_act05_int8", "oneshot_act05_obs", "oneshot_obs_sal",
-           "admm_act05_obs", "oneshot_act05_trtqat")
+           "admm_act05_obs", "admm_init_obs", "oneshot_act05_trtqat")
 BASELINES = ("magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "oneshot_act05_obs",
              "oneshot_obs_sal")  # the 2:4 ∩ INT8 recipes ADMM has to beat
-ADMM_ROWS = ("admm_int8", "admm_act_int8", "admm_act05_int8", "admm_act05_obs")
+ADMM_ROWS = ("admm_int8", "admm_act_int8", "admm_act05_int8", "admm_act05_obs", "admm_init_obs")
 
 
 def run_one(task: str, seed: int, key: str, args, teacher: Path | None) -> Path | None:
