@@ -176,6 +176,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"  OpenVINO: dev metric {v.get('dev_metric_openvino')}, argmax agreement "
                   f"{100 * po.get('argmax_agreement', float('nan')):.2f}%, GEMMs {v['openvino_gemm_precisions']}; "
                   f"sparse weights {v['openvino_sparse_weights']}")
+            rows = v.get("openvino_vs_pytorch_fakequant_rows", {})
+            if "mcnemar_exact_p" in rows:
+                print(f"  OpenVINO vs PyTorch fake-quant, row by row: right only in OpenVINO {rows['right_here_only']}, "
+                      f"only in PyTorch {rows['right_in_reference_only']} (McNemar p {rows['mcnemar_exact_p']:.2f})")
         elif "openvino" in v:
             print(f"  OpenVINO: {v['openvino']}")
         if "ort_fusion" in v:

@@ -668,7 +668,12 @@ def _verify_openvino(path, batches, ref, rows_source, threads, task, labels, ord
            "openvino_gemm_precisions": gemm_precisions(compiled), "openvino_sparse_weights": sparse,
            "openvino_inference_precision": inference_precision(compiled)}
     if labels is not None:
-        out["dev_metric_openvino"] = _metric(task, got, np.asarray(labels)[order])
+        from holoserve.compress.evaluate import compare_predictions
+
+        ordered = np.asarray(labels)[order]
+        out["dev_metric_openvino"] = _metric(task, got, ordered)
+        # borderline rows move both ways under bf16: whether the accuracy differs, not just the rows
+        out["openvino_vs_pytorch_fakequant_rows"] = compare_predictions(task, got, ref, ordered)
     return out
 
 

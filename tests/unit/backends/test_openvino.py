@@ -104,10 +104,18 @@ def test_openvino_refuses_a_precision_whose_gemms_would_run_reference_kernels(wi
 def test_openvino_export_check_runs_at_the_requested_precision(exported, tmp_path):
     from holoserve.export.onnx_export import export_checkpoint
 
+    from tests.unit.export.test_export import _tiny_sst2_dir
+
     ckpt, _ = exported
+    glue = _tiny_sst2_dir(tmp_path)
+    (glue / "SST-2" / "train.tsv").write_text((glue / "SST-2" / "dev.tsv").read_text())  # calibration rows
     res = export_checkpoint(ckpt, ["openvino"], progress=False, polygraphy=False, out_dir=tmp_path / "ov",
-                            openvino_precision="f32")
-    assert res.entries["openvino"]["verification"]["openvino_inference_precision"] == "f32"
+                            openvino_precision="f32", data_dir=glue)
+    v = res.entries["openvino"]["verification"]
+    assert v["openvino_inference_precision"] == "f32"
+    rows = v["openvino_vs_pytorch_fakequant_rows"]  # labelled dev rows: which rows each gets right, McNemar
+    agree = v["parity_openvino_vs_pytorch_fakequant"]["argmax_agreement"]
+    assert rows["identical_predictions"] == pytest.approx(agree, abs=1e-6) and 0 < rows["mcnemar_exact_p"] <= 1
 
 
 def test_bad_openvino_precision_names_the_choices():
