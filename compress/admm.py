@@ -21,8 +21,6 @@ from .config import AdmmConfig
 from .layers import get_linear
 from .project import project
 
-ADMM_INITS = ("teacher", "projection")  # AdmmConfig.init: where W starts
-
 
 class Admm:
     def __init__(self, model: nn.Module, layers: list[str], cfg: AdmmConfig, total_steps: int,
@@ -31,8 +29,6 @@ class Admm:
 
         if cfg.penalty not in ("decoupled", "loss"):
             raise HoloServeError(f"admm_cfg.penalty={cfg.penalty!r}: choose decoupled or loss")
-        if cfg.init not in ADMM_INITS:
-            raise HoloServeError(f"admm_cfg.init={cfg.init!r}: choose one of {', '.join(ADMM_INITS)}")
         if cfg.rho_start <= 0 or cfg.rho_end <= 0 or cfg.interval < 1:
             raise HoloServeError("admm_cfg: rho_start and rho_end must be > 0 and interval >= 1 "
                                  f"(got {cfg.rho_start}, {cfg.rho_end}, {cfg.interval})")

@@ -34,6 +34,9 @@ class DistillConfig:
     hidden_weight: float = 1.0  # MSE between student and teacher hidden states (non-padding tokens)
 
 
+ADMM_INITS = ("teacher", "projection")  # AdmmConfig.init: where W starts
+
+
 @dataclass(frozen=True)
 class AdmmConfig:
     interval: int = 20  # W-steps between Z/U updates
@@ -54,7 +57,7 @@ class AdmmConfig:
     # "projection" (the teacher's hard projection onto the set, with the preset's mask metric and projection,
     # OBS by default, so W starts on the set with the compensated weights one-shot starts QAT from, and
     # ADMM lets the mask move while it trains).
-    init: str = "teacher"
+    init: str = "teacher"  # one of ADMM_INITS (checked by pipeline.check_mask_settings before any training)
 
 
 @dataclass(frozen=True)

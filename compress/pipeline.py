@@ -31,10 +31,9 @@ from holoserve.core.machine import describe_cpu
 from holoserve.core.numerics import RESIDUAL_MIN_SQNR_DB
 from holoserve.data.tasks import Task
 
-from .admm import ADMM_INITS
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
 from .distributed import Processes
-from .config import Preset, apply_overrides, get_preset
+from .config import ADMM_INITS, Preset, apply_overrides, get_preset
 from .data import Encoded, encode, train_batches
 from .evaluate import evaluate
 from .layers import encoder_linear_names
