@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from holoserve.data.metrics import compute
+from holoserve.data.metrics import score
 from holoserve.data.tasks import Task
 
 from .data import Encoded, eval_batches, to_device
@@ -41,11 +41,6 @@ def predict_with(run, data: Encoded, batch_size: int = 128) -> np.ndarray:
         out[idx] = logits
     assert out is not None
     return out
-
-
-def score(task: Task, logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    pred = logits[:, 0] if task.is_regression else logits.argmax(axis=1)
-    return compute(task.metrics, pred, labels)
 
 
 def compare_predictions(task: Task, logits: np.ndarray, ref_logits: np.ndarray, labels: np.ndarray) -> dict:

@@ -34,6 +34,7 @@ from holoserve.core.manifest import ONNXRUNTIME, OPENVINO, TENSORRT_ONNX
 from holoserve.core.numerics import SQNR_CAP_DB, sqnr_db
 from holoserve.core.ort import session as ort_session
 from holoserve.core.tokenizer import load_tokenizer
+from holoserve.data.metrics import score
 from holoserve.data.tabular import DataOptions
 
 from . import fusion, qdq, verify
@@ -287,13 +288,6 @@ def _extra_ranges(ort_onnx: Path, tensors: list[str], batches, trained: Mapping[
         tmp.unlink(missing_ok=True)
     sqnr = {t: sqnr_db(sg, n) for t, (sg, n) in sums.items()}
     return amax, sqnr
-
-
-def _metric(task, logits: np.ndarray, labels) -> dict[str, float]:
-    from holoserve.data.metrics import compute
-
-    pred = logits[:, 0] if task.is_regression else logits.argmax(1)
-    return compute(task.metrics, pred, np.asarray(labels))
 
 
 @dataclass(frozen=True)
@@ -671,7 +665,7 @@ def _verify_openvino(path, batches, ref, rows_source, threads, task, labels, ord
         from holoserve.compress.evaluate import compare_predictions
 
         ordered = np.asarray(labels)[order]
-        out["dev_metric_openvino"] = _metric(task, got, ordered)
+        out["dev_metric_openvino"] = score(task, got, ordered)
         # borderline rows move both ways under bf16: whether the accuracy differs, not just the rows
         out["openvino_vs_pytorch_fakequant_rows"] = compare_predictions(task, got, ref, ordered)
     return out
@@ -694,7 +688,7 @@ def _verify_tensorrt_fp16(fp32_path, threads, batches, got, ref, rows_source, ta
     }
     if labels is not None:
         y = np.asarray(labels)[order]
-        m16, m32 = _metric(task, got, y), _metric(task, fp32, y)
+        m16, m32 = score(task, got, y), score(task, fp32, y)
         key = task.primary_metric
         diff = 100.0 * abs(m16[key] - m32[key])
         out["dev_metric_ort_fp32_placement"] = m32
@@ -738,7 +732,7 @@ def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, de
     order = np.concatenate([np.asarray(i) for i, _ in idx_batches])
     batches = [b for _, b in idx_batches]
     ref = reference_logits(model, art, batches)
-    ref_metric = _metric(task, ref, np.asarray(labels)[order]) if labels is not None else None
+    ref_metric = score(task, ref, np.asarray(labels)[order]) if labels is not None else None
     ckpt_metric = ref_metric
     if lossy_embeddings:
         # int8 embeddings are not part of the checkpoint: check the export against the PyTorch model
@@ -752,7 +746,7 @@ def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, de
             ref = reference_logits(model, art, batches)
         finally:
             emb.data.copy_(saved)
-        ref_metric = _metric(task, ref, np.asarray(labels)[order]) if labels is not None else None
+        ref_metric = score(task, ref, np.asarray(labels)[order]) if labels is not None else None
     for t in targets:
         path = built[t]
         v: dict[str, Any] = {}
@@ -761,7 +755,7 @@ def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, de
         got = verify.ort_logits(sess, batches)
         v["parity_vs_pytorch_fakequant"] = verify.parity(got, ref) | {"rows_source": rows_source}
         if labels is not None:
-            v["dev_metric_ort"] = _metric(task, got, np.asarray(labels)[order])
+            v["dev_metric_ort"] = score(task, got, np.asarray(labels)[order])
             v["dev_metric_pytorch_fakequant"] = ref_metric
             if lossy_embeddings:
                 v["dev_metric_checkpoint_numerics"] = ckpt_metric  # what `holoserve eval` computes
@@ -770,7 +764,7 @@ def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, de
             ref_trt = reference_logits(model, art, batches, tensorrt=True)
             v["parity_vs_pytorch_tensorrt_qat"] = verify.parity(got, ref_trt) | {"rows_source": rows_source}
             if labels is not None:
-                v["dev_metric_pytorch_tensorrt_qat"] = _metric(task, ref_trt, np.asarray(labels)[order])
+                v["dev_metric_pytorch_tensorrt_qat"] = score(task, ref_trt, np.asarray(labels)[order])
         if t == "tensorrt" and tensorrt_fp32 is not None:
             v.update(_verify_tensorrt_fp16(tensorrt_fp32, threads, batches, got, ref, rows_source, task, labels, order,
                                            ref_metric, max_metric_diff))

@@ -63,3 +63,10 @@ REGRESSION = ("pearson", "spearman")
 
 def compute(names, pred, gold) -> dict[str, float]:
     return {name: METRICS[name](pred, gold) for name in names}
+
+
+def score(task, logits, labels) -> dict[str, float]:
+    """A task's metrics for a model's logits [rows, classes] (regression: [rows, 1]) against its labels."""
+    logits = np.asarray(logits)
+    pred = logits[:, 0] if task.is_regression else logits.argmax(axis=1)
+    return compute(task.metrics, pred, np.asarray(labels))
