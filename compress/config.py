@@ -32,6 +32,12 @@ class DistillConfig:
     logits_weight: float = 1.0  # KL(teacher || student) at temperature T, scaled by T^2
     temperature: float = 2.0
     hidden_weight: float = 1.0  # MSE between student and teacher hidden states (non-padding tokens)
+    # Perturbed copies of each training row that only the teacher labels (TinyBERT-style augmentation):
+    # each copy replaces, deletes or swaps each non-special token with probability augment_rate (a third
+    # each). They join the rows of every phase that distils (ADMM, QAT, masked fine-tune), with the KD
+    # losses only; each phase keeps the step count sized from the real rows, so its cost is unchanged.
+    augment: int = 0
+    augment_rate: float = 0.15
 
 
 ADMM_INITS = ("teacher", "projection")  # AdmmConfig.init: where W starts

@@ -94,3 +94,51 @@ def eval_batches(data: Encoded, batch_size: int) -> Iterator[tuple[np.ndarray, d
     for i in range(0, len(order), batch_size):
         idx = order[i:i + batch_size]
         yield idx, collate(data, idx)
+
+
+UNLABELED = -100  # the class label of a row only the teacher labels (regression: NaN)
+
+
+def labelled(labels: torch.Tensor) -> torch.Tensor:
+    """Which rows of a batch carry a real label (augmented rows do not)."""
+    return ~torch.isnan(labels) if labels.is_floating_point() else labels != UNLABELED
+
+
+def with_perturbed_copies(data: Encoded, copies: int, rate: float, seed: int, special_ids: Sequence[int]
+                          ) -> Encoded:
+    """`data` plus `copies` perturbed copies of every row, labelled UNLABELED (NaN for regression) so that
+    only distillation learns from them. In each copy every token that is not special ([CLS], [SEP], ...)
+    is, with probability `rate`, replaced by a token drawn from the rows' own token frequencies, deleted,
+    or swapped with the next token of its segment (a third each). Deterministic for a seed."""
+    if copies <= 0:
+        return data
+    rng = np.random.default_rng(seed)
+    special = np.asarray(sorted(set(int(i) for i in special_ids)), dtype=np.int64)
+    all_ids = np.concatenate(data.input_ids) if len(data) else np.zeros(0, dtype=np.int64)
+    pool = all_ids[~np.isin(all_ids, special)]
+    if pool.size == 0:
+        return data
+    ids, tts = list(data.input_ids), list(data.token_type_ids)
+    regression = data.labels.dtype.kind == "f"
+    for _ in range(copies):
+        for x, t in zip(data.input_ids, data.token_type_ids):
+            x, t = x.copy(), t.copy()
+            free = ~np.isin(x, special)
+            hit = free & (rng.random(len(x)) < rate)
+            op = rng.integers(0, 3, len(x))
+            keep = np.ones(len(x), dtype=bool)
+            for i in np.flatnonzero(hit):
+                if op[i] == 0:
+                    x[i] = pool[rng.integers(pool.size)]
+                elif op[i] == 1:
+                    keep[i] = False
+                elif i + 1 < len(x) and free[i + 1] and t[i + 1] == t[i]:
+                    x[i], x[i + 1] = x[i + 1], x[i]
+            for seg in np.unique(t[free]):  # never delete every token of a segment
+                if not keep[free & (t == seg)].any():
+                    keep[free & (t == seg)] = True
+            ids.append(x[keep])
+            tts.append(t[keep])
+    extra = len(ids) - len(data)
+    fill = np.full(extra, np.nan if regression else UNLABELED, dtype=data.labels.dtype)
+    return Encoded(ids, tts, np.concatenate([data.labels, fill]), np.asarray([len(x) for x in ids], dtype=np.int64))

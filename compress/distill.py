@@ -5,9 +5,17 @@ import torch
 import torch.nn.functional as F
 
 from .config import DistillConfig
+from .data import labelled
 
 
 def task_loss(logits: torch.Tensor, labels: torch.Tensor, regression: bool) -> torch.Tensor:
+    """Cross-entropy (regression: MSE) over the rows with a real label; 0 when the batch has none
+    (rows only the teacher labels, DistillConfig.augment)."""
+    keep = labelled(labels)
+    if not bool(keep.all()):
+        if not bool(keep.any()):
+            return logits.sum() * 0.0
+        logits, labels = logits[keep], labels[keep]
     if regression:
         return F.mse_loss(logits.squeeze(-1), labels.float())
     return F.cross_entropy(logits, labels)

@@ -73,8 +73,12 @@ def _fmt(metrics) -> str:
     return " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
 
 
-def _result(res) -> dict[str, Any]:
-    return {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
+def _result(res, run: "Runner") -> dict[str, Any]:
+    """A distilling phase's record; `teacher_only_rows`: the perturbed rows it also read (distill.augment)."""
+    out = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
+    if len(run.kd_train) > len(run.train):
+        out["teacher_only_rows"] = len(run.kd_train) - len(run.train)
+    return out
 
 
 @contextlib.contextmanager
@@ -145,13 +149,13 @@ class AdmmMethod(_FromTeacher):
             if p.admm_cfg.act_quant and job.quant:  # INT8 activations in the same constraint (ranges: teacher's)
                 amax = run.calibrate(student, layers, tensorrt=False)  # the TensorRT ranges come after projection
                 ctx = lambda: input_quantizers(student, amax, layers)  # noqa: E731
-            res = train_phase("admm", student, p.admm, run.train, p, job.seed + 1, run.state, regression=reg,
+            res = train_phase("admm", student, p.admm, run.kd_train, p, job.seed + 1, run.state, regression=reg,
                               teacher=teacher, distill=p.distill, admm=admm, context=ctx, progress=job.progress,
                               procs=run.procs)
             resid = admm.residual()
             pre = run.dev_metrics(student)
             moves = admm.mask_moves
-            result = {**_result(res), "residual": resid, "rho_final": admm.rho, "z_updates": admm.k,
+            result = {**_result(res, run), "residual": resid, "rho_final": admm.rho, "z_updates": admm.k,
                       "penalty": p.admm_cfg.penalty, "init": p.admm_cfg.init, "dev_before_projection": pre,
                       **({"dev_at_start": start} if start is not None else {}),
                       # share of the 2:4 mask that changed at each Z-update (first, median, last)
@@ -182,12 +186,12 @@ def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module,
     def qat_phase():
         attach_masks(student, masks, quant=job.quant)
         ctx = (lambda: _quantizers(student, amax, layers, p.tensorrt_qat)) if amax else None
-        res = train_phase(name, student, cfg, run.train, p, job.seed + 2, run.state, regression=reg,
+        res = train_phase(name, student, cfg, run.kd_train, p, job.seed + 2, run.state, regression=reg,
                           teacher=teacher, distill=p.distill, masks=masks, context=ctx, progress=job.progress,
                           procs=run.procs)
         finalize(student, masks, quant=job.quant)
         metrics = run.dev_metrics(student, amax, layers if amax else None)
-        result = _result(res)
+        result = _result(res, run)
         run.log_phase(name, result, metrics, student, layers)
         return result
 
@@ -233,11 +237,11 @@ class MagnitudeMethod(_FromTeacher):
 
         def masked_phase():
             attach_masks(student, masks, quant=False)
-            res = train_phase("masked", student, cfg, run.train, p, job.seed + 1, run.state,
+            res = train_phase("masked", student, cfg, run.kd_train, p, job.seed + 1, run.state,
                               regression=run.task.is_regression, teacher=teacher, distill=p.distill, masks=masks,
                               progress=job.progress, procs=run.procs)
             finalize(student, masks, quant=False)
-            result = _result(res)
+            result = _result(res, run)
             run.log_phase("masked", result, run.dev_metrics(student), student, layers)
             return result
 

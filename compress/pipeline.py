@@ -34,7 +34,7 @@ from holoserve.data.tasks import Task
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
 from .distributed import Processes
 from .config import ADMM_INITS, Preset, apply_overrides, get_preset
-from .data import Encoded, encode, train_batches
+from .data import Encoded, encode, train_batches, with_perturbed_copies
 from .evaluate import evaluate
 from .layers import encoder_linear_names
 from .methods import Outcome, get_method
@@ -141,6 +141,16 @@ def check_mask_settings(preset: Preset, method: str) -> None:
     if preset.admm_cfg.init not in ADMM_INITS:
         raise HoloServeError(f"admm_cfg.init={preset.admm_cfg.init!r}: choose one of {', '.join(ADMM_INITS)} "
                              "(projection: W starts from the teacher's hard projection)")
+    d = preset.distill
+    if d.augment < 0:
+        raise HoloServeError(f"distill.augment={d.augment}: the number of perturbed copies per training row is 0 "
+                             "(off) or more")
+    if d.augment and not (0.0 < d.augment_rate <= 1.0):
+        raise HoloServeError(f"distill.augment_rate={d.augment_rate}: use a per-token probability in (0, 1], "
+                             "e.g. 0.15")
+    if d.augment and not d.enabled:
+        raise HoloServeError("distill.augment needs distillation (the teacher labels the perturbed rows): drop "
+                             "distill.enabled=false or distill.augment")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -220,6 +230,7 @@ class Runner:
         self.data_info: dict[str, Any] = {}
         self.vocab_size = 0
         self.train: Encoded | None = None
+        self.kd_train: Encoded | None = None
         self.dev: Encoded | None = None
         self.base_name: str = ""
         self.t_start = time.perf_counter()
@@ -263,6 +274,14 @@ class Runner:
         self.train = encode(tok, data.train, self.task.is_regression)
         self.dev = encode(tok, data.dev, self.task.is_regression)
         self.preset = p = p.sized(len(self.train)).with_max_steps(j.max_steps)
+        # what the phases that distil train on: the rows, plus perturbed copies only the teacher labels
+        self.kd_train = self.train
+        if p.distill.augment:
+            specials = [i for i, t in tok.get_added_tokens_decoder().items() if t.special]
+            self.kd_train = with_perturbed_copies(self.train, p.distill.augment, p.distill.augment_rate,
+                                                  j.seed + 11, specials)
+            log.info("distillation also reads %d perturbed copies of the training rows (%d rows; token rate %.2f)",
+                     p.distill.augment, len(self.kd_train) - len(self.train), p.distill.augment_rate)
         log.info("%s: %d train rows, %d dev rows, max_seq_length %d; steps: dense %d, admm %d, qat %d (batch %d)",
                  self.task.name, len(self.train), len(self.dev), p.max_seq_length, p.dense.steps, p.admm.steps,
                  p.qat.steps, p.batch_size)

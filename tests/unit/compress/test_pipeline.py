@@ -365,3 +365,28 @@ def test_admm_can_start_from_the_hard_projection(admm_ckpt, env, capsys):
                     "--set", "admm_cfg.init=random") != 0
     assert "admm_cfg.init='random': choose one of teacher, projection" in capsys.readouterr().err
     assert not (env["root"] / "bad-init").exists()
+
+
+def test_distillation_can_read_perturbed_copies_of_the_rows(admm_ckpt, env, capsys):
+    """distill.augment=N: the distilling phases also read N perturbed copies of each training row,
+    labelled only by the teacher; the step count stays the real rows'. Bad settings are refused before
+    any training."""
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    out = env["root"] / "augmented"
+    assert compress(env, out, "--teacher", str(teacher), "--set", "distill.augment=2") == 0
+    check_saved_checkpoint(out)
+    training = json.loads((out / "manifest.json").read_text())["training"]
+    qat = training["phases"]["qat"]
+    plain = json.loads((admm_ckpt / "manifest.json").read_text())["training"]["phases"]["qat"]
+    assert qat["teacher_only_rows"] == 2 * training["train_rows"] and "teacher_only_rows" not in plain
+    admm = json.loads((admm_ckpt / "manifest.json").read_text())["training"]["phases"]["admm"]
+    assert qat["steps"] == admm["steps"] + plain["steps"]  # one-shot's QAT: the ADMM + QAT budget, rows aside
+    for setting, message in (("distill.augment=-1", "distill.augment=-1: the number of perturbed copies"),
+                             ("distill.augment_rate=0", "distill.augment_rate=0.0: use a per-token probability")):
+        assert compress(env, env["root"] / "bad-augment", "--teacher", str(teacher), "--set", "distill.augment=1",
+                        "--set", setting) != 0
+        assert message in capsys.readouterr().err
+    assert compress(env, env["root"] / "bad-augment", "--teacher", str(teacher), "--set", "distill.augment=1",
+                    "--set", "distill.enabled=false") != 0
+    assert "distill.augment needs distillation" in capsys.readouterr().err
+    assert not (env["root"] / "bad-augment").exists()

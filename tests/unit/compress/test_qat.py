@@ -331,3 +331,52 @@ def test_obs_masks_keep_the_pruned_model_closer_to_the_dense_one(setup):
     sal, _ = _dense(model_dir)
     obs_masks(sal, layers, calib)
     assert nm_share(sal, layers) == 1.0 and gap(sal, calib) < gap(near, calib)
+
+
+def test_perturbed_copies_keep_special_tokens_and_segments_and_carry_no_label():
+    import numpy as np
+
+    from holoserve.compress.data import UNLABELED, Encoded, with_perturbed_copies
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(40):  # [CLS] a [SEP] b [SEP], segment ids 0 then 1
+        a, b = rng.integers(1000, 2000, rng.integers(1, 6)), rng.integers(1000, 2000, rng.integers(1, 6))
+        rows.append((np.r_[101, a, 102, b, 102], np.r_[[0] * (len(a) + 2), [1] * (len(b) + 1)]))
+    data = Encoded([r[0] for r in rows], [r[1] for r in rows], np.arange(40) % 2, np.array([len(r[0]) for r in rows]))
+    aug = with_perturbed_copies(data, 2, 0.5, seed=3, special_ids=[0, 101, 102])
+    assert len(aug) == 120 and (aug.labels[:40] == data.labels).all() and (aug.labels[40:] == UNLABELED).all()
+    assert all((x == y).all() for x, y in zip(aug.input_ids[:40], data.input_ids))  # the real rows untouched
+    changed = 0
+    for k in range(40, 120):
+        x, t, src = aug.input_ids[k], aug.token_type_ids[k], data.input_ids[(k - 40) % 40]
+        assert len(x) == len(t) == aug.lengths[k] <= len(src)
+        assert x[0] == 101 and list(x[t == 0]).count(102) == 1 and list(x[t == 1]).count(102) == 1
+        assert ((x[t == 0] != 102).sum() >= 2) and ((x[t == 1] != 102).sum() >= 1)  # no segment emptied
+        assert set(x[(x != 101) & (x != 102)]) <= set(np.concatenate(data.input_ids)) - {101, 102}
+        changed += len(x) != len(src) or (x != src).any()
+    assert changed > 60  # at rate 0.5 nearly every copy differs from its row
+    again = with_perturbed_copies(data, 2, 0.5, seed=3, special_ids=[0, 101, 102])
+    assert all((x == y).all() for x, y in zip(again.input_ids, aug.input_ids))
+    reg = Encoded(data.input_ids, data.token_type_ids, np.linspace(0, 5, 40, dtype=np.float32), data.lengths)
+    assert np.isnan(with_perturbed_copies(reg, 1, 0.2, seed=0, special_ids=[101, 102]).labels[40:]).all()
+    assert with_perturbed_copies(data, 0, 0.5, seed=0, special_ids=[]) is data
+
+
+def test_task_loss_reads_only_the_labelled_rows():
+    import torch
+
+    from holoserve.compress.data import UNLABELED
+    from holoserve.compress.distill import task_loss
+
+    logits = torch.randn(6, 3, requires_grad=True)
+    labels = torch.tensor([0, 2, UNLABELED, 1, UNLABELED, 0])
+    keep = labels != UNLABELED
+    assert torch.allclose(task_loss(logits, labels, False), torch.nn.functional.cross_entropy(logits[keep], labels[keep]))
+    none = task_loss(logits, torch.full((6,), UNLABELED), False)
+    none.backward()
+    assert none.item() == 0.0 and logits.grad is not None and not logits.grad.any()
+    scores = torch.tensor([1.0, float("nan"), 3.0, float("nan"), 0.5, 2.0])
+    out = torch.randn(6, 1)
+    ok = ~torch.isnan(scores)
+    assert torch.allclose(task_loss(out, scores, True), torch.nn.functional.mse_loss(out[ok, 0], scores[ok]))
