@@ -123,7 +123,7 @@ def test_penalty_in_the_loss_also_drives_w_onto_the_constraint_set(setup):
     model = _model(model_dir)
     layers = encoder_linear_names(model)
     admm = Admm(model, layers, AdmmConfig(interval=10, rho_start=10.0, rho_end=10.0, penalty="loss"), total_steps=80)
-    assert admm.penalty_loss() is not None and float(admm.penalty_loss()) > 0
+    assert admm.penalty_loss() is not None and float(admm.penalty_loss().detach()) > 0
     before = {k: w.detach().clone() for k, w in admm.weights.items()}
     admm.penalty_step()  # a no-op in this mode
     assert all(torch.equal(before[k], w) for k, w in admm.weights.items())
