@@ -63,7 +63,7 @@ class AdmmConfig:
     # "projection" (the teacher's hard projection onto the set, with the preset's mask metric and projection,
     # OBS by default, so W starts on the set with the compensated weights one-shot starts QAT from, and
     # ADMM lets the mask move while it trains).
-    init: str = "teacher"  # one of ADMM_INITS (checked by pipeline.check_mask_settings before any training)
+    init: str = "teacher"  # one of ADMM_INITS (checked by pipeline.check_preset_settings before any training)
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,9 @@ def _load_hf(folder: Path, task: Task) -> nn.Module:
     return model
 
 
-def check_mask_settings(preset: Preset, method: str) -> None:
-    """Refuse mask/projection settings no phase can honour, before the teacher is trained."""
+def check_preset_settings(preset: Preset, method: str) -> None:
+    """Refuse preset settings no phase can honour (masks, projection, ADMM start, augmentation), before
+    the teacher is trained."""
     if preset.projection not in ("nearest", "obs"):
         raise HoloServeError(f"projection={preset.projection!r}: choose nearest or obs")
     if preset.mask_metric not in ("activation", "magnitude", "saliency"):
@@ -218,7 +219,7 @@ class Runner:
             raise HoloServeError(f"tensorrt_qat trains the TensorRT placement's quantizers during QAT, which --method "
                                  f"{job.method}{' --no-quant' if not job.quant else ''} does not run: use --method "
                                  "oneshot or admm with INT8, or leave tensorrt_qat off")
-        check_mask_settings(self.preset, job.method)
+        check_preset_settings(self.preset, job.method)
         self.out = Path(job.out)
         self.state = Path(job.state_dir) if job.state_dir else self.out.with_name(self.out.name + ".state")
         if job.restart and self.state.exists():
@@ -415,7 +416,7 @@ class Runner:
             log.info("[mask] activation-aware 2:4 masks: |w| x input-channel norm%s over %d calibration batches",
                      "" if power == 1 else f" ^ {power:g}", self.preset.calib_batches)
             return norms if power == 1 else {k: v.pow(power) for k, v in norms.items()}
-        raise AssertionError(f"mask_metric={metric!r} outside a projection (refused by check_mask_settings)")
+        raise AssertionError(f"mask_metric={metric!r} outside a projection (refused by check_preset_settings)")
 
     def project_masks(self, model: nn.Module, layers) -> dict[str, torch.Tensor]:
         """The hard projection's 2:4 masks (preset mask_metric); with preset projection="obs" the kept weights

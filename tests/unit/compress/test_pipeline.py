@@ -377,10 +377,9 @@ def test_distillation_can_read_perturbed_copies_of_the_rows(admm_ckpt, env, caps
     check_saved_checkpoint(out)
     training = json.loads((out / "manifest.json").read_text())["training"]
     qat = training["phases"]["qat"]
-    plain = json.loads((admm_ckpt / "manifest.json").read_text())["training"]["phases"]["qat"]
-    assert qat["teacher_only_rows"] == 2 * training["train_rows"] and "teacher_only_rows" not in plain
-    admm = json.loads((admm_ckpt / "manifest.json").read_text())["training"]["phases"]["admm"]
-    assert qat["steps"] == admm["steps"] + plain["steps"]  # one-shot's QAT: the ADMM + QAT budget, rows aside
+    plain = json.loads((admm_ckpt / "manifest.json").read_text())["training"]["phases"]
+    assert qat["teacher_only_rows"] == 2 * training["train_rows"] and "teacher_only_rows" not in plain["qat"]
+    assert qat["steps"] == plain["admm"]["steps"] + plain["qat"]["steps"]  # one-shot's QAT: the ADMM + QAT budget, rows aside
     for setting, message in (("distill.augment=-1", "distill.augment=-1: the number of perturbed copies"),
                              ("distill.augment_rate=0", "distill.augment_rate=0.0: use a per-token probability")):
         assert compress(env, env["root"] / "bad-augment", "--teacher", str(teacher), "--set", "distill.augment=1",
