@@ -33,7 +33,7 @@ from holoserve.data.tasks import Task
 
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
 from .distributed import Processes
-from .config import ADMM_INITS, Preset, apply_overrides, get_preset
+from .config import ADMM_INITS, STUDENT_ACTIVATIONS, Preset, apply_overrides, get_preset
 from .data import Encoded, encode, train_batches, with_perturbed_copies
 from .evaluate import evaluate
 from .layers import encoder_linear_names
@@ -104,8 +104,14 @@ class Job:
 # --------------------------------------------------------------------------- helpers
 
 
-def _load_hf(folder: Path, task: Task) -> nn.Module:
-    from transformers import AutoModelForSequenceClassification
+def _activation_key(config) -> str:
+    """The config field that names the FFN activation (DistilBERT: `activation`, the rest: `hidden_act`)."""
+    return "activation" if getattr(config, "model_type", "") == "distilbert" else "hidden_act"
+
+
+def _load_hf(folder: Path, task: Task, activation: str | None = None) -> nn.Module:
+    """A Hugging Face folder as a float32 classifier; `activation` replaces its FFN activation."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # the "classifier newly initialised" report is expected here
@@ -118,6 +124,10 @@ def _load_hf(folder: Path, task: Task) -> nn.Module:
     import transformers
 
     kw["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = torch.float32
+    if activation:  # a config of our own carries num_labels with it
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True, num_labels=kw.pop("num_labels"))
+        setattr(config, _activation_key(config), activation)  # the activation has no weights: they all load
+        kw["config"] = config
     model = AutoModelForSequenceClassification.from_pretrained(str(folder), **kw)
     set_label_config(model, task)
     return model
@@ -142,6 +152,9 @@ def check_preset_settings(preset: Preset, method: str) -> None:
     if preset.admm_cfg.init not in ADMM_INITS:
         raise HoloServeError(f"admm_cfg.init={preset.admm_cfg.init!r}: choose one of {', '.join(ADMM_INITS)} "
                              "(projection: W starts from the teacher's hard projection)")
+    if preset.activation is not None and preset.activation not in STUDENT_ACTIVATIONS:
+        raise HoloServeError(f"activation={preset.activation!r}: choose one of {', '.join(STUDENT_ACTIVATIONS)} "
+                             "for the student's FFN, or leave it unset to keep the teacher's")
     d = preset.distill
     if d.augment < 0:
         raise HoloServeError(f"distill.augment={d.augment}: the number of perturbed copies per training row is 0 "
@@ -242,9 +255,9 @@ class Runner:
             logging.getLogger("holoserve").setLevel(logging.WARNING)
         torch.manual_seed(job.seed)
 
-    def hf(self, folder: Path) -> nn.Module:
+    def hf(self, folder: Path, activation: str | None = None) -> nn.Module:
         """A Hugging Face folder as a float32 classifier on this job's device."""
-        model = _load_hf(folder, self.task)
+        model = _load_hf(folder, self.task, activation)
         vocab = getattr(model.config, "vocab_size", None)
         if self.vocab_size and vocab and self.vocab_size > vocab:
             raise HoloServeError(
@@ -253,8 +266,8 @@ class Runner:
         return model.to(self.device)
 
     def student(self, teacher_dir: Path) -> nn.Module:
-        """A fresh copy of the teacher to compress."""
-        return _freeze(self.hf(teacher_dir), self.preset)
+        """A fresh copy of the teacher to compress (with the preset's FFN activation, if it sets one)."""
+        return _freeze(self.hf(teacher_dir, self.preset.activation), self.preset)
 
     def saved(self, name: str):
         """A phase's saved state (tensors, meta), or None."""

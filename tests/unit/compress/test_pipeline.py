@@ -389,3 +389,32 @@ def test_distillation_can_read_perturbed_copies_of_the_rows(admm_ckpt, env, caps
                     "--set", "distill.enabled=false") != 0
     assert "distill.augment needs distillation" in capsys.readouterr().err
     assert not (env["root"] / "bad-augment").exists()
+
+
+def test_the_student_can_swap_gelu_for_relu(admm_ckpt, env, capsys):
+    """activation=relu: the student (not the teacher) computes ReLU in its FFN from the projection on; the
+    checkpoint says so in config.json, `holoserve eval` reproduces its metric, and the export computes ReLU
+    (no Erf left) with every prediction as in `holoserve eval`."""
+    import onnx
+
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    out = env["root"] / "relu"
+    assert compress(env, out, "--teacher", str(teacher), "--set", "activation=relu") == 0
+    capsys.readouterr()
+    check_saved_checkpoint(out)
+    assert json.loads((out / "config.json").read_text())["hidden_act"] == "relu"
+    assert json.loads((teacher / "config.json").read_text())["hidden_act"] == "gelu"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["training"]["preset_config"]["activation"] == "relu"
+    assert main(["eval", str(out), "--data-dir", str(env["glue"])]) == 0
+    assert json.loads(capsys.readouterr().out)["metrics"] == pytest.approx(manifest["metrics"]["compressed"], abs=1e-9)
+    assert main(["export", str(out), "--target", "onnxruntime", "--data-dir", str(env["glue"])]) == 0
+    capsys.readouterr()
+    ops = {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
+    assert "Relu" in ops and "Erf" not in ops
+    assert main(["eval", str(out), "--data-dir", str(env["glue"]), "--backend", "onnxruntime", "--compare",
+                 "--threads", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["compare"]["different_predictions"] == 0
+    assert compress(env, env["root"] / "bad-act", "--teacher", str(teacher), "--set", "activation=silu") != 0
+    assert "activation='silu': choose one of gelu, relu" in capsys.readouterr().err
+    assert not (env["root"] / "bad-act").exists()
