@@ -26,6 +26,9 @@
   models are their dynamic rows').
 - f32 rows: ours on OpenVINO (dynamic and static) with `--openvino-precision f32`, the numerics of
   `holoserve eval`; OpenVINO's default runs the float ops in bf16 where the CPU has bf16 units.
+- --also CKPT: a second compressed checkpoint (e.g. one trained with `--set activation=relu` from the
+  same teacher), its `openvino` export timed like ours (dynamic and static rows) in the same run, so
+  that two recipes compare on the same inputs and load; it gets a dev accuracy like every engine.
 - batch 1/8/32 x sequence 32/128 x 1 and 2 threads; every run uses full-length rows of random
   token ids; median and p90 over --runs timed runs after --warmup runs, the engines interleaved
   per shape so that background load hits them alike. Also SST-2 (or the checkpoint's task) dev
@@ -58,7 +61,8 @@ from holoserve.core.ort import session  # noqa: E402
 
 ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "openvino_fp32", "openvino_nncf_int8",
            "openvino_nncf_int8_static", "ours_qdq_int8", "ours_openvino", "ours_openvino_sparse",
-           "ours_openvino_static", "ours_openvino_f32", "ours_openvino_static_f32")
+           "ours_openvino_static", "ours_openvino_f32", "ours_openvino_static_f32", "also_openvino",
+           "also_openvino_static")
 LABELS = {
     "pytorch_fp32": "PyTorch fp32 (eager)",
     "ort_fp32": "ORT fp32",
@@ -79,13 +83,16 @@ LABELS = {
     # is bf16 where the CPU has bf16 units, which moves some predictions), at the speed this costs
     "ours_openvino_f32": "ours on OpenVINO, f32 float ops",
     "ours_openvino_static_f32": "ours on OpenVINO, static shape, f32 float ops",
+    # --also: a second checkpoint's OpenVINO export, through the same backend as ours
+    "also_openvino": "second checkpoint (--also) on OpenVINO",
+    "also_openvino_static": "second checkpoint (--also) on OpenVINO, static shape",
 }
 # static-shape rows and the dynamic row whose model they compile per cell
 STATIC_OF = {"openvino_nncf_int8_static": "openvino_nncf_int8", "ours_openvino_static": "ours_openvino",
-             "ours_openvino_static_f32": "ours_openvino_f32"}
+             "ours_openvino_static_f32": "ours_openvino_f32", "also_openvino_static": "also_openvino"}
 # our model.ov.onnx compiled by OpenVINO once for all shapes (the static rows compile it per cell)
 OURS_OPENVINO = ("ours_openvino", "ours_openvino_sparse", "ours_openvino_f32")
-OPENVINO_ENGINES = ("openvino_fp32", "openvino_nncf_int8", *OURS_OPENVINO)
+OPENVINO_ENGINES = ("openvino_fp32", "openvino_nncf_int8", *OURS_OPENVINO, "also_openvino")
 PRECISION_OF = {"ours_openvino_f32": "f32", "ours_openvino_static_f32": "f32"}  # others: OpenVINO's default
 INT8_REFERENCE = "openvino_nncf_int8"  # the second ratio in the table: speed-up over OpenVINO INT8 (NNCF)
 
@@ -203,6 +210,8 @@ def int8_gemms(compiled) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--also", type=Path, default=None,
+                    help="a second compressed checkpoint of the same task whose OpenVINO export is timed beside ours")
     ap.add_argument("--dense", type=Path, default=None,
                     help="dense fine-tuned HF folder for the baselines (default: the checkpoint's own fp32 weights)")
     ap.add_argument("--data-dir", default=None, help="GLUE data dir for dev accuracy and the NNCF calibration rows (or $HOLOSERVE_DATA_DIR)")
@@ -252,6 +261,18 @@ def main(argv=None) -> int:
         if key not in skipped and (ours_ov is None or not ours_ov.is_file()):
             skipped[key] = (f"{art.path.name} has no OpenVINO export (model.ov.onnx): run "
                             f"`holoserve export {art.path.name} --target openvino` to time ours on OpenVINO")
+    art_also = also_ov = None
+    if args.also is None:
+        skipped.setdefault("also_openvino", "no --also checkpoint given")
+    elif "also_openvino" not in skipped:
+        art_also = load_artifact(args.also)
+        also_ov = art_also.export_path("openvino")
+        if also_ov is None or not also_ov.is_file():
+            raise SystemExit(f"--also {args.also}: it has no OpenVINO export (model.ov.onnx): run "
+                             f"`holoserve export {args.also} --target openvino` first")
+        if art_also.task_name != art.task_name:
+            raise SystemExit(f"--also {args.also}: its task is {art_also.task_name!r}, the checkpoint's "
+                             f"{art.task_name!r}; compare checkpoints of one task")
     ov = nncf = None
     if any(k not in skipped for k in OPENVINO_ENGINES):
         try:
@@ -303,6 +324,7 @@ def main(argv=None) -> int:
         "dynamic_int8_onnx_bytes": dyn_onnx.stat().st_size if dyn_onnx.is_file() else None,
         "ours_onnx_bytes": ours.stat().st_size,
         "ours_openvino_onnx_bytes": ours_ov.stat().st_size if "ours_openvino" not in skipped else None,
+        "also_openvino_onnx_bytes": also_ov.stat().st_size if also_ov is not None else None,
     }
 
     tok = make_tokenizer(art)
@@ -335,7 +357,8 @@ def main(argv=None) -> int:
     engines = [k for k in ENGINES if k not in skipped]
     onnx_of = {"ort_fp32": fp32_onnx, "ort_dynamic_int8": dyn_onnx, "ours_qdq_int8": ours}
     openvino_of = {"openvino_fp32": (plain_fp32_onnx, False), "openvino_nncf_int8": (nncf_ir, False),  # (model,
-                   **{k: (ours_ov, k == "ours_openvino_sparse") for k in OURS_OPENVINO}}  # sparse decompression)
+                   **{k: (ours_ov, k == "ours_openvino_sparse") for k in OURS_OPENVINO},  # sparse decompression)
+                   "also_openvino": (also_ov, False)}
 
     def compile_ov(key: str, threads: int):
         from holoserve.backends.openvino import compile_model
@@ -349,7 +372,7 @@ def main(argv=None) -> int:
         from holoserve.backends.openvino import OpenVinoBackend, compile_model
 
         if key != "openvino_nncf_int8_static":  # ours: the product path, the backend with --openvino-shapes
-            backend = OpenVinoBackend(art, threads=threads, shapes=[(batch, seq)],
+            backend = OpenVinoBackend(art_also if key == "also_openvino_static" else art, threads=threads, shapes=[(batch, seq)],
                                       precision=PRECISION_OF.get(key, "auto"))
             run = (lambda feed: backend.infer(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"]))
             return run, backend
@@ -464,6 +487,7 @@ def main(argv=None) -> int:
         "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "python": platform.python_version(),
                      **({"openvino": openvino_info["version"], "nncf": openvino_info["nncf"]} if openvino_info else {})},
         "checkpoint": art.path.name,
+        "also_checkpoint": art_also.path.name if art_also is not None else None,
         "dense_baseline": dense_dir.name,
         "method": {"runs": args.runs, "warmup": args.warmup, "inputs": "random token ids, full-length rows (no padding)",
                    "interleaved": "every round, the order reversed every other round", "dynamic_int8": "onnxruntime.quantization.quantize_dynamic(weight_type=QInt8)",
@@ -503,7 +527,9 @@ def markdown(r: dict) -> str:
     engines = report_engines(r)
     versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items() if k != "python" and v)
     lines = [f"# CPU latency — {r['date']}, {r['machine']}", "",
-             f"Checkpoint `{r['checkpoint']}`; baselines from `{r['dense_baseline']}`. "
+             f"Checkpoint `{r['checkpoint']}`"
+             + (f", second checkpoint (--also) `{r['also_checkpoint']}`" if r.get("also_checkpoint") else "")
+             + f"; baselines from `{r['dense_baseline']}`. "
              f"Median / p90 of {r['method']['runs']} runs after {r['method']['warmup']} warm-up runs, engines "
              f"interleaved (the order reversed every other round), full-length rows. {versions}. "
              f"Attention in the ORT baselines: {r['method'].get('baseline_attention', 'as exported')}; "
@@ -530,7 +556,7 @@ def markdown(r: dict) -> str:
     s = r["sizes"]
     names = {"fp32_onnx_bytes": "fp32 ONNX", "dynamic_int8_onnx_bytes": "dynamic INT8 ONNX",
              "openvino_nncf_int8_ir_bytes": "NNCF INT8 IR", "ours_onnx_bytes": "ours (model.onnx)",
-             "ours_openvino_onnx_bytes": "ours (model.ov.onnx)"}
+             "ours_openvino_onnx_bytes": "ours (model.ov.onnx)", "also_openvino_onnx_bytes": "second (model.ov.onnx)"}
     lines += ["Sizes: " + ", ".join(f"{names.get(k, k)} {v / 1e6:.1f} MB" for k, v in s.items() if v) + ".", ""]
     ref = f"speedup_vs_{INT8_REFERENCE}"
     has_ref = any(ref in x for x in r["results"])
@@ -547,7 +573,7 @@ def markdown(r: dict) -> str:
             lines.append(f"| {x['batch']} | {x['seq']} | " + " | ".join(cells) + " |")
         lines.append("")
         peer = "openvino_nncf_int8_static"
-        for ours_static in ("ours_openvino_static", "ours_openvino_static_f32"):
+        for ours_static in ("ours_openvino_static", "ours_openvino_static_f32", "also_openvino_static"):
             pair = [x for x in r["results"] if x["threads"] == th and peer in x and ours_static in x]
             if pair:  # the like-for-like ratio: both compiled for the cell's shape
                 lines += [f"{LABELS[ours_static]} vs {LABELS[peer]}: " + ", ".join(

@@ -769,16 +769,18 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
     run = bench_module("cpu_latency", "run")
     rc = run.main([str(ckpt), "--out", str(tmp_path), "--name", "lat", "--runs", "2", "--warmup", "1",
                    "--batches", "1,2", "--seqs", "8", "--threads", "1", "--fuse-baseline-attention",
-                   "--baseline-classifier-row", "--data-dir", str(glue), "--calibration-rows", "8"])
+                   "--baseline-classifier-row", "--data-dir", str(glue), "--calibration-rows", "8",
+                   *(["--also", str(ckpt)] if has_ov else [])])
     assert rc == 0
     r = json.loads((tmp_path / "lat.json").read_text())
+    assert r["also_checkpoint"] == ("ckpt" if has_ov else None)
     assert r["method"]["baseline_attention"].startswith("2 blocks fused")
     assert [(x["batch"], x["seq"]) for x in r["results"]] == [(1, 8), (2, 8)]
     ran = [k for k in run.ENGINES if (k not in run.OPENVINO_ENGINES and k not in run.STATIC_OF or has_ov)
            and (run.STATIC_OF.get(k, k) != "openvino_nncf_int8" or has_nncf)]
     assert r["engines"] == ran and set(r["skipped_engines"]) == set(run.ENGINES) - set(ran)
     for k, why in r["skipped_engines"].items():  # never silently: the reason is recorded and shown
-        assert "not installed" in why and f"Not run: {run.LABELS[k]}" in (tmp_path / "lat.md").read_text()
+        assert ("not installed" in why or why == "no --also checkpoint given") and f"Not run: {run.LABELS[k]}" in (tmp_path / "lat.md").read_text()
     for x in r["results"]:
         assert all(x[k]["median_ms"] > 0 for k in ran)
     dynamic = [k for k in ran[1:] if k not in run.STATIC_OF]  # static rows: the same models, one shape each
@@ -802,8 +804,8 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
     md = (tmp_path / "lat.md").read_text()
     assert "Attention in the ORT baselines: 2 blocks fused" in md and "their last layer: last layer on the [CLS]" in md
     assert all(f" {run.LABELS[k]} |" in md for k in ran)
-    if has_nncf:  # ours static, both precisions, against NNCF static, per cell
-        assert md.count("vs OpenVINO INT8 (NNCF PTQ), static shape: batch 1 seq 8 ×") == 2
+    if has_nncf:  # ours static, both precisions, and the --also checkpoint, against NNCF static, per cell
+        assert md.count("vs OpenVINO INT8 (NNCF PTQ), static shape: batch 1 seq 8 ×") == 3
     if has_nncf:  # the per-operation profile of ours and NNCF's INT8 on OpenVINO
         prof = bench_module("cpu_latency", "profile_openvino")
         assert prof.main([str(ckpt), "--dense", str(ckpt), "--data-dir", str(glue), "--calibration-rows", "8",
@@ -829,6 +831,9 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
         assert "training rows to calibrate on" in r["skipped_engines"]["openvino_nncf_int8"]
         assert r["skipped_engines"]["ort_fp32"] == "left out (--skip)"
         assert "skipped" in r["dev_accuracy"]  # no data dir given: latency only, said so
+        assert r["skipped_engines"]["also_openvino_static"] == "no --also checkpoint given"
+        with pytest.raises(SystemExit, match="--also .*no OpenVINO export .*--target openvino"):
+            run.main([str(ckpt), "--also", str(exported[0]), "--out", str(tmp_path), "--name", "lat3"])
 
 
 def test_fused_ops_match_standard_onnx_ops(exported, tmp_path):
