@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Mapping
 
 import numpy as np
@@ -41,36 +40,6 @@ def predict_with(run, data: Encoded, batch_size: int = 128) -> np.ndarray:
         out[idx] = logits
     assert out is not None
     return out
-
-
-def compare_predictions(task: Task, logits: np.ndarray, ref_logits: np.ndarray, labels: np.ndarray) -> dict:
-    """How `logits` differ from `ref_logits` on the same rows. Classification: the share of identical
-    predictions, the rows only one of the two gets right, and McNemar's exact two-sided p-value for "both
-    have the same accuracy" (from those discordant rows only: small p, a real difference; large p, what
-    flipping a few borderline rows either way would give). Regression: the two scores' Pearson correlation
-    and their mean and largest absolute difference."""
-    if task.is_regression:
-        a, b = logits[:, 0].astype(np.float64), ref_logits[:, 0].astype(np.float64)
-        diff = np.abs(a - b)
-        corr = float(np.corrcoef(a, b)[0, 1]) if len(a) > 1 and a.std() > 0 and b.std() > 0 else float("nan")
-        return {"pearson_with_reference": round(corr, 6), "mean_abs_difference": round(float(diff.mean()), 6),
-                "max_abs_difference": round(float(diff.max()), 6)}
-    pred, ref = logits.argmax(axis=1), ref_logits.argmax(axis=1)
-    right, ref_right = pred == labels, ref == labels
-    only_here, only_ref = int((right & ~ref_right).sum()), int((~right & ref_right).sum())
-    return {"identical_predictions": round(float((pred == ref).mean()), 6),
-            "different_predictions": int((pred != ref).sum()),
-            "right_here_only": only_here, "right_in_reference_only": only_ref,
-            "mcnemar_exact_p": round(mcnemar_exact_p(only_here, only_ref), 6)}
-
-
-def mcnemar_exact_p(b: int, c: int) -> float:
-    """McNemar's exact test: the two-sided binomial p-value of b rows against c under equal odds."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1))
-    return min(1.0, 2 * tail / 2 ** n)
 
 
 def evaluate(

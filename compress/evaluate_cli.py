@@ -130,7 +130,7 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
         "seconds": round(time.perf_counter() - t0, 2),
     }
     if compare:
-        from .evaluate import compare_predictions
+        from holoserve.data.metrics import compare_predictions
 
         ref, ref_numerics = _pytorch_logits(model, art, data, batch_size, False)
         ref_metrics = score(task_obj, ref, data.labels)

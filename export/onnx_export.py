@@ -34,7 +34,7 @@ from holoserve.core.manifest import ONNXRUNTIME, OPENVINO, TENSORRT_ONNX
 from holoserve.core.numerics import SQNR_CAP_DB, sqnr_db
 from holoserve.core.ort import session as ort_session
 from holoserve.core.tokenizer import load_tokenizer
-from holoserve.data.metrics import score
+from holoserve.data.metrics import compare_predictions, score
 from holoserve.data.tabular import DataOptions
 
 from . import fusion, qdq, verify
@@ -662,8 +662,6 @@ def _verify_openvino(path, batches, ref, rows_source, threads, task, labels, ord
            "openvino_gemm_precisions": gemm_precisions(compiled), "openvino_sparse_weights": sparse,
            "openvino_inference_precision": inference_precision(compiled)}
     if labels is not None:
-        from holoserve.compress.evaluate import compare_predictions
-
         ordered = np.asarray(labels)[order]
         out["dev_metric_openvino"] = score(task, got, ordered)
         # borderline rows move both ways under bf16: whether the accuracy differs, not just the rows

@@ -455,7 +455,7 @@ def test_eval_options_that_do_not_go_together(tmp_path, options, message):
 
 
 def test_compare_predictions_counts_and_mcnemar():
-    from holoserve.compress.evaluate import compare_predictions, mcnemar_exact_p
+    from holoserve.data.metrics import compare_predictions, mcnemar_exact_p
     from holoserve.data.tasks import get_task
 
     labels = np.array([0, 1, 1, 0, 1, 0])
