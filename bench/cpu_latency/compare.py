@@ -1,7 +1,13 @@
 """A/B latency of ONNX exports of one model, alternating in one process (what one graph rewrite buys).
 
     python bench/cpu_latency/compare.py LABEL=MODEL.onnx LABEL=MODEL.onnx [...] [--batch 32] [--seq 128]
-                                        [--threads 1] [--runs 40] [--rounds 2] [--name compare]
+                                        [--threads 1] [--runs 40] [--rounds 2] [--runtime onnxruntime|openvino]
+                                        [--name compare]
+
+--runtime openvino compiles each model (e.g. two checkpoints' model.ov.onnx) with OpenVINO's CPU plugin for
+the one (batch, seq) shape, as the OpenVINO backend's --openvino-shapes does, with OpenVINO's default float
+precision. With only the compared models in the process, a few-percent difference shows where
+bench/cpu_latency/run.py, which interleaves a dozen engines, spreads by more than that at batch 1.
 
 Every model gets the same full-length rows of random token ids (after the first 1000 ids of the
 vocabulary); runs alternate model by model, so background load hits all alike; each round is a
@@ -63,6 +69,36 @@ def parse_models(items: list[str]) -> list[tuple[str, Path]]:
     return out
 
 
+def runner(path: Path, label: str, feed: dict, args):
+    """A no-argument callable that runs the model at `path` once on `feed` with the chosen runtime."""
+    if args.runtime == "openvino":
+        from holoserve.backends.openvino import compile_model
+
+        compiled, _ = compile_model(path, threads=args.threads, shape=(args.batch, args.seq))
+        names = {i.get_any_name() for i in compiled.inputs}
+    else:
+        sess = ort_session(path, args.threads)
+        names = {i.name for i in sess.get_inputs()}
+    missing = {"input_ids", "attention_mask"} - names
+    if missing:
+        raise SystemExit(f"{label}: the model has no input(s) {sorted(missing)}")
+    mine = {k: v for k, v in feed.items() if k in names}
+    if args.runtime == "openvino":
+        request = compiled.create_infer_request()
+        return lambda: request.infer(mine)
+    return lambda: sess.run(None, mine)
+
+
+def runtime_version(name: str) -> str:
+    if name == "openvino":
+        import openvino
+
+        return openvino.__version__
+    import onnxruntime
+
+    return onnxruntime.__version__
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="+", help="LABEL=PATH to an ONNX model (inputs input_ids, attention_mask, token_type_ids)")
@@ -72,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=40, help="timed runs per model and round")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--runtime", choices=("onnxruntime", "openvino"), default="onnxruntime")
     ap.add_argument("--vocab", type=int, default=30522, help="token ids are drawn from [1000, vocab)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--name", default="compare")
@@ -82,26 +119,19 @@ def main(argv=None) -> int:
 
     started = datetime.now(timezone.utc)
     uptime_before, load_before = uptime_text(), load_avg()
-    sessions = [(label, ort_session(path, args.threads)) for label, path in models]
     feed = random_rows(np.random.default_rng(0), args.vocab, args.batch, args.seq)
-    feeds = {}
-    for label, sess in sessions:
-        names = {i.name for i in sess.get_inputs()}
-        missing = {"input_ids", "attention_mask"} - names
-        if missing:
-            raise SystemExit(f"{label}: the model has no input(s) {sorted(missing)}")
-        feeds[label] = {k: v for k, v in feed.items() if k in names}
+    sessions = [(label, runner(path, label, feed, args)) for label, path in models]
     times = {label: [] for label, _ in sessions}
     rounds = []
     for r in range(args.rounds):
-        for label, sess in sessions:
+        for label, run in sessions:
             for _ in range(args.warmup):
-                sess.run(None, feeds[label])
+                run()
         this = {label: [] for label, _ in sessions}
         for _ in range(args.runs):
-            for label, sess in sessions:
+            for label, run in sessions:
                 t0 = time.perf_counter()
-                sess.run(None, feeds[label])
+                run()
                 this[label].append((time.perf_counter() - t0) * 1000.0)
         med = {label: round(percentile(v, 50), 2) for label, v in this.items()}
         first = med[models[0][0]]
@@ -111,8 +141,6 @@ def main(argv=None) -> int:
             times[label].extend(xs)
     med = {label: round(percentile(v, 50), 2) for label, v in times.items()}
     first = med[models[0][0]]
-    import onnxruntime
-
     report = {
         "benchmark": "cpu_latency_compare",
         "date": started.date().isoformat(),
@@ -120,7 +148,8 @@ def main(argv=None) -> int:
         "machine": describe_cpu(),
         "load": {"uptime_before": uptime_before, "uptime_after": uptime_text(), "loadavg_before": load_before,
                  "loadavg_after": load_avg()},
-        "onnxruntime": onnxruntime.__version__,
+        "runtime": args.runtime,
+        args.runtime: runtime_version(args.runtime),
         "shape": {"batch": args.batch, "seq": args.seq, "threads": args.threads},
         "method": {"runs_per_round": args.runs, "warmup": args.warmup, "rounds": args.rounds, "interleaved": True,
                    "inputs": "random token ids, full-length rows (no padding)"},
@@ -135,7 +164,8 @@ def main(argv=None) -> int:
     atomic_write_json(args.out / f"{args.name}.json", report)
     lines = [f"# A/B latency — {report['date']}, {report['machine']}", "",
              f"batch {args.batch}, seq {args.seq}, {args.threads} thread(s); {args.rounds} rounds × {args.runs} runs per "
-             f"model after {args.warmup} warm-up runs, alternating; onnxruntime {onnxruntime.__version__}.",
+             f"model after {args.warmup} warm-up runs, alternating; {args.runtime} {report[args.runtime]}"
+             + (", each model compiled for this one shape." if args.runtime == "openvino" else "."),
              f"Load before: `{uptime_before}`; after: `{report['load']['uptime_after']}`.", "",
              "| model | file | median ms | speed-up vs first | per round |", "|---|---|---:|---:|---|"]
     for label, path in models:

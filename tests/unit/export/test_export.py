@@ -972,7 +972,19 @@ def test_cpu_latency_compare_times_exports_side_by_side(exported, tmp_path, caps
     r = json.loads((tmp_path / "ab.json").read_text())
     assert list(r["median_ms"]) == ["fused", "plain"] and r["speedup_vs_first"]["fused"] == 1.0
     assert len(r["rounds"]) == 2 and all(v > 0 for v in r["median_ms"].values())
-    assert "| plain |" in (tmp_path / "ab.md").read_text()
+    assert "| plain |" in (tmp_path / "ab.md").read_text() and r["runtime"] == "onnxruntime"
+    import importlib.util
+
+    if importlib.util.find_spec("openvino") is not None:  # two OpenVINO models, each compiled for the shape
+        export_checkpoint(ckpt, ["openvino"], out_dir=tmp_path / "ov", progress=False, polygraphy=False,
+                          verify_exports=False)
+        ov_models = [f"a={tmp_path / 'ov' / 'model.ov.onnx'}", f"b={tmp_path / 'ov' / 'model.ov.onnx'}"]
+        assert compare.main(ov_models + ["--runtime", "openvino", "--batch", "2", "--seq", "8", "--runs", "3",
+                                         "--warmup", "1", "--rounds", "1", "--vocab", str(vocab), "--out",
+                                         str(tmp_path), "--name", "ab-ov"]) == 0
+        r = json.loads((tmp_path / "ab-ov.json").read_text())
+        assert r["runtime"] == "openvino" and r["openvino"] and all(v > 0 for v in r["median_ms"].values())
+        assert "compiled for this one shape" in (tmp_path / "ab-ov.md").read_text()
     for bad, msg in ((models[:1], "at least two"), ([str(ckpt / "model.onnx")] * 2, "LABEL=PATH"),
                      ([models[0], "fused=" + str(tmp_path / "plain" / "model.onnx")], "labels must differ"),
                      ([models[0], "x=" + str(tmp_path / "missing.onnx")], "no such ONNX file")):
