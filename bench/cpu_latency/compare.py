@@ -76,17 +76,16 @@ def runner(path: Path, label: str, feed: dict, args):
 
         compiled, _ = compile_model(path, threads=args.threads, shape=(args.batch, args.seq))
         names = {i.get_any_name() for i in compiled.inputs}
+        run = compiled.create_infer_request().infer
     else:
         sess = ort_session(path, args.threads)
         names = {i.name for i in sess.get_inputs()}
+        run = lambda f: sess.run(None, f)  # noqa: E731
     missing = {"input_ids", "attention_mask"} - names
     if missing:
         raise SystemExit(f"{label}: the model has no input(s) {sorted(missing)}")
     mine = {k: v for k, v in feed.items() if k in names}
-    if args.runtime == "openvino":
-        request = compiled.create_infer_request()
-        return lambda: request.infer(mine)
-    return lambda: sess.run(None, mine)
+    return lambda: run(mine)
 
 
 def runtime_version(name: str) -> str:
