@@ -168,3 +168,56 @@ def test_unknown_family_is_refused(tmp_path):
     model.config = type("C", (), {"model_type": "deberta-v2"})()
     with pytest.raises(HoloServeError, match="'deberta-v2' is not supported.*Supported encoder families"):
         encoder_linear_names(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_activation_swap_reaches_every_family_ffn(family, tmp_path):
+    """activation=relu sets each family's own config key (DistilBERT: `activation`, the rest: `hidden_act`),
+    every layer's FFN then computes ReLU, and the saved folder reloads as the same ReLU model."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+    from transformers.activations import GELUActivation
+
+    from holoserve.compress.layers import encoder_layer_stack
+    from holoserve.compress.pipeline import _load_hf
+    from holoserve.data.tasks import Task
+
+    folder = make_tiny_family(family, tmp_path / family)
+    task = Task("t", ("a", "b"))
+    gelu, relu = _load_hf(folder, task), _load_hf(folder, task, "relu")
+    key = "activation" if family == "distilbert" else "hidden_act"
+    assert getattr(gelu.config, key) == "gelu" and getattr(relu.config, key) == "relu"
+
+    def kinds(model):  # the activations inside the encoder layers (a head may keep its own, as ELECTRA's does)
+        layers = encoder_layer_stack(model)[1]
+        return [type(x) for x in layers.modules() if isinstance(x, (torch.nn.ReLU, torch.nn.GELU, GELUActivation))]
+
+    assert kinds(relu) == [torch.nn.ReLU] * 2 and kinds(gelu) == [GELUActivation] * 2
+    ids = torch.randint(4, 20, (2, 7))
+    with torch.no_grad():
+        a, b = gelu.eval()(input_ids=ids).logits, relu.eval()(input_ids=ids).logits
+    assert not torch.allclose(a, b)  # same weights, another FFN non-linearity
+    relu.save_pretrained(str(tmp_path / "saved"), safe_serialization=True)
+    again = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "saved")).eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, b)
+
+
+def test_distilbert_relu_student_compresses_and_exports(tmp_path, capsys):
+    """The DistilBERT branch end to end: the checkpoint's config.json says `activation: relu`, and the export
+    computes ReLU (no Erf) with ONNX Runtime agreeing with the PyTorch fake-quant model."""
+    import onnx
+
+    base = make_tiny_family("distilbert", tmp_path / "distilbert")
+    train, dev = _write_csv(tmp_path / "train.csv", 48, 0), _write_csv(tmp_path / "dev.csv", 12, 1)
+    data = ["--train", str(train), "--dev", str(dev)]
+    out = tmp_path / "ckpt"
+    assert main(["compress", "--model", str(base), "--out", str(out), *data, *FAST,
+                 "--set", "activation=relu"]) == 0, capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["activation"] == "relu"
+    assert json.loads((base / "config.json").read_text())["activation"] == "gelu"
+    assert main(["export", str(out), "--target", "onnxruntime", *data, "--no-polygraphy"]) == 0, capsys.readouterr().err
+    ops = {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
+    assert "Relu" in ops and "Erf" not in ops
+    ort = json.loads((out / "manifest.json").read_text())["exports"]["onnxruntime"]
+    assert ort["verification"]["parity_vs_pytorch_fakequant"]["max_abs_diff"] < 1e-4
