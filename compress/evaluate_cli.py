@@ -46,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true",
                    help="with --backend onnxruntime or openvino: also score the checkpoint's own numerics on the "
                         "same rows and report how the backend's predictions differ: identical share, rows only "
-                        "one of them gets right, and McNemar's exact test of whether their accuracies differ "
-                        "(a regression: the correlation of the two scores and their largest difference)")
+                        "one of them gets right, McNemar's exact test of whether their accuracies differ "
+                        "(a regression: the correlation of the two scores and their largest difference), and whether "
+                        "that is within what float rounding explains (the rule `holoserve export` checks)")
     adv.add_argument("--openvino-precision", choices=OPENVINO_PRECISIONS, default=None,
                      help="with --backend openvino: the precision of OpenVINO's float ops, as `holoserve serve "
                           "--openvino-precision` takes it (default: auto, the CPU plugin's choice, bf16 on CPUs "
@@ -130,7 +131,7 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
         "seconds": round(time.perf_counter() - t0, 2),
     }
     if compare:
-        from holoserve.data.metrics import compare_predictions
+        from holoserve.data.metrics import compare_predictions, prediction_check
 
         ref, ref_numerics = _pytorch_logits(model, art, data, batch_size, False)
         ref_metrics = score(task_obj, ref, data.labels)
@@ -138,6 +139,11 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
         out["compare"] = {"reference": ref_numerics + ", the checkpoint's numerics", "reference_metrics": ref_metrics,
                           "primary_difference": round(metrics[primary] - ref_metrics[primary], 6),
                           **compare_predictions(task_obj, logits, ref, data.labels)}
+        # the export's own rule: a few borderline rows flip either way under any change of float rounding
+        why = prediction_check(task_obj, logits, ref, data.labels)[1]
+        out["compare"]["within_rounding"] = why is None
+        if why:
+            out["compare"]["beyond_rounding"] = why
     return out
 
 

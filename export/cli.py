@@ -32,9 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     adv.add_argument("--dev-rows", type=int, default=None, help="limit the parity check to the first N dev rows")
     adv.add_argument("--calib-rows", type=int, default=256,
                    help="training rows used to calibrate the TensorRT-only tensor ranges (default 256)")
-    p.add_argument("--max-metric-diff", type=float, default=0.2,
-                   help="fail if the ORT dev metric differs from the PyTorch fake-quant model by more than this "
-                        "many points (default 0.2)")
+    p.add_argument("--max-metric-diff", type=float, default=None,
+                   help="also fail if the ONNX Runtime dev metric differs from the PyTorch fake-quant model by more "
+                        "than this many points. Without it the export fails when more than 1 %% of the dev predictions "
+                        "change or the changes favour one side (McNemar p < 0.05): float rounding alone flips a few "
+                        "borderline rows either way")
     p.add_argument("--tensorrt-precision", choices=("fp16", "fp32"), default="fp32",
                    help="float type of the tensorrt target outside its Q/DQ pairs (strongly typed TensorRT runs the "
                         "graph's own types): fp32 (default) or fp16 (LayerNormalization and Softmax stay fp32)")
@@ -161,6 +163,10 @@ def run(args: argparse.Namespace) -> int:
         print(line)
         if "dev_metric_ort" in v:
             print(f"  dev metric ORT {v['dev_metric_ort']} vs PyTorch fake-quant {v['dev_metric_pytorch_fakequant']}")
+        if "changed_predictions" in v:
+            print(f"  dev predictions changed: {v['changed_predictions']} (allowed {v['allowed_changed_predictions']}); "
+                  f"right only here {v['right_here_only']}, only in the PyTorch model {v['right_in_reference_only']} "
+                  f"(McNemar p = {v['mcnemar_exact_p']:.3g})")
         if "parity_vs_pytorch_tensorrt_qat" in v:
             pq = v["parity_vs_pytorch_tensorrt_qat"]
             line = f"  vs the checkpoint's TensorRT QAT numerics: max |dlogit| {pq['max_abs_diff']:.4g}"

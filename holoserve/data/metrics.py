@@ -74,6 +74,17 @@ def score(task, logits, labels) -> dict[str, float]:
     return compute(task.metrics, pred, np.asarray(labels))
 
 
+# What another runtime may change on the dev rows against the checkpoint's numerics (the export's check). A quantized network turns any
+# change of float rounding (another kernel, summation order or runtime) into a few flipped borderline
+# predictions, in either direction: on the SST-2 quick checkpoint a relative change of 1e-5 in one float
+# table (median |logit difference| 0.002) flips 3.6 of 872 rows on average, moving accuracy with an sd of
+# 0.19 points, and 3e-5 flips 8.5 (bench/accuracy/rounding_noise.py). A wrong graph changes far more rows,
+# or moves them one way.
+MAX_CHANGED_SHARE = 0.01  # of the dev predictions (at least one row may change)
+MIN_MCNEMAR_P = 0.05  # the changed rows may not favour one side more than this (McNemar's exact test)
+REGRESSION_MAX_DIFF = 0.2  # points of a regression metric, which moves continuously
+
+
 def compare_predictions(task, logits: np.ndarray, ref_logits: np.ndarray, labels: np.ndarray) -> dict:
     """How `logits` differ from `ref_logits` on the same rows. Classification: the share of identical
     predictions, the rows only one of the two gets right, and McNemar's exact two-sided p-value for "both
@@ -102,3 +113,35 @@ def mcnemar_exact_p(b: int, c: int) -> float:
         return 1.0
     tail = sum(math.comb(n, i) for i in range(min(b, c) + 1))
     return min(1.0, 2 * tail / 2 ** n)
+
+
+def prediction_check(task, got: np.ndarray, ref: np.ndarray, labels: np.ndarray,
+                     max_metric_diff: float | None = None) -> tuple[dict, str | None]:
+    """Whether logits `got` compute what `ref` does on labelled rows, allowing for float rounding: at most
+    MAX_CHANGED_SHARE of the predictions change (one row always may) and the changes favour neither side
+    (McNemar p >= MIN_MCNEMAR_P); a regression metric moves by at most REGRESSION_MAX_DIFF points.
+    `max_metric_diff` adds a fixed bound (points) on the primary metric. (record, why it fails or None)."""
+    key = task.primary_metric
+    diff = 100.0 * abs(score(task, got, labels)[key] - score(task, ref, labels)[key])
+    rec: dict = {"dev_metric_diff_points": round(diff, 4)}
+    why = None
+    if task.is_regression:
+        rec["allowed_metric_diff_points"] = REGRESSION_MAX_DIFF
+        if diff > REGRESSION_MAX_DIFF:
+            why = f"{key} moved by {diff:.2f} points (allowed {REGRESSION_MAX_DIFF})"
+    else:
+        cmp = compare_predictions(task, got, ref, labels)
+        changed, allowed = cmp["different_predictions"], max(1, int(MAX_CHANGED_SHARE * len(labels)))
+        rec.update(changed_predictions=changed, allowed_changed_predictions=allowed,
+                   right_here_only=cmp["right_here_only"], right_in_reference_only=cmp["right_in_reference_only"],
+                   mcnemar_exact_p=cmp["mcnemar_exact_p"])
+        if changed > allowed:
+            why = (f"{changed} of {len(labels)} predictions changed (allowed {allowed}, {MAX_CHANGED_SHARE:.0%}: float "
+                   "rounding alone flips a few borderline rows)")
+        elif cmp["mcnemar_exact_p"] < MIN_MCNEMAR_P:
+            why = (f"the {changed} changed predictions favour one side ({cmp['right_here_only']} right only here, "
+                   f"{cmp['right_in_reference_only']} only in the reference; McNemar p = {cmp['mcnemar_exact_p']:.3f} "
+                   f"< {MIN_MCNEMAR_P})")
+    if why is None and max_metric_diff is not None and diff > max_metric_diff:
+        why = f"{key} moved by {diff:.2f} points (allowed by --max-metric-diff: {max_metric_diff})"
+    return rec, why

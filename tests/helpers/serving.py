@@ -83,7 +83,7 @@ def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: in
         except ImportError:
             export_checkpoint = None
         if export_checkpoint is not None:
-            export_checkpoint(out, ("onnxruntime",), polygraphy=False, progress=False, max_metric_diff=None)
+            export_checkpoint(out, ("onnxruntime",), polygraphy=False, progress=False, check_predictions=False)
         else:  # plain fp32 torch.onnx.export with the contract's inputs and outputs
             tmp = out / "model.onnx.partial"
             export_onnx(model, tmp)

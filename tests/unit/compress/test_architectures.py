@@ -116,7 +116,7 @@ def test_family_compresses_exports_evaluates_and_serves(family, tmp_path, capsys
     assert ort["fused_ops"]["classifier_row"]["row_nodes"] > 0 and ort["verification"]["dev_metric_diff_points"] == 0
     assert [i.name for i in _onnx_inputs(out / "model.onnx")] == ["input_ids", "attention_mask", "token_type_ids"]
     assert (out / "model.onnx").is_file() and (out / "model.trt.onnx").is_file()
-    capsys.readouterr()
+    assert "dev predictions changed: 0 (allowed 1); right only here 0" in capsys.readouterr().out
     assert main(["eval", str(out), "--dev", str(dev), "--onnx"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["rows"] == 12 and 0.0 <= got["metrics"]["accuracy"] <= 1.0

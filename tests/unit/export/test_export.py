@@ -437,6 +437,19 @@ def test_eval_compare_through_onnxruntime(exported, tmp_path):
     assert cmp["identical_predictions"] == 1.0 and cmp["different_predictions"] == 0
     assert cmp["right_here_only"] == cmp["right_in_reference_only"] == 0
     assert cmp["primary_difference"] == 0 and cmp["mcnemar_exact_p"] == 1.0
+    assert cmp["within_rounding"] is True and "beyond_rounding" not in cmp
+
+
+def test_eval_compare_says_when_a_backend_differs_beyond_rounding(exported, tmp_path, monkeypatch):
+    """`--compare` applies the export's rule: a backend that changes every prediction is beyond rounding."""
+    from holoserve.backends.onnxruntime import OrtBackend
+    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+
+    real = OrtBackend.infer
+    monkeypatch.setattr(OrtBackend, "infer", lambda self, *a: -real(self, *a))
+    cmp = evaluate_checkpoint(exported[0], data_dir=_tiny_sst2_dir(tmp_path), backend="onnxruntime", compare=True,
+                              batch_size=3)["compare"]
+    assert cmp["within_rounding"] is False and cmp["beyond_rounding"].startswith("8 of 8 predictions changed")
 
 
 @pytest.mark.parametrize("options, message", [
@@ -1175,3 +1188,65 @@ def test_tensorrt_residuals_option():
     assert parse(["export", "ck", "--tensorrt-residuals", "int8"]).tensorrt_residuals == "int8"
     with pytest.raises(HoloServeError, match="--tensorrt-residuals 'some'.*auto, int8, float"):
         ExportOptions(tensorrt_residuals="some").validate()
+
+
+def test_prediction_check_allows_rounding_flips_but_not_a_different_model():
+    """prediction_check (the export's rule): a few borderline rows flipped either way pass (float rounding does that);
+    more than 1 % changed, changes that favour one side, a regression metric moved by more than 0.2 points
+    or a user's --max-metric-diff exceeded fail, each with the reason."""
+    from holoserve.data.tasks import get_task
+    from holoserve.data.metrics import prediction_check
+
+    sst2, stsb = get_task("sst2"), get_task("stsb")
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 872)
+    ref = np.zeros((872, 2), np.float32)
+    ref[np.arange(872), labels] = 1.0  # the reference gets every row right ...
+    ref[:100] = ref[:100, ::-1]  # ... but the first hundred
+
+    def flipped(rows):
+        got = ref.copy()
+        got[rows] = got[rows, ::-1]
+        return got
+
+    rec, why = prediction_check(sst2, flipped([0, 1, 500]), ref, labels)  # two rows right now, one wrong
+    assert why is None and rec["changed_predictions"] == 3 and rec["allowed_changed_predictions"] == 8
+    assert rec["dev_metric_diff_points"] == pytest.approx(100 / 872, abs=1e-4) and rec["mcnemar_exact_p"] == 1.0
+    _, why = prediction_check(sst2, flipped(list(range(5)) + list(range(500, 505))), ref, labels)
+    assert why.startswith("10 of 872 predictions changed (allowed 8, 1%")
+    _, why = prediction_check(sst2, flipped(list(range(7))), ref, labels)  # seven rows, all now right
+    assert "favour one side (7 right only here, 0 only in the reference; McNemar p = 0.016" in why
+    _, why = prediction_check(sst2, flipped([0, 1, 500]), ref, labels, max_metric_diff=0.1)
+    assert why == "accuracy moved by 0.11 points (allowed by --max-metric-diff: 0.1)"
+    small = labels[:12]  # on a dozen rows one change may happen, two may not
+    assert prediction_check(sst2, flipped([200])[200:212], ref[200:212], small)[1] is None
+    assert prediction_check(sst2, flipped([200, 201])[200:212], ref[200:212], small)[1].startswith("2 of 12")
+    y = rng.normal(size=(50, 1)).astype(np.float32)
+    assert prediction_check(stsb, y + 1e-4, y, y[:, 0])[1] is None
+    rec, why = prediction_check(stsb, y + rng.normal(scale=0.3, size=y.shape), y, y[:, 0])
+    assert why.startswith("pearson moved by") and rec["allowed_metric_diff_points"] == 0.2
+
+
+def test_export_refuses_a_graph_that_changes_dev_predictions(exported, tmp_path, monkeypatch):
+    """When the export's dev predictions differ from the PyTorch fake-quant model's by more than rounding
+    explains, nothing is written and the error says what changed and what to do."""
+    import shutil
+
+    from holoserve.export import onnx_export
+    from holoserve.export.onnx_export import export_checkpoint
+    from holoserve.export.verify import ExportVerificationError
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(exported[0], ckpt)
+    before = (ckpt / "manifest.json").read_bytes()
+    glue = _tiny_sst2_dir(tmp_path)
+    shutil.copy(glue / "SST-2" / "dev.tsv", glue / "SST-2" / "train.tsv")
+    real = onnx_export.reference_logits
+    monkeypatch.setattr(onnx_export, "reference_logits", lambda *a, **k: -real(*a, **k))  # every class order reversed
+    with pytest.raises(ExportVerificationError, match=r"does not reproduce the checkpoint: on dev through ONNX "
+                                                      r"Runtime .* 8 of 8 predictions changed \(allowed 1.*--no-verify"):
+        export_checkpoint(ckpt, ["onnxruntime"], data_dir=glue, progress=False, polygraphy=False)
+    assert (ckpt / "manifest.json").read_bytes() == before
+    res = export_checkpoint(ckpt, ["onnxruntime"], data_dir=glue, progress=False, polygraphy=False,
+                            check_predictions=False)  # what --no-verify's users get, with the record kept
+    assert res.entries["onnxruntime"]["verification"]["changed_predictions"] == 8

@@ -138,7 +138,7 @@ def gpu_checkpoint(src: Path, dst: Path) -> Path:
     from holoserve.export.onnx_export import export_checkpoint
 
     shutil.copytree(src, dst)
-    export_checkpoint(dst, ("tensorrt",), polygraphy=False, progress=False, max_metric_diff=None,
+    export_checkpoint(dst, ("tensorrt",), polygraphy=False, progress=False, check_predictions=False,
                       verify_exports=False)
     add_engine(dst, "tensorrt", dst.parent)
     return dst

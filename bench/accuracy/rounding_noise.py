@@ -1,0 +1,232 @@
+"""How far a dev score moves when only float rounding changes, and where each runtime falls on that scale.
+
+An INT8 model rounds every activation to a grid. A float difference of 1e-6 now and then moves a value
+across a rounding boundary; the next layer then sees a whole step of difference, and that grows through
+the layers. A runtime whose float ops round differently from the checkpoint's (another LayerNorm, Softmax
+or Erf kernel, another vector width) therefore flips a few dev predictions against `holoserve eval`, in
+either direction, without computing anything wrong.
+
+This script measures that scale on the checkpoint's own `model.onnx`, which reproduces `holoserve eval`
+prediction for prediction: it multiplies the position-embedding table by (1 + eps * N(0, 1)), a change of
+the size of float rounding that reaches every token, for several eps and --repeats random draws, and
+scores each copy through ONNX Runtime against the unchanged export. Then it scores OpenVINO on the
+`openvino` export (f32 and its default precision, where installed and exported) against the same
+reference. Per row of the table: the median |logit difference|, the predictions that flip, and the dev
+metric's difference (mean, sd, largest, and how many draws move it by more than --threshold points).
+The plot puts every draw and every runtime on one axis, median |Δlogit| against Δ metric.
+
+    python bench/accuracy/rounding_noise.py runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/rounding-noise-sst2
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
+
+EPS = "1e-6,3e-6,1e-5,3e-5,1e-4"
+OPENVINO_PRECISIONS = ("f32", "auto")
+
+
+def position_table(model) -> int:
+    """Index of the float position-embedding initializer of an exported encoder."""
+    hits = [i for i, t in enumerate(model.graph.initializer)
+            if "position_embeddings" in t.name and t.data_type == 1 and len(t.dims) == 2]
+    if len(hits) != 1:
+        raise SystemExit(f"expected one float position-embedding table in the export, found {len(hits)}: this script "
+                         "perturbs that table, so it needs an encoder with learned absolute positions")
+    return hits[0]
+
+
+def difference(task, out: np.ndarray, ref: np.ndarray, labels: np.ndarray, ref_metric: float) -> dict:
+    from holoserve.data.metrics import score
+
+    metric = score(task, out, labels)[task.primary_metric]
+    flips = None if task.is_regression else int((out.argmax(1) != ref.argmax(1)).sum())
+    return {"median_abs_logit_diff": float(np.median(np.abs(out - ref))), "flipped_predictions": flips,
+            "metric": float(metric), "metric_diff_points": round(100 * (metric - ref_metric), 4)}
+
+
+def summarise(draws: list[dict], threshold: float) -> dict:
+    d = np.asarray([x["metric_diff_points"] for x in draws])
+    flips = [x["flipped_predictions"] for x in draws if x["flipped_predictions"] is not None]
+    return {"draws": len(draws), "median_abs_logit_diff": float(np.median([x["median_abs_logit_diff"] for x in draws])),
+            "flipped_mean": float(np.mean(flips)) if flips else None,
+            "metric_diff_mean": float(d.mean()), "metric_diff_sd": float(d.std(ddof=1)) if len(d) > 1 else 0.0,
+            "metric_diff_max_abs": float(np.abs(d).max()), "past_threshold": int((np.abs(d) > threshold + 1e-9).sum())}
+
+
+def markdown(r: dict) -> str:
+    m, t = r["meta"], r["meta"]["threshold_points"]
+    lines = [f"# Rounding noise on the dev score ({m['date']}, {m['machine']})", "",
+             f"Checkpoint `{m['checkpoint']}`, {m['task']} dev ({m['rows']} rows), {m['metric']}: `holoserve eval` "
+             f"{'—' if m['eval_metric'] is None else format(m['eval_metric'], '.2f')} (manifest), `model.onnx` on "
+             f"ONNX Runtime {m['reference_metric']:.2f}, the "
+             f"reference below. Position-embedding table × (1 + eps · N(0, 1)), {m['repeats']} draws per eps.", "",
+             f"| change | median \\|Δlogit\\| | flipped predictions | Δ {m['metric']} (points): mean ± sd | "
+             f"largest \\|Δ\\| | draws past {t} |", "| --- | --- | --- | --- | --- | --- |"]
+    for row in r["perturbed"]:
+        s = row["summary"]
+        flips = "—" if s["flipped_mean"] is None else f"{s['flipped_mean']:.1f} (mean)"
+        lines.append(f"| eps {row['eps']:g} | {s['median_abs_logit_diff']:.2g} | {flips} | "
+                     f"{s['metric_diff_mean']:+.2f} ± {s['metric_diff_sd']:.2f} | {s['metric_diff_max_abs']:.2f} | "
+                     f"{s['past_threshold']} of {s['draws']} |")
+    for name, x in r["runtimes"].items():
+        if "skipped" in x:
+            continue
+        flips = "—" if x["flipped_predictions"] is None else str(x["flipped_predictions"])
+        lines.append(f"| {name} | {x['median_abs_logit_diff']:.2g} | {flips} | {x['metric_diff_points']:+.2f} | "
+                     f"{abs(x['metric_diff_points']):.2f} | {'yes' if abs(x['metric_diff_points']) > t + 1e-9 else 'no'} |")
+    skipped = {k: v["skipped"] for k, v in r["runtimes"].items() if "skipped" in v}
+    lines += [""] + [f"Not run: {k}: {why}" for k, why in skipped.items()]
+    lines += ["", f"Command: `{m['command']}` ({m['seconds']:.0f} s)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for row in r["perturbed"]:
+        xs = [max(d["median_abs_logit_diff"], 1e-9) for d in row["draws"]]
+        ax.scatter(xs, [d["metric_diff_points"] for d in row["draws"]], s=14, alpha=0.6, label=f"eps {row['eps']:g}")
+    for name, x in r["runtimes"].items():
+        if "skipped" not in x:
+            ax.scatter([max(x["median_abs_logit_diff"], 1e-9)], [x["metric_diff_points"]], marker="*", s=160,
+                       edgecolor="black", label=name, zorder=3)
+    t = r["meta"]["threshold_points"]
+    ax.axhspan(-t, t, color="grey", alpha=0.15, lw=0)
+    ax.set_xscale("log")
+    ax.set_xlabel("median |Δlogit| against model.onnx (ONNX Runtime = holoserve eval)")
+    ax.set_ylabel(f"Δ dev {r['meta']['metric']} (points)")
+    ax.set_title(f"{r['meta']['checkpoint']}: dev score under rounding-sized changes (band ±{t})", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    atomic_savefig(fig, path)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--data-dir", required=True, help="the GLUE folder")
+    ap.add_argument("--eps", default=EPS, help=f"relative changes of the position-embedding table (default {EPS})")
+    ap.add_argument("--repeats", type=int, default=10, help="random draws per eps (default 10)")
+    ap.add_argument("--threshold", type=float, default=0.2, help="points of dev metric counted as a move (0.2)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--results", type=Path, help="folder for rounding_noise.{json,md,png}; default: print only")
+    args = ap.parse_args(argv)
+    try:
+        eps = [float(x) for x in args.eps.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--eps takes comma-separated numbers such as {EPS}, got {args.eps!r}") from None
+    if not eps or min(eps) <= 0 or args.repeats < 2:
+        raise SystemExit("--eps needs positive values and --repeats at least 2 (the sd needs two draws)")
+    import onnx
+    from onnx import numpy_helper
+
+    from holoserve.core.artifact import load_artifact
+    from holoserve.core.manifest import ONNXRUNTIME, OPENVINO
+    from holoserve.core.ort import session
+    from holoserve.data.glue import read_split
+    from holoserve.data.metrics import score
+    from holoserve.data.tasks import get_task
+    from holoserve.export.onnx_export import encode_batches, make_tokenizer
+
+    t0 = time.time()
+    art = load_artifact(args.checkpoint)
+    path = art.export_path(ONNXRUNTIME)
+    if path is None or not path.is_file():
+        raise SystemExit(f"{args.checkpoint} has no model.onnx: run `holoserve export {args.checkpoint}` first")
+    task = get_task(art.task_name)
+    rows = read_split(task, "dev", args.data_dir)
+    batches = list(encode_batches(make_tokenizer(art), [x.text for x in rows],
+                                  [x.text_pair for x in rows] if task.is_pair else None, batch_size=64))
+    labels = np.asarray([x.label for x in rows])
+
+    def logits(run, names) -> np.ndarray:
+        out = np.zeros((len(rows), art.num_labels), dtype=np.float32)
+        for idx, feed in batches:
+            out[idx] = run({k: v for k, v in feed.items() if k in names})
+        return out
+
+    def ort_logits(file: Path) -> np.ndarray:
+        sess = session(file, threads=args.threads, quiet=True)
+        return logits(lambda f: sess.run(None, f)[0], {i.name for i in sess.get_inputs()})
+
+    model = onnx.load(str(path))
+    k = position_table(model)
+    table = numpy_helper.to_array(model.graph.initializer[k]).copy()
+    name = model.graph.initializer[k].name
+    ref = ort_logits(path)
+    ref_metric = score(task, ref, labels)[task.primary_metric]
+    print(f"{args.checkpoint.name}: {task.name} dev {task.primary_metric} {100 * ref_metric:.2f} on model.onnx "
+          f"(the reference); perturbing {name} {table.shape}", flush=True)
+    perturbed = []
+    with tempfile.TemporaryDirectory(prefix="holoserve-noise-") as tmp:
+        file = Path(tmp) / "perturbed.onnx"
+        for e in eps:
+            draws = []
+            for seed in range(args.repeats):
+                noise = np.random.default_rng(seed).standard_normal(table.shape)
+                model.graph.initializer[k].CopyFrom(numpy_helper.from_array((table * (1 + e * noise)).astype(np.float32), name))
+                onnx.save(model, str(file))
+                draws.append(difference(task, ort_logits(file), ref, labels, ref_metric) | {"seed": seed})
+            s = summarise(draws, args.threshold)
+            perturbed.append({"eps": e, "summary": s, "draws": draws})
+            print(f"  eps {e:g}: median |Δlogit| {s['median_abs_logit_diff']:.2g}, flips {s['flipped_mean']}, "
+                  f"Δ {s['metric_diff_mean']:+.2f} ± {s['metric_diff_sd']:.2f} points, past {args.threshold}: "
+                  f"{s['past_threshold']}/{s['draws']}", flush=True)
+    runtimes: dict[str, dict] = {}
+    ov_path = art.export_path(OPENVINO)
+    for precision in OPENVINO_PRECISIONS:
+        key = f"OpenVINO {precision}"
+        if ov_path is None or not ov_path.is_file():
+            runtimes[key] = {"skipped": f"no openvino export (`holoserve export {args.checkpoint} --target openvino`)"}
+            continue
+        try:
+            from holoserve.backends.openvino import compile_model, inference_precision
+            compiled, _ = compile_model(ov_path, threads=args.threads, precision=precision)
+        except Exception as e:  # OpenVINO not installed: said in the report, never silently
+            runtimes[key] = {"skipped": str(e)}
+            continue
+        req = compiled.create_infer_request()
+        out = logits(lambda f: req.infer(f)[compiled.outputs[0]].copy(), {i.get_any_name() for i in compiled.inputs})
+        runtimes[key] = difference(task, out, ref, labels, ref_metric) | {"inference_precision": inference_precision(compiled)}
+        print(f"  {key} ({runtimes[key]['inference_precision']}): {runtimes[key]}", flush=True)
+    import platform
+
+    recorded = (art.manifest.metrics.compressed or {}).get(task.primary_metric)  # what `holoserve eval` reproduces
+    eval_metric = None if recorded is None else 100 * float(recorded)
+
+    from holoserve.core.machine import describe_cpu
+    report = {"meta": {"checkpoint": args.checkpoint.name, "task": task.name, "metric": task.primary_metric,
+                       "rows": len(rows), "eval_metric": eval_metric,
+                       "reference_metric": 100 * float(ref_metric), "table": name, "repeats": args.repeats,
+                       "threshold_points": args.threshold, "threads": args.threads, "python": platform.python_version(),
+                       "machine": describe_cpu(), "date": time.strftime("%Y-%m-%d"), "seconds": time.time() - t0,
+                       "command": "python bench/accuracy/rounding_noise.py " + " ".join(sys.argv[1:] if argv is None else argv)},
+              "perturbed": perturbed, "runtimes": runtimes}
+    md = markdown(report)
+    print("\n" + md)
+    if args.results:
+        args.results.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(args.results / "rounding_noise.json", report)
+        atomic_write_text(args.results / "rounding_noise.md", md)
+        plot(report, args.results / "rounding_noise.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
