@@ -35,8 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-metric-diff", type=float, default=None,
                    help="also fail if the ONNX Runtime dev metric differs from the PyTorch fake-quant model by more "
                         "than this many points. Without it the export fails when more than 1 %% of the dev predictions "
-                        "change or the changes favour one side (McNemar p < 0.05): float rounding alone flips a few "
-                        "borderline rows either way")
+                        "change: float rounding alone flips a few borderline rows")
     p.add_argument("--tensorrt-precision", choices=("fp16", "fp32"), default="fp32",
                    help="float type of the tensorrt target outside its Q/DQ pairs (strongly typed TensorRT runs the "
                         "graph's own types): fp32 (default) or fp16 (LayerNormalization and Softmax stay fp32)")

@@ -302,7 +302,7 @@ class ExportOptions:
     dev_rows / calib_rows / threads: the checks' rows and ORT threads
     check_predictions: refuse an export whose dev predictions through ONNX Runtime differ from the PyTorch
                      fake-quant model's by more than float rounding explains (metrics.prediction_check: at most
-                     1 % of them changed, favouring neither side); max_metric_diff adds a fixed bound (points)
+                     1 % of them changed); max_metric_diff adds a fixed bound (points)
     embeddings:      "fp32" keeps the word-embedding table as in the checkpoint; "int8" stores it as int8
                      + per-row scale (about 2.5x smaller file overall, but a numeric change the checkpoint
                      does not have: verification then compares against the PyTorch model with the same

@@ -74,14 +74,15 @@ def score(task, logits, labels) -> dict[str, float]:
     return compute(task.metrics, pred, np.asarray(labels))
 
 
-# What another runtime may change on the dev rows against the checkpoint's numerics (the export's check). A quantized network turns any
-# change of float rounding (another kernel, summation order or runtime) into a few flipped borderline
-# predictions, in either direction: on the SST-2 quick checkpoint a relative change of 1e-5 in one float
-# table (median |logit difference| 0.002) flips 3.6 of 872 rows on average, moving accuracy with an sd of
-# 0.19 points, and 3e-5 flips 8.5 (bench/accuracy/rounding_noise.py). A wrong graph changes far more rows,
-# or moves them one way.
+# What another runtime may change on the dev rows against the checkpoint's numerics (the export's
+# check). A quantized network turns any change of float rounding (another kernel, summation order or
+# runtime) into a few flipped borderline predictions: on three SST-2 quick checkpoints a relative change
+# of 1e-5 in one float table (median |logit difference| about 0.002) flips 3.1-3.6 of 872 rows on average,
+# 3e-5 flips 6-8.5 and 1e-4 flips 9-12.5 (bench/accuracy/rounding_noise.py). Which way they flip depends on
+# the checkpoint: where more of its borderline rows happen to be wrong, any such change gains accuracy
+# (+0.41 points on average at 3e-5 on one seed), so a test of "the changes favour neither side" would
+# refuse valid exports; it is reported, not enforced.
 MAX_CHANGED_SHARE = 0.01  # of the dev predictions (at least one row may change)
-MIN_MCNEMAR_P = 0.05  # the changed rows may not favour one side more than this (McNemar's exact test)
 REGRESSION_MAX_DIFF = 0.2  # points of a regression metric, which moves continuously
 
 
@@ -118,9 +119,9 @@ def mcnemar_exact_p(b: int, c: int) -> float:
 def prediction_check(task, got: np.ndarray, ref: np.ndarray, labels: np.ndarray,
                      max_metric_diff: float | None = None) -> tuple[dict, str | None]:
     """Whether logits `got` compute what `ref` does on labelled rows, allowing for float rounding: at most
-    MAX_CHANGED_SHARE of the predictions change (one row always may) and the changes favour neither side
-    (McNemar p >= MIN_MCNEMAR_P); a regression metric moves by at most REGRESSION_MAX_DIFF points.
-    `max_metric_diff` adds a fixed bound (points) on the primary metric. (record, why it fails or None)."""
+    MAX_CHANGED_SHARE of the predictions change (one row always may), with McNemar's test of the changed rows
+    recorded; a regression metric moves by at most REGRESSION_MAX_DIFF points. `max_metric_diff` adds a
+    fixed bound (points) on the primary metric. (record, why it fails or None)."""
     key = task.primary_metric
     diff = 100.0 * abs(score(task, got, labels)[key] - score(task, ref, labels)[key])
     rec: dict = {"dev_metric_diff_points": round(diff, 4)}
@@ -138,10 +139,6 @@ def prediction_check(task, got: np.ndarray, ref: np.ndarray, labels: np.ndarray,
         if changed > allowed:
             why = (f"{changed} of {len(labels)} predictions changed (allowed {allowed}, {MAX_CHANGED_SHARE:.0%}: float "
                    "rounding alone flips a few borderline rows)")
-        elif cmp["mcnemar_exact_p"] < MIN_MCNEMAR_P:
-            why = (f"the {changed} changed predictions favour one side ({cmp['right_here_only']} right only here, "
-                   f"{cmp['right_in_reference_only']} only in the reference; McNemar p = {cmp['mcnemar_exact_p']:.3f} "
-                   f"< {MIN_MCNEMAR_P})")
     if why is None and max_metric_diff is not None and diff > max_metric_diff:
         why = f"{key} moved by {diff:.2f} points (allowed by --max-metric-diff: {max_metric_diff})"
     return rec, why
