@@ -12,7 +12,8 @@ the size of float rounding that reaches every token, for several eps and --repea
 scores each copy through ONNX Runtime against the unchanged export. Then it scores OpenVINO on the
 `openvino` export (f32 and its default precision, where installed and exported) against the same
 reference. Per row of the table: the median |logit difference|, the predictions that flip, and the dev
-metric's difference (mean, sd, largest, and how many draws move it by more than --threshold points).
+metric's difference (mean, sd, largest, and how many draws move it by more than --threshold points), and
+how many draws `holoserve export`'s own check (holoserve.data.metrics.prediction_check) would accept.
 The plot puts every draw and every runtime on one axis, median |Δlogit| against Δ metric.
 
     python bench/accuracy/rounding_noise.py runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/rounding-noise-sst2
@@ -47,12 +48,13 @@ def position_table(model) -> int:
 
 
 def difference(task, out: np.ndarray, ref: np.ndarray, labels: np.ndarray, ref_metric: float) -> dict:
-    from holoserve.data.metrics import score
+    from holoserve.data.metrics import prediction_check, score
 
     metric = score(task, out, labels)[task.primary_metric]
     flips = None if task.is_regression else int((out.argmax(1) != ref.argmax(1)).sum())
     return {"median_abs_logit_diff": float(np.median(np.abs(out - ref))), "flipped_predictions": flips,
-            "metric": float(metric), "metric_diff_points": round(100 * (metric - ref_metric), 4)}
+            "metric": float(metric), "metric_diff_points": round(100 * (metric - ref_metric), 4),
+            "export_check_passes": prediction_check(task, out, ref, labels)[1] is None}
 
 
 def summarise(draws: list[dict], threshold: float) -> dict:
@@ -61,7 +63,22 @@ def summarise(draws: list[dict], threshold: float) -> dict:
     return {"draws": len(draws), "median_abs_logit_diff": float(np.median([x["median_abs_logit_diff"] for x in draws])),
             "flipped_mean": float(np.mean(flips)) if flips else None,
             "metric_diff_mean": float(d.mean()), "metric_diff_sd": float(d.std(ddof=1)) if len(d) > 1 else 0.0,
-            "metric_diff_max_abs": float(np.abs(d).max()), "past_threshold": int((np.abs(d) > threshold + 1e-9).sum())}
+            "metric_diff_max_abs": float(np.abs(d).max()), "past_threshold": int((np.abs(d) > threshold + 1e-9).sum()),
+            "export_check_passes": sum(x["export_check_passes"] for x in draws)}
+
+
+def command(argv: list[str]) -> str:
+    """The command line as run, with the GLUE folder written as "$GLUE_DIR" (no machine's path in a report)."""
+    out, skip = ["python bench/accuracy/rounding_noise.py"], False
+    for a in argv:
+        if skip:
+            out.append('"$GLUE_DIR"')
+        elif a.startswith("--data-dir="):
+            out.append('--data-dir="$GLUE_DIR"')
+        else:
+            out.append(a)
+        skip = a == "--data-dir"
+    return " ".join(out)
 
 
 def markdown(r: dict) -> str:
@@ -72,19 +89,21 @@ def markdown(r: dict) -> str:
              f"ONNX Runtime {m['reference_metric']:.2f}, the "
              f"reference below. Position-embedding table × (1 + eps · N(0, 1)), {m['repeats']} draws per eps.", "",
              f"| change | median \\|Δlogit\\| | flipped predictions | Δ {m['metric']} (points): mean ± sd | "
-             f"largest \\|Δ\\| | draws past {t} |", "| --- | --- | --- | --- | --- | --- |"]
+             f"largest \\|Δ\\| | draws past {t} | `holoserve export`'s check passes |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in r["perturbed"]:
         s = row["summary"]
         flips = "—" if s["flipped_mean"] is None else f"{s['flipped_mean']:.1f} (mean)"
         lines.append(f"| eps {row['eps']:g} | {s['median_abs_logit_diff']:.2g} | {flips} | "
                      f"{s['metric_diff_mean']:+.2f} ± {s['metric_diff_sd']:.2f} | {s['metric_diff_max_abs']:.2f} | "
-                     f"{s['past_threshold']} of {s['draws']} |")
+                     f"{s['past_threshold']} of {s['draws']} | {s['export_check_passes']} of {s['draws']} |")
     for name, x in r["runtimes"].items():
         if "skipped" in x:
             continue
         flips = "—" if x["flipped_predictions"] is None else str(x["flipped_predictions"])
         lines.append(f"| {name} | {x['median_abs_logit_diff']:.2g} | {flips} | {x['metric_diff_points']:+.2f} | "
-                     f"{abs(x['metric_diff_points']):.2f} | {'yes' if abs(x['metric_diff_points']) > t + 1e-9 else 'no'} |")
+                     f"{abs(x['metric_diff_points']):.2f} | {'yes' if abs(x['metric_diff_points']) > t + 1e-9 else 'no'} | "
+                     f"{'yes' if x['export_check_passes'] else 'no'} |")
     skipped = {k: v["skipped"] for k, v in r["runtimes"].items() if "skipped" in v}
     lines += [""] + [f"Not run: {k}: {why}" for k, why in skipped.items()]
     lines += ["", f"Command: `{m['command']}` ({m['seconds']:.0f} s)."]
@@ -216,7 +235,7 @@ def main(argv=None) -> int:
                        "reference_metric": 100 * float(ref_metric), "table": name, "repeats": args.repeats,
                        "threshold_points": args.threshold, "threads": args.threads, "python": platform.python_version(),
                        "machine": describe_cpu(), "date": time.strftime("%Y-%m-%d"), "seconds": time.time() - t0,
-                       "command": "python bench/accuracy/rounding_noise.py " + " ".join(sys.argv[1:] if argv is None else argv)},
+                       "command": command(sys.argv[1:] if argv is None else argv)},
               "perturbed": perturbed, "runtimes": runtimes}
     md = markdown(report)
     print("\n" + md)
