@@ -11,10 +11,10 @@ prediction for prediction: it multiplies the position-embedding table by (1 + ep
 the size of float rounding that reaches every token, for several eps and --repeats random draws, and
 scores each copy through ONNX Runtime against the unchanged export. Then it scores OpenVINO on the
 `openvino` export (f32 and its default precision, where installed and exported) against the same
-reference. Per row of the table: the median |logit difference|, the predictions that flip, and the dev
+reference. Per row of the table: the mean |logit difference|, the predictions that flip, and the dev
 metric's difference (mean, sd, largest, and how many draws move it by more than --threshold points), and
 how many draws `holoserve export`'s own check (holoserve.data.metrics.prediction_check) would accept.
-The plot puts every draw and every runtime on one axis, median |Δlogit| against Δ metric.
+The plot puts every draw and every runtime on one axis, mean |Δlogit| against Δ metric.
 
     python bench/accuracy/rounding_noise.py runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/rounding-noise-sst2
 """
@@ -52,7 +52,9 @@ def difference(task, out: np.ndarray, ref: np.ndarray, labels: np.ndarray, ref_m
 
     metric = score(task, out, labels)[task.primary_metric]
     flips = None if task.is_regression else int((out.argmax(1) != ref.argmax(1)).sum())
-    return {"median_abs_logit_diff": float(np.median(np.abs(out - ref))), "flipped_predictions": flips,
+    d = np.abs(out - ref)
+    return {"mean_abs_logit_diff": float(d.mean()), "median_abs_logit_diff": float(np.median(d)),
+            "flipped_predictions": flips,
             "metric": float(metric), "metric_diff_points": round(100 * (metric - ref_metric), 4),
             "export_check_passes": prediction_check(task, out, ref, labels)[1] is None}
 
@@ -60,7 +62,7 @@ def difference(task, out: np.ndarray, ref: np.ndarray, labels: np.ndarray, ref_m
 def summarise(draws: list[dict], threshold: float) -> dict:
     d = np.asarray([x["metric_diff_points"] for x in draws])
     flips = [x["flipped_predictions"] for x in draws if x["flipped_predictions"] is not None]
-    return {"draws": len(draws), "median_abs_logit_diff": float(np.median([x["median_abs_logit_diff"] for x in draws])),
+    return {"draws": len(draws), "mean_abs_logit_diff": float(np.mean([x["mean_abs_logit_diff"] for x in draws])),
             "flipped_mean": float(np.mean(flips)) if flips else None,
             "metric_diff_mean": float(d.mean()), "metric_diff_sd": float(d.std(ddof=1)) if len(d) > 1 else 0.0,
             "metric_diff_max_abs": float(np.abs(d).max()), "past_threshold": int((np.abs(d) > threshold + 1e-9).sum()),
@@ -88,20 +90,20 @@ def markdown(r: dict) -> str:
              f"{'—' if m['eval_metric'] is None else format(m['eval_metric'], '.2f')} (manifest), `model.onnx` on "
              f"ONNX Runtime {m['reference_metric']:.2f}, the "
              f"reference below. Position-embedding table × (1 + eps · N(0, 1)), {m['repeats']} draws per eps.", "",
-             f"| change | median \\|Δlogit\\| | flipped predictions | Δ {m['metric']} (points): mean ± sd | "
+             f"| change | mean \\|Δlogit\\| | flipped predictions | Δ {m['metric']} (points): mean ± sd | "
              f"largest \\|Δ\\| | draws past {t} | `holoserve export`'s check passes |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in r["perturbed"]:
         s = row["summary"]
         flips = "—" if s["flipped_mean"] is None else f"{s['flipped_mean']:.1f} (mean)"
-        lines.append(f"| eps {row['eps']:g} | {s['median_abs_logit_diff']:.2g} | {flips} | "
+        lines.append(f"| eps {row['eps']:g} | {s['mean_abs_logit_diff']:.2g} | {flips} | "
                      f"{s['metric_diff_mean']:+.2f} ± {s['metric_diff_sd']:.2f} | {s['metric_diff_max_abs']:.2f} | "
                      f"{s['past_threshold']} of {s['draws']} | {s['export_check_passes']} of {s['draws']} |")
     for name, x in r["runtimes"].items():
         if "skipped" in x:
             continue
         flips = "—" if x["flipped_predictions"] is None else str(x["flipped_predictions"])
-        lines.append(f"| {name} | {x['median_abs_logit_diff']:.2g} | {flips} | {x['metric_diff_points']:+.2f} | "
+        lines.append(f"| {name} | {x['mean_abs_logit_diff']:.2g} | {flips} | {x['metric_diff_points']:+.2f} | "
                      f"{abs(x['metric_diff_points']):.2f} | {'yes' if abs(x['metric_diff_points']) > t + 1e-9 else 'no'} | "
                      f"{'yes' if x['export_check_passes'] else 'no'} |")
     skipped = {k: v["skipped"] for k, v in r["runtimes"].items() if "skipped" in v}
@@ -118,16 +120,16 @@ def plot(r: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for row in r["perturbed"]:
-        xs = [max(d["median_abs_logit_diff"], 1e-9) for d in row["draws"]]
+        xs = [max(d["mean_abs_logit_diff"], 1e-9) for d in row["draws"]]
         ax.scatter(xs, [d["metric_diff_points"] for d in row["draws"]], s=14, alpha=0.6, label=f"eps {row['eps']:g}")
     for name, x in r["runtimes"].items():
         if "skipped" not in x:
-            ax.scatter([max(x["median_abs_logit_diff"], 1e-9)], [x["metric_diff_points"]], marker="*", s=160,
+            ax.scatter([max(x["mean_abs_logit_diff"], 1e-9)], [x["metric_diff_points"]], marker="*", s=160,
                        edgecolor="black", label=name, zorder=3)
     t = r["meta"]["threshold_points"]
     ax.axhspan(-t, t, color="grey", alpha=0.15, lw=0)
     ax.set_xscale("log")
-    ax.set_xlabel("median |Δlogit| against model.onnx (ONNX Runtime = holoserve eval)")
+    ax.set_xlabel("mean |Δlogit| against model.onnx on ONNX Runtime (each dot one draw)")
     ax.set_ylabel(f"Δ dev {r['meta']['metric']} (points)")
     ax.set_title(f"{r['meta']['checkpoint']}: dev score under rounding-sized changes (band ±{t})", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
@@ -204,7 +206,7 @@ def main(argv=None) -> int:
                 draws.append(difference(task, ort_logits(file), ref, labels, ref_metric) | {"seed": seed})
             s = summarise(draws, args.threshold)
             perturbed.append({"eps": e, "summary": s, "draws": draws})
-            print(f"  eps {e:g}: median |Δlogit| {s['median_abs_logit_diff']:.2g}, flips {s['flipped_mean']}, "
+            print(f"  eps {e:g}: mean |Δlogit| {s['mean_abs_logit_diff']:.2g}, flips {s['flipped_mean']}, "
                   f"Δ {s['metric_diff_mean']:+.2f} ± {s['metric_diff_sd']:.2f} points, past {args.threshold}: "
                   f"{s['past_threshold']}/{s['draws']}", flush=True)
     runtimes: dict[str, dict] = {}

@@ -64,9 +64,10 @@ def check_precision(precision: str) -> str:
 
 
 def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = False, precision: str = "auto",
-                  shape: tuple[int, int] | None = None):
+                  shape: tuple[int, int] | None = None, extra_outputs: Sequence[str] = ()):
     """(compiled model, sparse-weights note) for an ONNX file on OpenVINO's CPU plugin; `shape` (batch,
-    seq) compiles it for that one static shape."""
+    seq) compiles it for that one static shape; `extra_outputs` also exposes those tensors (diagnostics:
+    it keeps OpenVINO from fusing across them)."""
     check_precision(precision)
     try:
         import openvino as ov
@@ -88,6 +89,8 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = F
         note = "off (the default; AMX present: --openvino-sparse-weights turns it on)"
     try:
         model = core.read_model(str(path))
+        if extra_outputs:
+            model.add_outputs(list(extra_outputs))
         if shape is not None:
             model.reshape({i.get_any_name(): ov.PartialShape([int(shape[0]), int(shape[1])]) for i in model.inputs})
         compiled = core.compile_model(model, "CPU", config)
