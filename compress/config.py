@@ -120,7 +120,7 @@ class Preset:
     # hidden_act "relu" (still a plain Hugging Face model). ReLU is a GEMM post-op almost for free where GELU
     # is a polynomial per element. Off by default: on a 2-core AMD EPYC, OpenVINO INT8 at seq 128 ran 3-6 %
     # faster at batch 32 (2.5-5 % at batch 1 in a two-model A/B), for -0.11 points on SST-2 (quick, three seeds),
-    # -1.59 MCC on CoLA (full, six seeds), -1.22 F1 on MRPC (full, two seeds) (docs/results/2026-11-26-relu-student.md).
+    # -1.59 MCC on CoLA (full, six seeds), -1.13 F1 on MRPC (full, three seeds) (docs/results/2026-11-26-relu-student.md).
     activation: str | None = None
     group_size: int = 50  # batches per length-sorted mega-batch (length grouping)
     save_every: int = 200  # steps between mid-phase state saves
