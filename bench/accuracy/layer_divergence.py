@@ -87,9 +87,9 @@ def plot(r: dict, path: Path) -> None:
     codes = [(i, t) for i, t in enumerate(r["tensors"]) if t["kind"] == "codes"]
     norms = [(i, t) for i, t in enumerate(r["tensors"]) if t["kind"] == "layernorm"]
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot([i for i, _ in codes], [max(100 * t["changed_share"], 1e-4) for _, t in codes], "o-", ms=4,
+    ax.plot([i for i, _ in codes], [max(100 * t["changed_share"], 1e-7) for _, t in codes], "o-", ms=4,
             label="INT8 codes changed (%)")
-    ax.plot([i for i, _ in norms], [max(100 * t["relative"], 1e-4) for _, t in norms], "s--", ms=4,
+    ax.plot([i for i, _ in norms], [max(100 * t["relative"], 1e-7) for _, t in norms], "s--", ms=4,
             label="LayerNorm mean |Δ| (% of mean |x|)")
     ax.set_yscale("log")
     ax.set_xlabel("tensor, in graph order (embeddings → last layer)")
