@@ -1217,6 +1217,11 @@ def test_prediction_check_allows_rounding_flips_but_not_a_different_model():
     rec, why = prediction_check(sst2, flipped(list(range(7))), ref, labels)  # seven rows, all now right: recorded
     assert why is None and (rec["right_here_only"], rec["right_in_reference_only"]) == (7, 0)
     assert rec["mcnemar_exact_p"] == pytest.approx(2 / 2 ** 7)
+    # a precision change (float16): more rows may change, the accuracy may not
+    even = list(range(10)) + list(range(500, 510))  # 20 rows: ten now right, ten now wrong
+    assert prediction_check(sst2, flipped(even), ref, labels, precision_change=True)[1] is None
+    _, why = prediction_check(sst2, flipped(list(range(7))), ref, labels, precision_change=True)
+    assert why.startswith("the 7 changed predictions change the accuracy (7 right only here, 0 only in the reference")
     _, why = prediction_check(sst2, flipped([0, 1, 500]), ref, labels, max_metric_diff=0.1)
     assert why == "accuracy moved by 0.11 points (allowed by --max-metric-diff: 0.1)"
     small = labels[:12]  # on a dozen rows one change may happen, two may not
