@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # rounding_noise.py beside it
 
-from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
+from holoserve.core.files import atomic_savefig  # noqa: E402
+from rounding_noise import command, position_table, save  # noqa: E402
 
 
 def probes(model) -> list[tuple[str, str]]:
@@ -151,7 +152,6 @@ def main(argv=None) -> int:
     ref = run_ort(model)
     if args.perturb is not None:
         from onnx import numpy_helper
-        from rounding_noise import position_table
 
         k = position_table(model)
         t = model.graph.initializer[k]
@@ -174,17 +174,9 @@ def main(argv=None) -> int:
             "date": time.strftime("%Y-%m-%d"), "seconds": time.time() - t0,
             "logits_median_abs_diff": float(np.median(np.abs(a - b))), "logits_max_abs_diff": float(np.abs(a - b).max()),
             "changed_predictions": int((a.argmax(1) != b.argmax(1)).sum()) if a.shape[1] > 1 else None,
-            "command": "python bench/accuracy/layer_divergence.py " + " ".join(
-                '"$GLUE_DIR"' if prev == "--data-dir" else x
-                for prev, x in zip([None, *(sys.argv[1:] if argv is None else argv)], sys.argv[1:] if argv is None else argv))}
+            "command": command(sys.argv[1:] if argv is None else argv, "bench/accuracy/layer_divergence.py")}
     report = {"meta": meta, "tensors": rows_out}
-    md = markdown(report)
-    print(md)
-    if args.results:
-        args.results.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(args.results / "layer_divergence.json", report)
-        atomic_write_text(args.results / "layer_divergence.md", md)
-        plot(report, args.results / "layer_divergence.png")
+    save(args.results, "layer_divergence", report, markdown(report), plot)
     return 0
 
 

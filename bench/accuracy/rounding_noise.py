@@ -69,9 +69,9 @@ def summarise(draws: list[dict], threshold: float) -> dict:
             "export_check_passes": sum(x["export_check_passes"] for x in draws)}
 
 
-def command(argv: list[str]) -> str:
+def command(argv: list[str], script: str = "bench/accuracy/rounding_noise.py") -> str:
     """The command line as run, with the GLUE folder written as "$GLUE_DIR" (no machine's path in a report)."""
-    out, skip = ["python bench/accuracy/rounding_noise.py"], False
+    out, skip = [f"python {script}"], False
     for a in argv:
         if skip:
             out.append('"$GLUE_DIR"')
@@ -239,14 +239,18 @@ def main(argv=None) -> int:
                        "machine": describe_cpu(), "date": time.strftime("%Y-%m-%d"), "seconds": time.time() - t0,
                        "command": command(sys.argv[1:] if argv is None else argv)},
               "perturbed": perturbed, "runtimes": runtimes}
-    md = markdown(report)
-    print("\n" + md)
-    if args.results:
-        args.results.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(args.results / "rounding_noise.json", report)
-        atomic_write_text(args.results / "rounding_noise.md", md)
-        plot(report, args.results / "rounding_noise.png")
+    save(args.results, "rounding_noise", report, markdown(report), plot)
     return 0
+
+
+def save(folder: Path | None, stem: str, report: dict, md: str, plot_fn) -> None:
+    """Print the table; with a folder, write STEM.json, STEM.md and STEM.png there, each atomically."""
+    print("\n" + md)
+    if folder:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(folder / f"{stem}.json", report)
+        atomic_write_text(folder / f"{stem}.md", md)
+        plot_fn(report, folder / f"{stem}.png")
 
 
 if __name__ == "__main__":
