@@ -129,6 +129,7 @@ def plot(r: dict, path: Path) -> None:
     t = r["meta"]["threshold_points"]
     ax.axhspan(-t, t, color="grey", alpha=0.15, lw=0)
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decades only: minor labels collide
     ax.set_xlabel("mean |Δlogit| against model.onnx on ONNX Runtime (each dot one draw)")
     ax.set_ylabel(f"Δ dev {r['meta']['metric']} (points)")
     ax.set_title(f"{r['meta']['checkpoint']}: dev score under rounding-sized changes (band ±{t})", fontsize=10)
