@@ -51,12 +51,12 @@ def difference(task, out: np.ndarray, ref: np.ndarray, labels: np.ndarray, ref_m
     from holoserve.data.metrics import prediction_check, score
 
     metric = score(task, out, labels)[task.primary_metric]
-    flips = None if task.is_regression else int((out.argmax(1) != ref.argmax(1)).sum())
+    check, why = prediction_check(task, out, ref, labels)
     d = np.abs(out - ref)
     return {"mean_abs_logit_diff": float(d.mean()), "median_abs_logit_diff": float(np.median(d)),
-            "flipped_predictions": flips,
+            "flipped_predictions": check.get("changed_predictions"),  # None for a regression task
             "metric": float(metric), "metric_diff_points": round(100 * (metric - ref_metric), 4),
-            "export_check_passes": prediction_check(task, out, ref, labels)[1] is None}
+            "export_check_passes": why is None}
 
 
 def summarise(draws: list[dict], threshold: float) -> dict:

@@ -128,6 +128,20 @@ def prediction_check(task, got: np.ndarray, ref: np.ndarray, labels: np.ndarray,
     runs at a lower float precision on purpose) the changed rows may be more, but their accuracy may not
     differ (McNemar p >= MIN_MCNEMAR_P). `max_metric_diff` adds a fixed bound (points) on the primary metric.
     (record, why it fails or None)."""
+    return _check(task, got, ref, labels, compare_predictions(task, got, ref, labels), max_metric_diff, precision_change)
+
+
+def compare_within_rounding(task, logits: np.ndarray, ref_logits: np.ndarray, labels: np.ndarray) -> dict:
+    """compare_predictions' record plus prediction_check's verdict: `within_rounding`, and `beyond_rounding`
+    (why) when the changes exceed what float rounding explains."""
+    cmp = compare_predictions(task, logits, ref_logits, labels)
+    why = _check(task, logits, ref_logits, labels, cmp)[1]
+    return cmp | {"within_rounding": why is None} | ({"beyond_rounding": why} if why else {})
+
+
+def _check(task, got, ref, labels, cmp: dict, max_metric_diff: float | None = None,
+           precision_change: bool = False) -> tuple[dict, str | None]:
+    """prediction_check's rule on compare_predictions' record `cmp` of the same logits."""
     key = task.primary_metric
     diff = 100.0 * abs(score(task, got, labels)[key] - score(task, ref, labels)[key])
     rec: dict = {"dev_metric_diff_points": round(diff, 4)}
@@ -137,7 +151,6 @@ def prediction_check(task, got: np.ndarray, ref: np.ndarray, labels: np.ndarray,
         if diff > REGRESSION_MAX_DIFF:
             why = f"{key} moved by {diff:.2f} points (allowed {REGRESSION_MAX_DIFF})"
     else:
-        cmp = compare_predictions(task, got, ref, labels)
         changed, allowed = cmp["different_predictions"], max(1, int(MAX_CHANGED_SHARE * len(labels)))
         rec.update(changed_predictions=changed, allowed_changed_predictions=allowed,
                    right_here_only=cmp["right_here_only"], right_in_reference_only=cmp["right_in_reference_only"],
