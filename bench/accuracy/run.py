@@ -11,6 +11,7 @@ reused, so the table can be built across several invocations. Results: <results>
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -186,9 +187,20 @@ def summarize(task: str, per_seed: dict[int, dict[str, dict]]) -> dict:
     if first:
         row["metric"], row["dev_rows"] = first["metric"], first["dev_rows"]
     cols = row["columns"]
-    if "dense" in cols:
-        for key, st in cols.items():
-            st["kept"] = st["mean"] / cols["dense"]["mean"] if cols["dense"]["mean"] else None
+    # % of dense: the column's mean over the dense teachers' mean on the same seeds, so a column that has not
+    # run on every seed yet is not divided by the other seeds' teachers
+    for key, st in cols.items():
+        pairs = [(runs[key]["value"], runs[key]["dense"]) for runs in per_seed.values()
+                 if key != "dense" and key in runs and runs[key].get("dense")]
+        st["kept"] = 1.0 if key == "dense" else (
+            statistics.fmean(v for v, _ in pairs) / statistics.fmean(d for _, d in pairs) if pairs else None)
+    # the seeds on which every column ran: comparisons across columns (overall) use only those
+    common = [seed for seed, runs in per_seed.items() if all(k == "dense" or k in runs for k in cols)]
+    row["common_seeds"] = sorted(common)
+    for key, st in cols.items():
+        vals = [(runs[key]["value"] if key != "dense" else next(iter(runs.values()))["dense"])
+                for seed, runs in per_seed.items() if seed in common]
+        st["common_mean"] = statistics.fmean(vals) if vals else None
     return row
 
 
@@ -203,10 +215,15 @@ def fmt_stat(st: dict | None) -> str:
 
 
 def overall(rows: list[dict]) -> dict:
-    """Mean over tasks of each column's per-task mean, over the tasks where every column ran, and
-    the best ADMM 2:4 ∩ INT8 row's margin over the best baseline."""
+    """Mean over tasks of each column's per-task mean, over the tasks where every column ran (and within a
+    task over the seeds on which every column ran), and the best ADMM 2:4 ∩ INT8 row's margin over the
+    best baseline."""
     keys = [k for k in COLUMNS if all(k in r["columns"] for r in rows)] if rows else []
-    means = {k: statistics.fmean(r["columns"][k]["mean"] for r in rows) for k in keys}
+
+    def task_mean(st: dict) -> float:
+        return st["common_mean"] if st.get("common_mean") is not None else st["mean"]
+
+    means = {k: statistics.fmean(task_mean(r["columns"][k]) for r in rows) for k in keys}
     out: dict = {"tasks": [r["task"] for r in rows], "means": means}
     base = [means[k] for k in BASELINES if k in means]
     admm = [means[k] for k in ADMM_ROWS if k in means]
@@ -234,7 +251,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         for k in shown:
             st = r["columns"].get(k)
             kept = f" ({100 * st['kept']:.1f} %)" if st and k != "dense" and st.get("kept") else ""
-            cells.append(fmt_stat(st) + kept)
+            part = f" [{st['n']} of {len(r['seeds'])} seeds]" if st and st["n"] < len(r["seeds"]) else ""
+            cells.append(fmt_stat(st) + kept + part)
         n = "" if r["seeds"] == seeds else f" (seed{'s' if len(r['seeds']) > 1 else ''} {', '.join(map(str, r['seeds']))})"
         lines.append(f"| {r['task']}{n} | {r.get('metric', '—')} | " + " | ".join(cells) + " |")
     ov = meta.get("overall") or {}
@@ -244,7 +262,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     if ov.get("best_2to4_int8"):
         lines += ["", f"Best 2:4 ∩ INT8 recipe on the mean: **{LABELS[ov['best_2to4_int8']]}**."
                   + (f" ADMM's margin over the best baseline: {100 * ov['admm_margin_over_best_baseline']:+.2f} points."
-                     if "admm_margin_over_best_baseline" in ov else "")]
+                     if "admm_margin_over_best_baseline" in ov else "")
+                  + ("".join(f" Compared on the seeds every column ran ({r['task']}: {', '.join(map(str, r['common_seeds']))})."
+                             for r in rows if r.get("common_seeds") is not None and r["common_seeds"] != r["seeds"]))]
     lines += ["", "Steps per phase after the teacher and mean wall time per run (s; the dense teacher, "
               "trained once per task and seed, is in the first method's time and listed apart):", "",
               "| task | teacher steps / s | " + " | ".join(LABELS[k] for k in trained) + " |",
@@ -311,7 +331,7 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
     if not rows:
         return
     keys = [k for k in COLUMNS if any(k in r["columns"] for r in rows)]
-    fig, ax = plt.subplots(figsize=(3 + 2.8 * len(rows), 5.0))
+    fig, ax = plt.subplots(figsize=(max(7.0, 3 + 2.8 * len(rows)), 5.0 + 0.18 * len(keys)))
     width = 0.8 / len(keys)
     x = np.arange(len(rows))
     for i, key in enumerate(keys):
@@ -323,14 +343,40 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
         bars = ax.bar(x + (i - (len(keys) - 1) / 2) * width, vals, width, yerr=errs, capsize=2, label=LABELS[key])
         ax.bar_label(bars, fmt="%.1f", fontsize=6, padding=2)
     ax.axhline(99, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(x, [f"{r['task']} ({r.get('metric', '?')}, n={len(r['seeds'])})" for r in rows])
+    def seeds_label(r: dict) -> str:
+        ns = sorted({st["n"] for st in r["columns"].values()})
+        return f"n={ns[0]}" if len(ns) == 1 else f"n={ns[0]}–{ns[-1]}"
+
+    ax.set_xticks(x, [f"{r['task']} ({r.get('metric', '?')}, {seeds_label(r)})" for r in rows])
     ax.set_ylabel("% of the dense teacher's dev metric (mean ± std)")
     finite = [100 * r["columns"][k]["kept"] for r in rows for k in keys if k in r["columns"] and r["columns"][k].get("kept")]
     ax.set_ylim(max(0.0, min(finite) - 4), max(finite) + 3)
     ax.set_title(f"{meta['model']}, preset {meta['preset']} — {meta['machine']}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)  # below: the bars fill the axes
+    # below the axes (the bars fill them); one label per line where a few tasks leave the figure narrow
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1 if len(rows) < 3 else 3)
     fig.tight_layout()
     atomic_savefig(fig, path, dpi=120)
+
+
+def write_report(rows: list[dict], meta: dict, results: Path) -> None:
+    meta["overall"] = overall([r for r in rows if r["columns"]])
+    results.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(results / "accuracy.json", {"meta": meta, "rows": rows})
+    atomic_write_text(results / "accuracy.md", markdown(rows, meta))
+    plot(rows, results / "accuracy.png", meta)
+    print(markdown(rows, meta))
+
+
+def rebuild(source: Path, results: Path) -> int:
+    """The tables of an accuracy.json summarized again from its per-seed run records."""
+    try:
+        old = json.loads(source.read_text())
+        rows = [summarize(r["task"], {int(seed): runs for seed, runs in r["per_seed"].items()}) for r in old["rows"]]
+        meta = old["meta"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"--from-json {source}: not an accuracy.json written by this script ({type(e).__name__}: {e})")
+    write_report(rows, meta, results)
+    return 0
 
 
 def main() -> int:
@@ -360,7 +406,12 @@ def main() -> int:
     ap.add_argument("--notes", default="")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=CHECKPOINT",
                     help="also list this ADMM 2:4 ∩ INT8 checkpoint (e.g. a tuning run) in the variants table")
+    ap.add_argument("--from-json", type=Path, metavar="ACCURACY_JSON",
+                    help="rebuild the tables and plot from an accuracy.json written elsewhere (e.g. on a GPU "
+                         "machine whose runs are gone) into --results, without any run")
     args = ap.parse_args()
+    if args.from_json:
+        return rebuild(args.from_json, args.results)
     global _DATA
     from holoserve.data.tabular import DataOptions, data_options
 
@@ -414,7 +465,6 @@ def main() -> int:
         rows.append(summarize(task, per_seed))
     machines = sorted({r["machine"] for row in rows for runs in row["per_seed"].values() for r in runs.values()
                        if r.get("machine")})
-    full_rows = [r for r in rows if r["columns"]]
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "model": "all-MiniLM-L6-v2",
@@ -425,15 +475,9 @@ def main() -> int:
         "notes": args.notes,
         "overrides": args.set,
         "peer": peer_meta,
-        "overall": overall(full_rows),
         "variants": [variant(n, Path(p), args.data_dir) for n, p in (x.split("=", 1) for x in args.variant)],
     }
-    args.results.mkdir(parents=True, exist_ok=True)
-    payload = {"meta": meta, "rows": rows}
-    atomic_write_json(args.results / "accuracy.json", payload)
-    atomic_write_text(args.results / "accuracy.md", markdown(rows, meta))
-    plot(rows, args.results / "accuracy.png", meta)
-    print(markdown(rows, meta))
+    write_report(rows, meta, args.results)
     return 0
 
 

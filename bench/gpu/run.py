@@ -898,6 +898,7 @@ def section_parity(run: Run) -> dict[str, Any]:
     from holoserve.compress.quant import input_quantizers
     from holoserve.backends import torch_cuda as tc
     from holoserve.data.glue import read_split
+    from holoserve.data.metrics import prediction_check
     from holoserve.data.tasks import get_task
 
     art, _ = _load_carried_checkpoint(run)
@@ -981,6 +982,10 @@ def section_parity(run: Run) -> dict[str, Any]:
         variants[name] = {"max_abs_logit_diff": float(diff.max()), "mean_abs_logit_diff": float(diff.mean()),
                           "argmax_agreement": float((g.argmax(-1) == w.argmax(-1)).mean()),
                           "accuracy": float((g.argmax(-1) == y).mean())}
+        # the export's rule for the same question: FP32 may change what rounding explains (1 % of the rows),
+        # FP16 (a precision change on purpose) may change more rows but not the accuracy (McNemar)
+        rec, why = prediction_check(task, g, w, y, precision_change="precision=fp16" in name)
+        variants[name]["check"] = rec | {"passes": why is None} | ({"fails": why} if why else {})
         log(f"parity: {name}: agreement {variants[name]['argmax_agreement']:.4f}, "
             f"max |Δlogit| {variants[name]['max_abs_logit_diff']:.4f}, acc {variants[name]['accuracy']:.4f}")
     head_name = next((n for n in got if "error" not in variants[n]), None)
@@ -1000,6 +1005,16 @@ def section_parity(run: Run) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- report
+
+
+def _check_cell(rec: dict[str, Any] | None) -> str:
+    if not rec:
+        return "—"
+    if "changed_predictions" not in rec:
+        return "passes" if rec["passes"] else "fails"
+    return (f"{'passes' if rec['passes'] else 'fails'}: {rec['changed_predictions']} changed "
+            f"({rec['right_here_only']} right only here, {rec['right_in_reference_only']} only in the reference), "
+            f"McNemar p = {rec['mcnemar_exact_p']:.2g}")
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -1174,17 +1189,19 @@ def render_markdown(report: dict[str, Any]) -> str:
             L.append(f"not measured: {par['error']}")
         else:
             L += [f"Reference: {par['reference']}, on {par['data']}: accuracy {100 * par['accuracy_reference']:.2f}%.", "",
-                  "| implementation | argmax agreement | max abs Δlogit | mean abs Δlogit | accuracy |",
-                  "| --- | --- | --- | --- | --- |"]
+                  "| implementation | argmax agreement | max abs Δlogit | mean abs Δlogit | accuracy | export check |",
+                  "| --- | --- | --- | --- | --- | --- |"]
             for name, v in (par.get("variants") or {par["ours"]: {
                     "argmax_agreement": par["argmax_agreement"], "max_abs_logit_diff": par["max_abs_logit_diff"],
                     "mean_abs_logit_diff": par["mean_abs_logit_diff"], "accuracy": par["accuracy_ours"]}}).items():
                 if "error" in v:
-                    L.append(f"| {name} | {v['error']} | | | |")
+                    L.append(f"| {name} | {v['error']} | | | | |")
                     continue
                 L.append(f"| {name} | {100 * v['argmax_agreement']:.2f}% | {v['max_abs_logit_diff']:.4f} | "
-                         f"{v['mean_abs_logit_diff']:.5f} | {100 * v['accuracy']:.2f}% |")
-            L += ["", "Target: argmax agreement ≥ 99.5% for the served configuration (the first row)."]
+                         f"{v['mean_abs_logit_diff']:.5f} | {100 * v['accuracy']:.2f}% | {_check_cell(v.get('check'))} |")
+            L += ["", "Target: argmax agreement ≥ 99.5% for the served configuration (the first row). Export check: "
+                  "the rule `holoserve export` applies (FP32: at most 1 % of the predictions change; FP16, a precision "
+                  "change on purpose: the changed rows may not change the accuracy, McNemar p ≥ 0.05)."]
         L.append("")
     L += ["## TensorRT on this machine", "",
           f"- `python3 -c \"import tensorrt\"`: rc {env.get('tensorrt_import', {}).get('rc')} — "

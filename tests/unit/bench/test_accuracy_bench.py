@@ -85,3 +85,38 @@ def test_unknown_row_is_refused(bench, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         mod.main()
     assert "unknown row" in capsys.readouterr().err
+
+
+def _rec(value, dense):
+    return {"value": value, "dense": dense, "metric": "pearson", "dev_rows": 10, "steps": {}, "wall_seconds": 1.0}
+
+
+def test_a_column_missing_a_seed_is_paired_with_its_own_teachers(bench, tmp_path, monkeypatch, capsys):
+    mod = bench[0]
+    # seed 2's teacher is much better and only the magnitude row has run on it yet
+    per_seed = {0: {"magnitude_ptq": _rec(0.80, 0.80), "oneshot_act05_obs": _rec(0.84, 0.80)},
+                1: {"magnitude_ptq": _rec(0.82, 0.82), "oneshot_act05_obs": _rec(0.86, 0.82)},
+                2: {"magnitude_ptq": _rec(0.88, 0.90)}}
+    row = mod.summarize("stsb", per_seed)
+    cols = row["columns"]
+    assert row["common_seeds"] == [0, 1]
+    assert cols["oneshot_act05_obs"]["kept"] == pytest.approx(0.85 / 0.81)  # not over the 3-seed dense mean
+    assert cols["magnitude_ptq"]["mean"] == pytest.approx(0.8333333)
+    assert cols["magnitude_ptq"]["common_mean"] == pytest.approx(0.81)
+    ov = mod.overall([row])
+    assert ov["means"]["magnitude_ptq"] == pytest.approx(0.81) and ov["best_2to4_int8"] == "oneshot_act05_obs"
+    meta = {"model": "m", "preset": "full", "date": "d", "machine": "x", "notes": "", "overall": ov}
+    md = mod.markdown([row], meta)
+    assert "[2 of 3 seeds]" in md.split("\n")[6] and "Compared on the seeds every column ran (stsb: 0, 1)" in md
+    # the same tables rebuilt from the accuracy.json, as for runs made on another machine
+    src = tmp_path / "accuracy.json"
+    src.write_text(json.dumps({"meta": meta, "rows": [row]}))
+    monkeypatch.setattr(sys, "argv", ["run.py", "--from-json", str(src), "--results", str(tmp_path / "out")])
+    assert mod.main() == 0
+    again = json.loads((tmp_path / "out" / "accuracy.json").read_text())
+    assert again["rows"][0]["columns"]["oneshot_act05_obs"]["kept"] == pytest.approx(cols["oneshot_act05_obs"]["kept"])
+    assert (tmp_path / "out" / "accuracy.md").read_text() == md
+    src.write_text("{}")
+    monkeypatch.setattr(sys, "argv", ["run.py", "--from-json", str(src), "--results", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="not an accuracy.json"):
+        mod.main()
