@@ -769,8 +769,10 @@ PROFILE_CATEGORIES = (
     ("2:4 GEMM (cuSPARSELt)", ("sparse", "cusparselt", "cslt")),
     ("attention", ("flash", "fmha", "attention", "softmax", "sdpa", "bmm", "baddbmm")),
     ("dense GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "addmm", "aten::mm", "matmul", "linear", "int_mm")),
-    ("activation quantizer / fused Triton", ("triton", "quantize", "round", "clamp")),
-    ("LayerNorm", ("layer_norm", "layernorm")),
+    # our Triton kernels are named for what they fuse (_gelu_quant, _add_ln_quant, _quant)
+    ("GELU (+ quantize, fused)", ("gelu",)),
+    ("LayerNorm (+ residual add, quantize, fused)", ("layer_norm", "layernorm", "add_ln")),
+    ("activation quantizer", ("_quant", "triton", "quantize", "round", "clamp")),
 )
 
 

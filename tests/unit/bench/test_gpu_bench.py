@@ -177,15 +177,19 @@ def test_merge_combines_split_runs_and_marks_borrowed_variants(tmp_path):
 def test_profile_files_kernels_by_category_and_reports_them(tmp_path):
     run = gpu_module("run")
     events = [("sm90_xmma_sparse_gemm_s8s8_i8i32_f16", 30.0, 360), ("nvjet_hsh_256x128_2cta", 10.0, 120),
-              ("flash_fwd_kernel<Flash_fwd_kernel_traits>", 20.0, 60), ("triton_poi_fused_quantize_0", 5.0, 300),
-              ("void at::native::vectorized_layer_norm_kernel", 4.0, 120), ("elementwise_kernel_with_index", 1.0, 60)]
+              ("flash_fwd_kernel<Flash_fwd_kernel_traits>", 20.0, 60), ("_quant", 5.0, 300),
+              ("void at::native::vectorized_layer_norm_kernel", 4.0, 120), ("elementwise_kernel_with_index", 1.0, 60),
+              ("_gelu_quant", 3.0, 60), ("_add_ln_quant", 2.0, 125),
+              ("void at::native::vectorized_elementwise_kernel<8, at::native::GeluCUDAKernelImpl", 1.5, 60)]
     out = run._profile_categories(events, iters=5)
     cats = out["categories"]
     assert cats["2:4 GEMM (cuSPARSELt)"]["ms"] == pytest.approx(6.0) and cats["dense GEMM"]["ms"] == pytest.approx(2.0)
-    assert cats["attention"]["ms"] == pytest.approx(4.0) and cats["LayerNorm"]["ms"] == pytest.approx(0.8)
-    assert cats["activation quantizer / fused Triton"]["ms"] == pytest.approx(1.0)
+    assert cats["attention"]["ms"] == pytest.approx(4.0)
+    assert cats["LayerNorm (+ residual add, quantize, fused)"]["ms"] == pytest.approx(1.2)  # torch's and ours
+    assert cats["GELU (+ quantize, fused)"]["ms"] == pytest.approx(0.9)  # ours fused, and torch's alone
+    assert cats["activation quantizer"]["ms"] == pytest.approx(1.0)
     assert cats["element-wise and other"]["ms"] == pytest.approx(0.2)
-    assert out["ms_per_forward"] == pytest.approx(14.0) and sum(c["share"] for c in cats.values()) == pytest.approx(1.0)
+    assert out["ms_per_forward"] == pytest.approx(15.3) and sum(c["share"] for c in cats.values()) == pytest.approx(1.0)
     assert out["top_kernels"][0]["calls_per_forward"] == 72 and list(cats)[0] == "2:4 GEMM (cuSPARSELt)"
     # the section end to end on the CPU (operator times there), and its table in results.md
     assert run.main(["--cpu-smoke", "--out", str(tmp_path), "--sections", "env,profile"]) == 0
