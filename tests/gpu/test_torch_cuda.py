@@ -26,6 +26,24 @@ def test_gpu_triton_quantizer_matches_torch_ops():
         assert q == "triton", probe
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("scale", [0.05, 0.0123, 3.0 / 127, float(np.nextafter(np.float32(0.0625), np.float32(0)))])
+def test_gpu_triton_codes_for_every_fp16_value(scale):
+    """The compiled kernels (division through an FMA step, plain division for an all-ones significand) give
+    the torch ops' codes for every finite FP16 input, exactly, also from FP32 inputs and after LayerNorm."""
+    tc.require_cuda()
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    x = x[torch.isfinite(x)]
+    x = x[: (x.numel() // 64) * 64].reshape(-1, 64).cuda()
+    s = torch.tensor(scale, device="cuda")
+    assert torch.equal(tc.quantize_activation_triton(x, s), tc.quantize_activation(x, s))
+    x32 = torch.randn(4096, 256, device="cuda") * 4
+    assert torch.equal(tc.quantize_activation_triton(x32, s), tc.quantize_activation(x32, s))
+    h, hq = tc.add_layer_norm_quant(x[:512], None, torch.ones(64, device="cuda").half(),
+                                    torch.zeros(64, device="cuda").half(), 1e-12, scale=s)
+    assert torch.equal(hq, tc.quantize_activation(h.float(), s))
+
+
 def test_gpu_epilogue_probe_finds_a_working_mode():
     tc.require_cuda()
     e, tried = tc.choose_epilogue("cuda")

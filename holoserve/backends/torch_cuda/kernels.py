@@ -13,6 +13,7 @@ backend keeps the torch-op quantizer (probe.choose_quantizer decides, on the dev
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ._torch import torch
@@ -31,40 +32,66 @@ def _triton_quant_kernel():
         # (a @triton.jit body sees module globals only, so tl.div_rn is named directly: IEEE division)
         # The saturation bounds -128.0 / 127.0 are ACT_QMIN / ACT_QMAX of holoserve.core.numerics,
         # spelled as literals because the kernel bodies need compile-time constants.
+        # The kernels are bound by instructions issued, not by memory (their SASS for sm90, counted on
+        # the CPU, times an H200's issue rate gives the measured times within 5 %), so each element
+        # costs as few instructions as the exact arithmetic allows: 32-bit offsets from a 64-bit base,
+        # and the division below.
         @triton.jit
-        def _quant(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr):
-            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            m = offs < n
-            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            q = tl.div_rn(x, tl.load(scale_ptr))
+        def _codes(v, s, FMA_DIV: tl.constexpr, SCALE_CHECK: tl.constexpr = True):
+            # round-half-even(clamp(v / s)) with v / s correctly rounded (IEEE), as the reference.
+            # FMA_DIV: v * RN(1/s) corrected by one fused multiply-add step (Markstein), which gives
+            # RN(v / s) for every v unless the significand of s is all ones (the theorem's exception);
+            # such a scale takes the plain division. Without a hardware FMA (Triton's CPU interpreter
+            # rounds a*b+c twice) the plain division is used throughout. (SCALE_CHECK=False only for
+            # bench/gpu/kernel_instructions.py, to count the path an ordinary scale takes.)
+            if FMA_DIV:
+                if SCALE_CHECK and (s.to(tl.uint32, bitcast=True) & 0x7FFFFF) == 0x7FFFFF:
+                    q = tl.div_rn(v, s)
+                else:
+                    inv = tl.div_rn(1.0, s)
+                    q0 = v * inv
+                    q = tl.fma(tl.fma(-q0, s, v), inv, q0)
+            else:
+                q = tl.div_rn(v, s)
             q = tl.minimum(tl.maximum(q, -128.0), 127.0)
             q = (q + 12582912.0) - 12582912.0
-            tl.store(out_ptr + offs, q.to(tl.int8), mask=m)
+            return q.to(tl.int8)
+
+        globals()["_codes"] = _codes  # the kernels below find it as a module global, as Triton requires
 
         @triton.jit
-        def _gelu_quant(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+        def _quant(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, FMA_DIV: tl.constexpr,
+                   SCALE_CHECK: tl.constexpr = True):
+            start = tl.program_id(0).to(tl.int64) * BLOCK
+            offs = tl.arange(0, BLOCK)
+            m = offs < tl.minimum(n - start, BLOCK).to(tl.int32)
+            x = tl.load(x_ptr + start + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(out_ptr + start + offs, _codes(x, tl.load(scale_ptr), FMA_DIV, SCALE_CHECK), mask=m)
+
+        @triton.jit
+        def _gelu_quant(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, FMA_DIV: tl.constexpr,
+                        SCALE_CHECK: tl.constexpr = True):
             # exact (erf) GELU of the FFN's first GEMM, quantized for the second: the FP16 GELU
             # output never goes to memory
-            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            m = offs < n
-            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            start = tl.program_id(0).to(tl.int64) * BLOCK
+            offs = tl.arange(0, BLOCK)
+            m = offs < tl.minimum(n - start, BLOCK).to(tl.int32)
+            x = tl.load(x_ptr + start + offs, mask=m, other=0.0).to(tl.float32)
             g = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-            q = tl.div_rn(g, tl.load(scale_ptr))
-            q = tl.minimum(tl.maximum(q, -128.0), 127.0)
-            q = (q + 12582912.0) - 12582912.0
-            tl.store(out_ptr + offs, q.to(tl.int8), mask=m)
+            tl.store(out_ptr + start + offs, _codes(g, tl.load(scale_ptr), FMA_DIV, SCALE_CHECK), mask=m)
 
         @triton.jit
         def _add_ln_quant(x_ptr, r_ptr, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, H, eps,
-                          HAS_RES: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_RES: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr, FMA_DIV: tl.constexpr,
+                          SCALE_CHECK: tl.constexpr = True):
             # one row: h = LayerNorm(x + r) in FP16 (the residual stream) and, for the next GEMM,
             # the int8 codes of h; the same roundings as the separate torch ops (FP16 sum, FP16 h)
-            row = tl.program_id(0).to(tl.int64)
+            base = tl.program_id(0).to(tl.int64) * H
             cols = tl.arange(0, BLOCK)
             m = cols < H
-            x = tl.load(x_ptr + row * H + cols, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
             if HAS_RES:
-                x = (x + tl.load(r_ptr + row * H + cols, mask=m, other=0.0).to(tl.float32)).to(tl.float16).to(tl.float32)
+                x = (x + tl.load(r_ptr + base + cols, mask=m, other=0.0).to(tl.float32)).to(tl.float16).to(tl.float32)
             mean = tl.sum(x, axis=0) / H
             xc = tl.where(m, x - mean, 0.0)
             var = tl.sum(xc * xc, axis=0) / H
@@ -72,12 +99,10 @@ def _triton_quant_kernel():
             w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
             b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
             yh = (xc * rstd * w + b).to(tl.float16)
-            tl.store(h_ptr + row * H + cols, yh, mask=m)
+            tl.store(h_ptr + base + cols, yh, mask=m)
             if HAS_Q:
-                q = tl.div_rn(yh.to(tl.float32), tl.load(scale_ptr))
-                q = tl.minimum(tl.maximum(q, -128.0), 127.0)
-                q = (q + 12582912.0) - 12582912.0
-                tl.store(q_ptr + row * H + cols, q.to(tl.int8), mask=m)
+                codes = _codes(yh.to(tl.float32), tl.load(scale_ptr), FMA_DIV, SCALE_CHECK)
+                tl.store(q_ptr + base + cols, codes, mask=m)
 
         _TRITON["kernel"] = _quant
         _TRITON["gelu_kernel"] = _gelu_quant
@@ -87,6 +112,12 @@ def _triton_quant_kernel():
     except Exception as e:  # noqa: BLE001 - no triton (or an incompatible one): torch ops are used
         _TRITON["error"] = f"{type(e).__name__}: {e}"
     return _TRITON.get("kernel")
+
+
+def fma_div() -> bool:
+    """Whether the kernels divide by the scale through a fused multiply-add (exact with a hardware FMA):
+    not in Triton's CPU interpreter (TRITON_INTERPRET=1), whose fma rounds twice."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: int | None = None,
@@ -103,7 +134,7 @@ def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: i
     if rows > m:
         out[m:].zero_()
     n = m * k
-    kernel[(_TRITON["cdiv"](n, QUANT_BLOCK),)](x, out, scale.reshape(1), n, BLOCK=QUANT_BLOCK)
+    kernel[(_TRITON["cdiv"](n, QUANT_BLOCK),)](x, out, scale.reshape(1), n, BLOCK=QUANT_BLOCK, FMA_DIV=fma_div())
     return out
 
 
@@ -124,5 +155,6 @@ def add_layer_norm_quant(x, res, weight, bias, eps: float, scale=None, rows: int
             q[t:].zero_()
     _TRITON["ln_kernel"][(t,)](
         x2, r2, weight, bias, h, q if q is not None else h, scale.reshape(1) if scale is not None else weight,
-        hdim, float(eps), HAS_RES=res is not None, HAS_Q=scale is not None, BLOCK=_TRITON["next_pow2"](hdim))
+        hdim, float(eps), HAS_RES=res is not None, HAS_Q=scale is not None, BLOCK=_TRITON["next_pow2"](hdim),
+        FMA_DIV=fma_div())
     return h, q

@@ -106,10 +106,68 @@ print("ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
 def test_triton_quantizer_equals_reference_in_interpreter():
     """The fused quantizer kernel, run by Triton's CPU interpreter, gives the exact reference codes."""
+    _run_interpreted(_TRITON_CHECK)
+
+
+_TRITON_FMA_CHECK = r"""
+import numpy as np
+import torch
+import triton.runtime.interpreter as interp
+from holoserve.backends.torch_cuda import kernels as K
+from holoserve.backends import torch_cuda as tc
+
+K.fma_div = lambda: True  # the GPU's arithmetic: division through a fused multiply-add
+
+
+def exact_fma(self, x, y, z):  # a real FMA (one rounding); the interpreter's own rounds a*b, then the sum
+    d = x.data.astype(np.longdouble) * y.data.astype(np.longdouble) + z.data.astype(np.longdouble)
+    return interp.TensorHandle(d.astype(z.data.dtype), z.dtype.scalar)
+
+
+def broken_fma(self, x, y, z):
+    return interp.TensorHandle(np.zeros_like(z.data), z.dtype.scalar)
+
+
+g = torch.Generator().manual_seed(1)
+every_half = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+every_half = every_half[torch.isfinite(every_half)]
+every_half = every_half[: (every_half.numel() // 64) * 64].reshape(-1, 64)
+all_ones = float(np.nextafter(np.float32(0.0625), np.float32(0)))  # significand all ones: the exception
+for scale in (0.05, 0.0123, 3.0 / 127, all_ones):
+    s = torch.tensor(scale)
+    ties = ((torch.arange(-300, 300, dtype=torch.float32) + 0.5) * s).half()
+    x = torch.cat([ties[: (ties.numel() // 64) * 64].reshape(-1, 64), every_half, (torch.randn(64, 64, generator=g) * 3).half()])
+    want = tc.quantize_activation(x, s)
+    interp.InterpreterBuilder.create_fma = broken_fma
+    broken = tc.quantize_activation_triton(x, s)
+    # the FMA path really runs, except for the all-ones scale, which divides
+    assert torch.equal(broken, want) == (scale == all_ones), scale
+    interp.InterpreterBuilder.create_fma = exact_fma
+    got = tc.quantize_activation_triton(x, s)
+    assert torch.equal(got, want), (scale, int((got != want).sum()))
+    gx = (torch.randn(64, 48, generator=g) * 2).half()
+    got_g = tc.quantize_activation_triton(gx, s, gelu=True)
+    want_g = tc.quantize_activation(torch.nn.functional.gelu(gx.float()), s)
+    assert int((got_g.int() - want_g.int()).abs().max()) <= 1 and int((got_g != want_g).sum()) <= 3
+    h, hq = tc.add_layer_norm_quant(gx, gx, torch.ones(48).half(), torch.zeros(48).half(), 1e-12, scale=s)
+    assert torch.equal(hq, tc.quantize_activation(h.float(), s))
+print("ok")
+"""
+
+
+def _run_interpreted(script: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(Path(__file__).resolve().parents[3]), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _TRITON_CHECK], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
+def test_triton_fma_division_gives_the_reference_codes_in_interpreter():
+    """The kernels' division by the scale through one FMA correction step (as compiled for the GPU), run by the
+    interpreter with an exact FMA: the reference codes for every FP16 value, at ties and at a scale whose
+    significand is all ones (which takes the plain division)."""
+    _run_interpreted(_TRITON_FMA_CHECK)
 
 
 def test_weight_codes_recover_grid_exactly():

@@ -1,6 +1,7 @@
 """bench/gpu: the CPU smoke run of the all-in-one GPU benchmark, the carry packing, the report logic."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -198,3 +199,23 @@ def test_profile_files_kernels_by_category_and_reports_them(tmp_path):
     for v in prof["variants"].values():
         assert v["ms_per_forward"] > 0 and v["top_kernels"]
     assert "Where the encoder's time goes" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
+def test_kernel_instructions_counts_the_compiled_kernels(capsys, monkeypatch):
+    """The fused kernels compiled for sm90 on the CPU: the FMA division issues fewer instructions per element
+    than the plain one in every kernel, and the path counted stops at the first unconditional EXIT."""
+    mod = gpu_module("kernel_instructions")
+    sass = "\n".join(["        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+                      "        /*0010*/              @!P0 EXIT ;", "        /*0020*/                   FFMA R2, R3, R4, R5 ;",
+                      "        /*0030*/                   EXIT ;", "        /*0040*/                   BRA 0x40 ;"])
+    assert mod.main_path(sass) == ["MOV R1, c[0x0][0x28]", "@!P0 EXIT", "FFMA R2, R3, R4, R5", "EXIT"]
+    monkeypatch.setattr(sys, "argv", ["kernel_instructions.py"])
+    assert mod.main() == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out[: out.index("\n|")])["rows"]
+    assert [r["kernel"] for r in rows] == ["_quant", "_gelu_quant", "_add_ln_quant"]
+    for r in rows:
+        plain, fma = r["plain division"], r["FMA division"]
+        assert 5 < fma["per_element"] < plain["per_element"] < 200, r
+        assert fma["predicted_us_per_call"] < plain["predicted_us_per_call"]

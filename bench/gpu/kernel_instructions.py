@@ -1,0 +1,133 @@
+"""Instructions per element of the torch-cuda backend's Triton kernels, compiled for a GPU on any machine.
+
+The fused quantizer kernels are bound by the instructions they issue, not by memory: on an H200 the
+measured kernel times (bench/gpu/run.py's profile) match their instruction counts at the GPU's issue
+rate. Triton compiles for a target GPU without one present, so the counts can be taken here and
+compared across versions of the kernels. This script compiles each kernel for the target (sm90 by
+default), disassembles it with the cuobjdump that ships with Triton, and counts the SASS instructions
+of the straight-line path up to the first unconditional EXIT. The result is divided by the elements
+each thread handles. Two variants are counted:
+
+- `plain division`: IEEE division per element, as in Triton's CPU interpreter.
+- `FMA division`: the compiled GPU path, for an ordinary scale (the all-ones-significand check off).
+
+With --sms and --clock-ghz it also predicts each kernel's time per call at BERT-base batch 128,
+seq 128 (4 instructions per SM per clock, 32 threads each), to set beside a measured profile.
+
+    python bench/gpu/kernel_instructions.py [--arch 90] [--sms 132 --clock-ghz 1.98] [--kernels OLD.py]
+
+A version without the FMA division (before 2026-11-26) counts the same under both labels.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+QUANT_SIG = {"x_ptr": "*fp16", "out_ptr": "*i8", "scale_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr",
+             "FMA_DIV": "constexpr", "SCALE_CHECK": "constexpr"}
+LN_SIG = {"x_ptr": "*fp16", "r_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "h_ptr": "*fp16", "q_ptr": "*i8",
+          "scale_ptr": "*fp32", "H": "i32", "eps": "fp32", "HAS_RES": "constexpr", "HAS_Q": "constexpr",
+          "BLOCK": "constexpr", "FMA_DIV": "constexpr", "SCALE_CHECK": "constexpr"}
+
+
+def main_path(sass: str) -> list[str]:
+    """SASS instructions up to and including the first unconditional EXIT."""
+    out = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(.*?)\s*;", line)
+        if not m:
+            continue
+        out.append(m.group(1))
+        if m.group(1) == "EXIT":
+            break
+    return out
+
+
+def load_kernels(path: str | None):
+    """The kernels module, or another version of it from a file (e.g. `git show REV:holoserve/backends/
+    torch_cuda/kernels.py > old.py`), loaded inside the same package so its imports resolve."""
+    if path is None:
+        from holoserve.backends.torch_cuda import kernels
+        return kernels
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("holoserve.backends.torch_cuda._kernels_under_count", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def count(fn, signature: dict, constexprs: dict, arch: int, num_warps: int = 4) -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = set(fn.arg_names)  # an older version may lack some parameters (e.g. FMA_DIV)
+    signature = {k: v for k, v in signature.items() if k in names}
+    constexprs = {k: v for k, v in constexprs.items() if k in names}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    tools = glob.glob(str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"))
+    if not tools:
+        sys.exit("this Triton has no cuobjdump (backends/nvidia/bin): install the Linux x86-64 wheel")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tools[0], "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return len(main_path(sass))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--clock-ghz", type=float, default=1.98)
+    ap.add_argument("--tokens", type=int, default=128 * 128, help="tokens per call (BERT-base batch 128 x seq 128)")
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--intermediate", type=int, default=3072)
+    ap.add_argument("--kernels", help="count another version of kernels.py (a file) instead of this tree's")
+    args = ap.parse_args()
+    K = load_kernels(args.kernels)
+
+    if K._triton_quant_kernel() is None:
+        sys.exit(f"triton is unavailable: {K._TRITON.get('error')}")
+    threads = 4 * 32  # num_warps=4, Triton's default, as the wrappers launch
+    per_thread = K.QUANT_BLOCK / threads
+    ln_block = K._TRITON["next_pow2"](args.hidden)
+    rate = args.sms * 4 * 32 * args.clock_ghz * 1e9  # thread-instructions per second
+    rows = []
+    for name, fn, sig, extra, elements, per in (
+            ("_quant", K._TRITON["kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK}, args.tokens * args.hidden, per_thread),
+            ("_gelu_quant", K._TRITON["gelu_kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK},
+             args.tokens * args.intermediate, per_thread),
+            ("_add_ln_quant", K._TRITON["ln_kernel"], LN_SIG, {"HAS_RES": True, "HAS_Q": True, "BLOCK": ln_block},
+             args.tokens * ln_block, ln_block / threads)):
+        row = {"kernel": name, "elements_per_thread": per}
+        for label, flags in (("plain division", {"FMA_DIV": False, "SCALE_CHECK": True}),
+                             ("FMA division", {"FMA_DIV": True, "SCALE_CHECK": False})):
+            n = count(fn, sig, {**extra, **flags}, args.arch)
+            row[label] = {"instructions": n, "per_element": round(n / per, 1),
+                          "predicted_us_per_call": round(elements * n / per / rate * 1e6, 1)}
+        rows.append(row)
+    print(json.dumps({"arch": args.arch, "tokens": args.tokens, "rows": rows}, indent=1))
+    print(f"\n| kernel (sm{args.arch}) | plain division: instr/element | FMA division: instr/element | "
+          f"predicted µs per call, {args.tokens} tokens ({args.sms} SMs at {args.clock_ghz} GHz): plain → FMA |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        a, b = r["plain division"], r["FMA division"]
+        print(f"| {r['kernel']} | {a['per_element']} | {b['per_element']} | "
+              f"{a['predicted_us_per_call']} → {b['predicted_us_per_call']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
