@@ -42,12 +42,17 @@ def _triton_quant_kernel():
             # FMA_DIV: v * RN(1/s) corrected by one fused multiply-add step (Markstein), which gives
             # RN(v / s) for every v unless the significand of s is all ones (the theorem's exception);
             # such a scale takes the plain division. Without a hardware FMA (Triton's CPU interpreter
-            # rounds a*b+c twice) the plain division is used throughout. (SCALE_CHECK=False only for
-            # bench/gpu/kernel_instructions.py, to count the path an ordinary scale takes.)
+            # rounds a*b+c twice) the plain division is used throughout. v is first clamped to
+            # +-256 s, which changes no code (those quotients saturate anyway) and keeps v * (1/s) finite;
+            # a scale under 2**-100 (zero included) takes the plain division too. Checked in float32 by
+            # bench/gpu/fma_division_check.py. (SCALE_CHECK=False only for bench/gpu/kernel_instructions.py,
+            # to count the path an ordinary scale takes.)
             if FMA_DIV:
-                if SCALE_CHECK and (s.to(tl.uint32, bitcast=True) & 0x7FFFFF) == 0x7FFFFF:
+                if SCALE_CHECK and (((s.to(tl.uint32, bitcast=True) & 0x7FFFFF) == 0x7FFFFF) | (s < 7.9e-31)):
                     q = tl.div_rn(v, s)
                 else:
+                    lim = s * 256.0
+                    v = tl.minimum(tl.maximum(v, -lim), lim)
                     inv = tl.div_rn(1.0, s)
                     q0 = v * inv
                     q = tl.fma(tl.fma(-q0, s, v), inv, q0)
