@@ -62,28 +62,32 @@ def _triton_quant_kernel():
             q = (q + 12582912.0) - 12582912.0
             return q.to(tl.int8)
 
-        globals()["_codes"] = _codes  # the kernels below find it as a module global, as Triton requires
+        @triton.jit
+        def _quant_block(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, FMA_DIV: tl.constexpr,
+                         SCALE_CHECK: tl.constexpr, GELU: tl.constexpr):
+            # one block of BLOCK elements: codes of x, or of the exact (erf) GELU of x
+            start = tl.program_id(0).to(tl.int64) * BLOCK
+            offs = tl.arange(0, BLOCK)
+            m = offs < tl.minimum(n - start, BLOCK).to(tl.int32)
+            x = tl.load(x_ptr + start + offs, mask=m, other=0.0).to(tl.float32)
+            if GELU:
+                x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+            tl.store(out_ptr + start + offs, _codes(x, tl.load(scale_ptr), FMA_DIV, SCALE_CHECK), mask=m)
+
+        # the kernels below find the helpers (and tl, in their signatures) as module globals, as Triton requires
+        globals().update(tl=tl, _codes=_codes, _quant_block=_quant_block)
 
         @triton.jit
         def _quant(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, FMA_DIV: tl.constexpr,
                    SCALE_CHECK: tl.constexpr = True):
-            start = tl.program_id(0).to(tl.int64) * BLOCK
-            offs = tl.arange(0, BLOCK)
-            m = offs < tl.minimum(n - start, BLOCK).to(tl.int32)
-            x = tl.load(x_ptr + start + offs, mask=m, other=0.0).to(tl.float32)
-            tl.store(out_ptr + start + offs, _codes(x, tl.load(scale_ptr), FMA_DIV, SCALE_CHECK), mask=m)
+            _quant_block(x_ptr, out_ptr, scale_ptr, n, BLOCK, FMA_DIV, SCALE_CHECK, False)
 
         @triton.jit
         def _gelu_quant(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, FMA_DIV: tl.constexpr,
                         SCALE_CHECK: tl.constexpr = True):
-            # exact (erf) GELU of the FFN's first GEMM, quantized for the second: the FP16 GELU
-            # output never goes to memory
-            start = tl.program_id(0).to(tl.int64) * BLOCK
-            offs = tl.arange(0, BLOCK)
-            m = offs < tl.minimum(n - start, BLOCK).to(tl.int32)
-            x = tl.load(x_ptr + start + offs, mask=m, other=0.0).to(tl.float32)
-            g = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-            tl.store(out_ptr + start + offs, _codes(g, tl.load(scale_ptr), FMA_DIV, SCALE_CHECK), mask=m)
+            # GELU of the FFN's first GEMM, quantized for the second: the FP16 GELU output never goes
+            # to memory (a kernel of its own, so that profiles tell it from the plain quantizer)
+            _quant_block(x_ptr, out_ptr, scale_ptr, n, BLOCK, FMA_DIV, SCALE_CHECK, True)
 
         @triton.jit
         def _add_ln_quant(x_ptr, r_ptr, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, H, eps,
