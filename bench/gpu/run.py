@@ -579,6 +579,25 @@ def _hf_model(config: dict, state: dict, dtype, device):
     return model.to(device=device, dtype=dtype).eval()
 
 
+def plain_division(build):
+    """The same encoder with the quantizer kernels dividing by the scale plainly (IEEE division, as
+    before the FMA division): an A/B of that change in one run. Graph capture records the kernels as
+    launched, so the switch only needs to hold while the encoder runs."""
+    from holoserve.backends.torch_cuda import kernels
+
+    def wrapped():
+        call = build()
+
+        def run_plain(inp):
+            kernels.FMA_DIVISION = False
+            try:
+                return call(inp)
+            finally:
+                kernels.FMA_DIVISION = True
+        return run_plain
+    return wrapped
+
+
 def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: dict, quant: dict):
     """(name, builder) pairs; each builder returns (call(inputs) -> logits, graphable: bool)."""
     import torch
@@ -651,6 +670,9 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
         if gelu_fused or ln_fused:  # evidence for what the LayerNorm / GELU fusions buy
             v.append(("2:4 INT8 + CUDA graphs (ours, no LayerNorm/GELU fusion)",
                       ours("cslt", sparse_state, fuse=False), True, False))
+        if quantizer == "triton":  # the FMA division in the quantizer kernels, A/B
+            v.append(("2:4 INT8 + CUDA graphs (ours, plain division in the quantizers)",
+                      plain_division(ours("cslt", sparse_state)), True, False))
         if quantizer != "torch":  # evidence for what the fused quantizer buys
             v.append(("2:4 INT8 + CUDA graphs (ours, unfused torch-op quantizer)",
                       ours("cslt", sparse_state, quantizer="torch"), True, False))

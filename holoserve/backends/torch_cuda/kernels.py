@@ -123,10 +123,13 @@ def _triton_quant_kernel():
     return _TRITON.get("kernel")
 
 
+FMA_DIVISION = True  # bench/gpu/run.py turns it off for one encoder variant, to time the plain division beside it
+
+
 def fma_div() -> bool:
     """Whether the kernels divide by the scale through a fused multiply-add (exact with a hardware FMA):
     not in Triton's CPU interpreter (TRITON_INTERPRET=1), whose fma rounds twice."""
-    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    return FMA_DIVISION and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: int | None = None,

@@ -219,3 +219,15 @@ def test_kernel_instructions_counts_the_compiled_kernels(capsys, monkeypatch):
         plain, fma = r["plain division"], r["FMA division"]
         assert 5 < fma["per_element"] < plain["per_element"] < 200, r
         assert fma["predicted_us_per_call"] < plain["predicted_us_per_call"]
+
+
+def test_plain_division_variant_switches_the_kernels_only_while_it_runs():
+    run = gpu_module("run")
+    from holoserve.backends.torch_cuda import kernels
+
+    seen = []
+    call = run.plain_division(lambda: (lambda inp: seen.append(kernels.fma_div()) or inp))()
+    assert kernels.fma_div() and call(7) == 7 and seen == [False] and kernels.fma_div()
+    with pytest.raises(ZeroDivisionError):  # restored after a failure too
+        run.plain_division(lambda: (lambda inp: 1 / 0))()(0)
+    assert kernels.FMA_DIVISION
