@@ -1,7 +1,7 @@
 """Is v * RN(1/s) plus one FMA correction step exactly RN(v / s)? Checked in float32 on the CPU.
 
 The torch-cuda kernels divide by the activation scale this way (holoserve/backends/torch_cuda/kernels.py,
-`_codes`): q0 = v * inv, q = fma(fma(-q0, s, v), inv, q0), with inv = RN(1/s). Markstein's theorem makes
+`_codes`): q0 = v * inv, q = fma(fma(q0, -s, v), inv, q0), with inv = RN(1/s). Markstein's theorem makes
 that the correctly rounded quotient. The exception is a scale whose significand is all ones, which the
 kernels send to the plain division; so is underflow (a quotient below about 2**-100, whose correction
 term is subnormal), where the int8 code is 0 either way. This script counts mismatches against IEEE
@@ -36,7 +36,7 @@ def fma_divide(v: np.ndarray, s: F32) -> np.ndarray:
     inv = np.divide(F32(1.0), s, dtype=F32)
     q0 = (v * inv).astype(F32)
     ss, ii = np.full_like(v, s), np.full_like(v, inv)
-    return fma(fma(-q0, ss, v), ii, q0)
+    return fma(fma(q0, -ss, v), ii, q0)
 
 
 def codes(q: np.ndarray) -> np.ndarray:

@@ -55,7 +55,7 @@ def _triton_quant_kernel():
                     v = tl.minimum(tl.maximum(v, -lim), lim)
                     inv = tl.div_rn(1.0, s)
                     q0 = v * inv
-                    q = tl.fma(tl.fma(-q0, s, v), inv, q0)
+                    q = tl.fma(tl.fma(q0, -s, v), inv, q0)  # -s: one negation per program
             else:
                 q = tl.div_rn(v, s)
             q = tl.minimum(tl.maximum(q, -128.0), 127.0)
