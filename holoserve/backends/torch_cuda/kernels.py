@@ -4,9 +4,9 @@ One kernel for the activation quantizer reads FP16 and writes int8 codes (3 byte
 instead of ~35 for the five separate torch ops: float, div, round, clamp, cast), which matters
 because every encoder GEMM input passes through it; two more fuse it with the FFN's GELU and with
 residual add + LayerNorm, so that no FP16 intermediate is written just to be re-read and quantized.
-Same arithmetic as numerics.quantize_activation: IEEE division by the scale, saturation, then round
-half to even via the 1.5 * 2**23 trick (exact for |q| <= 2**22, and saturating first gives the same
-codes as rounding first).
+Same arithmetic as numerics.quantize_activation: the correctly rounded quotient by the scale (computed
+through one FMA correction step on the GPU, see _codes), saturation, then round half to even via the
+1.5 * 2**23 trick (exact for |q| <= 2**22, and saturating first gives the same codes as rounding first).
 
 Triton is imported on first use; where it is missing (or incompatible) the wrappers raise and the
 backend keeps the torch-op quantizer (probe.choose_quantizer decides, on the device).
