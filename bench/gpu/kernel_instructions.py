@@ -1,18 +1,19 @@
 """Instructions per element of the torch-cuda backend's Triton kernels, compiled for a GPU on any machine.
 
-The fused quantizer kernels are bound by the instructions they issue, not by memory: on an H200 the
-measured kernel times (bench/gpu/run.py's profile) match their instruction counts at the GPU's issue
-rate. Triton compiles for a target GPU without one present, so the counts can be taken here and
-compared across versions of the kernels. This script compiles each kernel for the target (sm90 by
-default), disassembles it with the cuobjdump that ships with Triton, and counts the SASS instructions
-of the straight-line path up to the first unconditional EXIT. The result is divided by the elements
-each thread handles. Two variants are counted:
+On an H200, `_gelu_quant` spends most of its time issuing instructions, not moving memory (bench/gpu/
+run.py's profile against this script's counts). Triton compiles for a target GPU without one present,
+so the counts can be taken here and compared across versions of the kernels. This script compiles each
+kernel for the target (sm90 by default), specialized as a launch at these shapes would be (aligned
+pointers, sizes divisible by 16). It disassembles the kernel with the cuobjdump that ships with Triton
+and counts the SASS instructions of the straight-line path up to the first unconditional EXIT. The
+result is divided by the elements each thread handles. Two variants are counted:
 
 - `plain division`: IEEE division per element, as in Triton's CPU interpreter.
 - `FMA division`: the compiled GPU path, for an ordinary scale (the all-ones-significand check off).
 
-With --sms and --clock-ghz it also predicts each kernel's time per call at BERT-base batch 128,
-seq 128 (4 instructions per SM per clock, 32 threads each), to set beside a measured profile.
+With --sms and --clock-ghz it also gives each kernel's issue time per call at BERT-base batch 128,
+seq 128 (4 instructions per SM per clock, 32 threads each). With --bandwidth-tbs it gives the memory
+floor (the bytes the kernel must move), to set both beside a measured profile.
 
     python bench/gpu/kernel_instructions.py [--arch 90] [--sms 132 --clock-ghz 1.98] [--kernels OLD.py]
 
@@ -74,7 +75,10 @@ def count(fn, signature: dict, constexprs: dict, arch: int, num_warps: int = 4) 
     names = set(fn.arg_names)  # an older version may lack some parameters (e.g. FMA_DIV)
     signature = {k: v for k, v in signature.items() if k in names}
     constexprs = {k: v for k, v in constexprs.items() if k in names}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+    # as a launch specializes them at these shapes: pointers 16-byte aligned, sizes divisible by 16
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
+             if v.startswith("*") or (v == "i32" and k in ("n", "H"))}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
     tools = glob.glob(str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"))
     if not tools:
@@ -91,6 +95,7 @@ def main() -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--clock-ghz", type=float, default=1.98)
+    ap.add_argument("--bandwidth-tbs", type=float, default=4.8, help="memory bandwidth, TB/s (H200: 4.8)")
     ap.add_argument("--tokens", type=int, default=128 * 128, help="tokens per call (BERT-base batch 128 x seq 128)")
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--intermediate", type=int, default=3072)
@@ -105,13 +110,16 @@ def main() -> int:
     ln_block = K._TRITON["next_pow2"](args.hidden)
     rate = args.sms * 4 * 32 * args.clock_ghz * 1e9  # thread-instructions per second
     rows = []
-    for name, fn, sig, extra, elements, per in (
-            ("_quant", K._TRITON["kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK}, args.tokens * args.hidden, per_thread),
+    # (name, kernel, signature, constexprs, lanes per call, lanes per thread, bytes moved per call)
+    for name, fn, sig, extra, elements, per, nbytes in (
+            ("_quant", K._TRITON["kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK}, args.tokens * args.hidden, per_thread,
+             3 * args.tokens * args.hidden),  # FP16 in, int8 out
             ("_gelu_quant", K._TRITON["gelu_kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK},
-             args.tokens * args.intermediate, per_thread),
+             args.tokens * args.intermediate, per_thread, 3 * args.tokens * args.intermediate),
             ("_add_ln_quant", K._TRITON["ln_kernel"], LN_SIG, {"HAS_RES": True, "HAS_Q": True, "BLOCK": ln_block},
-             args.tokens * ln_block, ln_block / threads)):
-        row = {"kernel": name, "elements_per_thread": per}
+             args.tokens * ln_block, ln_block / threads, 7 * args.tokens * args.hidden)):  # x, r, h in FP16; codes
+        row = {"kernel": name, "elements_per_thread": per,
+               "memory_floor_us": round(nbytes / (args.bandwidth_tbs * 1e12) * 1e6, 1)}
         for label, flags in (("plain division", {"FMA_DIV": False, "SCALE_CHECK": True}),
                              ("FMA division", {"FMA_DIV": True, "SCALE_CHECK": False})):
             n = count(fn, sig, {**extra, **flags}, args.arch)
@@ -120,12 +128,13 @@ def main() -> int:
         rows.append(row)
     print(json.dumps({"arch": args.arch, "tokens": args.tokens, "rows": rows}, indent=1))
     print(f"\n| kernel (sm{args.arch}) | plain division: instr/element | FMA division: instr/element | "
-          f"predicted µs per call, {args.tokens} tokens ({args.sms} SMs at {args.clock_ghz} GHz): plain → FMA |")
-    print("| --- | --- | --- | --- |")
+          f"issue time µs per call, {args.tokens} tokens ({args.sms} SMs at {args.clock_ghz} GHz): plain → FMA | "
+          f"memory floor µs ({args.bandwidth_tbs} TB/s) |")
+    print("| --- | --- | --- | --- | --- |")
     for r in rows:
         a, b = r["plain division"], r["FMA division"]
         print(f"| {r['kernel']} | {a['per_element']} | {b['per_element']} | "
-              f"{a['predicted_us_per_call']} → {b['predicted_us_per_call']} |")
+              f"{a['predicted_us_per_call']} → {b['predicted_us_per_call']} | {r['memory_floor_us']} |")
     return 0
 
 
