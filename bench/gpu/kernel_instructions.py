@@ -37,7 +37,7 @@ QUANT_SIG = {"x_ptr": "*fp16", "out_ptr": "*i8", "scale_ptr": "*fp32", "n": "i32
              "FMA_DIV": "constexpr", "SCALE_CHECK": "constexpr"}
 LN_SIG = {"x_ptr": "*fp16", "r_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "h_ptr": "*fp16", "q_ptr": "*i8",
           "scale_ptr": "*fp32", "H": "i32", "eps": "fp32", "HAS_RES": "constexpr", "HAS_Q": "constexpr",
-          "BLOCK": "constexpr", "FMA_DIV": "constexpr", "SCALE_CHECK": "constexpr"}
+          "BLOCK": "constexpr", "FMA_DIV": "constexpr", "SCALE_CHECK": "constexpr", "CHUNKS": "constexpr"}
 
 
 def main_path(sass: str) -> list[str]:
@@ -107,22 +107,24 @@ def main() -> int:
         sys.exit(f"triton is unavailable: {K._TRITON.get('error')}")
     threads = 4 * 32  # num_warps=4, Triton's default, as the wrappers launch
     per_thread = K.QUANT_BLOCK / threads
-    ln_block = K._TRITON["next_pow2"](args.hidden)
+    ln = K.ln_blocks(args.hidden) if hasattr(K, "ln_blocks") else {"BLOCK": K._TRITON["next_pow2"](args.hidden)}
+    ln_warps = ln.pop("num_warps", 4)
+    ln_lanes = ln["BLOCK"] * ln.get("CHUNKS", 1)  # lanes per row
     rate = args.sms * 4 * 32 * args.clock_ghz * 1e9  # thread-instructions per second
     rows = []
-    # (name, kernel, signature, constexprs, lanes per call, lanes per thread, bytes moved per call)
-    for name, fn, sig, extra, elements, per, nbytes in (
-            ("_quant", K._TRITON["kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK}, args.tokens * args.hidden, per_thread,
-             3 * args.tokens * args.hidden),  # FP16 in, int8 out
-            ("_gelu_quant", K._TRITON["gelu_kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK},
+    # (name, kernel, signature, constexprs, warps, lanes per call, lanes per thread, bytes moved per call)
+    for name, fn, sig, extra, warps, elements, per, nbytes in (
+            ("_quant", K._TRITON["kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK}, 4, args.tokens * args.hidden,
+             per_thread, 3 * args.tokens * args.hidden),  # FP16 in, int8 out
+            ("_gelu_quant", K._TRITON["gelu_kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK}, 4,
              args.tokens * args.intermediate, per_thread, 3 * args.tokens * args.intermediate),
-            ("_add_ln_quant", K._TRITON["ln_kernel"], LN_SIG, {"HAS_RES": True, "HAS_Q": True, "BLOCK": ln_block},
-             args.tokens * ln_block, ln_block / threads, 7 * args.tokens * args.hidden)):  # x, r, h in FP16; codes
-        row = {"kernel": name, "elements_per_thread": per,
+            ("_add_ln_quant", K._TRITON["ln_kernel"], LN_SIG, {"HAS_RES": True, "HAS_Q": True, **ln}, ln_warps,
+             args.tokens * ln_lanes, ln_lanes / (32 * ln_warps), 7 * args.tokens * args.hidden)):  # x, r, h; codes
+        row = {"kernel": name, "elements_per_thread": per, "num_warps": warps,
                "memory_floor_us": round(nbytes / (args.bandwidth_tbs * 1e12) * 1e6, 1)}
         for label, flags in (("plain division", {"FMA_DIV": False, "SCALE_CHECK": True}),
                              ("FMA division", {"FMA_DIV": True, "SCALE_CHECK": False})):
-            n = count(fn, sig, {**extra, **flags}, args.arch)
+            n = count(fn, sig, {**extra, **flags}, args.arch, num_warps=warps)
             row[label] = {"instructions": n, "per_element": round(n / per, 1),
                           "predicted_us_per_call": round(elements * n / per / rate * 1e6, 1)}
         rows.append(row)

@@ -42,6 +42,13 @@ def test_gpu_triton_codes_for_every_fp16_value(scale):
     h, hq = tc.add_layer_norm_quant(x[:512], None, torch.ones(64, device="cuda").half(),
                                     torch.zeros(64, device="cuda").half(), 1e-12, scale=s)
     assert torch.equal(hq, tc.quantize_activation(h.float(), s))
+    # BERT-base's width: three chunks of 256 lanes, one warp per row; with a residual, against torch's ops
+    a, r = (torch.randn(300, 768, device="cuda") * 3).half(), (torch.randn(300, 768, device="cuda")).half()
+    w, b = (torch.rand(768, device="cuda") + 0.5).half(), (torch.randn(768, device="cuda") * 0.1).half()
+    h, hq = tc.add_layer_norm_quant(a, r, w, b, 1e-12, scale=s, rows=304)
+    ref = torch.nn.functional.layer_norm(a + r, (768,), w, b, 1e-12)
+    assert (h.float() - ref.float()).abs().max() < 1e-2 and hq.shape == (304, 768) and not hq[300:].any()
+    assert torch.equal(hq[:300], tc.quantize_activation(h.float(), s))
 
 
 def test_gpu_epilogue_probe_finds_a_working_mode():

@@ -90,28 +90,60 @@ def _triton_quant_kernel():
             _quant_block(x_ptr, out_ptr, scale_ptr, n, BLOCK, FMA_DIV, SCALE_CHECK, True)
 
         @triton.jit
-        def _add_ln_quant(x_ptr, r_ptr, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, H, eps,
-                          HAS_RES: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr, FMA_DIV: tl.constexpr,
-                          SCALE_CHECK: tl.constexpr = True):
-            # one row: h = LayerNorm(x + r) in FP16 (the residual stream) and, for the next GEMM,
-            # the int8 codes of h; the same roundings as the separate torch ops (FP16 sum, FP16 h)
-            base = tl.program_id(0).to(tl.int64) * H
-            cols = tl.arange(0, BLOCK)
-            m = cols < H
-            x = tl.load(x_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+        def _ln_load(x_ptr, r_ptr, off, cols, m, HAS_RES: tl.constexpr):
+            # one chunk of x + r, rounded to FP16 as the torch ops' FP16 sum is, in float32
+            x = tl.load(x_ptr + off + cols, mask=m, other=0.0).to(tl.float32)
             if HAS_RES:
-                x = (x + tl.load(r_ptr + base + cols, mask=m, other=0.0).to(tl.float32)).to(tl.float16).to(tl.float32)
-            mean = tl.sum(x, axis=0) / H
-            xc = tl.where(m, x - mean, 0.0)
-            var = tl.sum(xc * xc, axis=0) / H
-            rstd = 1.0 / tl.sqrt(var + eps)
-            w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-            b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+                x = (x + tl.load(r_ptr + off + cols, mask=m, other=0.0).to(tl.float32)).to(tl.float16).to(tl.float32)
+            return x
+
+        @triton.jit
+        def _ln_store(xc, rstd, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, base, off, cols, m, HAS_Q: tl.constexpr,
+                      FMA_DIV: tl.constexpr, SCALE_CHECK: tl.constexpr):
+            # one chunk of h = (x - mean) * rstd * w + b in FP16, and its int8 codes
+            w = tl.load(w_ptr + off + cols, mask=m, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + off + cols, mask=m, other=0.0).to(tl.float32)
             yh = (xc * rstd * w + b).to(tl.float16)
-            tl.store(h_ptr + base + cols, yh, mask=m)
+            tl.store(h_ptr + base + off + cols, yh, mask=m)
             if HAS_Q:
                 codes = _codes(yh.to(tl.float32), tl.load(scale_ptr), FMA_DIV, SCALE_CHECK)
-                tl.store(q_ptr + base + cols, codes, mask=m)
+                tl.store(q_ptr + base + off + cols, codes, mask=m)
+
+        globals().update(_ln_load=_ln_load, _ln_store=_ln_store)
+
+        @triton.jit
+        def _add_ln_quant(x_ptr, r_ptr, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, H, eps,
+                          HAS_RES: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr, FMA_DIV: tl.constexpr,
+                          SCALE_CHECK: tl.constexpr = True, CHUNKS: tl.constexpr = 1):
+            # one row: h = LayerNorm(x + r) in FP16 (the residual stream) and, for the next GEMM,
+            # the int8 codes of h; the same roundings as the separate torch ops (FP16 sum, FP16 h).
+            # CHUNKS=3: the row is three chunks of BLOCK (H = 3 * 2**k, as 384 and 768), so no lane idles;
+            # CHUNKS=1: one block of the next power of two >= H, the lanes past H masked.
+            base = tl.program_id(0).to(tl.int64) * H
+            cols = tl.arange(0, BLOCK)
+            if CHUNKS == 1:
+                m = cols < H
+                x0 = _ln_load(x_ptr, r_ptr, base, cols, m, HAS_RES)
+                mean = tl.sum(x0, axis=0) / H
+                xc0 = tl.where(m, x0 - mean, 0.0)
+                rstd = 1.0 / tl.sqrt(tl.sum(xc0 * xc0, axis=0) / H + eps)
+                _ln_store(xc0, rstd, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, base, 0, cols, m, HAS_Q, FMA_DIV,
+                          SCALE_CHECK)
+            else:
+                m = cols < BLOCK
+                x0 = _ln_load(x_ptr, r_ptr, base, cols, m, HAS_RES)
+                x1 = _ln_load(x_ptr, r_ptr, base + BLOCK, cols, m, HAS_RES)
+                x2 = _ln_load(x_ptr, r_ptr, base + 2 * BLOCK, cols, m, HAS_RES)
+                mean = (tl.sum(x0, axis=0) + tl.sum(x1, axis=0) + tl.sum(x2, axis=0)) / H
+                xc0, xc1, xc2 = x0 - mean, x1 - mean, x2 - mean
+                var = (tl.sum(xc0 * xc0, axis=0) + tl.sum(xc1 * xc1, axis=0) + tl.sum(xc2 * xc2, axis=0)) / H
+                rstd = 1.0 / tl.sqrt(var + eps)
+                _ln_store(xc0, rstd, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, base, 0, cols, m, HAS_Q, FMA_DIV,
+                          SCALE_CHECK)
+                _ln_store(xc1, rstd, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, base, BLOCK, cols, m, HAS_Q, FMA_DIV,
+                          SCALE_CHECK)
+                _ln_store(xc2, rstd, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, base, 2 * BLOCK, cols, m, HAS_Q, FMA_DIV,
+                          SCALE_CHECK)
 
         _TRITON["kernel"] = _quant
         _TRITON["gelu_kernel"] = _gelu_quant
@@ -150,6 +182,20 @@ def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: i
     return out
 
 
+def ln_blocks(hdim: int) -> dict[str, int]:
+    """_add_ln_quant's row layout and launch: three chunks of a power of two where H = 3 * 2**k (384, 768),
+    else one power-of-two block with the lanes past H masked; one warp per row up to 1,024 lanes (the row's
+    reductions then stay within the warp: at H = 768 that is 30 instructions per element for sm90 against
+    55 with four warps and one masked block of 1,024, by bench/gpu/kernel_instructions.py)."""
+    third = hdim // 3
+    if hdim % 3 == 0 and third >= 16 and third & (third - 1) == 0:
+        layout = {"BLOCK": third, "CHUNKS": 3}
+    else:
+        layout = {"BLOCK": _TRITON["next_pow2"](hdim), "CHUNKS": 1}
+    warps = max(1, min(8, layout["BLOCK"] * layout["CHUNKS"] // 1024))
+    return layout | {"num_warps": 1 << (warps.bit_length() - 1)}  # a power of two, as Triton requires
+
+
 def add_layer_norm_quant(x, res, weight, bias, eps: float, scale=None, rows: int | None = None):
     """(LayerNorm(x + res) as FP16 [T, H], its int8 codes [rows, H] or None) in one Triton kernel."""
     if _triton_quant_kernel() is None:
@@ -167,6 +213,5 @@ def add_layer_norm_quant(x, res, weight, bias, eps: float, scale=None, rows: int
             q[t:].zero_()
     _TRITON["ln_kernel"][(t,)](
         x2, r2, weight, bias, h, q if q is not None else h, scale.reshape(1) if scale is not None else weight,
-        hdim, float(eps), HAS_RES=res is not None, HAS_Q=scale is not None, BLOCK=_TRITON["next_pow2"](hdim),
-        FMA_DIV=fma_div())
+        hdim, float(eps), HAS_RES=res is not None, HAS_Q=scale is not None, FMA_DIV=fma_div(), **ln_blocks(hdim))
     return h, q

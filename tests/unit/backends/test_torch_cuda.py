@@ -327,3 +327,18 @@ def test_algorithm_search_covers_the_token_counts_it_is_given(monkeypatch):
     import inspect
 
     assert inspect.signature(load).parameters["alg_search"].default == ALG_SEARCH_MAX_TOKENS == 2048
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
+def test_layer_norm_kernel_layout_per_width():
+    from holoserve.backends.torch_cuda import kernels
+
+    assert kernels._triton_quant_kernel() is not None
+    assert kernels.ln_blocks(768) == {"BLOCK": 256, "CHUNKS": 3, "num_warps": 1}  # BERT-base: no idle lane
+    assert kernels.ln_blocks(384) == {"BLOCK": 128, "CHUNKS": 3, "num_warps": 1}  # MiniLM
+    assert kernels.ln_blocks(48) == {"BLOCK": 16, "CHUNKS": 3, "num_warps": 1}
+    assert kernels.ln_blocks(64) == {"BLOCK": 64, "CHUNKS": 1, "num_warps": 1}
+    assert kernels.ln_blocks(312) == {"BLOCK": 512, "CHUNKS": 1, "num_warps": 1}  # TinyBERT: masked lanes
+    assert kernels.ln_blocks(24) == {"BLOCK": 32, "CHUNKS": 1, "num_warps": 1}
+    assert kernels.ln_blocks(4096) == {"BLOCK": 4096, "CHUNKS": 1, "num_warps": 4}
+    assert kernels.ln_blocks(3072) == {"BLOCK": 1024, "CHUNKS": 3, "num_warps": 2}  # warps: a power of two
