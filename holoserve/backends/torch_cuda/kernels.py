@@ -32,10 +32,9 @@ def _triton_quant_kernel():
         # (a @triton.jit body sees module globals only, so tl.div_rn is named directly: IEEE division)
         # The saturation bounds -128.0 / 127.0 are ACT_QMIN / ACT_QMAX of holoserve.core.numerics,
         # spelled as literals because the kernel bodies need compile-time constants.
-        # The kernels are bound by instructions issued, not by memory (their SASS for sm90, counted on
-        # the CPU, times an H200's issue rate gives the measured times within 5 %), so each element
-        # costs as few instructions as the exact arithmetic allows: 32-bit offsets from a 64-bit base,
-        # and the division below.
+        # _gelu_quant is bound by the instructions it issues (on an H200, 84 of its 97 us at BERT-base
+        # batch 128 by bench/gpu/kernel_instructions.py), so the division below costs as few instructions
+        # as the exact arithmetic allows.
         @triton.jit
         def _codes(v, s, FMA_DIV: tl.constexpr, SCALE_CHECK: tl.constexpr = True):
             # round-half-even(clamp(v / s)) with v / s correctly rounded (IEEE), as the reference.
@@ -66,16 +65,12 @@ def _triton_quant_kernel():
         def _quant_block(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, FMA_DIV: tl.constexpr,
                          SCALE_CHECK: tl.constexpr, GELU: tl.constexpr):
             # one block of BLOCK elements: codes of x, or of the exact (erf) GELU of x
-            start = tl.program_id(0).to(tl.int64) * BLOCK
-            offs = tl.arange(0, BLOCK)
-            m = offs < tl.minimum(n - start, BLOCK).to(tl.int32)
-            x = tl.load(x_ptr + start + offs, mask=m, other=0.0).to(tl.float32)
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
             if GELU:
                 x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-            tl.store(out_ptr + start + offs, _codes(x, tl.load(scale_ptr), FMA_DIV, SCALE_CHECK), mask=m)
-
-        # the kernels below find the helpers (and tl, in their signatures) as module globals, as Triton requires
-        globals().update(tl=tl, _codes=_codes, _quant_block=_quant_block)
+            tl.store(out_ptr + offs, _codes(x, tl.load(scale_ptr), FMA_DIV, SCALE_CHECK), mask=m)
 
         @triton.jit
         def _quant(x_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, FMA_DIV: tl.constexpr,
@@ -109,7 +104,9 @@ def _triton_quant_kernel():
                 codes = _codes(yh.to(tl.float32), tl.load(scale_ptr), FMA_DIV, SCALE_CHECK)
                 tl.store(q_ptr + base + off + cols, codes, mask=m)
 
-        globals().update(_ln_load=_ln_load, _ln_store=_ln_store)
+        # the kernels find these helpers (and tl, in their signatures) as module globals when they compile,
+        # as Triton requires
+        globals().update(tl=tl, _codes=_codes, _quant_block=_quant_block, _ln_load=_ln_load, _ln_store=_ln_store)
 
         @triton.jit
         def _add_ln_quant(x_ptr, r_ptr, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, H, eps,
@@ -156,12 +153,13 @@ def _triton_quant_kernel():
 
 
 FMA_DIVISION = True  # bench/gpu/run.py turns it off for one encoder variant, to time the plain division beside it
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # Triton reads it at start-up too
 
 
 def fma_div() -> bool:
     """Whether the kernels divide by the scale through a fused multiply-add (exact with a hardware FMA):
     not in Triton's CPU interpreter (TRITON_INTERPRET=1), whose fma rounds twice."""
-    return FMA_DIVISION and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    return FMA_DIVISION and not _INTERPRETED
 
 
 def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: int | None = None,
