@@ -172,11 +172,12 @@ def summarize(task: str, per_seed: dict[int, dict[str, dict]]) -> dict:
     (the dense column comes from the teacher each seed's runs share)."""
     per_seed = {seed: runs for seed, runs in per_seed.items() if runs}  # a seed with no finished run yet
     row: dict = {"task": task, "seeds": sorted(per_seed), "per_seed": per_seed, "columns": {}}
+
+    def value(runs: dict, key: str) -> float:
+        return next(iter(runs.values()))["dense"] if key == "dense" else runs[key]["value"]
+
     for key in COLUMNS:
-        if key == "dense":
-            vals = [next(iter(runs.values()))["dense"] for runs in per_seed.values() if runs]
-        else:
-            vals = [runs[key]["value"] for runs in per_seed.values() if key in runs]
+        vals = [value(runs, key) for runs in per_seed.values() if key == "dense" or key in runs]
         if (st := _stats(vals)) is not None:
             recs = [runs[key] for runs in per_seed.values() if key in runs] if key != "dense" else []
             walls = [r["wall_seconds"] for r in recs if r.get("wall_seconds") is not None]
@@ -190,16 +191,17 @@ def summarize(task: str, per_seed: dict[int, dict[str, dict]]) -> dict:
     # % of dense: the column's mean over the dense teachers' mean on the same seeds, so a column that has not
     # run on every seed yet is not divided by the other seeds' teachers
     for key, st in cols.items():
+        if key == "dense":
+            st["kept"] = 1.0
+            continue
         pairs = [(runs[key]["value"], runs[key]["dense"]) for runs in per_seed.values()
-                 if key != "dense" and key in runs and runs[key].get("dense")]
-        st["kept"] = 1.0 if key == "dense" else (
-            statistics.fmean(v for v, _ in pairs) / statistics.fmean(d for _, d in pairs) if pairs else None)
+                 if key in runs and runs[key].get("dense")]
+        st["kept"] = statistics.fmean(v for v, _ in pairs) / statistics.fmean(d for _, d in pairs) if pairs else None
     # the seeds on which every column ran: comparisons across columns (overall) use only those
     common = [seed for seed, runs in per_seed.items() if all(k == "dense" or k in runs for k in cols)]
     row["common_seeds"] = sorted(common)
     for key, st in cols.items():
-        vals = [(runs[key]["value"] if key != "dense" else next(iter(runs.values()))["dense"])
-                for seed, runs in per_seed.items() if seed in common]
+        vals = [value(per_seed[seed], key) for seed in common]
         st["common_mean"] = statistics.fmean(vals) if vals else None
     return row
 
