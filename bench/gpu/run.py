@@ -1041,6 +1041,9 @@ def _check_cell(rec: dict[str, Any] | None) -> str:
             f"McNemar p = {rec['mcnemar_exact_p']:.2g}")
 
 
+HOST_BOUND = 1.25  # eager slower than its CUDA-graph twin by this factor: the host, not the GPU, set its pace
+
+
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, evaluated on what was measured (None where not measured)."""
     out = []
@@ -1058,8 +1061,18 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                        cell("torchao 2:4 INT8 + CUDA graphs") or cell("torchao 2:4 INT8 eager"))
     ao_best = min([x for x in (cell("torchao 2:4 INT8 + CUDA graphs"), cell("torchao 2:4 INT8 eager")) if x],
                   default=None)
-    out.append({"target": "ours >= 2.5x FP16 eager throughput, BERT-base batch 128 seq 128",
-                "value": eager / ours if ours and eager else None, "threshold": 2.5})
+    # eager PyTorch at batch 128 is bound by the GPU, so it runs about as fast as the same model with
+    # CUDA graphs; where it measures much slower, the host stalled the launches in that run (seen on an
+    # H200: 14.2 ms eager against 8.0 ms with graphs, and 7.8 ms eager two minutes later). The target
+    # is then judged against the faster FP16 measurement, never against a stalled one.
+    graphs = cell("FP16 + CUDA graphs (transformers)")
+    base, label = eager, "FP16 eager"
+    if eager and graphs and graphs < eager:
+        base = graphs
+        label = (f"FP16, the faster of eager {eager:.2f} ms and CUDA graphs {graphs:.2f} ms"
+                 + (": eager host-bound in this run" if eager > HOST_BOUND * graphs else ""))
+    out.append({"target": f"ours >= 2.5x {label}, BERT-base batch 128 seq 128",
+                "value": base / ours if ours and base else None, "threshold": 2.5})
     out.append({"target": "ours >= 1.3x torchao 2:4 INT8 (its best of eager / graphs), BERT-base batch 128",
                 "value": ao_best / ours if ours and ao_best else None, "threshold": 1.3})
     del ao
@@ -1117,6 +1130,9 @@ def render_markdown(report: dict[str, Any]) -> str:
               + ", ".join(f"{str(d)[11:16]}" for d in report["merged_from"])
               + " UTC (`run.py --merge`): sections and GEMM rows each come whole from one run; an encoder "
               "variant marked with a run's time was measured in that run, not beside the rest of its table.", ""]
+    if report.get("rerendered"):
+        L += ["Rendered again from this run's results.json by a later `run.py --merge`: the measurements are the "
+              "run's own; the targets are judged as that version of the script judges them.", ""]
     if "targets" in report:
         L += ["## Targets", "", "| target | measured | threshold | met |", "| --- | --- | --- | --- |"]
         for t in report["targets"]:
@@ -1323,7 +1339,10 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     import copy
 
     out = copy.deepcopy(reports[0])
-    out["merged_from"] = [r.get("date") for r in reports]
+    if len(reports) > 1:
+        out["merged_from"] = [r.get("date") for r in reports]
+    else:  # one report: the tables rendered again, with the targets as this version judges them
+        out["rerendered"] = True
     out["errors"] = []
     for r in reports[1:]:
         when = f" (run of {str(r.get('date', '?'))[11:16]} UTC)"
@@ -1372,9 +1391,9 @@ SECTIONS = {"env": section_env, "peak": section_peak, "gemm": section_gemm, "enc
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--merge"]:  # --merge A/results.json B/results.json ... --out DIR
-        if "--out" not in argv or argv.index("--out") < 3 or len(argv) != argv.index("--out") + 2:
-            print("usage: run.py --merge RESULTS.json RESULTS.json ... --out DIR", file=sys.stderr)
+    if argv[:1] == ["--merge"]:  # --merge A/results.json [B/results.json ...] --out DIR (one: re-render)
+        if "--out" not in argv or argv.index("--out") < 2 or len(argv) != argv.index("--out") + 2:
+            print("usage: run.py --merge RESULTS.json [RESULTS.json ...] --out DIR", file=sys.stderr)
             return 2
         return merge_main(argv[1:argv.index("--out")], Path(argv[-1]))
     args = parse_args(argv)
