@@ -245,6 +245,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"# Accuracy: {meta['model']}, preset `{meta['preset']}`, seeds {', '.join(map(str, seeds))} "
         f"({meta['date']}, {meta['machine']})", "",
         "Dev metric ×100, mean ± std over seeds (% of the dense teacher in brackets).", "",
+        *([("Joined from " + "; ".join(f"seeds {', '.join(map(str, j['seeds_taken'])) or 'none'} of `{j['folder']}` "
+                                       f"({j['date']})" for j in meta["joined_from"])
+            + " (`--from-json`, repeated): each seed's rows and teacher come from one call."), ""]
+          if meta.get("joined_from") else []),
         "| task | metric | " + " | ".join(LABELS[k] for k in shown) + " |",
         "|" + " --- |" * (len(shown) + 2),
     ]
@@ -369,14 +373,39 @@ def write_report(rows: list[dict], meta: dict, results: Path) -> None:
     print(markdown(rows, meta))
 
 
-def rebuild(source: Path, results: Path) -> int:
-    """The tables of an accuracy.json summarized again from its per-seed run records."""
-    try:
-        old = json.loads(source.read_text())
-        rows = [summarize(r["task"], {int(seed): runs for seed, runs in r["per_seed"].items()}) for r in old["rows"]]
-        meta = old["meta"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        sys.exit(f"--from-json {source}: not an accuracy.json written by this script ({type(e).__name__}: {e})")
+def rebuild(sources: list[Path], results: Path) -> int:
+    """The tables of one or more accuracy.json files summarized again from their per-seed run records.
+
+    Several files (runs of the same preset made in separate calls, e.g. seeds 0-1 and then 2-3 on a GPU
+    lent for a few minutes at a time) are joined per task and seed. A seed that a later file holds
+    replaces that seed of an earlier file whole: each row of a seed is paired with the teacher of the
+    call that trained it, so rows of one seed are never mixed across calls."""
+    per_task: dict[str, dict[int, dict]] = {}
+    origin: dict[tuple[str, int], int] = {}  # (task, seed) -> the file it is taken from
+    metas = []
+    for source in sources:
+        try:
+            old = json.loads(source.read_text())
+            for r in old["rows"]:
+                for seed, runs in r["per_seed"].items():
+                    per_task.setdefault(r["task"], {})[int(seed)] = runs
+                    origin[(r["task"], int(seed))] = len(metas)
+            metas.append(old["meta"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            sys.exit(f"--from-json {source}: not an accuracy.json written by this script ({type(e).__name__}: {e})")
+    presets = {m.get("preset") for m in metas}
+    if len(presets) > 1:
+        sys.exit(f"--from-json: the files were made with different presets ({', '.join(map(str, sorted(presets)))}); "
+                 "join only runs of one preset")
+    meta = dict(metas[-1])
+    if len(sources) > 1:
+        meta["seeds"] = sorted({s for seeds in per_task.values() for s in seeds})
+        meta["date"] = ", ".join(dict.fromkeys(str(m.get("date")) for m in metas))
+        meta["machine_detail"] = list(dict.fromkeys(d for m in metas for d in m.get("machine_detail", [])))
+        meta["joined_from"] = [{"folder": src.resolve().parent.name, "date": m.get("date"),
+                                "seeds_taken": sorted({s for (_, s), j in origin.items() if j == i})}
+                               for i, (src, m) in enumerate(zip(sources, metas))]
+    rows = [summarize(task, dict(sorted(seeds.items()))) for task, seeds in per_task.items()]
     write_report(rows, meta, results)
     return 0
 
@@ -408,9 +437,10 @@ def main() -> int:
     ap.add_argument("--notes", default="")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=CHECKPOINT",
                     help="also list this ADMM 2:4 ∩ INT8 checkpoint (e.g. a tuning run) in the variants table")
-    ap.add_argument("--from-json", type=Path, metavar="ACCURACY_JSON",
+    ap.add_argument("--from-json", type=Path, action="append", metavar="ACCURACY_JSON",
                     help="rebuild the tables and plot from an accuracy.json written elsewhere (e.g. on a GPU "
-                         "machine whose runs are gone) into --results, without any run")
+                         "machine whose runs are gone) into --results, without any run; repeat it to join "
+                         "files of the same preset (a seed a later file holds replaces that seed whole)")
     args = ap.parse_args()
     if args.from_json:
         return rebuild(args.from_json, args.results)

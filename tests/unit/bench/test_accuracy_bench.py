@@ -116,6 +116,26 @@ def test_a_column_missing_a_seed_is_paired_with_its_own_teachers(bench, tmp_path
     again = json.loads((tmp_path / "out" / "accuracy.json").read_text())
     assert again["rows"][0]["columns"]["oneshot_act05_obs"]["kept"] == pytest.approx(cols["oneshot_act05_obs"]["kept"])
     assert (tmp_path / "out" / "accuracy.md").read_text() == md
+    # a later call's file (seeds 2 and 3, every column, its own seed-2 teacher) joins it: its seed 2
+    # replaces the first file's seed 2 whole, so no row is paired with another call's teacher
+    later = mod.summarize("stsb", {2: {"magnitude_ptq": _rec(0.87, 0.89), "oneshot_act05_obs": _rec(0.90, 0.89)},
+                                   3: {"magnitude_ptq": _rec(0.83, 0.84), "oneshot_act05_obs": _rec(0.85, 0.84)}})
+    (tmp_path / "later").mkdir()
+    src2 = tmp_path / "later" / "accuracy.json"
+    src2.write_text(json.dumps({"meta": {**meta, "date": "e"}, "rows": [later]}))
+    monkeypatch.setattr(sys, "argv", ["run.py", "--from-json", str(src), "--from-json", str(src2),
+                                      "--results", str(tmp_path / "joined")])
+    assert mod.main() == 0
+    joined = json.loads((tmp_path / "joined" / "accuracy.json").read_text())
+    row = joined["rows"][0]
+    assert row["seeds"] == [0, 1, 2, 3] and row["common_seeds"] == [0, 1, 2, 3]
+    assert row["per_seed"]["2"]["magnitude_ptq"]["value"] == pytest.approx(0.87)
+    assert row["columns"]["dense"]["mean"] == pytest.approx((0.80 + 0.82 + 0.89 + 0.84) / 4)
+    assert [j["seeds_taken"] for j in joined["meta"]["joined_from"]] == [[0, 1], [2, 3]]
+    assert "Joined from seeds 0, 1 of" in (tmp_path / "joined" / "accuracy.md").read_text()
+    src2.write_text(json.dumps({"meta": {**meta, "preset": "quick"}, "rows": [later]}))
+    with pytest.raises(SystemExit, match="different presets"):
+        mod.main()
     src.write_text("{}")
     monkeypatch.setattr(sys, "argv", ["run.py", "--from-json", str(src), "--results", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match="not an accuracy.json"):
