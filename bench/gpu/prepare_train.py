@@ -8,8 +8,9 @@ writes, git-ignored:
                                     (45 MiB instead of 90; `holoserve compress` loads them as float32)
     .carry-train/glue/<TASK>/       train.tsv and dev.tsv of each task
     .carry-train/carry.json         what is inside and how big
-    .whl/                           `datasets` and the few of its needs the GPU image lacks (it has
-                                    torch, transformers, tokenizers and safetensors)
+    .whl-train/                     `datasets` and the few of its needs the GPU image lacks (it has
+                                    torch, transformers, tokenizers and safetensors); apart from .whl/,
+                                    whose serving and torchao wheels a training call does not need
 
 and checks that the tree plus these folders fit the 64 MiB a GPU call carries. bench/gpu/README.md
 has the command to run there.
@@ -64,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default="sst2,mrpc,cola")
     ap.add_argument("--model", type=Path, help="base model folder (default: all-MiniLM-L6-v2 from its package)")
     ap.add_argument("--out", type=Path, default=ROOT / ".carry-train")
-    ap.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="wheel folder (default .whl, git-ignored)")
-    ap.add_argument("--wheel-script", help="script that downloads GPU wheels into .whl/ (default: pip download)")
+    ap.add_argument("--wheels", type=Path, default=ROOT / ".whl-train",
+                    help="wheel folder (default .whl-train, git-ignored; carry it with .carry-train)")
+    ap.add_argument("--wheel-script", help="script that downloads GPU wheels into --wheels (default: pip download)")
     ap.add_argument("--no-wheels", action="store_true", help="skip downloading wheels")
     args = ap.parse_args(argv)
     if not args.data_dir:
