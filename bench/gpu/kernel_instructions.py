@@ -11,6 +11,9 @@ result is divided by the elements each thread handles. Two variants are counted:
 - `plain division`: IEEE division per element, as in Triton's CPU interpreter.
 - `FMA division`: the compiled GPU path, for an ordinary scale (the all-ones-significand check off).
 
+`_table_quant` (the FFN activation by code table) divides nothing: one count, under both labels. Its
+issue time leaves out what its per-element gathers from the 64 KiB table cost in L1 throughput.
+
 With --sms and --clock-ghz it also gives each kernel's issue time per call at BERT-base batch 128,
 seq 128 (4 instructions per SM per clock, 32 threads each). With --bandwidth-tbs it gives the memory
 floor (the bytes the kernel must move), to set both beside a measured profile.
@@ -35,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 QUANT_SIG = {"x_ptr": "*fp16", "out_ptr": "*i8", "scale_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr",
              "FMA_DIV": "constexpr", "SCALE_CHECK": "constexpr"}
+TABLE_SIG = {"x_ptr": "*i16", "out_ptr": "*i8", "table_ptr": "*i8", "n": "i32", "BLOCK": "constexpr"}
 LN_SIG = {"x_ptr": "*fp16", "r_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "h_ptr": "*fp16", "q_ptr": "*i8",
           "scale_ptr": "*fp32", "H": "i32", "eps": "fp32", "HAS_RES": "constexpr", "HAS_Q": "constexpr",
           "BLOCK": "constexpr", "FMA_DIV": "constexpr", "SCALE_CHECK": "constexpr", "CHUNKS": "constexpr"}
@@ -128,6 +132,15 @@ def main() -> int:
             row[label] = {"instructions": n, "per_element": round(n / per, 1),
                           "predicted_us_per_call": round(elements * n / per / rate * 1e6, 1)}
         rows.append(row)
+    if "table_kernel" in K._TRITON:  # the FFN activation by code table: no division, one gather per element
+        n = count(K._TRITON["table_kernel"], TABLE_SIG, {"BLOCK": K.QUANT_BLOCK}, args.arch)
+        elements = args.tokens * args.intermediate
+        same = {"instructions": n, "per_element": round(n / per_thread, 1),
+                "predicted_us_per_call": round(elements * n / per_thread / rate * 1e6, 1)}
+        rows.append({"kernel": "_table_quant", "elements_per_thread": per_thread, "num_warps": 4,
+                     "memory_floor_us": round(3 * elements / (args.bandwidth_tbs * 1e12) * 1e6, 1),
+                     "plain division": same, "FMA division": same,
+                     "note": "the issue time leaves out the gathers' L1 throughput (64 KiB table), which may bound it"})
     print(json.dumps({"arch": args.arch, "tokens": args.tokens, "rows": rows}, indent=1))
     print(f"\n| kernel (sm{args.arch}) | plain division: instr/element | FMA division: instr/element | "
           f"issue time µs per call, {args.tokens} tokens ({args.sms} SMs at {args.clock_ghz} GHz): plain → FMA | "

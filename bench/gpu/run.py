@@ -627,7 +627,8 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
         m = _hf_model(config, dense_state, dt, dev)
         return lambda inp: m(**inp).logits
 
-    def ours(kernel, state, sparse=True, quantizer=quantizer, alg_search=False, fuse=True, dtype=None):
+    def ours(kernel, state, sparse=True, quantizer=quantizer, alg_search=False, fuse=True, dtype=None,
+             tables=False):
         def build(dt=dtype or dt):
             dense = kernel == "dense"  # the FP16 baseline keeps the state's own (dense) weights
             enc = tc.build_encoder(config, state, weight_scales=None if dense else quant["scales"],
@@ -636,6 +637,8 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
                                    device=dev, epilogue=epilogue32 if dt == torch.float32 and not run.smoke else epilogue,
                                    quantizer=quantizer, alg_search=alg_search,
                                    gelu_quant=gelu_fused and fuse, ln_quant=ln_fused and fuse)
+            if tables:
+                enc.use_code_tables()
             return lambda inp: enc(**inp)
         return build
 
@@ -673,6 +676,10 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
         if quantizer == "triton":  # the FMA division in the quantizer kernels, A/B
             v.append(("2:4 INT8 + CUDA graphs (ours, plain division in the quantizers)",
                       plain_division(ours("cslt", sparse_state)), True, False))
+            # the FFN activation + quantize as one gather from a table of every FP16 value's code, A/B with
+            # the erf kernel (eager too, so that the profile section times its kernel)
+            v += [(f"2:4 INT8{mode} (ours, FFN activation by code table)", ours("cslt", sparse_state, tables=True),
+                   graphs, False) for mode, graphs in ((" eager", False), (" + CUDA graphs", True))]
         if quantizer != "torch":  # evidence for what the fused quantizer buys
             v.append(("2:4 INT8 + CUDA graphs (ours, unfused torch-op quantizer)",
                       ours("cslt", sparse_state, quantizer="torch"), True, False))
@@ -791,8 +798,9 @@ PROFILE_CATEGORIES = (
     ("2:4 GEMM (cuSPARSELt)", ("sparse", "cusparselt", "cslt")),
     ("attention", ("flash", "fmha", "attention", "softmax", "sdpa", "bmm", "baddbmm")),
     ("dense GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "addmm", "aten::mm", "matmul", "linear", "int_mm")),
-    # our Triton kernels are named for what they fuse (_gelu_quant, _add_ln_quant, _quant)
-    ("GELU (+ quantize, fused)", ("gelu",)),
+    # our Triton kernels are named for what they fuse (_gelu_quant, _add_ln_quant, _quant); _table_quant is
+    # the FFN activation + quantize by code table (Encoder.use_code_tables), GELU's place in the forward
+    ("GELU (+ quantize, fused)", ("gelu", "_table_quant")),
     ("LayerNorm (+ residual add, quantize, fused)", ("layer_norm", "layernorm", "add_ln")),
     ("activation quantizer", ("_quant", "triton", "quantize", "round", "clamp")),
 )

@@ -30,13 +30,17 @@ def test_gpu_triton_quantizer_matches_torch_ops():
 @pytest.mark.parametrize("scale", [0.05, 0.0123, 3.0 / 127, float(np.nextafter(np.float32(0.0625), np.float32(0)))])
 def test_gpu_triton_codes_for_every_fp16_value(scale):
     """The compiled kernels (division through an FMA step, plain division for an all-ones significand) give
-    the torch ops' codes for every finite FP16 input, exactly, also from FP32 inputs and after LayerNorm."""
+    the torch ops' codes for every finite FP16 input, exactly, also from FP32 inputs, after LayerNorm and
+    through a GELU code table."""
     tc.require_cuda()
     x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
     x = x[torch.isfinite(x)]
     x = x[: (x.numel() // 64) * 64].reshape(-1, 64).cuda()
     s = torch.tensor(scale, device="cuda")
     assert torch.equal(tc.quantize_activation_triton(x, s), tc.quantize_activation(x, s))
+    # the FFN activation by table: the torch reference's codes of GELU for every FP16 value, exactly
+    table = tc.activation_code_table(torch.nn.functional.gelu, s, "cuda")
+    assert torch.equal(tc.quantize_by_table(x, table), tc.quantize_activation(torch.nn.functional.gelu(x.float()), s))
     x32 = torch.randn(4096, 256, device="cuda") * 4
     assert torch.equal(tc.quantize_activation_triton(x32, s), tc.quantize_activation(x32, s))
     h, hq = tc.add_layer_norm_quant(x[:512], None, torch.ones(64, device="cuda").half(),

@@ -39,7 +39,7 @@ from .encoder import (
     make_linear,
 )
 from .graphs import GraphRunner
-from .kernels import QUANT_BLOCK, add_layer_norm_quant, quantize_activation_triton
+from .kernels import QUANT_BLOCK, activation_code_table, add_layer_norm_quant, quantize_activation_triton, quantize_by_table
 from .layers import (
     CSLT_DENSE_MULTIPLE,
     CSLT_SPARSE_MULTIPLE,
@@ -59,5 +59,6 @@ __all__ = [
     "BertShape", "DenseLinear", "Encoder", "Epilogue", "GraphRunner", "QuantLinear", "TorchCudaBackend",
     "add_layer_norm_quant", "build_encoder", "checkpoint_tensors", "choose_epilogue", "choose_quantizer",
     "cuda_report", "dequantize", "encoder_from_artifact", "int8_linear_codes", "int8_linear_reference", "load",
-    "make_linear", "pad_rows", "quantize_activation", "quantize_activation_triton", "require_cuda", "weight_codes",
+    "make_linear", "pad_rows", "quantize_activation", "quantize_activation_triton", "quantize_by_table", "require_cuda",
+    "weight_codes", "activation_code_table",
 ]

@@ -23,7 +23,7 @@ from holoserve.core.artifact import Artifact, act_key
 from holoserve.core.numerics import ACT_SCALE_DIV
 
 from ._torch import F, Module, torch, torch_or_raise
-from .kernels import add_layer_norm_quant, quantize_activation_triton
+from .kernels import activation_code_table, add_layer_norm_quant, quantize_activation_triton, quantize_by_table
 from .layers import DenseLinear, Epilogue, QuantLinear
 from .numerics import weight_codes
 
@@ -83,6 +83,7 @@ class Encoder(Module):  # type: ignore[misc]
         self.dtype = dtype
         self.act = _act(shape.act)
         self.gelu_quant = False  # fused GELU + quantize before the FFN's second GEMM (Triton quantizer only)
+        self.code_tables = False  # ... done as a lookup of each FP16 value's code instead (use_code_tables)
         self.ln_quant = False  # residual add + LayerNorm + next quantizer fused (Triton; see _forward_fused)
         p = prefix
 
@@ -106,6 +107,32 @@ class Encoder(Module):  # type: ignore[misc]
                              (t(f"{lp}output.LayerNorm.weight"), t(f"{lp}output.LayerNorm.bias"))))
         self.pooler = (t(f"{p}pooler.dense.weight"), t(f"{p}pooler.dense.bias")) if f"{p}pooler.dense.weight" in state else None
         self.classifier = (t("classifier.weight"), t("classifier.bias"))
+
+    def use_code_tables(self, on: bool = True) -> None:
+        """Quantize the FFN activation (GELU or any other) for the second GEMM by a table of the code of
+        every FP16 value, built here once per layer with the torch reference (kernels.activation_code_table:
+        64 KiB each), instead of the fused erf kernel. The codes are the reference's exactly; whether the
+        gather is faster than the erf is the GPU's to tell (bench/gpu/run.py times both). FP16 and the
+        Triton quantizer only; `on=False` goes back to the fused kernel."""
+        if on and (self.dtype != torch.float16 or not all(
+                isinstance(b["ffn_out"], QuantLinear) and b["ffn_out"].quantizer == "triton" for b in self.layers)):
+            raise ValueError("code tables need an FP16 encoder whose FFN output Linears use the Triton quantizer")
+        for block in self.layers:
+            lin = block["ffn_out"]
+            if on and getattr(lin, "code_table", None) is None:
+                lin.register_buffer("code_table", activation_code_table(self.act, lin.act_scale, lin.act_scale.device))
+        if on and not self.code_tables:
+            self._gelu_quant_without_tables = self.gelu_quant
+            self.gelu_quant = True  # the activation is fused into the quantizer, whatever it is
+        elif not on and self.code_tables:
+            self.gelu_quant = self._gelu_quant_without_tables
+        self.code_tables = bool(on)
+
+    def _ffn_codes(self, ffn_out, inter, rows: int):
+        """The FFN's second GEMM's input codes from its first GEMM's FP16 output, activation fused."""
+        if self.code_tables:
+            return quantize_by_table(inter, ffn_out.code_table, rows=rows)
+        return quantize_activation_triton(inter, ffn_out.act_scale, rows=rows, gelu=True)
 
     def _fusable(self) -> bool:
         def tq(mod):
@@ -134,7 +161,7 @@ class Encoder(Module):  # type: ignore[misc]
             ffn_out = block["ffn_out"]
             if self.gelu_quant and isinstance(ffn_out, QuantLinear) and ffn_out.quantizer == "triton":
                 y = block["ffn_in"](h).reshape(b * n, -1)
-                xq = quantize_activation_triton(y, ffn_out.act_scale, rows=ffn_out.padded_rows(b * n), gelu=True)
+                xq = self._ffn_codes(ffn_out, y, ffn_out.padded_rows(b * n))
                 out = ffn_out.from_codes(xq, b * n).reshape(b, n, -1)
             else:
                 out = ffn_out(self.act(block["ffn_in"](h)))
@@ -165,7 +192,7 @@ class Encoder(Module):  # type: ignore[misc]
             h, hq = add_layer_norm_quant(y, h, *ln1, s.eps, scale=ffn_in.act_scale, rows=ffn_in.padded_rows(t))
             inter = ffn_in.from_codes(hq, t)
             if self.gelu_quant:
-                xq = quantize_activation_triton(inter, ffn_out.act_scale, rows=ffn_out.padded_rows(t), gelu=True)
+                xq = self._ffn_codes(ffn_out, inter, ffn_out.padded_rows(t))
             else:
                 xq = quantize_activation_triton(self.act(inter), ffn_out.act_scale, rows=ffn_out.padded_rows(t))
             y = ffn_out.from_codes(xq, t)

@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from ._torch import torch
+from .numerics import quantize_activation
 
 _TRITON: dict[str, Any] = {}
 QUANT_BLOCK = 2048
@@ -142,8 +143,18 @@ def _triton_quant_kernel():
                 _ln_store(xc2, rstd, w_ptr, b_ptr, h_ptr, q_ptr, scale_ptr, base, 2 * BLOCK, cols, m, HAS_Q, FMA_DIV,
                           SCALE_CHECK)
 
+        @triton.jit
+        def _table_quant(x_ptr, out_ptr, table_ptr, n, BLOCK: tl.constexpr):
+            # codes by lookup: x is FP16 read as its 16 bits (int16), the table holds the code of every
+            # FP16 value (activation_code_table): one gather per element instead of erf and a division
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            bits = tl.load(x_ptr + offs, mask=m, other=0).to(tl.int32) & 0xFFFF
+            tl.store(out_ptr + offs, tl.load(table_ptr + bits, mask=m, other=0), mask=m)
+
         _TRITON["kernel"] = _quant
         _TRITON["gelu_kernel"] = _gelu_quant
+        _TRITON["table_kernel"] = _table_quant
         _TRITON["ln_kernel"] = _add_ln_quant
         _TRITON["next_pow2"] = triton.next_power_of_2
         _TRITON["cdiv"] = triton.cdiv
@@ -162,21 +173,45 @@ def fma_div() -> bool:
     return FMA_DIVISION and not _INTERPRETED
 
 
-def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: int | None = None,
-                               gelu: bool = False) -> "torch.Tensor":
-    """quantize_activation (of GELU(x) with gelu=True) as one Triton kernel; `rows` >= x.shape[0]
-    pads the result with zero rows."""
+def _codes_out(x: "torch.Tensor", rows: int | None) -> tuple["torch.Tensor", "torch.Tensor", int]:
+    """(x contiguous, an int8 [rows, k] output whose rows past x's are zero, x's element count)."""
     if _triton_quant_kernel() is None:
         raise RuntimeError(f"triton is unavailable: {_TRITON.get('error')}")
-    kernel = _TRITON["gelu_kernel" if gelu else "kernel"]
     x = x.contiguous()
     m, k = x.shape
     rows = rows or m
     out = torch.empty((rows, k), dtype=torch.int8, device=x.device)
     if rows > m:
         out[m:].zero_()
-    n = m * k
+    return x, out, m * k
+
+
+def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: int | None = None,
+                               gelu: bool = False) -> "torch.Tensor":
+    """quantize_activation (of GELU(x) with gelu=True) as one Triton kernel; `rows` >= x.shape[0]
+    pads the result with zero rows."""
+    x, out, n = _codes_out(x, rows)
+    kernel = _TRITON["gelu_kernel" if gelu else "kernel"]
     kernel[(_TRITON["cdiv"](n, QUANT_BLOCK),)](x, out, scale.reshape(1), n, BLOCK=QUANT_BLOCK, FMA_DIV=fma_div())
+    return out
+
+
+def activation_code_table(act, scale: "torch.Tensor", device) -> "torch.Tensor":
+    """The int8 code of act(x) for each of the 65,536 FP16 bit patterns x, indexed by the pattern (64 KiB):
+    quantize_activation(act(x in float32)), the torch reference of the fused GELU kernel, exactly. A NaN
+    activation gets code 0 (a NaN input; torch's GELU of +-inf is NaN too); ReLU(+inf) saturates to 127."""
+    every = torch.arange(65536, dtype=torch.int32, device=device).to(torch.int16).view(torch.float16)
+    return quantize_activation(act(every.float()).nan_to_num(nan=0.0), scale.to(device)).contiguous()
+
+
+def quantize_by_table(x: "torch.Tensor", table: "torch.Tensor", rows: int | None = None) -> "torch.Tensor":
+    """table[bits of each FP16 element of x] as one Triton kernel (x FP16 [m, k], table from
+    activation_code_table); `rows` >= m pads the result with zero rows."""
+    if x.dtype != torch.float16 or table.dtype != torch.int8 or table.numel() != 65536:
+        raise ValueError(f"quantize_by_table needs FP16 input and a 65,536-entry int8 table, got {x.dtype} and "
+                         f"{table.dtype}[{table.numel()}]")
+    x, out, n = _codes_out(x, rows)
+    _TRITON["table_kernel"][(_TRITON["cdiv"](n, QUANT_BLOCK),)](x.view(torch.int16), out, table, n, BLOCK=QUANT_BLOCK)
     return out
 
 

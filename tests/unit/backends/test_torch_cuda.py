@@ -96,6 +96,33 @@ with torch.no_grad():
     c, d = plain16(**batch), fused16(**batch)
 assert torch.allclose(c, d, atol=3e-2), (c - d).abs().max()
 assert torch.allclose(a, d, atol=5e-2), (a - d).abs().max()
+# the FFN activation by a table of every FP16 value's code: the torch reference's codes exactly
+tab = tc.activation_code_table(torch.nn.functional.gelu, s, "cpu")
+every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+fin = every[torch.isfinite(every)]
+fin = fin[: (fin.numel() // 64) * 64].reshape(-1, 64)
+got_t = tc.quantize_by_table(fin, tab, rows=fin.shape[0] + 3)
+assert torch.equal(got_t[: fin.shape[0]], tc.quantize_activation(torch.nn.functional.gelu(fin.float()), s))
+assert not got_t[fin.shape[0]:].any()
+special = torch.tensor([[float("nan"), float("inf"), -float("inf"), -0.0]]).half()
+assert torch.equal(tc.quantize_by_table(special, tab),  # torch's GELU, a NaN activation as code 0
+                   tc.quantize_activation(torch.nn.functional.gelu(special.float()).nan_to_num(nan=0.0), s))
+assert tc.quantize_by_table(special, relu_tab := tc.activation_code_table(torch.nn.functional.relu, s, "cpu")
+                            ).tolist() == [[0, 127, 0, 0]]
+assert torch.equal(tc.quantize_by_table(fin, relu_tab), tc.quantize_activation(fin.float().clamp_min(0), s))
+tables16 = tc.build_encoder(cfg.to_dict(), state, quantizer="triton", gelu_quant=True, ln_quant=True, **kw)
+tables16.use_code_tables()
+assert tables16.code_tables and tables16.layers[0]["ffn_out"].code_table.shape == (65536,)
+with torch.no_grad():
+    e = tables16(**batch)
+assert torch.allclose(d, e, atol=3e-2), (d - e).abs().max()
+tables16.use_code_tables(False)
+assert tables16.gelu_quant and not tables16.code_tables
+try:
+    tc.build_encoder(cfg.to_dict(), state, **{**kw, "dtype": torch.float32}).use_code_tables()
+    raise AssertionError("an FP32 encoder took code tables")
+except ValueError as err:
+    assert "FP16" in str(err)
 h, hq = tc.add_layer_norm_quant(gx, gx, torch.ones(48).half(), torch.zeros(48).half(), 1e-12, scale=s, rows=70)
 ref_h = torch.nn.functional.layer_norm(gx + gx, (48,), torch.ones(48).half(), torch.zeros(48).half(), 1e-12)
 assert (h.float() - ref_h.float()).abs().max() < 1e-2 and hq.shape == (70, 48) and not hq[64:].any()

@@ -236,11 +236,15 @@ def test_kernel_instructions_counts_the_compiled_kernels(capsys, monkeypatch):
     assert mod.main() == 0
     out = capsys.readouterr().out
     rows = json.loads(out[: out.index("\n|")])["rows"]
-    assert [r["kernel"] for r in rows] == ["_quant", "_gelu_quant", "_add_ln_quant"]
-    for r in rows:
+    assert [r["kernel"] for r in rows] == ["_quant", "_gelu_quant", "_add_ln_quant", "_table_quant"]
+    for r in rows[:3]:
         plain, fma = r["plain division"], r["FMA division"]
         assert 5 < fma["per_element"] < plain["per_element"] < 200, r
         assert fma["predicted_us_per_call"] < plain["predicted_us_per_call"]
+    table, gelu = rows[3], rows[1]  # the code table divides nothing and skips the erf: far fewer than GELU's
+    assert table["plain division"] == table["FMA division"]
+    assert 1 < table["FMA division"]["per_element"] < gelu["FMA division"]["per_element"] / 3
+    assert table["memory_floor_us"] == gelu["memory_floor_us"]
 
 
 def test_plain_division_variant_switches_the_kernels_only_while_it_runs():
