@@ -114,3 +114,11 @@ def test_gpu_backend_matches_fake_quant_and_graphs(tmp_path):
         want = model(**batch).logits.numpy()
     got = accurate.infer(*(batch[k].numpy() for k in ("input_ids", "attention_mask", "token_type_ids")))
     assert np.abs(got - want).max() < 1e-2 * max(1.0, np.abs(want).max())
+    # the FFN activation by code table (the default only where no fused kernel exists; this model's GELU has one)
+    assert info["activation_table"] == "off"
+    tabled = load_backend("torch-cuda", load_artifact(art.path), activation_table="on")
+    assert tabled.info()["activation_table"] == "on" and tabled.info()["quantizer_probe"]["table_fused"]
+    for batch in _batches(vocab, n=2, b=5, s=20, seed=5):
+        feed = [batch[k].numpy() for k in ("input_ids", "attention_mask", "token_type_ids")]
+        a, b = backend.infer(*feed), tabled.infer(*feed)
+        assert np.abs(a - b).max() < 2e-2 * max(1.0, np.abs(a).max())

@@ -11,8 +11,9 @@ with the constants and weight codes of holoserve.core.numerics. The per-output-c
 cuSPARSELt's alpha vector, so the dequantization (and, where the library takes it, the bias)
 happens in the GEMM epilogue and the result comes out in FP16. Everything else (embeddings,
 LayerNorm, attention, GELU, pooler, classifier) runs in FP16. The activation quantizers are small
-Triton kernels fused with what precedes them (residual add + LayerNorm, GELU); each fused kernel is
-compared with the plain torch ops on the device at load time and used only if it agrees. One CUDA
+Triton kernels fused with what precedes them (residual add + LayerNorm, GELU; or any FFN activation
+by a table of each FP16 value's code, `activation_table`); each fused kernel is compared with the plain
+torch ops on the device at load time and used only if it agrees. One CUDA
 graph is captured per (batch, sequence) bucket, so a request costs a few launches. The same code
 runs an exact CPU reference of the quantized math (`kernel="reference"`), which the tests compare
 with the checkpoint's fake-quant model on machines without a GPU.

@@ -26,6 +26,7 @@ NAME = "torch-cuda"
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_SEQ_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512)
 PRECISIONS = ("fp16", "fp32")
+ACTIVATION_TABLE = ("auto", "on", "off")
 
 
 @dataclass
@@ -82,7 +83,7 @@ ALG_SEARCH_MAX_TOKENS = 2048
 def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kernel: str = "cslt",
          batch_buckets: Iterable[int] = DEFAULT_BATCH_BUCKETS, seq_buckets: Iterable[int] | None = None,
          max_batch: int | None = None, quantizer: str = "auto", alg_search: bool | int = ALG_SEARCH_MAX_TOKENS,
-         precision: str = "fp16", **_ignored: Any) -> TorchCudaBackend:
+         precision: str = "fp16", activation_table: str = "auto", **_ignored: Any) -> TorchCudaBackend:
     """Load a checkpoint for 2:4 INT8 inference on the GPU (raises BackendUnavailable off-GPU).
 
     alg_search: where cuSPARSELt's own algorithm search picks each GEMM's algorithm (once per token
@@ -93,9 +94,17 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
     precision="fp32": the GEMMs write INT32 and everything else runs in FP32 with the torch ops,
     for numerics closest to the checkpoint's fake-quant model (a quantized network turns 1-ulp
     differences into whole-step code changes, so FP16 rounding alone moves some logits), slower.
+
+    activation_table: how the FFN activation meets the next GEMM's quantizer in FP16 (Encoder.use_code_tables).
+    "on": a lookup of each FP16 value's code, for any activation; "off": the fused erf kernel for exact GELU,
+    the torch ops then the quantizer otherwise; "auto" (default): the table where no fused kernel
+    exists (ReLU, tanh GELU: one kernel that moves 3 bytes per element instead of two that move 7), the
+    erf kernel for exact GELU, which is measured; the table for GELU waits for its measurement.
     """
     if precision not in PRECISIONS:
         raise HoloServeError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+    if activation_table not in ACTIVATION_TABLE:
+        raise HoloServeError(f"activation_table must be one of {ACTIVATION_TABLE}, not {activation_table!r}")
     rep = require_cuda()
     if not artifact.quantized or not artifact.activation_amax():
         raise BackendUnavailable(
@@ -115,6 +124,17 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
                                   device=device, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search,
                                   gelu_quant=fp16 and bool(quant_probe.get("gelu_fused")),
                                   ln_quant=fp16 and bool(quant_probe.get("ln_fused")))
+    table_note = "off"
+    wants_table = activation_table == "on" or (activation_table == "auto" and model.shape.act != "gelu")
+    if fp16 and quantizer == "triton" and wants_table:
+        if quant_probe.get("table_fused"):
+            try:
+                model.use_code_tables()
+                table_note = "on"
+            except ValueError as e:
+                table_note = f"off: {e}"
+        else:
+            table_note = "off: the table kernel did not give the reference's codes on this device (see quantizer_probe)"
     limit = artifact.max_seq_length
     seqs = sorted({s for s in (seq_buckets or DEFAULT_SEQ_BUCKETS) if s < limit} | {int(math.ceil(limit / 16) * 16)})
     bb = [b for b in batch_buckets if max_batch is None or b <= max_batch] or [1]
@@ -125,5 +145,6 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
             kinds[mod.kernel] = kinds.get(mod.kernel, 0) + 1
     extra = {"device": rep, "kernel": kernel, "precision": precision, "epilogue": epilogue.name if epilogue else None,
              "epilogue_probe": tried, "alg_search": alg_search, "quantizer": quantizer, "gelu_quant_fused": model.gelu_quant,
+             "activation_table": table_note,
              "ln_quant_fused": model.ln_quant, "quantizer_probe": quant_probe, "gemm_kernels": kinds, "load_seconds": round(time.perf_counter() - t0, 2)}
     return TorchCudaBackend(artifact, runner, extra)

@@ -13,7 +13,7 @@ from holoserve.backends.base import BackendUnavailable
 from holoserve.core.numerics import ACT_SCALE_DIV, WEIGHT_QMAX
 
 from ._torch import F, torch, torch_or_raise
-from .kernels import add_layer_norm_quant, quantize_activation_triton
+from .kernels import activation_code_table, add_layer_norm_quant, quantize_activation_triton, quantize_by_table
 from .layers import EPILOGUES, Epilogue, QuantLinear
 from .numerics import int8_linear_reference, quantize_activation
 
@@ -118,6 +118,14 @@ def choose_quantizer(device="cuda") -> tuple[str, dict[str, Any]]:
     except Exception as e:  # noqa: BLE001
         probe["gelu_fused"] = False
         probe["gelu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    # the FFN activation by code table: a gather, so the reference's codes exactly or not at all
+    try:
+        table = activation_code_table(F.gelu, s.to(device), device)
+        probe["table_mismatches"] = int((quantize_by_table(x, table) != want_g).sum())
+        probe["table_fused"] = probe["table_mismatches"] == 0
+    except Exception as e:  # noqa: BLE001
+        probe["table_fused"] = False
+        probe["table_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     # residual add + LayerNorm + quantize: FP16 output within a few FP16 ulps, codes within +-1, rarely
     try:
         hdim = 384

@@ -57,7 +57,7 @@ assert got.dtype == torch.int8 and got.shape == (x.shape[0] + 7, 40)
 assert torch.equal(got[: x.shape[0]], want), int((got[: x.shape[0]] != want).sum())
 assert not got[x.shape[0]:].any()
 q, probe = tc.choose_quantizer("cpu")
-assert q == "triton" and probe["gelu_fused"] and probe["ln_fused"], probe
+assert q == "triton" and probe["gelu_fused"] and probe["ln_fused"] and probe["table_fused"], probe
 # GELU + quantize in one kernel vs GELU then quantize
 gx = torch.randn(64, 48, generator=g).half() * 2
 want_g = tc.quantize_activation(torch.nn.functional.gelu(gx.float()), s)
