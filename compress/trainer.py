@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,83 @@ def lr_at(cfg: PhaseConfig, step: int) -> float:
     if step < warm:
         return cfg.lr * (step + 1) / warm
     return cfg.lr * max(0.0, (cfg.steps - step) / max(1, cfg.steps - warm))
+
+
+PROFILE_STEPS_ENV = "HOLOSERVE_TRAIN_PROFILE_STEPS"  # profile this many steps of every phase, after PROFILE_SKIP
+PROFILE_DIR_ENV = "HOLOSERVE_TRAIN_PROFILE_DIR"  # where each phase's profile goes (default: the working directory)
+PROFILE_SKIP = 5  # warm-up steps before the profiled ones (allocator, autotuning, lazy init)
+
+
+class StepProfiler:
+    """Where a training step's time goes, for the steps HOLOSERVE_TRAIN_PROFILE_STEPS names (off by default).
+
+    torch.profiler over those steps, CPU and (on a GPU) CUDA activity, written as `<phase>-profile.json`:
+    wall time per step, the kernels' own device time per step and how many kernels a step launches (on a
+    GPU: a step far longer than its kernels is bound by the host launching them), operator calls per step,
+    and the time of each labelled part of the step (teacher, student forward, backward, optimizer)."""
+
+    def __init__(self, name: str, device: torch.device, first_step: int, last_step: int):
+        self.name, self.device = name, device
+        n = int(os.environ.get(PROFILE_STEPS_ENV, "0") or 0)
+        self.start = first_step + PROFILE_SKIP
+        self.stop = min(self.start + n, last_step) if n > 0 else self.start
+        self.prof = None
+        self.t0 = 0.0
+
+    def step_begins(self, step: int) -> None:
+        if step == self.start and self.stop > self.start:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self._sync()
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+
+    def step_ends(self, step: int) -> None:
+        if self.prof is None or step + 1 != self.stop:
+            return
+        self._sync()
+        wall = time.perf_counter() - self.t0
+        self.prof.__exit__(None, None, None)
+        steps = self.stop - self.start
+        device_us = kernels = cpu_ops = 0
+        parts, top = {}, []
+        for e in self.prof.key_averages():
+            if str(getattr(e, "device_type", "")).endswith("CUDA"):
+                us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+                device_us += us
+                kernels += e.count
+                top.append((us, e.key, e.count))
+            elif e.key.startswith("step/"):
+                parts[e.key[len("step/"):]] = round(e.cpu_time_total / 1000 / steps, 3)
+            else:
+                cpu_ops += e.count if e.key.startswith("aten::") else 0
+        report = {"phase": self.name, "device": str(self.device), "steps": steps,
+                  "wall_ms_per_step": round(wall * 1000 / steps, 3),
+                  "host_ms_per_step_by_part": parts, "aten_ops_per_step": round(cpu_ops / steps, 1)}
+        if self.device.type == "cuda":
+            report.update({"kernel_ms_per_step": round(device_us / 1000 / steps, 3),
+                           "kernels_per_step": round(kernels / steps, 1),
+                           "top_kernels": [{"name": k[:120], "ms_per_step": round(us / 1000 / steps, 4),
+                                            "calls_per_step": round(c / steps, 1)} for us, k, c in sorted(top)[::-1][:12]]})
+        out = Path(os.environ.get(PROFILE_DIR_ENV) or ".") / f"{self.name}-profile.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        from holoserve.core.files import atomic_write_json
+
+        atomic_write_json(out, report)
+        log.info("[%s] profile of %d steps: %s ms per step (%s) -> %s", self.name, steps, report["wall_ms_per_step"],
+                 ", ".join(f"{k} {v}" for k, v in parts.items()), out)
+        self.prof = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _part(name: str):
+    """A labelled range of a training step, for StepProfiler (next to free when no profiler runs)."""
+    return torch.profiler.record_function(f"step/{name}")
 
 
 @dataclass
@@ -114,30 +193,38 @@ def train_phase(
     bar = tqdm(total=cfg.steps, initial=start, desc=name, disable=not (progress and procs.main), dynamic_ncols=True,
                leave=False)
     ctx = context() if context is not None else contextlib.nullcontext()
+    profiler = StepProfiler(name, device, start, cfg.steps)
     with ctx:
         for step in range(start, cfg.steps):
-            batch = to_device(procs.shard(next(stream)), device, non_blocking=True)
+            profiler.step_begins(step)
+            with _part("data"):
+                batch = to_device(procs.shard(next(stream)), device, non_blocking=True)
             for g in opt.param_groups:
                 g["lr"] = lr_at(cfg, step)
             inputs = {k: v for k, v in batch.items() if k != "labels"}
             t_out = None
             if teacher is not None:
-                with torch.no_grad():
+                with torch.no_grad(), _part("teacher"):
                     t_out = teacher(**inputs, output_hidden_states=want_hidden)
-            out = net(**inputs, output_hidden_states=want_hidden)
-            loss, parts = combined_loss(out, batch, t_out, distill or DistillConfig(enabled=False), regression)
-            penalty = admm.penalty_loss() if admm is not None else None
-            opt.zero_grad(set_to_none=True)
-            procs.backward(loss if penalty is None else loss + penalty)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            if admm is not None:
-                admm.penalty_step()
-                if (step + 1) % admm.cfg.interval == 0:
-                    admm.update()
-            if masks is not None:
-                reapply_masks(model, masks)
-            losses.append(float(loss.detach()))
+            with _part("student_forward"):
+                out = net(**inputs, output_hidden_states=want_hidden)
+                loss, parts = combined_loss(out, batch, t_out, distill or DistillConfig(enabled=False), regression)
+                penalty = admm.penalty_loss() if admm is not None else None
+            with _part("backward"):
+                opt.zero_grad(set_to_none=True)
+                procs.backward(loss if penalty is None else loss + penalty)
+            with _part("optimizer"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                if admm is not None:
+                    admm.penalty_step()
+                    if (step + 1) % admm.cfg.interval == 0:
+                        admm.update()
+                if masks is not None:
+                    reapply_masks(model, masks)
+            with _part("loss_to_host"):
+                losses.append(float(loss.detach()))
+            profiler.step_ends(step)
             post = {"loss": f"{sum(losses[-50:]) / len(losses[-50:]):.4f}"}
             if admm is not None:
                 post["rho"] = f"{admm.rho:.2g}"

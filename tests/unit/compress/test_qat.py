@@ -380,3 +380,36 @@ def test_task_loss_reads_only_the_labelled_rows():
     out = torch.randn(6, 1)
     ok = ~torch.isnan(scores)
     assert torch.allclose(task_loss(out, scores, True), torch.nn.functional.mse_loss(out[ok, 0], scores[ok]))
+
+
+def test_step_profile_says_where_a_qat_step_goes(setup, tmp_path, monkeypatch):
+    """HOLOSERVE_TRAIN_PROFILE_STEPS: the named steps after the warm-up are profiled and summarized per part
+    of the step; without it nothing is written."""
+    import json
+
+    from holoserve.compress import trainer
+
+    model_dir, data = setup
+    model, layers, masks = _projected(model_dir)
+    batches = [{k: v for k, v in b.items() if k != "labels"} for _, b in zip(range(2), train_batches(data, 16, 0))]
+    amax = calibrate_amax(model, layers, batches)
+    attach_masks(model, masks, quant=True)
+    teacher = AutoModelForSequenceClassification.from_pretrained(str(model_dir), local_files_only=True)
+    run = dict(preset=Preset(name="t", batch_size=16), seed=0, state_dir=None, masks=masks, teacher=teacher,
+               distill=trainer.DistillConfig(), context=lambda: input_quantizers(model, amax, layers), progress=False)
+    monkeypatch.chdir(tmp_path)
+    trainer.train_phase("qat", model, PhaseConfig(steps=8, lr=1e-4), data, **run)
+    assert not list(tmp_path.glob("*.json"))  # off by default
+    monkeypatch.setenv(trainer.PROFILE_STEPS_ENV, "3")
+    monkeypatch.setenv(trainer.PROFILE_DIR_ENV, str(tmp_path / "prof"))
+    trainer.train_phase("qat", model, PhaseConfig(steps=trainer.PROFILE_SKIP + 4, lr=1e-4), data, **run)
+    r = json.loads((tmp_path / "prof" / "qat-profile.json").read_text())
+    assert r["phase"] == "qat" and r["steps"] == 3 and r["device"] == "cpu" and r["wall_ms_per_step"] > 0
+    parts = r["host_ms_per_step_by_part"]
+    assert set(parts) == {"data", "teacher", "student_forward", "backward", "optimizer", "loss_to_host"}
+    assert sum(parts.values()) <= r["wall_ms_per_step"] * 1.05 and parts["backward"] > 0
+    assert r["aten_ops_per_step"] > 100  # a QAT step of even a two-layer model is hundreds of operator calls
+    # a phase shorter than the warm-up profiles nothing
+    (tmp_path / "prof" / "qat-profile.json").unlink()
+    trainer.train_phase("qat", model, PhaseConfig(steps=trainer.PROFILE_SKIP, lr=1e-4), data, **run)
+    assert not (tmp_path / "prof" / "qat-profile.json").exists()
