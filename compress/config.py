@@ -122,6 +122,12 @@ class Preset:
     # faster at batch 32 (2.5-5 % at batch 1 in a two-model A/B), for -0.11 points on SST-2 (quick, three seeds),
     # -1.59 MCC on CoLA (full, six seeds), -1.13 F1 on MRPC (full, three seeds) (docs/results/2026-11-26-relu-student.md).
     activation: str | None = None
+    # torch.compile the student's and the teacher's forward for training (dynamic shapes, so the length
+    # groups' many sequence lengths share one compiled graph). The same losses and gradients as eager up to
+    # float rounding (dropout draws its own random numbers). Off by default: compiling takes about a minute
+    # per phase on a 2-core CPU, where a step is bound by arithmetic; on a GPU a MiniLM step (51 ms on an
+    # H200) is probably bound by launching its thousands of operators, which compiling fuses. Not yet timed there.
+    compile: bool = False
     group_size: int = 50  # batches per length-sorted mega-batch (length grouping)
     save_every: int = 200  # steps between mid-phase state saves
     notes: str = ""

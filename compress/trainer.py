@@ -187,6 +187,15 @@ def train_phase(
         teacher.eval()
     model.train()
     net = procs.wrap(model)  # the DDP wrapper with several processes; the model itself with one
+    run_teacher = teacher
+    if preset.compile:
+        if procs.world > 1:
+            log.warning("[%s] compile=true is for one process; %d processes train eagerly", name, procs.world)
+        else:
+            net = torch.compile(net, dynamic=True)
+            run_teacher = torch.compile(teacher, dynamic=True) if teacher is not None else None
+            log.info("[%s] student%s compiled (torch.compile, dynamic shapes): the first steps compile", name,
+                     " and teacher" if teacher is not None else "")
     stream = train_batches(data, preset.batch_size, seed, preset.group_size, start_step=start)
     device = next(model.parameters()).device
     t0 = time.perf_counter() - elapsed
@@ -205,7 +214,7 @@ def train_phase(
             t_out = None
             if teacher is not None:
                 with torch.no_grad(), _part("teacher"):
-                    t_out = teacher(**inputs, output_hidden_states=want_hidden)
+                    t_out = run_teacher(**inputs, output_hidden_states=want_hidden)
             with _part("student_forward"):
                 out = net(**inputs, output_hidden_states=want_hidden)
                 loss, parts = combined_loss(out, batch, t_out, distill or DistillConfig(enabled=False), regression)

@@ -413,3 +413,32 @@ def test_step_profile_says_where_a_qat_step_goes(setup, tmp_path, monkeypatch):
     (tmp_path / "prof" / "qat-profile.json").unlink()
     trainer.train_phase("qat", model, PhaseConfig(steps=trainer.PROFILE_SKIP, lr=1e-4), data, **run)
     assert not (tmp_path / "prof" / "qat-profile.json").exists()
+
+
+def test_compiled_qat_trains_as_eager(setup):
+    """preset.compile: the QAT student (masked fake-quant weights, input quantizer hooks) and the teacher run
+    through torch.compile with dynamic shapes, and train to the same weights as eager (no dropout here, so the
+    two runs draw the same numbers); the mask holds."""
+    from holoserve.compress import trainer
+
+    model_dir, data = setup
+    runs = []
+    for compile_ in (False, True):
+        model, layers, masks = _projected(model_dir)
+        for mod in model.modules():  # dropout off: compiled and eager dropout draw different numbers
+            if isinstance(mod, torch.nn.Dropout):
+                mod.p = 0.0
+        batches = [{k: v for k, v in b.items() if k != "labels"} for _, b in zip(range(2), train_batches(data, 16, 0))]
+        amax = calibrate_amax(model, layers, batches)
+        attach_masks(model, masks, quant=True)
+        teacher = AutoModelForSequenceClassification.from_pretrained(str(model_dir), local_files_only=True)
+        res = trainer.train_phase("qat", model, PhaseConfig(steps=4, lr=1e-3), data,
+                                  Preset(name="t", batch_size=16, compile=compile_), 0, None, masks=masks,
+                                  teacher=teacher, distill=trainer.DistillConfig(),
+                                  context=lambda m=model, a=amax: input_quantizers(m, a, layers), progress=False)
+        assert res.loss is not None and res.loss == res.loss  # finite, not NaN
+        runs.append({n: get_linear(model, n).parametrizations.weight.original.detach().clone() for n in layers})
+        for n in layers:
+            assert (runs[-1][n][~masks[n]] == 0).all(), n
+    for n in runs[0]:
+        torch.testing.assert_close(runs[1][n], runs[0][n], rtol=1e-4, atol=1e-5)
