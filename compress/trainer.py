@@ -116,6 +116,22 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
 
 
+def _can_compile(device: torch.device) -> None:
+    """torch.compile needs a C++ compiler on the CPU and Triton on a GPU: say so before the first step fails
+    deep inside the compiler."""
+    import importlib.util
+    import shutil
+
+    from holoserve import HoloServeError
+
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise HoloServeError("--set compile=true on a GPU needs Triton (pip install triton, as PyTorch's CUDA "
+                             "wheels bring it), or train without compile=true")
+    if device.type == "cpu" and not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        raise HoloServeError("--set compile=true on the CPU needs a C++ compiler (e.g. apt-get install g++), "
+                             "or train without compile=true")
+
+
 def _part(name: str):
     """A labelled range of a training step, for StepProfiler (next to free when no profiler runs)."""
     return torch.profiler.record_function(f"step/{name}")
@@ -192,6 +208,7 @@ def train_phase(
         if procs.world > 1:
             log.warning("[%s] compile=true is for one process; %d processes train eagerly", name, procs.world)
         else:
+            _can_compile(next(model.parameters()).device)
             net = torch.compile(net, dynamic=True)
             run_teacher = torch.compile(teacher, dynamic=True) if teacher is not None else None
             log.info("[%s] student%s compiled (torch.compile, dynamic shapes): the first steps compile", name,

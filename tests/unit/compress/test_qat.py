@@ -442,3 +442,14 @@ def test_compiled_qat_trains_as_eager(setup):
             assert (runs[-1][n][~masks[n]] == 0).all(), n
     for n in runs[0]:
         torch.testing.assert_close(runs[1][n], runs[0][n], rtol=1e-4, atol=1e-5)
+
+
+def test_compile_without_a_compiler_says_what_to_install(monkeypatch):
+    import shutil
+
+    from holoserve import HoloServeError
+    from holoserve.compress import trainer
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(HoloServeError, match="needs a C\\+\\+ compiler"):
+        trainer._can_compile(torch.device("cpu"))
