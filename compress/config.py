@@ -124,9 +124,12 @@ class Preset:
     activation: str | None = None
     # torch.compile the student's and the teacher's forward for training (dynamic shapes, so the length
     # groups' many sequence lengths share one compiled graph). The same losses and gradients as eager up to
-    # float rounding (dropout draws its own random numbers). Off by default: compiling takes about a minute
-    # per phase on a 2-core CPU, where a step is bound by arithmetic; on a GPU a MiniLM step (51 ms on an
-    # H200) is probably bound by launching its thousands of operators, which compiling fuses. Not yet timed there.
+    # float rounding (dropout draws its own random numbers). Off by default: on a 2-core AMD EPYC the quick
+    # preset's QAT phase took 219 s with it against 154 s without (SST-2, seed 0, the quick start's teacher
+    # reused: `holoserve compress --task sst2 --preset quick --teacher runs/minilm-sst2.state/teacher
+    # [--set compile=true]`), compiling included; there a step is bound by arithmetic. On a GPU a MiniLM
+    # step (51 ms on an H200) is probably bound by launching its thousands of operators, which compiling
+    # fuses. Not yet timed there.
     compile: bool = False
     group_size: int = 50  # batches per length-sorted mega-batch (length grouping)
     save_every: int = 200  # steps between mid-phase state saves
