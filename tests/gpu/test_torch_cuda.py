@@ -122,3 +122,22 @@ def test_gpu_backend_matches_fake_quant_and_graphs(tmp_path):
         feed = [batch[k].numpy() for k in ("input_ids", "attention_mask", "token_type_ids")]
         a, b = backend.infer(*feed), tabled.infer(*feed)
         assert np.abs(a - b).max() < 2e-2 * max(1.0, np.abs(a).max())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_gpu_relu_checkpoint_takes_the_code_table_by_default(tmp_path):
+    """activation_table="auto": a ReLU FFN, which no fused kernel covers, is quantized by code table, and the
+    logits are the fake-quant model's as closely as the GELU model's are."""
+    tc.require_cuda()
+    model, layers, amax, art = calibrated_tiny_checkpoint(tmp_path, hidden=64, intermediate=128, max_seq_length=64,
+                                                          hidden_act="relu")
+    backend = load_backend("torch-cuda", load_artifact(art.path))
+    info = backend.info()
+    assert info["activation_table"] == "on" and info["gelu_quant_fused"], info
+    assert load_backend("torch-cuda", load_artifact(art.path), activation_table="off").info()["activation_table"] == "off"
+    for batch in _batches(model.config.vocab_size, n=2, b=5, s=20, seed=6):
+        with torch.no_grad(), input_quantizers(model, amax, layers):
+            want = model(**batch).logits.numpy()
+        got = backend.infer(*(batch[k].numpy() for k in ("input_ids", "attention_mask", "token_type_ids")))
+        assert np.abs(got - want).max() < 5e-2 * max(1.0, np.abs(want).max())
+

@@ -59,7 +59,8 @@ def random_batches(vocab: int, n: int = 3, b: int = 4, s: int = 12, seed: int = 
     return out
 
 
-def calibrated_tiny_checkpoint(root: Path, *, hidden: int, intermediate: int, max_seq_length: int):
+def calibrated_tiny_checkpoint(root: Path, *, hidden: int, intermediate: int, max_seq_length: int,
+                               hidden_act: str = "gelu"):
     """A tiny BERT projected onto 2:4 ∩ INT8, calibrated on random batches and saved as a checkpoint.
 
     Returns (model, encoder Linear names, activation ranges, artifact)."""
@@ -71,7 +72,8 @@ def calibrated_tiny_checkpoint(root: Path, *, hidden: int, intermediate: int, ma
     from holoserve.compress.sparsify import project_layers
     from holoserve.data.tasks import get_task
 
-    src = make_tiny_bert(root / "base", hidden=hidden, layers=2, heads=2, intermediate=intermediate)
+    src = make_tiny_bert(root / "base", hidden=hidden, layers=2, heads=2, intermediate=intermediate,
+                         hidden_act=hidden_act)
     model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
     layers = encoder_linear_names(model)
     scales = project_layers(model, layers)
