@@ -68,3 +68,16 @@ def test_the_script_times_every_rewrite_on_openvino(ov_export, tmp_path):
     assert "| kv_folded | 1 |" in (tmp_path / "gv.md").read_text()
     with pytest.raises(SystemExit, match="unknown"):
         gv.main([str(ov_export), "--variants", "nope", "--out", str(tmp_path)])
+
+
+def test_int8_gemm_rate_runs_each_shape_as_an_int8_gemm(tmp_path, monkeypatch):
+    pytest.importorskip("openvino")
+    rate = bench_module("cpu_latency", "int8_gemm_rate")
+    monkeypatch.setattr(rate, "SHAPES", (("small", 16, 64, 32), ("larger", 64, 128, 64)))
+    assert rate.main(["--seconds", "0.05", "--out", str(tmp_path), "--name", "g"]) == 0
+    r = json.loads((tmp_path / "g.json").read_text())
+    assert [x["shape"] for x in r["rows"]] == ["small", "larger"]
+    for x in r["rows"]:  # OpenVINO really ran the Q/DQ + MatMul as an 8-bit GEMM
+        assert set(x["gemm_precision"]) <= {"i8", "u8"} and x["gmacs_per_s"] > 0 and x["runs"] >= 5
+    assert max(x["share_of_best"] for x in r["rows"]) == 1.0
+    assert "| larger | 64 x 128 x 64 |" in (tmp_path / "g.md").read_text()
