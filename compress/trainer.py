@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -203,18 +202,18 @@ def train_phase(
         teacher.eval()
     model.train()
     net = procs.wrap(model)  # the DDP wrapper with several processes; the model itself with one
+    device = next(model.parameters()).device
     run_teacher = teacher
     if preset.compile:
         if procs.world > 1:
             log.warning("[%s] compile=true is for one process; %d processes train eagerly", name, procs.world)
         else:
-            _can_compile(next(model.parameters()).device)
+            _can_compile(device)
             net = torch.compile(net, dynamic=True)
             run_teacher = torch.compile(teacher, dynamic=True) if teacher is not None else None
             log.info("[%s] student%s compiled (torch.compile, dynamic shapes): the first steps compile", name,
                      " and teacher" if teacher is not None else "")
     stream = train_batches(data, preset.batch_size, seed, preset.group_size, start_step=start)
-    device = next(model.parameters()).device
     t0 = time.perf_counter() - elapsed
     bar = tqdm(total=cfg.steps, initial=start, desc=name, disable=not (progress and procs.main), dynamic_ncols=True,
                leave=False)

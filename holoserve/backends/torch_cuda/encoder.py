@@ -120,7 +120,7 @@ class Encoder(Module):  # type: ignore[misc]
         for block in self.layers:
             lin = block["ffn_out"]
             if on and getattr(lin, "code_table", None) is None:
-                lin.register_buffer("code_table", activation_code_table(self.act, lin.act_scale, lin.act_scale.device))
+                lin.register_buffer("code_table", activation_code_table(self.act, lin.act_scale))
         if on and not self.code_tables:
             self._gelu_quant_without_tables = self.gelu_quant
             self.gelu_quant = True  # the activation is fused into the quantizer, whatever it is

@@ -196,12 +196,13 @@ def quantize_activation_triton(x: "torch.Tensor", scale: "torch.Tensor", rows: i
     return out
 
 
-def activation_code_table(act, scale: "torch.Tensor", device) -> "torch.Tensor":
+def activation_code_table(act, scale: "torch.Tensor") -> "torch.Tensor":
     """The int8 code of act(x) for each of the 65,536 FP16 bit patterns x, indexed by the pattern (64 KiB):
     quantize_activation(act(x in float32)), the torch reference of the fused GELU kernel, exactly. A NaN
-    activation gets code 0 (a NaN input; torch's GELU of +-inf is NaN too); ReLU(+inf) saturates to 127."""
-    every = torch.arange(65536, dtype=torch.int32, device=device).to(torch.int16).view(torch.float16)
-    return quantize_activation(act(every.float()).nan_to_num(nan=0.0), scale.to(device)).contiguous()
+    activation gets code 0 (a NaN input; torch's GELU of +-inf is NaN too); ReLU(+inf) saturates to 127.
+    The table is built on the scale's device."""
+    every = torch.arange(65536, dtype=torch.int32, device=scale.device).to(torch.int16).view(torch.float16)
+    return quantize_activation(act(every.float()).nan_to_num(nan=0.0), scale).contiguous()
 
 
 def quantize_by_table(x: "torch.Tensor", table: "torch.Tensor", rows: int | None = None) -> "torch.Tensor":

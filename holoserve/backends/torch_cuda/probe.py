@@ -120,7 +120,7 @@ def choose_quantizer(device="cuda") -> tuple[str, dict[str, Any]]:
         probe["gelu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     # the FFN activation by code table: a gather, so the reference's codes exactly or not at all
     try:
-        table = activation_code_table(F.gelu, s.to(device), device)
+        table = activation_code_table(F.gelu, s.to(device))
         probe["table_mismatches"] = int((quantize_by_table(x, table) != want_g).sum())
         probe["table_fused"] = probe["table_mismatches"] == 0
     except Exception as e:  # noqa: BLE001

@@ -97,7 +97,7 @@ with torch.no_grad():
 assert torch.allclose(c, d, atol=3e-2), (c - d).abs().max()
 assert torch.allclose(a, d, atol=5e-2), (a - d).abs().max()
 # the FFN activation by a table of every FP16 value's code: the torch reference's codes exactly
-tab = tc.activation_code_table(torch.nn.functional.gelu, s, "cpu")
+tab = tc.activation_code_table(torch.nn.functional.gelu, s)
 every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
 fin = every[torch.isfinite(every)]
 fin = fin[: (fin.numel() // 64) * 64].reshape(-1, 64)
@@ -107,7 +107,7 @@ assert not got_t[fin.shape[0]:].any()
 special = torch.tensor([[float("nan"), float("inf"), -float("inf"), -0.0]]).half()
 assert torch.equal(tc.quantize_by_table(special, tab),  # torch's GELU, a NaN activation as code 0
                    tc.quantize_activation(torch.nn.functional.gelu(special.float()).nan_to_num(nan=0.0), s))
-assert tc.quantize_by_table(special, relu_tab := tc.activation_code_table(torch.nn.functional.relu, s, "cpu")
+assert tc.quantize_by_table(special, relu_tab := tc.activation_code_table(torch.nn.functional.relu, s)
                             ).tolist() == [[0, 127, 0, 0]]
 assert torch.equal(tc.quantize_by_table(fin, relu_tab), tc.quantize_activation(fin.float().clamp_min(0), s))
 tables16 = tc.build_encoder(cfg.to_dict(), state, quantizer="triton", gelu_quant=True, ln_quant=True, **kw)
