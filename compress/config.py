@@ -122,6 +122,11 @@ class Preset:
     # faster at batch 32 (2.5-5 % at batch 1 in a two-model A/B), for -0.11 points on SST-2 (quick, three seeds),
     # -1.59 MCC on CoLA (full, six seeds), -1.13 F1 on MRPC (full, three seeds) (docs/results/2026-11-26-relu-student.md).
     activation: str | None = None
+    # With `activation` set: the share of the QAT steps over which the student's FFN moves from the teacher's
+    # activation to `activation`, as (1 - a) * gelu(x) + a * relu(x) with a rising linearly from 0 to 1. The
+    # projection and calibration then see the teacher's activation, and QAT adapts to the new one gradually;
+    # the rest of QAT (and the checkpoint) is the new activation alone. 0: swapped before the projection.
+    activation_ramp: float = 0.0
     # torch.compile the student's and the teacher's forward for training (dynamic shapes, so the length
     # groups' many sequence lengths share one compiled graph). The same losses and gradients as eager up to
     # float rounding (dropout draws its own random numbers). Off by default: on a 2-core AMD EPYC the quick

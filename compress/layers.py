@@ -13,6 +13,7 @@ layer at once and the layer count in the checkpoint would not be the layer count
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from holoserve import HoloServeError
@@ -122,6 +123,71 @@ def encoder_linear_names(model: nn.Module) -> list[str]:
     if not names:
         raise _refuse(model, "no encoder Linear layers were found")
     return names
+
+
+def activation_key(config) -> str:
+    """The config field that names the FFN activation (DistilBERT: `activation`, the rest: `hidden_act`)."""
+    return "activation" if getattr(config, "model_type", "") == "distilbert" else "hidden_act"
+
+
+# the attribute that holds the FFN activation: BertIntermediate and its kin (RoBERTa, XLM-R, ELECTRA, MPNet)
+# `intermediate_act_fn`, DistilBERT's FFN `activation`
+_FFN_ACTIVATION_ATTRS = ("intermediate_act_fn", "activation")
+
+
+def ffn_activation_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of every encoder layer's FFN activation, one per layer, in layer order."""
+    _, stack = encoder_layer_stack(model)
+    slots = []
+    for layer in stack:
+        found = [(m, a) for m in layer.modules() for a in _FFN_ACTIVATION_ATTRS if isinstance(getattr(m, a, None), nn.Module)]
+        if len(found) != 1:
+            raise _refuse(model, f"found {len(found)} FFN activations in one encoder layer, expected 1")
+        slots.append(found[0])
+    return slots
+
+
+class BlendedActivation(nn.Module):
+    """(1 - alpha) * start(x) + alpha * end(x): an FFN activation on its way from the teacher's to the student's.
+
+    alpha is a 0-d tensor set from outside, step by step (compress.methods: the activation ramp), so a compiled
+    forward does not recompile as it moves; at 0 and 1 the result is exactly the one activation."""
+
+    def __init__(self, start: nn.Module, end: nn.Module, device=None):
+        super().__init__()
+        self.start, self.end = start, end
+        self.register_buffer("alpha", torch.zeros((), device=device), persistent=False)
+
+    def set_alpha(self, alpha: float) -> None:
+        self.alpha.fill_(min(1.0, max(0.0, alpha)))
+
+    def forward(self, x):
+        return torch.lerp(self.start(x), self.end(x), self.alpha.to(x.dtype))
+
+
+def blend_ffn_activations(model: nn.Module, end: str) -> list[BlendedActivation]:
+    """Put a BlendedActivation from each FFN's current activation to `end` (a Hugging Face name, e.g. "relu")
+    in its place, alpha 0; the model computes what it did until alpha moves."""
+    from transformers.activations import ACT2FN
+
+    device = next(model.parameters()).device
+    blends = []
+    for mod, attr in ffn_activation_slots(model):
+        cur = getattr(mod, attr)
+        blend = cur if isinstance(cur, BlendedActivation) else BlendedActivation(cur, ACT2FN[end], device)
+        setattr(mod, attr, blend)
+        blends.append(blend)
+    return blends
+
+
+def set_ffn_activation(model: nn.Module, name: str) -> None:
+    """Every encoder FFN computes `name` (a Hugging Face activation name), and the config says so, so the
+    saved folder reloads as the same model."""
+    from transformers.activations import ACT2FN
+
+    for mod, attr in ffn_activation_slots(model):
+        setattr(mod, attr, ACT2FN[name])
+    setattr(model.config, activation_key(model.config), name)
 
 
 def get_linear(model: nn.Module, name: str) -> nn.Linear:

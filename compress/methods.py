@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -27,7 +28,7 @@ from holoserve import HoloServeError
 from holoserve.core.artifact import MANIFEST
 
 from .admm import Admm
-from .layers import encoder_linear_names
+from .layers import blend_ffn_activations, encoder_linear_names, set_ffn_activation
 from .quant import input_quantizers, tensorrt_quantizers
 from .sparsify import attach_masks, finalize, hard_masks, nm_share, quantize_weights
 from .trainer import train_phase
@@ -182,21 +183,39 @@ def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module,
              _fmt(projected), nm_share(student, layers) * 100)
     amax = run.calibrate(student, layers) if job.quant else None
     name = "qat" if job.quant else "masked"
+    ramping = bool(p.activation_ramp and p.activation)  # the student still has the teacher's FFN activation
+    ramp_steps = max(1, math.ceil(p.activation_ramp * cfg.steps)) if ramping and cfg.steps else 0
 
     def qat_phase():
         attach_masks(student, masks, quant=job.quant)
         ctx = (lambda: _quantizers(student, amax, layers, p.tensorrt_qat)) if amax else None
+        on_step = None
+        if ramp_steps:  # the FFN activation moves from the teacher's to p.activation over the first ramp_steps
+            blends = blend_ffn_activations(student, p.activation)
+            log.info("[%s] the FFN activation moves to %s over the first %d of %d steps", name, p.activation,
+                     ramp_steps, cfg.steps)
+
+            def on_step(step: int) -> None:
+                for b in blends:
+                    b.set_alpha((step + 1) / ramp_steps)
+
         res = train_phase(name, student, cfg, run.kd_train, p, job.seed + 2, run.state, regression=reg,
                           teacher=teacher, distill=p.distill, masks=masks, context=ctx, progress=job.progress,
-                          procs=run.procs)
+                          procs=run.procs, on_step=on_step)
+        if ramping:
+            set_ffn_activation(student, p.activation)
         finalize(student, masks, quant=job.quant)
         metrics = run.dev_metrics(student, amax, layers if amax else None)
         result = _result(res, run)
+        if ramp_steps:
+            result["activation_ramp_steps"] = ramp_steps
         run.log_phase(name, result, metrics, student, layers)
         return result
 
     saved_amax = run.saved(f"{name}-done")
     meta = run.run_phase(name, student, layers, qat_phase, meta_extra=lambda: {"amax": amax})
+    if ramping:  # also when the phase was done before (its saved weights were trained to the new activation)
+        set_ffn_activation(student, p.activation)
     if saved_amax is not None and meta.get("amax"):
         amax = meta["amax"]
     scales = {}

@@ -36,7 +36,7 @@ from .distributed import Processes
 from .config import ADMM_INITS, STUDENT_ACTIVATIONS, Preset, apply_overrides, get_preset
 from .data import Encoded, encode, train_batches, with_perturbed_copies
 from .evaluate import evaluate
-from .layers import encoder_linear_names
+from .layers import activation_key, encoder_linear_names
 from .methods import Outcome, get_method
 from .quant import calibrate_amax, calibrate_tensorrt_amax, input_channel_norms, input_quantizers
 from .sparsify import hard_masks, nm_share, obs_masks, quantize_embeddings
@@ -104,11 +104,6 @@ class Job:
 # --------------------------------------------------------------------------- helpers
 
 
-def _activation_key(config) -> str:
-    """The config field that names the FFN activation (DistilBERT: `activation`, the rest: `hidden_act`)."""
-    return "activation" if getattr(config, "model_type", "") == "distilbert" else "hidden_act"
-
-
 def _load_hf(folder: Path, task: Task, activation: str | None = None) -> nn.Module:
     """A Hugging Face folder as a float32 classifier; `activation` replaces its FFN activation."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -126,7 +121,7 @@ def _load_hf(folder: Path, task: Task, activation: str | None = None) -> nn.Modu
     kw["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = torch.float32
     if activation:  # a config of our own carries num_labels with it
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True, num_labels=kw.pop("num_labels"))
-        setattr(config, _activation_key(config), activation)  # the activation has no weights: they all load
+        setattr(config, activation_key(config), activation)  # the activation has no weights: they all load
         kw["config"] = config
     model = AutoModelForSequenceClassification.from_pretrained(str(folder), **kw)
     set_label_config(model, task)
@@ -155,6 +150,16 @@ def check_preset_settings(preset: Preset, method: str) -> None:
     if preset.activation is not None and preset.activation not in STUDENT_ACTIVATIONS:
         raise HoloServeError(f"activation={preset.activation!r}: choose one of {', '.join(STUDENT_ACTIVATIONS)} "
                              "for the student's FFN, or leave it unset to keep the teacher's")
+    ramp = preset.activation_ramp
+    if not (math.isfinite(ramp) and 0.0 <= ramp <= 1.0):
+        raise HoloServeError(f"activation_ramp={ramp}: use the share of the QAT steps over which the FFN activation "
+                             "moves to `activation`, from 0 (swapped before the projection) to 1")
+    if ramp and preset.activation is None:
+        raise HoloServeError("activation_ramp needs activation (e.g. --set activation=relu): without it the student "
+                             "keeps the teacher's activation and there is nothing to ramp")
+    if ramp and not get_method(method).qat:
+        raise HoloServeError(f"activation_ramp moves the activation during QAT, and --method {method} has no QAT phase: "
+                             "use --method oneshot or admm, or drop activation_ramp")
     d = preset.distill
     if d.augment < 0:
         raise HoloServeError(f"distill.augment={d.augment}: the number of perturbed copies per training row is 0 "
@@ -266,8 +271,10 @@ class Runner:
         return model.to(self.device)
 
     def student(self, teacher_dir: Path) -> nn.Module:
-        """A fresh copy of the teacher to compress (with the preset's FFN activation, if it sets one)."""
-        return _freeze(self.hf(teacher_dir, self.preset.activation), self.preset)
+        """A fresh copy of the teacher to compress, with the preset's FFN activation if it sets one (with
+        activation_ramp, the teacher's until QAT moves it)."""
+        p = self.preset
+        return _freeze(self.hf(teacher_dir, None if p.activation_ramp else p.activation), p)
 
     def saved(self, name: str):
         """A phase's saved state (tensors, meta), or None."""

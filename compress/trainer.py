@@ -161,11 +161,13 @@ def train_phase(
     context: Callable[[], ContextManager] | None = None,
     progress: bool = True,
     procs: Processes | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> PhaseResult:
     """Run `cfg.steps` optimizer steps of phase `name`, resuming from `state_dir/<name>-progress` if present.
 
     With several processes (compress/distributed.py) each takes its slice of every batch and DDP
-    averages the gradients; only the main process writes the progress state."""
+    averages the gradients; only the main process writes the progress state. `on_step(step)` runs before
+    each step's forward pass (a schedule that depends on the step alone, so a resumed phase follows it too)."""
     from tqdm.auto import tqdm
 
     procs = procs or Processes(next(model.parameters()).device)
@@ -226,6 +228,8 @@ def train_phase(
                 batch = to_device(procs.shard(next(stream)), device, non_blocking=True)
             for g in opt.param_groups:
                 g["lr"] = lr_at(cfg, step)
+            if on_step is not None:
+                on_step(step)
             inputs = {k: v for k, v in batch.items() if k != "labels"}
             t_out = None
             if teacher is not None:

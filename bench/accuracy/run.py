@@ -64,6 +64,12 @@ METHODS = {  # row key -> (label, extra CLI arguments); the order is the run ord
                                ["--method", "oneshot", "--set", "mask_metric=activation",
                                 "--set", "mask_activation_power=0.5", "--set", "projection=obs",
                                 "--set", "activation=relu"]),
+    # the same ReLU student, projected and calibrated with the teacher's GELU and moved to ReLU over the first
+    # half of QAT (activation_ramp=0.5) instead of swapped before the projection
+    "oneshot_act05_obs_relu_ramp": ("one-shot 2:4 ∩ INT8 (OBS) + QAT, ReLU student ramped over half of QAT",
+                                    ["--method", "oneshot", "--set", "mask_metric=activation",
+                                     "--set", "mask_activation_power=0.5", "--set", "projection=obs",
+                                     "--set", "activation=relu", "--set", "activation_ramp=0.5"]),
     "oneshot_obs_sal": ("one-shot 2:4 ∩ INT8 (OBS) + QAT, SparseGPT saliency mask",
                         ["--method", "oneshot", "--set", "mask_metric=saliency", "--set", "projection=obs"]),
     # ADMM with the same masks and the same OBS projection at its end as the default one-shot recipe
@@ -84,9 +90,10 @@ PEER = "nncf_ptq"  # NNCF INT8 PTQ of the same teacher (dense weights)
 LABELS = {"dense": "dense teacher", PEER: "NNCF INT8 PTQ (dense W)", **{k: v[0] for k, v in METHODS.items()}}
 COLUMNS = ("dense", PEER, "magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "admm_sparse",
            "admm_int8", "admm_act_int8", "admm_act05_int8", "oneshot_act05_obs", "oneshot_act05_obs_aug1",
-           "oneshot_act05_obs_relu", "oneshot_obs_sal", "admm_act05_obs", "admm_init_obs", "oneshot_act05_trtqat")
+           "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp", "oneshot_obs_sal", "admm_act05_obs", "admm_init_obs", "oneshot_act05_trtqat")
 BASELINES = ("magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "oneshot_act05_obs",
-             "oneshot_act05_obs_aug1", "oneshot_act05_obs_relu", "oneshot_obs_sal")  # the 2:4 ∩ INT8 recipes ADMM has to beat
+             "oneshot_act05_obs_aug1", "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp",
+             "oneshot_obs_sal")  # the 2:4 ∩ INT8 recipes ADMM has to beat
 ADMM_ROWS = ("admm_int8", "admm_act_int8", "admm_act05_int8", "admm_act05_obs", "admm_init_obs")
 
 

@@ -203,6 +203,47 @@ def test_activation_swap_reaches_every_family_ffn(family, tmp_path):
         assert torch.equal(again(input_ids=ids).logits, b)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_activation_ramp_blends_every_family_ffn(family, tmp_path):
+    """The activation ramp's pieces on each family: one blend per encoder layer, which computes the teacher's
+    GELU exactly at alpha 0, ReLU exactly at 1 and their mix between; set_ffn_activation then leaves a plain
+    ReLU model whose saved folder reloads as the same model."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from holoserve.compress.layers import (BlendedActivation, blend_ffn_activations, ffn_activation_slots,
+                                           set_ffn_activation)
+    from holoserve.compress.pipeline import _load_hf
+    from holoserve.data.tasks import Task
+
+    folder = make_tiny_family(family, tmp_path / family)
+    task = Task("t", ("a", "b"))
+    model, relu = _load_hf(folder, task).eval(), _load_hf(folder, task, "relu").eval()
+    ids = torch.randint(4, 20, (2, 7))
+    with torch.no_grad():
+        gelu_logits, relu_logits = model(input_ids=ids).logits, relu(input_ids=ids).logits
+    blends = blend_ffn_activations(model, "relu")
+    assert len(blends) == 2 and all(isinstance(getattr(m, a), BlendedActivation) for m, a in ffn_activation_slots(model))
+    assert blend_ffn_activations(model, "relu") == blends  # idempotent: a blend is not wrapped again
+    x = torch.linspace(-4, 4, 101)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, gelu_logits)  # alpha 0: the teacher's activation
+        blends[0].set_alpha(0.25)
+        want = 0.75 * torch.nn.functional.gelu(x) + 0.25 * x.clamp_min(0)
+        assert torch.allclose(blends[0](x), want, atol=1e-6)
+        for b in blends:
+            b.set_alpha(1.0)
+        assert torch.equal(model(input_ids=ids).logits, relu_logits)  # alpha 1: ReLU alone
+    assert "alpha" not in " ".join(model.state_dict())  # the schedule is not a weight
+    set_ffn_activation(model, "relu")
+    key = "activation" if family == "distilbert" else "hidden_act"
+    assert getattr(model.config, key) == "relu" and not any(isinstance(m, BlendedActivation) for m in model.modules())
+    model.save_pretrained(str(tmp_path / "saved"), safe_serialization=True)
+    again = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "saved")).eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, relu_logits)
+
+
 def test_distilbert_relu_student_compresses_and_exports(tmp_path, capsys):
     """The DistilBERT branch end to end: the checkpoint's config.json says `activation: relu`, and the export
     computes ReLU (no Erf) with ONNX Runtime agreeing with the PyTorch fake-quant model."""

@@ -418,3 +418,36 @@ def test_the_student_can_swap_gelu_for_relu(admm_ckpt, env, capsys):
     assert compress(env, env["root"] / "bad-act", "--teacher", str(teacher), "--set", "activation=silu") != 0
     assert "activation='silu': choose one of gelu, relu" in capsys.readouterr().err
     assert not (env["root"] / "bad-act").exists()
+
+
+def test_the_activation_ramp_moves_the_student_to_relu_during_qat(admm_ckpt, env, capsys, caplog):
+    """activation_ramp: the projection and calibration see the teacher's GELU (the same projected model as
+    the plain GELU student's), QAT moves the FFN to ReLU over its first share of steps, and the checkpoint
+    is the ReLU model `holoserve eval` reproduces; settings that cannot ramp are refused before any work."""
+    import logging
+
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    gelu, ramped = env["root"] / "ramp-gelu", env["root"] / "ramp-relu"
+    assert compress(env, gelu, "--teacher", str(teacher)) == 0
+    with caplog.at_level(logging.INFO, logger="holoserve"):
+        assert compress(env, ramped, "--teacher", str(teacher), "--set", "activation=relu",
+                        "--set", "activation_ramp=0.5") == 0
+    capsys.readouterr()
+    check_saved_checkpoint(ramped)
+    assert json.loads((ramped / "config.json").read_text())["hidden_act"] == "relu"
+    m, g = (json.loads((d / "manifest.json").read_text()) for d in (ramped, gelu))
+    qat = m["training"]["phases"]["qat"]
+    assert qat["activation_ramp_steps"] == 10 and qat["steps"] == 20  # half of one-shot's 10 + 10 QAT steps
+    assert "the FFN activation moves to relu over the first 10 of 20 steps" in caplog.text
+    # projected and calibrated with the teacher's GELU: the same activation ranges as the GELU student's
+    assert m["quantization"]["activations"]["amax"] == g["quantization"]["activations"]["amax"]
+    assert m["metrics"]["after_projection"] == g["metrics"]["after_projection"]
+    assert main(["eval", str(ramped), "--data-dir", str(env["glue"])]) == 0
+    assert json.loads(capsys.readouterr().out)["metrics"] == pytest.approx(m["metrics"]["compressed"], abs=1e-9)
+    for extra, message in ((["--set", "activation_ramp=0.5"], "activation_ramp needs activation"),
+                           (["--set", "activation=relu", "--set", "activation_ramp=1.5"], "activation_ramp=1.5: use"),
+                           (["--set", "activation=relu", "--set", "activation_ramp=0.5", "--method", "magnitude"],
+                            "--method magnitude has no QAT phase")):
+        assert compress(env, env["root"] / "bad-ramp", "--teacher", str(teacher), *extra) != 0
+        assert message in capsys.readouterr().err
+    assert not (env["root"] / "bad-ramp").exists()
