@@ -44,6 +44,7 @@ ADMM_INITS = ("teacher", "projection")  # AdmmConfig.init: where W starts
 # Preset.activation: the FFN activations a student may be given (each one the export, ONNX Runtime, OpenVINO
 # and the torch-cuda backend compute; the config key is `hidden_act`, DistilBERT's `activation`)
 STUDENT_ACTIVATIONS = ("gelu", "relu")
+DEFAULT_ACTIVATION_RAMP = 0.5  # Preset.activation_ramp when unset, for methods that end with QAT
 
 
 @dataclass(frozen=True)
@@ -115,18 +116,22 @@ class Preset:
     # Off by default: an earlier form (every residual input, no softmax) cost more than it saved at the
     # quick budget (SST-2 with it: ORT path 82.34, TensorRT placement 82.91; without: 85.44 and 82.57).
     tensorrt_qat: bool = False
-    # The student's FFN activation: None keeps the teacher's; "relu" swaps the (erf) GELU for ReLU before the
-    # projection, so calibration, QAT and KD all train the ReLU model, and the checkpoint's config.json says
-    # hidden_act "relu" (still a plain Hugging Face model). ReLU is a GEMM post-op almost for free where GELU
-    # is a polynomial per element. Off by default: on a 2-core AMD EPYC, OpenVINO INT8 at seq 128 ran 3-6 %
-    # faster at batch 32 (2.5-5 % at batch 1 in a two-model A/B), for -0.11 points on SST-2 (quick, three seeds),
-    # -1.59 MCC on CoLA (full, six seeds), -1.13 F1 on MRPC (full, three seeds) (docs/results/2026-11-26-relu-student.md).
+    # The student's FFN activation: None keeps the teacher's; "relu" replaces the (erf) GELU by ReLU, during
+    # QAT (activation_ramp below) or before the projection, and the checkpoint's config.json says hidden_act
+    # "relu" (still a plain Hugging Face model). ReLU is a GEMM post-op almost for free where GELU is a
+    # polynomial per element. Off by default: on a 2-core AMD EPYC, OpenVINO INT8 at seq 128 ran 3-6 % faster
+    # at batch 32 (2.5-5 % at batch 1 in a two-model A/B). Against GELU, ramped: -0.08 points on SST-2 (quick,
+    # three seeds), -1.76 MCC on CoLA (full, six seeds), -0.22 F1 on MRPC (full, three seeds)
+    # (docs/results/2026-11-27-relu-ramp.md; swapped before the projection: docs/results/2026-11-26-relu-student.md).
     activation: str | None = None
     # With `activation` set: the share of the QAT steps over which the student's FFN moves from the teacher's
-    # activation to `activation`, as (1 - a) * gelu(x) + a * relu(x) with a rising linearly from 0 to 1. The
-    # projection and calibration then see the teacher's activation, and QAT adapts to the new one gradually;
-    # the rest of QAT (and the checkpoint) is the new activation alone. 0: swapped before the projection.
-    activation_ramp: float = 0.0
+    # activation to `activation`, as (1 - a) * old(x) + a * new(x) with a rising linearly from 0 to 1. The
+    # projection and calibration then see the teacher's activation; the rest of QAT (and the checkpoint) is
+    # the new activation alone. 0 swaps it before the projection; None (the default) is DEFAULT_ACTIVATION_RAMP
+    # for methods that end with QAT, 0 for the others. Measured (docs/results/2026-11-27-relu-ramp.md) for
+    # ReLU, 0.5 against 0: MRPC +0.92 F1 (full, three seeds, ahead on each), CoLA -0.17 MCC (full, six
+    # seeds), SST-2 +0.03 (quick, three seeds).
+    activation_ramp: float | None = None
     # torch.compile the student's and the teacher's forward for training (dynamic shapes, so the length
     # groups' many sequence lengths share one compiled graph). The same losses and gradients as eager up to
     # float rounding (dropout draws its own random numbers). Off by default: on a 2-core AMD EPYC the quick
@@ -142,6 +147,13 @@ class Preset:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def ramp_share(self, qat: bool) -> float:
+        """The share of the QAT steps over which the FFN moves to `activation` (0: none, or swapped before the
+        projection), for a method with (`qat`) or without a QAT phase."""
+        if self.activation is None or not qat:
+            return 0.0
+        return DEFAULT_ACTIVATION_RAMP if self.activation_ramp is None else self.activation_ramp
 
     def sized(self, train_rows: int) -> "Preset":
         """This preset with every phase's step count fixed for a training set of `train_rows` rows."""

@@ -183,8 +183,9 @@ def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module,
              _fmt(projected), nm_share(student, layers) * 100)
     amax = run.calibrate(student, layers) if job.quant else None
     name = "qat" if job.quant else "masked"
-    ramping = bool(p.activation_ramp and p.activation)  # the student still has the teacher's FFN activation
-    ramp_steps = max(1, math.ceil(p.activation_ramp * cfg.steps)) if ramping and cfg.steps else 0
+    share = p.ramp_share(qat=True)
+    ramping = share > 0  # the student still has the teacher's FFN activation
+    ramp_steps = max(1, math.ceil(share * cfg.steps)) if ramping and cfg.steps else 0
 
     def qat_phase():
         attach_masks(student, masks, quant=job.quant)

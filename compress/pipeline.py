@@ -151,15 +151,15 @@ def check_preset_settings(preset: Preset, method: str) -> None:
         raise HoloServeError(f"activation={preset.activation!r}: choose one of {', '.join(STUDENT_ACTIVATIONS)} "
                              "for the student's FFN, or leave it unset to keep the teacher's")
     ramp = preset.activation_ramp
-    if not (math.isfinite(ramp) and 0.0 <= ramp <= 1.0):
+    if ramp is not None and not (math.isfinite(ramp) and 0.0 <= ramp <= 1.0):
         raise HoloServeError(f"activation_ramp={ramp}: use the share of the QAT steps over which the FFN activation "
                              "moves to `activation`, from 0 (swapped before the projection) to 1")
-    if ramp and preset.activation is None:
+    if ramp is not None and preset.activation is None:
         raise HoloServeError("activation_ramp needs activation (e.g. --set activation=relu): without it the student "
                              "keeps the teacher's activation and there is nothing to ramp")
     if ramp and not get_method(method).qat:
         raise HoloServeError(f"activation_ramp moves the activation during QAT, and --method {method} has no QAT phase: "
-                             "use --method oneshot or admm, or drop activation_ramp")
+                             "use --method oneshot or admm, or set activation_ramp=0")
     d = preset.distill
     if d.augment < 0:
         raise HoloServeError(f"distill.augment={d.augment}: the number of perturbed copies per training row is 0 "
@@ -274,7 +274,7 @@ class Runner:
         """A fresh copy of the teacher to compress, with the preset's FFN activation if it sets one (with
         activation_ramp, the teacher's until QAT moves it)."""
         p = self.preset
-        return _freeze(self.hf(teacher_dir, None if p.activation_ramp else p.activation), p)
+        return _freeze(self.hf(teacher_dir, None if p.ramp_share(self.method.qat) else p.activation), p)
 
     def saved(self, name: str):
         """A phase's saved state (tensors, meta), or None."""

@@ -392,14 +392,14 @@ def test_distillation_can_read_perturbed_copies_of_the_rows(admm_ckpt, env, caps
 
 
 def test_the_student_can_swap_gelu_for_relu(admm_ckpt, env, capsys):
-    """activation=relu: the student (not the teacher) computes ReLU in its FFN from the projection on; the
+    """activation=relu, activation_ramp=0: the student (not the teacher) computes ReLU in its FFN from the projection on; the
     checkpoint says so in config.json, `holoserve eval` reproduces its metric, and the export computes ReLU
     (no Erf left) with every prediction as in `holoserve eval`."""
     import onnx
 
     teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
     out = env["root"] / "relu"
-    assert compress(env, out, "--teacher", str(teacher), "--set", "activation=relu") == 0
+    assert compress(env, out, "--teacher", str(teacher), "--set", "activation=relu", "--set", "activation_ramp=0") == 0
     capsys.readouterr()
     check_saved_checkpoint(out)
     assert json.loads((out / "config.json").read_text())["hidden_act"] == "relu"
@@ -421,17 +421,17 @@ def test_the_student_can_swap_gelu_for_relu(admm_ckpt, env, capsys):
 
 
 def test_the_activation_ramp_moves_the_student_to_relu_during_qat(admm_ckpt, env, capsys, caplog):
-    """activation_ramp: the projection and calibration see the teacher's GELU (the same projected model as
-    the plain GELU student's), QAT moves the FFN to ReLU over its first share of steps, and the checkpoint
-    is the ReLU model `holoserve eval` reproduces; settings that cannot ramp are refused before any work."""
+    """activation=relu ramps by default (activation_ramp unset: half of QAT): the projection and calibration
+    see the teacher's GELU (the same projected model as the plain GELU student's), QAT moves the FFN to ReLU
+    over its first half, and the checkpoint is the ReLU model `holoserve eval` reproduces. A method without
+    QAT swaps before it starts; settings that cannot ramp are refused before any work."""
     import logging
 
     teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
     gelu, ramped = env["root"] / "ramp-gelu", env["root"] / "ramp-relu"
     assert compress(env, gelu, "--teacher", str(teacher)) == 0
     with caplog.at_level(logging.INFO, logger="holoserve"):
-        assert compress(env, ramped, "--teacher", str(teacher), "--set", "activation=relu",
-                        "--set", "activation_ramp=0.5") == 0
+        assert compress(env, ramped, "--teacher", str(teacher), "--set", "activation=relu") == 0
     capsys.readouterr()
     check_saved_checkpoint(ramped)
     assert json.loads((ramped / "config.json").read_text())["hidden_act"] == "relu"
@@ -439,11 +439,17 @@ def test_the_activation_ramp_moves_the_student_to_relu_during_qat(admm_ckpt, env
     qat = m["training"]["phases"]["qat"]
     assert qat["activation_ramp_steps"] == 10 and qat["steps"] == 20  # half of one-shot's 10 + 10 QAT steps
     assert "the FFN activation moves to relu over the first 10 of 20 steps" in caplog.text
+    assert m["training"]["preset_config"]["activation_ramp"] is None  # the default, recorded as such
     # projected and calibrated with the teacher's GELU: the same activation ranges as the GELU student's
     assert m["quantization"]["activations"]["amax"] == g["quantization"]["activations"]["amax"]
     assert m["metrics"]["after_projection"] == g["metrics"]["after_projection"]
     assert main(["eval", str(ramped), "--data-dir", str(env["glue"])]) == 0
     assert json.loads(capsys.readouterr().out)["metrics"] == pytest.approx(m["metrics"]["compressed"], abs=1e-9)
+    magnitude = env["root"] / "ramp-magnitude"
+    assert compress(env, magnitude, "--teacher", str(teacher), "--method", "magnitude", "--set", "activation=relu") == 0
+    assert json.loads((magnitude / "config.json").read_text())["hidden_act"] == "relu"
+    assert "activation_ramp_steps" not in json.dumps(json.loads((magnitude / "manifest.json").read_text()))
+    capsys.readouterr()
     for extra, message in ((["--set", "activation_ramp=0.5"], "activation_ramp needs activation"),
                            (["--set", "activation=relu", "--set", "activation_ramp=1.5"], "activation_ramp=1.5: use"),
                            (["--set", "activation=relu", "--set", "activation_ramp=0.5", "--method", "magnitude"],
