@@ -13,6 +13,11 @@ bf16 on CPUs with AVX-512 BF16 or AMX, which changes ~2 % of SST-2 predictions a
 (the checkpoint's numerics, which ONNX Runtime reproduces); `precision="f32"` keeps them in float32, at
 some speed (docs/results/2026-11-24-openvino.md). `info()` reports the precision in use.
 
+HoloServe's 2:4 kernels (`kernels="auto"`, the default; `--openvino-kernels`): on CPUs with AVX-512 VNNI
+and VBMI and no AMX, the 2:4 INT8 Linears run on our own OpenVINO extension (holoserve.kernels), which
+skips the zeros; 1.25-1.34x NNCF's INT8 on a 2-core AMD EPYC where OpenVINO's GEMMs gave 1.16-1.20x
+(docs/results/2026-11-27-sparse24-kernels.md). `info()["kernels"]` says whether they run and why.
+
 Static shapes (`shapes=[(batch, seq), ...]`, `--openvino-shapes 1x128,32x128`): OpenVINO's CPU plugin
 fuses the element-wise ops around the quantized GEMMs (LayerNorm's affine, the activation quantizers,
 residual adds) into JIT subgraphs only when every dimension is static; with dynamic shapes each runs as
@@ -27,7 +32,9 @@ fixed length, offline scoring at a fixed batch size).
 """
 from __future__ import annotations
 
+import functools
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,7 +42,8 @@ import numpy as np
 
 from holoserve import HoloServeError
 from holoserve.core.artifact import Artifact
-from holoserve.core.choices import OPENVINO_PRECISIONS
+from holoserve.core.choices import OPENVINO_KERNELS, OPENVINO_KERNELS_DEFAULT, OPENVINO_PRECISIONS
+from holoserve.core.machine import cpu_flags
 from holoserve.core.manifest import OPENVINO
 
 from .base import BackendUnavailable
@@ -46,14 +54,12 @@ SPARSE_RATE = 0.5  # every 2:4 weight is at least half zeros
 # static shapes took 13-26 % less time, so a little padding still pays and more would not.
 STATIC_PAD_SHARE = 0.10
 PRECISIONS = OPENVINO_PRECISIONS  # INFERENCE_PRECISION_HINT values (holoserve.core.choices)
+KERNEL_CHOICES = OPENVINO_KERNELS
+DEFAULT_KERNELS = OPENVINO_KERNELS_DEFAULT
 
 
 def cpu_has_amx() -> bool:
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return "amx_int8" in flags.split()
+    return "amx_int8" in cpu_flags()
 
 
 def check_precision(precision: str) -> str:
@@ -63,12 +69,80 @@ def check_precision(precision: str) -> str:
     return precision
 
 
+def check_kernels(kernels: str) -> str:
+    if kernels not in KERNEL_CHOICES:
+        raise HoloServeError(f"unknown --openvino-kernels {kernels!r}: choose one of {', '.join(KERNEL_CHOICES)}")
+    return kernels
+
+
+def kernels_plan(kernels: str, precision: str) -> tuple[bool, bool, str]:
+    """(use HoloServe's 2:4 kernels, in bf16, why) for --openvino-kernels and the float precision.
+    `on` raises HoloServeError where they cannot run; `auto` falls back to OpenVINO's GEMMs and says why,
+    and leaves CPUs with AMX to OpenVINO (its AMX int8 GEMMs are another class of speed than VNNI)."""
+    check_kernels(kernels)
+    if kernels == "off":
+        return False, False, "off (--openvino-kernels off)"
+    from holoserve.kernels import KernelsUnavailable, build
+
+    bf16 = precision == "bf16" or (precision == "auto" and cpu_has_bf16())
+    if kernels == "auto" and cpu_has_amx():
+        return False, False, ("off: this CPU has AMX, whose int8 tiles OpenVINO's GEMMs use and the kernels "
+                              "(AVX-512 VNNI) do not; --openvino-kernels on forces them")
+    if precision == "f16":
+        why = "off: the kernels read and write f32 or bf16, not f16"
+        if kernels == "on":
+            raise HoloServeError(f"--openvino-kernels on: {why[5:]}; use --openvino-precision auto, bf16 or f32")
+        return False, False, why
+    try:
+        build()  # checks the CPU's flags first
+    except KernelsUnavailable as e:
+        if kernels == "on":
+            raise
+        return False, False, f"off: {e}"
+    return True, bf16, f"on (HoloServe's 2:4 INT8 kernels, {'bf16' if bf16 else 'f32'} in and out)"
+
+
+def cpu_has_bf16() -> bool:
+    """OpenVINO's CPU plugin runs the float ops in bf16 by default where the CPU has bf16 units."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+@functools.lru_cache(maxsize=4)
+def _rewritten(path: str, mtime_ns: int, bf16: bool) -> tuple[bytes, dict[str, int]]:
+    """The export with its 2:4 Linears on HoloServe's kernels, serialized (cached per file and version)."""
+    import onnx
+
+    from holoserve.kernels.rewrite import rewrite
+
+    model, counts = rewrite(onnx.load(path), bf16=bf16)
+    return model.SerializeToString(), counts
+
+
+def read_model(core, path: str | os.PathLike, kernels: bool = False, bf16: bool = False):
+    """(ov.Model, kernel counts or None) of an ONNX file; with `kernels`, its 2:4 INT8 Linears run on
+    HoloServe's kernels (the extension is added to `core`)."""
+    if not kernels:
+        return core.read_model(str(path)), None
+    from holoserve.kernels import build
+
+    core.add_extension(str(build()))
+    data, counts = _rewritten(str(path), Path(path).stat().st_mtime_ns, bf16)
+    with tempfile.TemporaryDirectory(prefix="holoserve-ov-") as tmp:
+        onnx_path = Path(tmp) / "model.onnx"
+        onnx_path.write_bytes(data)
+        model = core.read_model(str(onnx_path))
+    return model, counts
+
+
 def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = False, precision: str = "auto",
-                  shape: tuple[int, int] | None = None, extra_outputs: Sequence[str] = ()):
+                  shape: tuple[int, int] | None = None, extra_outputs: Sequence[str] = (), kernels: str = "off",
+                  report: dict | None = None):
     """(compiled model, sparse-weights note) for an ONNX file on OpenVINO's CPU plugin; `shape` (batch,
     seq) compiles it for that one static shape; `extra_outputs` also exposes those tensors (diagnostics:
-    it keeps OpenVINO from fusing across them)."""
+    it keeps OpenVINO from fusing across them); `kernels` (auto, on, off) runs the 2:4 INT8 Linears on
+    HoloServe's kernels (holoserve.kernels); `report`, when given, gets what they did and why."""
     check_precision(precision)
+    use_kernels, bf16, kernels_note = kernels_plan(kernels, precision)
     try:
         import openvino as ov
     except ImportError as e:
@@ -88,7 +162,7 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = F
     else:
         note = "off (the default; AMX present: --openvino-sparse-weights turns it on)"
     try:
-        model = core.read_model(str(path))
+        model, counts = read_model(core, path, use_kernels, bf16)
         if extra_outputs:
             model.add_outputs(list(extra_outputs))
         if shape is not None:
@@ -97,6 +171,8 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = F
     except Exception as e:  # OpenVINO raises RuntimeError subclasses with long messages
         raise BackendUnavailable(f"OpenVINO cannot compile {path}: {str(e).splitlines()[0][:300]}") from None
     check_gemm_kernels(compiled, path)
+    if report is not None:
+        report.update({"status": kernels_note, **(counts or {})})
     return compiled, note
 
 
@@ -186,7 +262,8 @@ class OpenVinoBackend:
     whole_batches = False  # on a CPU, length groups save the padded tokens' work
 
     def __init__(self, artifact: Artifact, *, threads: int | None = None, sparse: bool = False,
-                 precision: str = "auto", export_key: str = OPENVINO, shapes: str | Sequence = ()):
+                 precision: str = "auto", export_key: str = OPENVINO, shapes: str | Sequence = (),
+                 kernels: str = DEFAULT_KERNELS):
         entry = artifact.export(export_key)
         if entry is None:
             raise BackendUnavailable(
@@ -194,8 +271,9 @@ class OpenVinoBackend:
                 "openvino` first")
         self.path = artifact.path / entry.file
         threads = threads if threads is not None else int(os.environ.get("HOLOSERVE_ORT_THREADS", "0") or 0)
+        self.kernels: dict[str, Any] = {}
         self.compiled, self.sparse_note = compile_model(self.path, threads=threads or 0, sparse=sparse,
-                                                        precision=precision)
+                                                        precision=precision, kernels=kernels, report=self.kernels)
         self.request = self.compiled.create_infer_request()
         self.input_names = [i.get_any_name() for i in self.compiled.inputs]
         unknown = [n for n in self.input_names if n not in INPUTS]
@@ -207,7 +285,7 @@ class OpenVinoBackend:
         self.static: list[tuple[int, int, Any]] = []
         for b, s in parse_shapes(shapes):
             compiled, _ = compile_model(self.path, threads=threads or 0, sparse=sparse, precision=precision,
-                                        shape=(b, s))
+                                        shape=(b, s), kernels=kernels)
             request = compiled.create_infer_request()
             ones = np.ones((b, s), dtype=np.int64)  # one run now, so that no request pays the first run's setup
             request.infer({n: ones if n != "token_type_ids" else ones * 0 for n in self.input_names})
@@ -246,7 +324,7 @@ class OpenVinoBackend:
                 "device": "CPU", "threads": self.threads or "default",
                 "gemm_precisions": gemm_precisions(self.compiled), "gemm_kernels": gemm_kernels(self.compiled),
                 "inference_precision": inference_precision(self.compiled),
-                "sparse_weights_decompression": self.sparse_note,
+                "sparse_weights_decompression": self.sparse_note, "kernels": dict(self.kernels),
                 "static_shapes": [f"{b}x{s}" for b, s, _ in self.static], "runs": dict(self.runs)}
 
 
@@ -254,4 +332,5 @@ def load(artifact: Artifact, **options: Any) -> OpenVinoBackend:
     return OpenVinoBackend(artifact, threads=options.get("threads"),
                            sparse=bool(options.get("openvino_sparse_weights")),
                            precision=options.get("openvino_precision") or "auto",
-                           shapes=options.get("openvino_shapes") or ())
+                           shapes=options.get("openvino_shapes") or (),
+                           kernels=options.get("openvino_kernels") or DEFAULT_KERNELS)

@@ -1,4 +1,4 @@
-"""How benchmarks and checkpoints name the machine they ran on (by its hardware)."""
+"""How benchmarks and checkpoints name the machine they ran on (by its hardware), and what its CPU can do."""
 from __future__ import annotations
 
 import os
@@ -15,6 +15,15 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (Linux; empty elsewhere), e.g. {"avx512_vnni", ...}."""
+    try:
+        line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
 
 
 def describe_cpu() -> str:

@@ -1,4 +1,5 @@
-"""Dependencies flow one way: core <- data <- {compress, export, backends} <- server <- cli.
+"""Dependencies flow one way: core <- data <- {compress, export, backends} <- server <- cli; the 2:4 CPU
+kernels (holoserve.kernels) sit on core, below the OpenVINO backend.
 
 Checked on the source (every import statement, module level or inside a function), so a cycle or a
 server that reaches into training code fails here rather than in a slim image.
@@ -14,12 +15,13 @@ FOLDERS = {"holoserve": ROOT / "holoserve", "holoserve.compress": ROOT / "compre
 # package -> the holoserve packages it may import (besides itself and the top-level holoserve/__init__)
 ALLOWED = {
     "holoserve.core": set(),
+    "holoserve.kernels": {"holoserve.core"},
     "holoserve.cli_options": set(),
     "holoserve.data": {"holoserve.core"},
     "holoserve.compress": {"holoserve.core", "holoserve.data", "holoserve.cli_options", "holoserve.backends"},
     "holoserve.export": {"holoserve.core", "holoserve.data", "holoserve.cli_options", "holoserve.compress",
                          "holoserve.backends"},
-    "holoserve.backends": {"holoserve.core"},
+    "holoserve.backends": {"holoserve.core", "holoserve.kernels"},
     "holoserve.server": {"holoserve.core", "holoserve.backends"},
 }
 

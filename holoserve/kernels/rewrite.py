@@ -1,0 +1,249 @@
+"""Rewrite an `openvino` export's 2:4 INT8 Linears to HoloServe's kernels (see holoserve.kernels)."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from . import DOMAIN, TILE, WINDOW, pack_24
+
+ACTIVATIONS = {"gelu": lambda v: 0.5 * v * (1.0 + np.vectorize(math.erf)(v / math.sqrt(2.0))),
+               "relu": lambda v: np.maximum(v, 0.0)}
+
+
+@dataclass
+class Linear:
+    quantize: onnx.NodeProto  # QuantizeLinear of the input
+    matmul: onnx.NodeProto
+    add: onnx.NodeProto       # the bias Add: its output is the Linear's
+    x: str                    # the float input
+    x_scale: float
+    weights: np.ndarray       # int8 [K, N]
+    w_scale: np.ndarray       # [N]
+    bias: np.ndarray          # [N]
+
+
+class _Graph:
+    def __init__(self, model: onnx.ModelProto):
+        self.g = model.graph
+        self.init = {i.name: i for i in self.g.initializer}
+        self.consts = {n.output[0]: n for n in self.g.node if n.op_type == "Constant"}
+        self.producer = {o: n for n in self.g.node for o in n.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for n in self.g.node:
+            for i in n.input:
+                self.consumers.setdefault(i, []).append(n)
+
+    def array(self, name: str) -> np.ndarray | None:
+        """The constant value of a tensor (an initializer, a Constant, or either through Identity nodes)."""
+        if name in self.init:
+            return numpy_helper.to_array(self.init[name])
+        producer = self.producer.get(name)
+        if producer is not None and producer.op_type == "Identity":
+            return self.array(producer.input[0])
+        node = self.consts.get(name)
+        if node is not None and node.attribute and node.attribute[0].name == "value":
+            return numpy_helper.to_array(node.attribute[0].t)
+        return None
+
+    def only_consumer(self, name: str) -> onnx.NodeProto | None:
+        users = self.consumers.get(name, [])
+        return users[0] if len(users) == 1 else None
+
+
+def _linear(G: _Graph, mm: onnx.NodeProto) -> Linear | None:
+    """The 2:4 INT8 Linear ending at this MatMul, or None when the graph is not exactly that."""
+    dqx, dqw = G.producer.get(mm.input[0]), G.producer.get(mm.input[1])
+    if not (dqx and dqw and dqx.op_type == "DequantizeLinear" and dqw.op_type == "DequantizeLinear"):
+        return None
+    q = G.producer.get(dqx.input[0])
+    if not (q and q.op_type == "QuantizeLinear") or len(q.input) < 3 or len(dqx.input) < 3:
+        return None
+    sx, zx, sx2, zx2 = (G.array(n) for n in (q.input[1], q.input[2], dqx.input[1], dqx.input[2]))
+    if any(a is None or a.size != 1 for a in (sx, zx, sx2, zx2)) or zx.dtype != np.uint8 or int(zx) != 128:
+        return None
+    if float(sx) != float(sx2) or int(zx2) != 128 or float(sx) <= 0:
+        return None
+    w, sw = G.array(dqw.input[0]), G.array(dqw.input[1])
+    zw = G.array(dqw.input[2]) if len(dqw.input) > 2 else None
+    if w is None or w.dtype != np.int8 or w.ndim != 2 or sw is None or (zw is not None and zw.any()):
+        return None
+    axis = next((a.i for a in dqw.attribute if a.name == "axis"), 1)
+    K, N = w.shape
+    if sw.size not in (1, N) or (sw.size == N and axis not in (1, -1)) or K % WINDOW or N % TILE:
+        return None
+    if (w.reshape(K // 4, 4, N) != 0).sum(1).max() > 2:
+        return None
+    add = G.only_consumer(mm.output[0])
+    if add is None or add.op_type != "Add":
+        return None
+    other = add.input[1] if add.input[0] == mm.output[0] else add.input[0]
+    bias = G.array(other)
+    if bias is None or bias.shape != (N,):
+        return None
+    return Linear(q, mm, add, q.input[0], float(sx), w, np.broadcast_to(sw, (N,)).astype(np.float32),
+                  bias.astype(np.float32))
+
+
+def _activation_between(G: _Graph, src: str, dst: str) -> tuple[str, list[onnx.NodeProto]] | None:
+    """(name, nodes) when the nodes from tensor `src` to tensor `dst` compute exact GELU or ReLU of it
+    element-wise, and nothing else reads their intermediate values."""
+    nodes, frontier, seen = [], [dst], set()
+    while frontier:
+        name = frontier.pop()
+        if name == src or name in seen:
+            continue
+        seen.add(name)
+        node = G.producer.get(name)
+        if node is None or node.op_type not in ("Div", "Erf", "Add", "Mul", "Relu", "Constant"):
+            return None
+        nodes.append(node)
+        frontier.extend(i for i in node.input if i not in G.init)
+        if len(nodes) > 12:
+            return None
+    ids = {id(m) for m in nodes}
+    for n in nodes:  # constants may be shared; computed values must not be
+        if n.op_type != "Constant" and n.output[0] != dst and any(id(c) not in ids for c in G.consumers.get(n.output[0], [])):
+            return None
+    # evaluate the piece on sample values
+    ops = [n for n in nodes if n.op_type != "Constant"]
+    order = [n for n in G.g.node if any(n is m for m in nodes)]
+    inits = [G.init[i] for n in ops for i in n.input if i in G.init]
+    graph = helper.make_graph(order, "act", [helper.make_tensor_value_info(src, onnx.TensorProto.FLOAT, [None])],
+                              [helper.make_tensor_value_info(dst, onnx.TensorProto.FLOAT, [None])], inits)
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        v = np.linspace(-8, 8, 1601, dtype=np.float32)
+        out = ReferenceEvaluator(helper.make_model(graph)).run(None, {src: v})[0]
+    except Exception:  # noqa: BLE001 - anything the evaluator cannot run is not ours to rewrite
+        return None
+    for name, fn in ACTIVATIONS.items():
+        if np.allclose(out, fn(v.astype(np.float64)), rtol=1e-5, atol=1e-6):
+            return name, ops  # unused constants go with the dead-node sweep
+    return None
+
+
+def _inits(base: str, lin: Linear) -> tuple[list[str], list[onnx.TensorProto]]:
+    values, index, comp = pack_24(lin.weights)
+    arrays = {"values": values, "index": index, "comp": comp,
+              "scale": (np.float32(lin.x_scale) * lin.w_scale).astype(np.float32), "bias": lin.bias}
+    names = [f"{base}.{k}" for k in arrays]
+    return names, [numpy_helper.from_array(a, n) for n, a in zip(names, arrays.values())]
+
+
+def rewrite(model: onnx.ModelProto, bf16: bool = False) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """A copy of `model` with its 2:4 INT8 Linears on HoloServe's kernels, and what it replaced:
+    {"Sparse24Gemm": nodes, "Sparse24Ffn": nodes, "linears": Linears replaced, "linears_kept": left}.
+    `bf16`: the kernels read and write bf16 (Cast nodes around them), for OpenVINO running its own ops in
+    bf16, which otherwise reorders every tensor into and out of them."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    G = _Graph(model)
+    linears = [lin for mm in G.g.node if mm.op_type == "MatMul" and (lin := _linear(G, mm)) is not None]
+    by_input: dict[str, list[Linear]] = {}
+    for lin in linears:
+        by_input.setdefault(lin.quantize.output[0], []).append(lin)
+    replaced: dict[int, onnx.NodeProto] = {}  # id(first removed node) -> new node
+    removed: set[int] = set()
+    new_inits: list[onnx.TensorProto] = []
+    counts: Counter = Counter()
+    taken: set[int] = set()
+
+    # FFNs: a lone Linear whose output runs through an activation into the next Linear's quantizer
+    for up in linears:
+        if len(by_input[up.quantize.output[0]]) != 1:
+            continue
+        for down in linears:
+            if id(down) in taken or id(up) in taken or len(by_input[down.quantize.output[0]]) != 1:
+                continue
+            if G.only_consumer(down.quantize.output[0]) is None or down.weights.shape[0] != up.weights.shape[1]:
+                continue
+            found = _activation_between(G, up.add.output[0], down.x)
+            if found is None or len(G.consumers.get(down.x, [])) != 1:
+                continue
+            act, act_nodes = found
+            base = up.matmul.name.strip("/").replace("/", ".") + ".sparse24_ffn"
+            names_up, inits_up = _inits(base + ".up", up)
+            names_down, inits_down = _inits(base + ".down", down)
+            new_inits += inits_up + inits_down
+            node = helper.make_node("Sparse24Ffn", [up.x, *names_up, *names_down], [down.add.output[0]], name=base,
+                                    domain=DOMAIN, x_scale=up.x_scale, h_scale=down.x_scale, activation=act)
+            replaced[id(up.matmul)] = node
+            removed.update(id(n) for n in (up.matmul, up.add, down.quantize, down.matmul, down.add, *act_nodes))
+            taken.update((id(up), id(down)))
+            counts["Sparse24Ffn"] += 1
+            counts["linears"] += 2
+            break
+
+    # Linears sharing a quantized input (Q, K, V), and any lone one left
+    for group in by_input.values():
+        group = [lin for lin in group if id(lin) not in taken]
+        if not group:
+            continue
+        base = group[0].matmul.name.strip("/").replace("/", ".") + ".sparse24"
+        inputs = [group[0].x]
+        for i, lin in enumerate(group):
+            names, inits = _inits(f"{base}.{i}", lin)
+            inputs += names
+            new_inits += inits
+        node = helper.make_node("Sparse24Gemm", inputs, [lin.add.output[0] for lin in group], name=base,
+                                domain=DOMAIN, x_scale=group[0].x_scale)
+        first = min(group, key=lambda lin: _position(G, lin.matmul))
+        replaced[id(first.matmul)] = node
+        removed.update(id(n) for lin in group for n in (lin.matmul, lin.add))
+        counts["Sparse24Gemm"] += 1
+        counts["linears"] += len(group)
+
+    emit = {key: (_cast_around(node) if bf16 else [node]) for key, node in replaced.items()}
+    nodes = []
+    for n in G.g.node:
+        if id(n) in emit:
+            nodes.extend(emit[id(n)])
+        elif id(n) not in removed:
+            nodes.append(n)
+    del G.g.node[:]
+    G.g.node.extend(nodes)
+    G.g.initializer.extend(new_inits)
+    _drop_dead(model)
+    if counts["linears"]:
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    producer = {o: m for m in model.graph.node for o in m.output}
+    counts["linears_kept"] = sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in producer
+                                 and producer[n.input[1]].op_type == "DequantizeLinear")
+    return model, dict(counts)
+
+
+def _cast_around(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """`node` reading and writing bf16, with Casts from and to float32 around it, in graph order."""
+    before = helper.make_node("Cast", [node.input[0]], [node.name + ".in_bf16"], name=node.name + "/to_bf16",
+                              to=onnx.TensorProto.BFLOAT16)
+    node.input[0] = before.output[0]
+    after = []
+    for i, out in enumerate(list(node.output)):
+        node.output[i] = f"{node.name}.out{i}_bf16"
+        after.append(helper.make_node("Cast", [node.output[i]], [out], name=f"{node.name}/out{i}_to_f32",
+                                      to=onnx.TensorProto.FLOAT))
+    return [before, node, *after]
+
+
+def _position(G: _Graph, node: onnx.NodeProto) -> int:
+    return next(i for i, n in enumerate(G.g.node) if n is node)
+
+
+def _drop_dead(model: onnx.ModelProto) -> None:
+    """Remove the nodes and initializers nothing reads any more (the replaced Linears' quantizers)."""
+    g = model.graph
+    while True:
+        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+        keep = [n for n in g.node if any(o in used for o in n.output)]
+        if len(keep) == len(g.node):
+            break
+        del g.node[:]
+        g.node.extend(keep)
+    inits = [i for i in g.initializer if i.name in used]
+    del g.initializer[:]
+    g.initializer.extend(inits)

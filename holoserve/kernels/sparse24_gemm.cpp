@@ -1,0 +1,433 @@
+// HoloServe's 2:4-sparse INT8 Linears for OpenVINO's CPU plugin (AVX-512 VNNI + VBMI).
+//
+// A Linear here is y[m, n] = scale[n] * (sum_k q(x)[m, k] * w[k, n] - comp[n]) + bias[n], where
+// q(x) = clamp(round(x / x_scale) + 128, 0, 255) is ONNX QuantizeLinear with a uint8 zero point of 128,
+// comp[n] = 128 * sum_k w[k, n] removes that zero point exactly in int32, and w is 2:4 sparse along k
+// (at most two non-zeros in each aligned group of four). The weights are packed per 32-column tile: for
+// each chunk of 8 k (two groups) each column keeps 4 int8 values, and `index` holds the positions of
+// their k within the 64-k window the chunk lies in. VPERMB gathers each column's four activation bytes
+// from that window and VPDPBUSD multiplies them with the four weights: one instruction does the work of
+// two dense ones, and the weights take half the bytes (plus as many for the index).
+//
+// Two operations:
+//   Sparse24Gemm(x, {weights, index, comp, scale, bias} x G) -> G outputs: Linears sharing one input
+//     (Q, K and V), which is quantized once.
+//   Sparse24Ffn(x, first Linear's five, second Linear's five) -> y: Linear, activation (exact GELU or
+//     ReLU), QuantizeLinear at `h_scale`, Linear. The hidden layer stays in uint8 codes in cache.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <openvino/core/extension.hpp>
+#include <openvino/core/op_extension.hpp>
+#include <openvino/core/parallel.hpp>
+#include <openvino/frontend/onnx/extension/op.hpp>
+#include <openvino/op/op.hpp>
+
+namespace holoserve {
+
+constexpr int kTile = 32;       // output columns per tile: two 16-lane registers
+constexpr int kWindow = 64;     // k per VPERMB table
+constexpr int kRows = 8;        // rows per register block: 16 accumulators + 8 windows + 2 operands
+constexpr int64_t kRowChunk = 256;  // rows per work item (a chunk's hidden codes stay in L2)
+constexpr int kParts = 5;       // inputs per Linear: weights, index, comp, scale, bias
+
+struct Linear {
+    const int8_t* w;
+    const uint8_t* idx;
+    const int32_t* comp;
+    const float* scale;
+    const float* bias;
+    int64_t K, N;
+    int64_t tile_bytes() const { return (K / 8) * kTile * 4; }
+};
+
+// out = float(acc - comp) * scale + bias for 16 columns
+static inline __m512 dequantize(__m512i acc, const Linear& L, int64_t col) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(L.comp + col))),
+                           _mm512_loadu_ps(L.scale + col), _mm512_loadu_ps(L.bias + col));
+}
+
+// uint8 codes of 16 floats (already divided by the scale): round half to even, saturate, +128
+static inline __m128i codes(__m512 v) {
+    __m512i q = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-128)), _mm512_set1_epi32(127));
+    return _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128)));
+}
+
+// exp(v) for v <= 0 (Cephes' polynomial on the reduced argument); underflows to 0
+static inline __m512 exp_neg(__m512 v) {
+    v = _mm512_max_ps(v, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+// 1 / d for d >= 1: RCP14 and one Newton step (relative error under 1e-7)
+static inline __m512 reciprocal(__m512 d) {
+    const __m512 r = _mm512_rcp14_ps(d);
+    return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+}
+
+// erf(v) = sign(v) (1 - P(t) t exp(-v^2)), t = 1 / (1 + 0.3275911 |v|) (Abramowitz & Stegun 7.1.26):
+// absolute error under 1.5e-7, so GELU's under 1e-7 |v|, far below the hidden quantizer's step
+static inline __m512 erf_ps(__m512 v) {
+    const __m512 a = _mm512_abs_ps(v);
+    const __m512 t = reciprocal(_mm512_fmadd_ps(a, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.0f)));
+    __m512 p = _mm512_set1_ps(1.061405429f);
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
+    p = _mm512_mul_ps(p, t);
+    const __m512 e = _mm512_fnmadd_ps(p, exp_neg(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), a)),
+                                      _mm512_set1_ps(1.0f));
+    return _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(e), _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))));
+}
+
+enum Activation { kGelu = 0, kRelu = 1 };
+
+// 32 columns of R rows: acc[i][j] for rows i, columns 16 j of the tile
+template <int R, class Store>
+static inline void tile_rows(const uint8_t* xq, int64_t K, const int8_t* w, const uint8_t* idx, const Store& store) {
+    __m512i acc[R][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
+    for (int64_t kw = 0; kw < K; kw += kWindow) {
+        __m512i x[R];
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) x[i] = _mm512_loadu_si512(xq + i * K + kw);
+        const int8_t* wc = w + (kw / 8) * kTile * 4;
+        const uint8_t* ic = idx + (kw / 8) * kTile * 4;
+        // every loop unrolled: a rolled one spills the register arrays to the stack
+#pragma GCC unroll 8
+        for (int c = 0; c < kWindow / 8; ++c) {
+#pragma GCC unroll 2
+            for (int j = 0; j < 2; ++j) {
+                const __m512i id = _mm512_loadu_si512(ic + (c * kTile + 16 * j) * 4);
+                const __m512i wv = _mm512_loadu_si512(wc + (c * kTile + 16 * j) * 4);
+#pragma GCC unroll 8
+                for (int i = 0; i < R; ++i)
+                    acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], _mm512_permutexvar_epi8(id, x[i]), wv);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+        store(i, 0, acc[i][0]);
+        store(i, 1, acc[i][1]);
+    }
+}
+
+// rows [0, rows) of one 32-column tile `t` of L, codes xq (row stride K), results through `make(m, t)`
+template <class Make>
+static void tile_column(const uint8_t* xq, int64_t rows, const Linear& L, int64_t t, const Make& make) {
+    const int8_t* w = L.w + t * L.tile_bytes();
+    const uint8_t* idx = L.idx + t * L.tile_bytes();
+    int64_t m = 0;
+    for (; m + kRows <= rows; m += kRows) tile_rows<kRows>(xq + m * L.K, L.K, w, idx, make(m));
+    const uint8_t* x = xq + m * L.K;
+    switch (rows - m) {
+        case 7: tile_rows<7>(x, L.K, w, idx, make(m)); break;
+        case 6: tile_rows<6>(x, L.K, w, idx, make(m)); break;
+        case 5: tile_rows<5>(x, L.K, w, idx, make(m)); break;
+        case 4: tile_rows<4>(x, L.K, w, idx, make(m)); break;
+        case 3: tile_rows<3>(x, L.K, w, idx, make(m)); break;
+        case 2: tile_rows<2>(x, L.K, w, idx, make(m)); break;
+        case 1: tile_rows<1>(x, L.K, w, idx, make(m)); break;
+        default: break;
+    }
+}
+
+// bf16 <-> f32 (round to nearest even; the values here are finite)
+static inline __m512 load_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p))), 16));
+}
+static inline void store_bf16(uint16_t* p, __m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// float results (f32, or bf16 when OpenVINO runs the graph around it in bf16): y[row, col], row stride ldy
+struct StoreFloat {
+    const Linear* L;
+    void* y;
+    int64_t ldy, col0;
+    bool bf16;
+    inline void operator()(int i, int j, __m512i acc) const {
+        const int64_t col = col0 + 16 * j;
+        const __m512 v = dequantize(acc, *L, col);
+        if (bf16)
+            store_bf16(static_cast<uint16_t*>(y) + i * ldy + col, v);
+        else
+            _mm512_storeu_ps(static_cast<float*>(y) + i * ldy + col, v);
+    }
+};
+
+// hidden codes: q(act(linear)) at 1 / h_scale into h[row, col] with row stride ldh
+struct StoreCodes {
+    const Linear* L;
+    uint8_t* h;
+    int64_t ldh, col0;
+    __m512 inv_scale;
+    int act;
+    inline void operator()(int i, int j, __m512i acc) const {
+        const int64_t col = col0 + 16 * j;
+        __m512 v = dequantize(acc, *L, col);
+        if (act == kRelu) {
+            v = _mm512_max_ps(v, _mm512_setzero_ps());
+        } else {  // 0.5 v (1 + erf(v / sqrt 2)), as the exported graph computes it
+            const __m512 e = erf_ps(_mm512_mul_ps(v, _mm512_set1_ps(0.707106781186547524f)));
+            v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), _mm512_set1_ps(0.5f));
+        }
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i * ldh + col), codes(_mm512_mul_ps(v, inv_scale)));
+    }
+};
+
+static void quantize_rows(const void* x, bool bf16, uint8_t* q, int64_t M, int64_t K, float x_scale) {
+    // ONNX divides by the scale; the reciprocal product differs from it only on exact rounding ties
+    const __m512 inv = _mm512_set1_ps(1.0f / x_scale);
+    const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
+    ov::parallel_for(chunks, [&](int64_t c) {
+        const int64_t end = std::min(M, (c + 1) * kRowChunk) * K;
+        for (int64_t e = c * kRowChunk * K; e < end; e += 16) {
+            const __m512 v = bf16 ? load_bf16(static_cast<const uint16_t*>(x) + e)
+                                  : _mm512_loadu_ps(static_cast<const float*>(x) + e);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(q + e), codes(_mm512_mul_ps(v, inv)));
+        }
+    });
+}
+
+static std::vector<uint8_t>& scratch(int slot, size_t bytes) {
+    thread_local std::vector<uint8_t> buffers[2];
+    if (buffers[slot].size() < bytes) buffers[slot].resize(bytes);
+    return buffers[slot];
+}
+
+static Linear linear_at(const ov::TensorVector& inputs, size_t first) {
+    Linear L;
+    const auto shape = inputs[first].get_shape();  // [N/32, K/8, 32, 4]
+    L.w = inputs[first].data<const int8_t>();
+    L.idx = inputs[first + 1].data<const uint8_t>();
+    L.comp = inputs[first + 2].data<const int32_t>();
+    L.scale = inputs[first + 3].data<const float>();
+    L.bias = inputs[first + 4].data<const float>();
+    L.N = static_cast<int64_t>(shape[0]) * kTile;
+    L.K = static_cast<int64_t>(shape[1]) * 8;
+    return L;
+}
+
+static int64_t rows_of(const ov::Shape& shape) {
+    int64_t M = 1;
+    for (size_t d = 0; d + 1 < shape.size(); ++d) M *= static_cast<int64_t>(shape[d]);
+    return M;
+}
+
+static bool float_type(const ov::element::Type& t) { return t == ov::element::f32 || t == ov::element::bf16; }
+
+// shared checks: x's last dimension is the first Linear's K, each Linear's weights are [N/32, K/8, 32, 4]
+class Sparse24Base : public ov::op::Op {
+public:
+    using Op::Op;
+
+    bool has_evaluate() const override { return float_type(get_input_element_type(0)); }
+
+protected:
+    // the input x: f32 or bf16, its shape, rows (all dimensions but the last) and width
+    struct Input {
+        bool bf16;
+        ov::Shape shape;
+        int64_t M, K;
+    };
+    static bool read_input(const ov::TensorVector& inputs, Input& in) {
+        if (!float_type(inputs[0].get_element_type())) return false;
+        in.bf16 = inputs[0].get_element_type() == ov::element::bf16;
+        in.shape = inputs[0].get_shape();
+        in.M = rows_of(in.shape);
+        in.K = static_cast<int64_t>(in.shape.back());
+        return true;
+    }
+
+    ov::Dimension check_linear(size_t first, const ov::Dimension& k) {
+        const auto& ws = get_input_partial_shape(first);
+        NODE_VALIDATION_CHECK(this, ws.is_static() && ws.size() == 4 && ws[2].get_length() == kTile &&
+                                        ws[3].get_length() == 4,
+                              "holoserve 2:4 weights must be a constant [N/32, K/8, 32, 4]");
+        NODE_VALIDATION_CHECK(this, get_input_element_type(first) == ov::element::i8 &&
+                                        get_input_element_type(first + 1) == ov::element::u8 &&
+                                        get_input_element_type(first + 2) == ov::element::i32,
+                              "holoserve 2:4 weights are i8, the index u8 and comp i32");
+        NODE_VALIDATION_CHECK(this, k.compatible(ws[1].get_length() * 8) && (ws[1].get_length() * 8) % kWindow == 0,
+                              "holoserve 2:4 Linear: the input's last dimension is not the weights' K "
+                              "(or not a multiple of 64)");
+        return ov::Dimension(ws[0].get_length() * kTile);
+    }
+    ov::PartialShape with_last(ov::PartialShape shape, const ov::Dimension& n) const {
+        if (shape.rank().is_static()) shape[shape.size() - 1] = n;
+        return shape;
+    }
+    ov::Dimension last_of(const ov::PartialShape& shape) const {
+        return shape.rank().is_static() ? shape[shape.size() - 1] : ov::Dimension::dynamic();
+    }
+};
+
+class Sparse24Gemm : public Sparse24Base {
+public:
+    OPENVINO_OP("Sparse24Gemm", "holoserve");
+
+    Sparse24Gemm() = default;
+    Sparse24Gemm(const ov::OutputVector& args, float x_scale) : Sparse24Base(args), m_x_scale(x_scale) {
+        constructor_validate_and_infer_types();
+    }
+
+    void validate_and_infer_types() override {
+        const size_t n = get_input_size();
+        NODE_VALIDATION_CHECK(this, n > 1 && (n - 1) % kParts == 0,
+                              "Sparse24Gemm takes x and, per Linear, weights, index, comp, scale, bias");
+        const auto& xs = get_input_partial_shape(0);
+        for (size_t g = 0; g < (n - 1) / kParts; ++g)
+            set_output_type(g, get_input_element_type(0), with_last(xs, check_linear(1 + kParts * g, last_of(xs))));
+    }
+
+    std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& new_args) const override {
+        return std::make_shared<Sparse24Gemm>(new_args, m_x_scale);
+    }
+
+    bool visit_attributes(ov::AttributeVisitor& visitor) override {
+        visitor.on_attribute("x_scale", m_x_scale);
+        return true;
+    }
+
+    bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
+        Input in;
+        if (!read_input(inputs, in)) return false;
+        const auto& [bf16, shape, M, K] = in;
+        const size_t groups = (inputs.size() - 1) / kParts;
+        std::vector<Linear> lin;
+        std::vector<int64_t> first_tile{0};
+        for (size_t g = 0; g < groups; ++g) {
+            lin.push_back(linear_at(inputs, 1 + kParts * g));
+            if (lin.back().K != K) return false;
+            auto out = shape;
+            out.back() = static_cast<size_t>(lin.back().N);
+            outputs[g].set_shape(out);
+            first_tile.push_back(first_tile.back() + lin.back().N / kTile);
+        }
+        if (M == 0) return true;
+        uint8_t* xq = scratch(0, static_cast<size_t>(M * K)).data();
+        quantize_rows(inputs[0].data(), bf16, xq, M, K, m_x_scale);
+        const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
+        ov::parallel_for2d(chunks, first_tile.back(), [&](int64_t c, int64_t tt) {
+            const size_t g = std::upper_bound(first_tile.begin(), first_tile.end(), tt) - first_tile.begin() - 1;
+            const Linear& L = lin[g];
+            const int64_t t = tt - first_tile[g], m0 = c * kRowChunk, rows = std::min(M, m0 + kRowChunk) - m0;
+            char* y = static_cast<char*>(outputs[g].data()) + m0 * L.N * outputs[g].get_element_type().size();
+            tile_column(xq + m0 * K, rows, L, t, [&](int64_t m) {
+                return StoreFloat{&L, y + m * L.N * (bf16 ? 2 : 4), L.N, t * kTile, bf16};
+            });
+        });
+        return true;
+    }
+
+private:
+    float m_x_scale = 1.0f;
+};
+
+class Sparse24Ffn : public Sparse24Base {
+public:
+    OPENVINO_OP("Sparse24Ffn", "holoserve");
+
+    Sparse24Ffn() = default;
+    Sparse24Ffn(const ov::OutputVector& args, float x_scale, float h_scale, const std::string& activation)
+        : Sparse24Base(args), m_x_scale(x_scale), m_h_scale(h_scale), m_activation(activation) {
+        constructor_validate_and_infer_types();
+    }
+
+    void validate_and_infer_types() override {
+        NODE_VALIDATION_CHECK(this, get_input_size() == 1 + 2 * kParts,
+                              "Sparse24Ffn takes x and two Linears' weights, index, comp, scale, bias");
+        NODE_VALIDATION_CHECK(this, m_activation == "gelu" || m_activation == "relu",
+                              "Sparse24Ffn's activation is gelu (exact) or relu, not ", m_activation);
+        const auto& xs = get_input_partial_shape(0);
+        const auto hidden = check_linear(1, last_of(xs));
+        set_output_type(0, get_input_element_type(0), with_last(xs, check_linear(1 + kParts, hidden)));
+    }
+
+    std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& new_args) const override {
+        return std::make_shared<Sparse24Ffn>(new_args, m_x_scale, m_h_scale, m_activation);
+    }
+
+    bool visit_attributes(ov::AttributeVisitor& visitor) override {
+        visitor.on_attribute("x_scale", m_x_scale);
+        visitor.on_attribute("h_scale", m_h_scale);
+        visitor.on_attribute("activation", m_activation);
+        return true;
+    }
+
+    bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
+        Input in;
+        if (!read_input(inputs, in)) return false;
+        const auto& [bf16, shape, M, K] = in;
+        const Linear up = linear_at(inputs, 1), down = linear_at(inputs, 1 + kParts);
+        if (up.K != K || down.K != up.N) return false;
+        auto out = shape;
+        out.back() = static_cast<size_t>(down.N);
+        outputs[0].set_shape(out);
+        if (M == 0) return true;
+        uint8_t* xq = scratch(0, static_cast<size_t>(M * K)).data();
+        quantize_rows(inputs[0].data(), bf16, xq, M, K, m_x_scale);
+        char* y = static_cast<char*>(outputs[0].data());
+        const int64_t row_bytes = down.N * (bf16 ? 2 : 4);
+        const int act = m_activation == "relu" ? kRelu : kGelu;
+        const __m512 inv_h = _mm512_set1_ps(1.0f / m_h_scale);
+        // a block of rows at a time, so that its hidden codes stay in cache between the two Linears
+        const int64_t block = 2 * kRowChunk, H = up.N;
+        uint8_t* h = scratch(1, static_cast<size_t>(std::min(M, block) * H)).data();
+        for (int64_t b0 = 0; b0 < M; b0 += block) {
+            const int64_t rows = std::min(M, b0 + block) - b0, chunks = (rows + kRowChunk - 1) / kRowChunk;
+            ov::parallel_for2d(chunks, up.N / kTile, [&](int64_t c, int64_t t) {
+                const int64_t m0 = c * kRowChunk, n = std::min(rows, m0 + kRowChunk) - m0;
+                tile_column(xq + (b0 + m0) * K, n, up, t, [&](int64_t m) {
+                    return StoreCodes{&up, h + (m0 + m) * H, H, t * kTile, inv_h, act};
+                });
+            });
+            ov::parallel_for2d(chunks, down.N / kTile, [&](int64_t c, int64_t t) {
+                const int64_t m0 = c * kRowChunk, n = std::min(rows, m0 + kRowChunk) - m0;
+                tile_column(h + m0 * H, n, down, t, [&](int64_t m) {
+                    return StoreFloat{&down, y + (b0 + m0 + m) * row_bytes, down.N, t * kTile, bf16};
+                });
+            });
+        }
+        return true;
+    }
+
+private:
+    float m_x_scale = 1.0f, m_h_scale = 1.0f;
+    std::string m_activation = "gelu";
+};
+
+}  // namespace holoserve
+
+OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>(
+    {std::make_shared<ov::OpExtension<holoserve::Sparse24Gemm>>(),
+     std::make_shared<ov::OpExtension<holoserve::Sparse24Ffn>>(),
+     std::make_shared<ov::frontend::onnx::OpExtension<holoserve::Sparse24Gemm>>("Sparse24Gemm", "holoserve"),
+     std::make_shared<ov::frontend::onnx::OpExtension<holoserve::Sparse24Ffn>>("Sparse24Ffn", "holoserve")}));

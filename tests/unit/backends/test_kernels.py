@@ -1,0 +1,249 @@
+"""HoloServe's 2:4 INT8 kernels for OpenVINO (holoserve.kernels): the packing, each operation against a
+numpy reference, the rewrite of a real export, and the backend's --openvino-kernels."""
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("openvino")
+onnx = pytest.importorskip("onnx")
+
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from holoserve import kernels  # noqa: E402
+from holoserve.kernels import KernelsUnavailable, pack_24, unpack_24  # noqa: E402
+from holoserve.kernels.rewrite import rewrite  # noqa: E402
+
+if kernels.cpu_missing():
+    pytest.skip(f"the 2:4 kernels need AVX-512 VNNI and VBMI; this CPU lacks {kernels.cpu_missing()}",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    """The extension, built once for this module into its own cache folder."""
+    import os
+
+    old = os.environ.get("HOLOSERVE_KERNEL_CACHE")
+    os.environ["HOLOSERVE_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernel-cache"))
+    try:
+        yield kernels.build()
+    finally:
+        if old is None:
+            os.environ.pop("HOLOSERVE_KERNEL_CACHE", None)
+        else:
+            os.environ["HOLOSERVE_KERNEL_CACHE"] = old
+
+
+def random_24(rng, K, N, sparse_groups=0.2):
+    """int8 [K, N], at most two non-zeros per aligned group of four along K; some groups hold fewer."""
+    g = rng.integers(-127, 128, (K // 4, 4, N)).astype(np.int8)
+    keep = np.argsort(rng.random((K // 4, 4, N)), axis=1)[:, :2]
+    mask = np.zeros(g.shape, bool)
+    np.put_along_axis(mask, keep, True, axis=1)
+    mask &= rng.random(g.shape) > sparse_groups  # some groups with one non-zero, a few with none
+    return (g * mask).reshape(K, N).astype(np.int8)
+
+
+def test_packing_round_trips_and_refuses_what_it_cannot_hold():
+    rng = np.random.default_rng(0)
+    w = random_24(rng, 128, 96)
+    values, index, comp = pack_24(w)
+    assert values.shape == index.shape == (3, 16, 32, 4) and values.dtype == np.int8 and index.dtype == np.uint8
+    assert int(index.max()) < 64
+    np.testing.assert_array_equal(unpack_24(values, index), w)
+    np.testing.assert_array_equal(comp, 128 * w.astype(np.int64).sum(0))
+    dense = w.copy()
+    dense[0:4, 5] = [1, 2, 3, 0]
+    with pytest.raises(ValueError, match="not 2:4"):
+        pack_24(dense)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pack_24(w[:96])
+
+
+def quantize(x, scale):  # ONNX QuantizeLinear, uint8, zero point 128 (the kernels multiply by 1 / scale)
+    return np.clip(np.rint(x * np.float32(1.0 / np.float32(scale))), -128, 127).astype(np.int64) + 128
+
+
+def linear_ref(codes, w, scale, bias):
+    acc = codes @ w.astype(np.int64) - 128 * w.astype(np.int64).sum(0)
+    return acc.astype(np.float64) * scale + bias
+
+
+def linear_inputs(rng, name, K, N, x_scale):
+    w = random_24(rng, K, N)
+    w_scale = rng.uniform(1e-3, 4e-3, N).astype(np.float32)
+    bias = rng.normal(0, 0.1, N).astype(np.float32)
+    values, index, comp = pack_24(w)
+    arrays = {"values": values, "index": index, "comp": comp, "scale": np.float32(x_scale) * w_scale, "bias": bias}
+    inits = [numpy_helper.from_array(a, f"{name}.{k}") for k, a in arrays.items()]
+    return [f"{name}.{k}" for k in arrays], inits, (w, arrays["scale"].astype(np.float64), bias)
+
+
+def run_node(library, node, inits, x, outputs, precision="f32"):
+    import openvino as ov
+
+    graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("holoserve", 1)])
+    core = ov.Core()
+    core.add_extension(str(library))
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.onnx"
+        onnx.save(model, str(path))
+        compiled = core.compile_model(core.read_model(str(path)), "CPU",
+                                      {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": 2})
+    out = compiled.create_infer_request().infer({"x": x})
+    return [np.asarray(out[compiled.output(i)]) for i in range(len(outputs))]
+
+
+def test_gemm_of_linears_sharing_an_input_matches_the_integer_reference(library):
+    rng = np.random.default_rng(1)
+    x = rng.normal(0, 1, (3, 11, 128)).astype(np.float32)  # 33 rows: four blocks of 8 and a tail of 1
+    s = 0.03
+    names_a, inits_a, ref_a = linear_inputs(rng, "a", 128, 64, s)
+    names_b, inits_b, ref_b = linear_inputs(rng, "b", 128, 96, s)
+    node = helper.make_node("Sparse24Gemm", ["x", *names_a, *names_b], ["ya", "yb"], domain="holoserve", x_scale=s)
+    ya, yb = run_node(library, node, inits_a + inits_b, x, ["ya", "yb"])
+    codes = quantize(x.reshape(-1, 128), s)
+    assert ya.shape == (3, 11, 64) and yb.shape == (3, 11, 96)
+    np.testing.assert_allclose(ya.reshape(-1, 64), linear_ref(codes, *ref_a), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(yb.reshape(-1, 96), linear_ref(codes, *ref_b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_ffn_matches_linear_activation_quantize_linear(library, activation):
+    rng = np.random.default_rng(2)
+    x = rng.normal(0, 1, (2, 9, 64)).astype(np.float32)
+    s, h = 0.03, 0.02
+    names_up, inits_up, ref_up = linear_inputs(rng, "up", 64, 128, s)
+    names_down, inits_down, ref_down = linear_inputs(rng, "down", 128, 64, h)
+    node = helper.make_node("Sparse24Ffn", ["x", *names_up, *names_down], ["y"], domain="holoserve",
+                            x_scale=s, h_scale=h, activation=activation)
+    (y,) = run_node(library, node, inits_up + inits_down, x, ["y"])
+
+    def reference(inputs):
+        pre = linear_ref(quantize(inputs.reshape(-1, 64), s), *ref_up)
+        act = (0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2))) if activation == "gelu"
+               else np.maximum(pre, 0))
+        return linear_ref(quantize(act.astype(np.float32), h), *ref_down)
+
+    assert y.shape == (2, 9, 64)
+    # a hidden code may land on the other side of a rounding tie (GELU is approximated to 1.5e-7)
+    diff = np.abs(y.reshape(-1, 64) - reference(x))
+    assert np.mean(diff > 1e-4) < 0.01 and diff.max() < 0.05, (diff.max(), np.mean(diff > 1e-4))
+    # bf16 in and out (as OpenVINO runs the graph around the kernels in bf16): the same on bf16 inputs, to
+    # within bf16's rounding of the output (2^-8 relative)
+    node_bf16 = helper.make_node("Sparse24Ffn", ["xb", *names_up, *names_down], ["yb"], domain="holoserve",
+                                 x_scale=s, h_scale=h, activation=activation)
+    cast_in = helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16)
+    cast_out = helper.make_node("Cast", ["yb"], ["y"], to=TensorProto.FLOAT)
+    import openvino as ov
+    import tempfile
+    from pathlib import Path
+
+    graph = helper.make_graph([cast_in, node_bf16, cast_out], "k", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits_up + inits_down)
+    core = ov.Core()
+    core.add_extension(str(library))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("holoserve", 1)]),
+                  str(path))
+        compiled = core.compile_model(core.read_model(str(path)), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    yb = np.asarray(compiled.create_infer_request().infer({"x": x})[compiled.output(0)]).reshape(-1, 64)
+    ref_b = reference(bf16(x))
+    close = np.abs(yb - ref_b) <= 2.0 ** -8 * np.abs(ref_b) + 1e-4
+    assert np.mean(~close) < 0.01, np.mean(~close)
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16 (to nearest, ties to even), as float32."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Tiny GELU and ReLU checkpoints whose widths the kernels take (64 and 128), with openvino exports."""
+    from holoserve.export.onnx_export import export_checkpoint
+    from tests.helpers.tiny import calibrated_tiny_checkpoint
+
+    out = {}
+    for act in ("gelu", "relu"):
+        root = tmp_path_factory.mktemp(f"kernels-{act}")
+        *_, art = calibrated_tiny_checkpoint(root, hidden=64, intermediate=128, max_seq_length=32, hidden_act=act)
+        export_checkpoint(art.path, ["onnxruntime", "openvino"], progress=False, polygraphy=False)
+        out[act] = art.path
+    return out
+
+
+def test_rewrite_puts_every_2_4_linear_on_the_kernels(checkpoints, library):
+    for act, ckpt in checkpoints.items():
+        model, counts = rewrite(onnx.load(str(ckpt / "model.ov.onnx")))
+        ops = [n.op_type for n in model.graph.node]
+        assert counts["Sparse24Ffn"] == ops.count("Sparse24Ffn") == 2, (act, counts)
+        # per layer Q, K, V as one node and the attention output; the last layer's [CLS]-row query stays
+        assert counts["linears"] + counts["linears_kept"] == 12 and counts["linears_kept"] <= 1, counts
+        ffn = next(n for n in model.graph.node if n.op_type == "Sparse24Ffn")
+        assert helper.get_attribute_value(next(a for a in ffn.attribute if a.name == "activation")).decode() == act
+        assert "Erf" not in ops and "QuantizeLinear" in ops  # the GELU went into the FFN nodes
+        wrapped, _ = rewrite(onnx.load(str(ckpt / "model.ov.onnx")), bf16=True)
+        casts = [n for n in wrapped.graph.node if n.op_type == "Cast" and n.name.endswith("to_bf16")]
+        assert len(casts) == counts["Sparse24Ffn"] + counts["Sparse24Gemm"]
+
+
+def test_rewrite_leaves_a_linear_that_is_not_2_4_alone(checkpoints):
+    model = onnx.load(str(checkpoints["gelu"] / "model.ov.onnx"))
+    init = next(i for i in model.graph.initializer if i.name.endswith("intermediate.dense.weight_int8"))
+    w = numpy_helper.to_array(init).copy()
+    w[:4, 0] = [3, 5, 7, 9]  # one dense group
+    init.CopyFrom(numpy_helper.from_array(w, init.name))
+    _, counts = rewrite(model)
+    assert counts["Sparse24Ffn"] == 1 and counts["linears_kept"] >= 1
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_backend_with_kernels_agrees_with_onnxruntime(checkpoints, library, precision):
+    from holoserve.backends import load_backend
+    from holoserve.core.artifact import load_artifact
+    from holoserve.core.tokenizer import TextEncoder, pad_batch
+
+    for act, ckpt in checkpoints.items():
+        art = load_artifact(ckpt)
+        ours = load_backend("openvino", art, threads=1, openvino_kernels="on", openvino_precision=precision)
+        plain = load_backend("openvino", art, threads=1, openvino_kernels="off", openvino_precision=precision)
+        ort = load_backend("onnxruntime", art, threads=1)
+        info = ours.info()["kernels"]
+        assert info["status"].startswith("on") and f"{precision} in and out" in info["status"], info
+        assert plain.info()["kernels"]["status"].startswith("off")
+        enc = TextEncoder(ckpt / "tokenizer.json", art.max_seq_length)
+        texts = ["a good film", "the plot is thin and the acting is worse", "fun", "not bad at all, really"] * 3
+        batch = pad_batch(enc.encode(texts), enc.pad_id)
+        a, p, r = ours.infer(*batch), plain.infer(*batch), ort.infer(*batch)
+        assert a.shape == r.shape == (12, art.num_labels) and a.dtype == np.float32
+        scale = max(1.0, float(np.abs(r).max()))
+        # the kernels compute the Linears as ONNX Runtime does (integer GEMMs, exact): in f32 they are
+        # at least as close to it as OpenVINO's own GEMMs
+        assert np.abs(a - r).max() < 0.25 * scale, (act, precision)
+        if precision == "f32":
+            assert np.abs(a - r).max() <= np.abs(p - r).max() + 0.02 * scale, (act, np.abs(a - r).max(), np.abs(p - r).max())
+
+
+def test_kernels_off_auto_and_on_without_a_compiler(checkpoints, monkeypatch, tmp_path):
+    from holoserve.backends.openvino import compile_model
+
+    monkeypatch.setenv("HOLOSERVE_KERNEL_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("CXX", "no-such-compiler-holoserve")
+    path = checkpoints["gelu"] / "model.ov.onnx"
+    with pytest.raises(KernelsUnavailable, match="install g\\+\\+"):
+        compile_model(path, threads=1, kernels="on")
+    report = {}
+    compile_model(path, threads=1, kernels="auto", report=report)
+    assert report["status"].startswith("off: no C++ compiler"), report
+    with pytest.raises(Exception, match="--openvino-kernels"):
+        compile_model(path, threads=1, kernels="sometimes")
