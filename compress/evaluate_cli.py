@@ -13,7 +13,7 @@ import numpy as np
 
 from holoserve import HoloServeError
 from holoserve.cli_options import advanced
-from holoserve.core.choices import OPENVINO_PRECISIONS
+from holoserve.core.choices import OPENVINO_KERNELS, OPENVINO_KERNELS_DEFAULT, OPENVINO_PRECISIONS
 from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ONNX
 
 # What `holoserve eval` can score through: the PyTorch fake-quant model (the checkpoint's own numerics),
@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="with --backend openvino: the precision of OpenVINO's float ops, as `holoserve serve "
                           "--openvino-precision` takes it (default: auto, the CPU plugin's choice, bf16 on CPUs "
                           "with bf16 units)")
+    adv.add_argument("--openvino-kernels", choices=OPENVINO_KERNELS, default=None,
+                     help="with --backend openvino: run the 2:4 INT8 Linears on HoloServe's kernels, as `holoserve "
+                          "serve --openvino-kernels` takes it (default: " + OPENVINO_KERNELS_DEFAULT + ")")
     adv.add_argument("--onnx-export", default=ONNXRUNTIME, choices=(ONNXRUNTIME, TENSORRT_ONNX),
                    help="with --onnx: which export; 'onnxruntime' (what `holoserve serve` runs on a CPU) or "
                         "'tensorrt-onnx' (the TensorRT placement, emulated on the CPU)")
@@ -67,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None, batch_size=128, fp32=False,
                         onnx=False, threads=0, onnx_export=ONNXRUNTIME, device="auto", data=None,
-                        predictions=None, backend=None, openvino_precision=None, compare=False) -> dict:
+                        predictions=None, backend=None, openvino_precision=None, compare=False,
+                        openvino_kernels=None) -> dict:
     """Dev metrics of a checkpoint: on `data` (DataOptions with a dev file), else a GLUE split; with
     `predictions` (a path) also each row's prediction, as JSON Lines. `backend` (or `onnx=True`, the same as
     backend="onnxruntime") scores an export through the server's backend of that name; with `compare` the
@@ -85,6 +89,8 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     from .evaluate import score
 
     backend = _check_backend_options(backend, onnx, fp32, openvino_precision, compare, onnx_export)
+    if openvino_kernels is not None and backend != "openvino":
+        raise HoloServeError(f"--openvino-kernels only applies to --backend openvino (got --backend {backend})")
     if predictions is not None:  # a bad path fails now, not after the scoring
         _predictions_folder(predictions)
     model = None
@@ -113,7 +119,8 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     if backend == "onnxruntime":
         logits, numerics = _onnx_logits(art, data, batch_size, threads, onnx_export)
     elif backend == "openvino":
-        logits, numerics = _openvino_logits(art, data, batch_size, threads, openvino_precision or "auto")
+        logits, numerics = _openvino_logits(art, data, batch_size, threads, openvino_precision or "auto",
+                                            openvino_kernels or OPENVINO_KERNELS_DEFAULT)
     else:
         logits, numerics = _pytorch_logits(model, art, data, batch_size, fp32)
     metrics = score(task_obj, logits, data.labels)
@@ -189,14 +196,15 @@ def _onnx_logits(art, data, batch_size: int, threads: int, export_key: str) -> t
     return _backend_logits(backend, data, batch_size), f"ONNX Runtime ({backend.path.name}, {export_key} export, CPU)"
 
 
-def _openvino_logits(art, data, batch_size: int, threads: int, precision: str) -> tuple[np.ndarray, str]:
+def _openvino_logits(art, data, batch_size: int, threads: int, precision: str, kernels: str) -> tuple[np.ndarray, str]:
     """The `openvino` export through the server's own OpenVINO backend, on `holoserve eval`'s batches."""
     from holoserve.backends.openvino import OpenVinoBackend, inference_precision
 
     # clear errors (BackendUnavailable) without OpenVINO installed or without the export
-    backend = OpenVinoBackend(art, threads=threads or None, precision=precision)
+    backend = OpenVinoBackend(art, threads=threads or None, precision=precision, kernels=kernels)
     return _backend_logits(backend, data, batch_size), (
-        f"OpenVINO ({backend.path.name}, float ops in {inference_precision(backend.compiled)}, CPU)")
+        f"OpenVINO ({backend.path.name}, float ops in {inference_precision(backend.compiled)}, CPU; 2:4 kernels "
+        f"{backend.kernels.get('status', 'off')})")
 
 
 def _backend_logits(backend, data, batch_size: int) -> np.ndarray:
@@ -252,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
     out = evaluate_checkpoint(args.checkpoint, args.task, args.data_dir, args.split, args.limit, args.batch_size,
                               args.fp32, args.onnx, args.threads, args.onnx_export, args.device,
                               data=data_options(args), predictions=args.predictions, backend=args.backend,
-                              openvino_precision=args.openvino_precision, compare=args.compare)
+                              openvino_precision=args.openvino_precision, compare=args.compare,
+                              openvino_kernels=args.openvino_kernels)
     print(json.dumps(out, indent=2))
     return 0

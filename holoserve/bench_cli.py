@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from holoserve.core.choices import OPENVINO_KERNELS
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -38,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results", help="folder for the JSON/Markdown/PNG results (default bench/results)")
     p.add_argument("--name", default=None, help="file name stem for the results (default holoserve-bench-<checkpoint>)")
     p.add_argument("--no-save", action="store_true", help="print only; write no files")
+    p.add_argument("--openvino-kernels", choices=OPENVINO_KERNELS, default=None,
+                   help="openvino backend: HoloServe's 2:4 INT8 kernels, as `holoserve serve --openvino-kernels` "
+                        "takes it (default: the server's default)")
     p.add_argument("--openvino-static", action="store_true",
                    help="openvino backend: also compile a static-shape model for every batch x seq timed, as "
                         "`holoserve serve --openvino-shapes` would, so each cell runs on one")
@@ -177,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     machine = machine_description()
     options = {"openvino_shapes": [(b, s) for b in args.batch for s in seqs]} if args.openvino_static else {}
+    if args.openvino_kernels:
+        options["openvino_kernels"] = args.openvino_kernels
     results: list[dict[str, Any]] = []
     backends: dict[str, Any] = {}
     for name in names:

@@ -9,11 +9,11 @@ import os
 from dataclasses import fields
 
 from . import HoloServeError
-from .core.choices import OPENVINO_PRECISIONS
+from .core.choices import OPENVINO_KERNELS, OPENVINO_PRECISIONS
 from .server.config import TOKEN_ENV, ServerConfig, env_name
 
 BACKENDS = ("auto", "onnxruntime", "openvino", "tensorrt", "torch-cuda", "torch")
-CHOICES = {"backend": BACKENDS, "openvino_precision": OPENVINO_PRECISIONS}  # fields with a fixed set of values
+CHOICES = {"backend": BACKENDS, "openvino_precision": OPENVINO_PRECISIONS, "openvino_kernels": OPENVINO_KERNELS}  # fields with a fixed set of values
 
 HELP = {
     "backend": "inference backend; auto = tensorrt > torch-cuda > the faster of openvino and onnxruntime (timed "
@@ -46,6 +46,9 @@ HELP = {
                        "(each ~0.3 s at start-up and ~40 MB for MiniLM); a batch that fits one with at most 10 %% "
                        "padding runs there (13-26 %% less time for MiniLM on a 2-core Xeon), every other batch on "
                        "the dynamic model",
+    "openvino_kernels": "openvino backend: run the 2:4 INT8 Linears on HoloServe's own kernels, which skip the "
+                        "zeros (AVX-512 VNNI + VBMI; built once with g++ against the installed OpenVINO); auto = "
+                        "where this machine can, on = fail where it cannot, off = OpenVINO's GEMMs",
     "openvino_sparse_weights": "openvino backend: let OpenVINO decompress the 2:4 INT8 weights (CPUs with AMX "
                                "only; no consistent gain measured for MiniLM on a 2-core Xeon)",
     "model_name": "name reported by the API and metrics; default: the checkpoint folder's name",

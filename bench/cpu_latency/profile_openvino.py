@@ -31,13 +31,16 @@ from bench.cpu_latency.run import (load_avg, nncf_int8, openvino_modules, random
 from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402
 from holoserve.core.machine import describe_cpu  # noqa: E402
 
-ENGINES = {"openvino_nncf_int8": "OpenVINO INT8 (NNCF PTQ, dense weights)", "ours_openvino": "ours on OpenVINO"}
+ENGINES = {"openvino_nncf_int8": "OpenVINO INT8 (NNCF PTQ, dense weights)", "ours_openvino": "ours on OpenVINO",
+           "ours_openvino_kernels": "ours on OpenVINO + 2:4 kernels"}
 
 
 def op_class(node_type: str) -> str:
-    """GEMMs (OpenVINO's FullyConnected family, int8 or float), the fused attention block (the CPU
-    plugin's `Subgraph`: QK^T, softmax, xV), or other (LayerNorm, adds, quantize, reorders, ...)."""
-    if node_type.startswith("FullyConnected") or node_type == "MatMul":
+    """GEMMs (OpenVINO's FullyConnected family, int8 or float; HoloServe's 2:4 kernels, which run as
+    `Reference` nodes and include their input's quantization and, in the FFN, the activation), the fused
+    attention block (the CPU plugin's `Subgraph`: QK^T, softmax, xV), or other (LayerNorm, adds, quantize,
+    reorders, ...)."""
+    if node_type.startswith("FullyConnected") or node_type in ("MatMul", "Reference"):
         return "gemm"
     if node_type == "Subgraph":
         return "attention"
@@ -80,24 +83,29 @@ def profile(compiled: dict, feed: dict, runs: int, warmup: int) -> dict:
 
 def markdown(r: dict) -> str:
     e = r["engines"]
-    ours, peer = e["ours_openvino"], e["openvino_nncf_int8"]
+    peer = e["openvino_nncf_int8"]
+    keys = [k for k in ENGINES if k in e]
+    ours = [k for k in keys if k != "openvino_nncf_int8"]
     lines = [f"# Per-operation profile on OpenVINO ({r['date']}, {r['machine']})", "",
              f"Batch {r['batch']}, sequence {r['seq']}"
-             f"{' (both compiled for that static shape)' if r.get('static') else ''}, {r['threads']} thread(s), "
+             f"{' (all compiled for that static shape)' if r.get('static') else ''}, {r['threads']} thread(s), "
              f"{r['runs']} timed runs per engine, "
              "interleaved; "
              f"checkpoint `{r['checkpoint']}`, dense model `{r['dense']}`; OpenVINO {r['versions']['openvino']}, "
              f"NNCF {r['versions']['nncf']}. Load average before/after: {r['loadavg_before']} / {r['loadavg_after']}.",
-             "", "| | " + " | ".join(ENGINES[k] for k in ENGINES) + " | ours / NNCF |", "| --- | ---: | ---: | ---: |"]
+             "", "| | " + " | ".join(ENGINES[k] for k in keys) + " | " + " | ".join(f"{ENGINES[k]} / NNCF" for k in ours)
+             + " |", "| --- |" + " ---: |" * (len(keys) + len(ours))]
     rows = [("wall clock, median (ms)", "wall_median_ms"), ("sum of node times (ms)", "node_sum_ms")]
     for label, key in rows:
-        lines.append(f"| {label} | {peer[key]:.2f} | {ours[key]:.2f} | {ours[key] / peer[key]:.2f} |")
+        lines.append(f"| {label} | " + " | ".join(f"{e[k][key]:.2f}" for k in keys) + " | "
+                     + " | ".join(f"{e[k][key] / peer[key]:.2f}" for k in ours) + " |")
     for c in ("gemm", "attention", "other"):
-        a, b = peer["per_class_ms"].get(c, 0.0), ours["per_class_ms"].get(c, 0.0)
-        share = f" ({100 * a / peer['node_sum_ms']:.0f} % / {100 * b / ours['node_sum_ms']:.0f} %)"
-        lines.append(f"| {c} (ms, share) | {a:.2f} | {b:.2f} | "
-                     f"{b / a if a else float('nan'):.2f}{share} |")
-    for k in ENGINES:
+        ms = {k: e[k]["per_class_ms"].get(c, 0.0) for k in keys}
+        lines.append(f"| {c} (ms, share) | " + " | ".join(f"{ms[k]:.2f} ({100 * ms[k] / e[k]['node_sum_ms']:.0f} %)"
+                                                          for k in keys) + " | "
+                     + " | ".join(f"{ms[k] / ms['openvino_nncf_int8'] if ms['openvino_nncf_int8'] else float('nan'):.2f}"
+                                  for k in ours) + " |")
+    for k in keys:
         lines += ["", f"## {ENGINES[k]}: node type / kernel", "", "| ms | nodes | node type / kernel |",
                   "| ---: | ---: | --- |"]
         lines += [f"| {x['ms']:.3f} | {x['nodes']} | {x['kind']} |" for x in e[k]["per_kind"][:15]]
@@ -117,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration-rows", type=int, default=64)
     ap.add_argument("--static", action="store_true", help="compile both models for the one [batch, seq] shape")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also profile ours with HoloServe's 2:4 kernels (--openvino-kernels on)")
     ap.add_argument("--name", default="cpu_profile_openvino")
     args = ap.parse_args(argv)
     try:
@@ -149,8 +159,17 @@ def main(argv=None) -> int:
         config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": args.threads, "PERF_COUNT": True}
         before = load_avg()
         compiled = {}
-        for key, path in (("openvino_nncf_int8", nncf_ir), ("ours_openvino", ours)):
-            model = core.read_model(str(path))
+        models = [("openvino_nncf_int8", nncf_ir), ("ours_openvino", ours)]
+        if args.kernels:
+            models.append(("ours_openvino_kernels", ours))
+        for key, path in models:
+            if key == "ours_openvino_kernels":
+                from holoserve.backends.openvino import kernels_plan, read_model
+
+                _, bf16, _ = kernels_plan("on", "auto")
+                model, _ = read_model(core, path, kernels=True, bf16=bf16)
+            else:
+                model = core.read_model(str(path))
             if args.static:
                 model.reshape({i.get_any_name(): ov.PartialShape([args.batch, args.seq]) for i in model.inputs})
             compiled[key] = core.compile_model(model, "CPU", config)

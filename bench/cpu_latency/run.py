@@ -61,8 +61,8 @@ from holoserve.core.ort import session  # noqa: E402
 
 ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "openvino_fp32", "openvino_nncf_int8",
            "openvino_nncf_int8_static", "ours_qdq_int8", "ours_openvino", "ours_openvino_sparse",
-           "ours_openvino_static", "ours_openvino_f32", "ours_openvino_static_f32", "also_openvino",
-           "also_openvino_static")
+           "ours_openvino_static", "ours_openvino_f32", "ours_openvino_static_f32", "ours_openvino_kernels",
+           "ours_openvino_static_kernels", "also_openvino", "also_openvino_static")
 LABELS = {
     "pytorch_fp32": "PyTorch fp32 (eager)",
     "ort_fp32": "ORT fp32",
@@ -83,15 +83,21 @@ LABELS = {
     # is bf16 where the CPU has bf16 units, which moves some predictions), at the speed this costs
     "ours_openvino_f32": "ours on OpenVINO, f32 float ops",
     "ours_openvino_static_f32": "ours on OpenVINO, static shape, f32 float ops",
+    # --openvino-kernels on: the 2:4 INT8 Linears on HoloServe's own kernels (holoserve.kernels), which skip
+    # the zeros; every other op stays OpenVINO's
+    "ours_openvino_kernels": "ours on OpenVINO + 2:4 kernels",
+    "ours_openvino_static_kernels": "ours on OpenVINO + 2:4 kernels, static shape",
     # --also: a second checkpoint's OpenVINO export, through the same backend as ours
     "also_openvino": "second checkpoint (--also) on OpenVINO",
     "also_openvino_static": "second checkpoint (--also) on OpenVINO, static shape",
 }
 # static-shape rows and the dynamic row whose model they compile per cell
 STATIC_OF = {"openvino_nncf_int8_static": "openvino_nncf_int8", "ours_openvino_static": "ours_openvino",
-             "ours_openvino_static_f32": "ours_openvino_f32", "also_openvino_static": "also_openvino"}
+             "ours_openvino_static_f32": "ours_openvino_f32", "ours_openvino_static_kernels": "ours_openvino_kernels",
+             "also_openvino_static": "also_openvino"}
 # our model.ov.onnx compiled by OpenVINO once for all shapes (the static rows compile it per cell)
-OURS_OPENVINO = ("ours_openvino", "ours_openvino_sparse", "ours_openvino_f32")
+OURS_OPENVINO = ("ours_openvino", "ours_openvino_sparse", "ours_openvino_f32", "ours_openvino_kernels")
+KERNEL_ROWS = ("ours_openvino_kernels", "ours_openvino_static_kernels")  # --openvino-kernels on
 OPENVINO_ENGINES = ("openvino_fp32", "openvino_nncf_int8", *OURS_OPENVINO, "also_openvino")
 PRECISION_OF = {"ours_openvino_f32": "f32", "ours_openvino_static_f32": "f32"}  # others: OpenVINO's default
 INT8_REFERENCE = "openvino_nncf_int8"  # the second ratio in the table: speed-up over OpenVINO INT8 (NNCF)
@@ -364,7 +370,8 @@ def main(argv=None) -> int:
         from holoserve.backends.openvino import compile_model
 
         path, sparse = openvino_of[key]
-        compiled, note = compile_model(path, threads=threads, sparse=sparse, precision=PRECISION_OF.get(key, "auto"))
+        compiled, note = compile_model(path, threads=threads, sparse=sparse, precision=PRECISION_OF.get(key, "auto"),
+                                       kernels="on" if key in KERNEL_ROWS else "off")
         return compiled, note
 
     def static_runner(key: str, threads: int, batch: int, seq: int):
@@ -373,7 +380,8 @@ def main(argv=None) -> int:
 
         if key != "openvino_nncf_int8_static":  # ours: the product path, the backend with --openvino-shapes
             backend = OpenVinoBackend(art_also if key == "also_openvino_static" else art, threads=threads, shapes=[(batch, seq)],
-                                      precision=PRECISION_OF.get(key, "auto"))
+                                      precision=PRECISION_OF.get(key, "auto"),
+                                      kernels="on" if key in KERNEL_ROWS else "off")
             run = (lambda feed: backend.infer(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"]))
             return run, backend
         return openvino_runner(compile_model(nncf_ir, threads=threads, sparse=False, shape=(batch, seq))[0]), None
@@ -573,7 +581,8 @@ def markdown(r: dict) -> str:
             lines.append(f"| {x['batch']} | {x['seq']} | " + " | ".join(cells) + " |")
         lines.append("")
         peer = "openvino_nncf_int8_static"
-        for ours_static in ("ours_openvino_static", "ours_openvino_static_f32", "also_openvino_static"):
+        for ours_static in ("ours_openvino_static", "ours_openvino_static_f32", "ours_openvino_static_kernels",
+                            "also_openvino_static"):
             pair = [x for x in r["results"] if x["threads"] == th and peer in x and ours_static in x]
             if pair:  # the like-for-like ratio: both compiled for the cell's shape
                 lines += [f"{LABELS[ours_static]} vs {LABELS[peer]}: " + ", ".join(

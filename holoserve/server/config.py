@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import HoloServeError
-from ..core.choices import OPENVINO_PRECISIONS
+from ..core.choices import OPENVINO_KERNELS, OPENVINO_KERNELS_DEFAULT, OPENVINO_PRECISIONS
 from ..core.settings import field_types, parse_setting
 
 TOKEN_ENV = "HOLOSERVE_API_TOKEN"
@@ -52,6 +52,9 @@ class ServerConfig:
     openvino_shapes: str = ""
     # OpenVINO's sparse INT8 weight decompression (CPUs with AMX only): off, as it measured no consistent gain.
     openvino_sparse_weights: bool = False
+    # HoloServe's 2:4 INT8 kernels for OpenVINO's Linears (holoserve.kernels): auto = where the CPU and a C++
+    # compiler (or a prebuilt library) allow them; on = fail without them; off = OpenVINO's GEMMs.
+    openvino_kernels: str = OPENVINO_KERNELS_DEFAULT
     model_name: str = ""  # default: the checkpoint folder's name
     warmup: bool = True
     verify: bool = True  # check sha256 of every checkpoint file at start-up
@@ -109,6 +112,8 @@ class ServerConfig:
         if self.openvino_precision not in OPENVINO_PRECISIONS:
             problems.append(f"openvino precision {self.openvino_precision!r} is not one of "
                             + ", ".join(OPENVINO_PRECISIONS))
+        if self.openvino_kernels not in OPENVINO_KERNELS:
+            problems.append(f"openvino kernels {self.openvino_kernels!r} is not one of " + ", ".join(OPENVINO_KERNELS))
         if self.openvino_shapes:
             from ..backends.openvino import parse_shapes  # imports no OpenVINO
 

@@ -46,6 +46,7 @@ def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dic
         opts["openvino_shapes"] = config.openvino_shapes
     if config.openvino_sparse_weights:
         opts["openvino_sparse_weights"] = True
+    opts["openvino_kernels"] = config.openvino_kernels
     if config.backend == "auto":
         from ..backends.auto import select_backend
 

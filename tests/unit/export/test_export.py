@@ -817,15 +817,16 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
     md = (tmp_path / "lat.md").read_text()
     assert "Attention in the ORT baselines: 2 blocks fused" in md and "their last layer: last layer on the [CLS]" in md
     assert all(f" {run.LABELS[k]} |" in md for k in ran)
-    if has_nncf:  # ours static, both precisions, and the --also checkpoint, against NNCF static, per cell
-        assert md.count("vs OpenVINO INT8 (NNCF PTQ), static shape: batch 1 seq 8 ×") == 3
+    if has_nncf:  # ours static, both precisions, with the 2:4 kernels, and the --also checkpoint, vs NNCF static
+        assert md.count("vs OpenVINO INT8 (NNCF PTQ), static shape: batch 1 seq 8 ×") == 4
     if has_nncf:  # the per-operation profile of ours and NNCF's INT8 on OpenVINO
         prof = bench_module("cpu_latency", "profile_openvino")
         assert prof.main([str(ckpt), "--dense", str(ckpt), "--data-dir", str(glue), "--calibration-rows", "8",
                           "--batch", "2", "--seq", "8", "--runs", "2", "--warmup", "1", "--out", str(tmp_path),
-                          "--name", "prof"]) == 0
+                          "--name", "prof", "--kernels"]) == 0
         p = json.loads((tmp_path / "prof.json").read_text())
-        for k in ("ours_openvino", "openvino_nncf_int8"):
+        assert "ours on OpenVINO + 2:4 kernels / NNCF" in (tmp_path / "prof.md").read_text()
+        for k in ("ours_openvino", "openvino_nncf_int8", "ours_openvino_kernels"):
             e = p["engines"][k]
             assert e["per_class_ms"]["gemm"] > 0 and e["wall_median_ms"] > 0
             assert abs(sum(e["per_class_ms"].values()) - e["node_sum_ms"]) < 0.01
