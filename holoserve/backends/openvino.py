@@ -15,7 +15,8 @@ some speed (docs/results/2026-11-24-openvino.md). `info()` reports the precision
 
 HoloServe's 2:4 kernels (`kernels="auto"`, the default; `--openvino-kernels`): on CPUs with AVX-512 VNNI
 and VBMI and no AMX, the 2:4 INT8 Linears run on our own OpenVINO extension (holoserve.kernels), which
-skips the zeros; 1.25-1.34x NNCF's INT8 on a 2-core AMD EPYC where OpenVINO's GEMMs gave 1.16-1.20x
+skips the zeros; on a 2-core AMD EPYC 1.26-1.34x NNCF's INT8 at 1 thread and at batch 32 on 2 threads,
+where OpenVINO's GEMMs gave 1.12-1.20x (batch 1 on 2 threads: 1.10-1.26x)
 (docs/results/2026-11-27-sparse24-kernels.md). `info()["kernels"]` says whether they run and why.
 
 Static shapes (`shapes=[(batch, seq), ...]`, `--openvino-shapes 1x128,32x128`): OpenVINO's CPU plugin
