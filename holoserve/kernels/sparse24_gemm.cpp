@@ -21,12 +21,14 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <openvino/core/extension.hpp>
 #include <openvino/core/op_extension.hpp>
 #include <openvino/core/parallel.hpp>
-#include <openvino/frontend/onnx/extension/op.hpp>
+#include <openvino/frontend/onnx/extension/conversion.hpp>
+#include <openvino/op/constant.hpp>
 #include <openvino/op/op.hpp>
 
 namespace holoserve {
@@ -222,14 +224,19 @@ static std::vector<uint8_t>& scratch(int slot, size_t bytes) {
     return buffers[slot];
 }
 
-static Linear linear_at(const ov::TensorVector& inputs, size_t first) {
+// The weights of the ops' Linears: constants held by the op itself, five per Linear (values, index,
+// comp, scale, bias), not graph inputs. OpenVINO's CPU plugin runs an extension op as a reference node,
+// whose shape inference with dynamic shapes would wrap every input in a new constant on every call.
+using Constants = std::vector<std::shared_ptr<ov::op::v0::Constant>>;
+
+static Linear linear_at(const Constants& c, size_t first) {
     Linear L;
-    const auto shape = inputs[first].get_shape();  // [N/32, K/8, 32, 4]
-    L.w = inputs[first].data<const int8_t>();
-    L.idx = inputs[first + 1].data<const uint8_t>();
-    L.comp = inputs[first + 2].data<const int32_t>();
-    L.scale = inputs[first + 3].data<const float>();
-    L.bias = inputs[first + 4].data<const float>();
+    const auto shape = c[first]->get_shape();  // [N/32, K/8, 32, 4]
+    L.w = c[first]->get_data_ptr<int8_t>();
+    L.idx = c[first + 1]->get_data_ptr<uint8_t>();
+    L.comp = c[first + 2]->get_data_ptr<int32_t>();
+    L.scale = c[first + 3]->get_data_ptr<float>();
+    L.bias = c[first + 4]->get_data_ptr<float>();
     L.N = static_cast<int64_t>(shape[0]) * kTile;
     L.K = static_cast<int64_t>(shape[1]) * 8;
     return L;
@@ -246,11 +253,14 @@ static bool float_type(const ov::element::Type& t) { return t == ov::element::f3
 // shared checks: x's last dimension is the first Linear's K, each Linear's weights are [N/32, K/8, 32, 4]
 class Sparse24Base : public ov::op::Op {
 public:
-    using Op::Op;
+    Sparse24Base() = default;
+    Sparse24Base(const ov::OutputVector& x, Constants weights) : Op(x), m_weights(std::move(weights)) {}
 
     bool has_evaluate() const override { return float_type(get_input_element_type(0)); }
 
 protected:
+    Constants m_weights;
+
     // the input x: f32 or bf16, its shape, rows (all dimensions but the last) and width
     struct Input {
         bool bf16;
@@ -267,18 +277,27 @@ protected:
     }
 
     ov::Dimension check_linear(size_t first, const ov::Dimension& k) {
-        const auto& ws = get_input_partial_shape(first);
-        NODE_VALIDATION_CHECK(this, ws.is_static() && ws.size() == 4 && ws[2].get_length() == kTile &&
-                                        ws[3].get_length() == 4,
-                              "holoserve 2:4 weights must be a constant [N/32, K/8, 32, 4]");
-        NODE_VALIDATION_CHECK(this, get_input_element_type(first) == ov::element::i8 &&
-                                        get_input_element_type(first + 1) == ov::element::u8 &&
-                                        get_input_element_type(first + 2) == ov::element::i32,
-                              "holoserve 2:4 weights are i8, the index u8 and comp i32");
-        NODE_VALIDATION_CHECK(this, k.compatible(ws[1].get_length() * 8) && (ws[1].get_length() * 8) % kWindow == 0,
+        NODE_VALIDATION_CHECK(this, get_input_size() == 1 && first + kParts <= m_weights.size(),
+                              "holoserve 2:4 Linears take one input and five constants per Linear");
+        const auto ws = m_weights[first]->get_shape();
+        const int64_t N = static_cast<int64_t>(ws.size() == 4 ? ws[0] * kTile : 0);
+        NODE_VALIDATION_CHECK(this, ws.size() == 4 && ws[2] == kTile && ws[3] == 4,
+                              "holoserve 2:4 weights must be [N/32, K/8, 32, 4]");
+        NODE_VALIDATION_CHECK(this, m_weights[first]->get_element_type() == ov::element::i8 &&
+                                        m_weights[first + 1]->get_element_type() == ov::element::u8 &&
+                                        m_weights[first + 1]->get_shape() == ws &&
+                                        m_weights[first + 2]->get_element_type() == ov::element::i32 &&
+                                        m_weights[first + 3]->get_element_type() == ov::element::f32 &&
+                                        m_weights[first + 4]->get_element_type() == ov::element::f32,
+                              "holoserve 2:4 weights are i8, the index u8 (same shape), comp i32, scale and bias f32");
+        for (size_t i = 2; i < kParts; ++i)
+            NODE_VALIDATION_CHECK(this, ov::shape_size(m_weights[first + i]->get_shape()) == static_cast<size_t>(N),
+                                  "holoserve 2:4 comp, scale and bias hold one value per output column");
+        const int64_t K = static_cast<int64_t>(ws[1] * 8);
+        NODE_VALIDATION_CHECK(this, k.compatible(K) && K % kWindow == 0,
                               "holoserve 2:4 Linear: the input's last dimension is not the weights' K "
                               "(or not a multiple of 64)");
-        return ov::Dimension(ws[0].get_length() * kTile);
+        return ov::Dimension(N);
     }
     ov::PartialShape with_last(ov::PartialShape shape, const ov::Dimension& n) const {
         if (shape.rank().is_static()) shape[shape.size() - 1] = n;
@@ -294,21 +313,22 @@ public:
     OPENVINO_OP("Sparse24Gemm", "holoserve");
 
     Sparse24Gemm() = default;
-    Sparse24Gemm(const ov::OutputVector& args, float x_scale) : Sparse24Base(args), m_x_scale(x_scale) {
+    Sparse24Gemm(const ov::OutputVector& x, Constants weights, float x_scale)
+        : Sparse24Base(x, std::move(weights)), m_x_scale(x_scale) {
         constructor_validate_and_infer_types();
     }
 
     void validate_and_infer_types() override {
-        const size_t n = get_input_size();
+        const size_t n = m_weights.size() + 1;
         NODE_VALIDATION_CHECK(this, n > 1 && (n - 1) % kParts == 0,
                               "Sparse24Gemm takes x and, per Linear, weights, index, comp, scale, bias");
         const auto& xs = get_input_partial_shape(0);
         for (size_t g = 0; g < (n - 1) / kParts; ++g)
-            set_output_type(g, get_input_element_type(0), with_last(xs, check_linear(1 + kParts * g, last_of(xs))));
+            set_output_type(g, get_input_element_type(0), with_last(xs, check_linear(kParts * g, last_of(xs))));
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& new_args) const override {
-        return std::make_shared<Sparse24Gemm>(new_args, m_x_scale);
+        return std::make_shared<Sparse24Gemm>(new_args, m_weights, m_x_scale);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
@@ -320,11 +340,11 @@ public:
         Input in;
         if (!read_input(inputs, in)) return false;
         const auto& [bf16, shape, M, K] = in;
-        const size_t groups = (inputs.size() - 1) / kParts;
+        const size_t groups = m_weights.size() / kParts;
         std::vector<Linear> lin;
         std::vector<int64_t> first_tile{0};
         for (size_t g = 0; g < groups; ++g) {
-            lin.push_back(linear_at(inputs, 1 + kParts * g));
+            lin.push_back(linear_at(m_weights, kParts * g));
             if (lin.back().K != K) return false;
             auto out = shape;
             out.back() = static_cast<size_t>(lin.back().N);
@@ -356,23 +376,24 @@ public:
     OPENVINO_OP("Sparse24Ffn", "holoserve");
 
     Sparse24Ffn() = default;
-    Sparse24Ffn(const ov::OutputVector& args, float x_scale, float h_scale, const std::string& activation)
-        : Sparse24Base(args), m_x_scale(x_scale), m_h_scale(h_scale), m_activation(activation) {
+    Sparse24Ffn(const ov::OutputVector& x, Constants weights, float x_scale, float h_scale,
+                const std::string& activation)
+        : Sparse24Base(x, std::move(weights)), m_x_scale(x_scale), m_h_scale(h_scale), m_activation(activation) {
         constructor_validate_and_infer_types();
     }
 
     void validate_and_infer_types() override {
-        NODE_VALIDATION_CHECK(this, get_input_size() == 1 + 2 * kParts,
+        NODE_VALIDATION_CHECK(this, m_weights.size() == 2 * kParts,
                               "Sparse24Ffn takes x and two Linears' weights, index, comp, scale, bias");
         NODE_VALIDATION_CHECK(this, m_activation == "gelu" || m_activation == "relu",
                               "Sparse24Ffn's activation is gelu (exact) or relu, not ", m_activation);
         const auto& xs = get_input_partial_shape(0);
-        const auto hidden = check_linear(1, last_of(xs));
-        set_output_type(0, get_input_element_type(0), with_last(xs, check_linear(1 + kParts, hidden)));
+        const auto hidden = check_linear(0, last_of(xs));
+        set_output_type(0, get_input_element_type(0), with_last(xs, check_linear(kParts, hidden)));
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& new_args) const override {
-        return std::make_shared<Sparse24Ffn>(new_args, m_x_scale, m_h_scale, m_activation);
+        return std::make_shared<Sparse24Ffn>(new_args, m_weights, m_x_scale, m_h_scale, m_activation);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
@@ -386,7 +407,7 @@ public:
         Input in;
         if (!read_input(inputs, in)) return false;
         const auto& [bf16, shape, M, K] = in;
-        const Linear up = linear_at(inputs, 1), down = linear_at(inputs, 1 + kParts);
+        const Linear up = linear_at(m_weights, 0), down = linear_at(m_weights, kParts);
         if (up.K != K || down.K != up.N) return false;
         auto out = shape;
         out.back() = static_cast<size_t>(down.N);
@@ -426,8 +447,31 @@ private:
 
 }  // namespace holoserve
 
+namespace holoserve {
+
+// The ONNX node's inputs are x and the Linears' initializers: the op keeps the initializers' constants
+// and takes x alone.
+template <class Op>
+static ov::OutputVector convert(const ov::frontend::NodeContext& ctx) {
+    Constants weights;
+    for (size_t i = 1; i < ctx.get_input_size(); ++i) {
+        auto c = ov::as_type_ptr<ov::op::v0::Constant>(ctx.get_input(static_cast<int>(i)).get_node_shared_ptr());
+        if (!c) OPENVINO_THROW("holoserve ", Op::get_type_info_static().name, ": input ", i, " must be a constant");
+        weights.push_back(c);
+    }
+    const ov::OutputVector x{ctx.get_input(0)};
+    const float x_scale = ctx.get_attribute<float>("x_scale");
+    if constexpr (std::is_same_v<Op, Sparse24Ffn>)
+        return std::make_shared<Op>(x, weights, x_scale, ctx.get_attribute<float>("h_scale"),
+                                    ctx.get_attribute<std::string>("activation"))->outputs();
+    else
+        return std::make_shared<Op>(x, weights, x_scale)->outputs();
+}
+
+}  // namespace holoserve
+
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>(
-    {std::make_shared<ov::OpExtension<holoserve::Sparse24Gemm>>(),
-     std::make_shared<ov::OpExtension<holoserve::Sparse24Ffn>>(),
-     std::make_shared<ov::frontend::onnx::OpExtension<holoserve::Sparse24Gemm>>("Sparse24Gemm", "holoserve"),
-     std::make_shared<ov::frontend::onnx::OpExtension<holoserve::Sparse24Ffn>>("Sparse24Ffn", "holoserve")}));
+    {std::make_shared<ov::frontend::onnx::ConversionExtension>("Sparse24Gemm", "holoserve",
+                                                               holoserve::convert<holoserve::Sparse24Gemm>),
+     std::make_shared<ov::frontend::onnx::ConversionExtension>("Sparse24Ffn", "holoserve",
+                                                               holoserve::convert<holoserve::Sparse24Ffn>)}));
