@@ -20,7 +20,7 @@ multiple of 32; anything else stays as it was.
 The extension is built from `sparse24_gemm.cpp` with the C++ compiler (`CXX`, else `g++`) against the
 installed OpenVINO's headers, once per source and OpenVINO version, into
 `$HOLOSERVE_KERNEL_CACHE` (default `~/.cache/holoserve/kernels`); `python -m holoserve.kernels build`
-does it ahead of time (the Docker image does).
+does it ahead of time (for a machine or image that has OpenVINO but no compiler at serving time).
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 

@@ -37,6 +37,7 @@ class _Graph:
         for n in self.g.node:
             for i in n.input:
                 self.consumers.setdefault(i, []).append(n)
+        self.outputs = {o.name for o in self.g.output}
 
     def array(self, name: str) -> np.ndarray | None:
         """The constant value of a tensor (an initializer, a Constant, or either through Identity nodes)."""
@@ -51,8 +52,14 @@ class _Graph:
         return None
 
     def only_consumer(self, name: str) -> onnx.NodeProto | None:
+        """The one node reading `name`, or None (several, none, or the value is also a graph output)."""
         users = self.consumers.get(name, [])
-        return users[0] if len(users) == 1 else None
+        return users[0] if len(users) == 1 and name not in self.outputs else None
+
+    def read_only_by(self, name: str, nodes: list[onnx.NodeProto]) -> bool:
+        """Whether only `nodes` read `name` (and it is no graph output)."""
+        ids = {id(n) for n in nodes}
+        return name not in self.outputs and all(id(c) in ids for c in self.consumers.get(name, []))
 
 
 def _linear(G: _Graph, mm: onnx.NodeProto) -> Linear | None:
@@ -105,9 +112,8 @@ def _activation_between(G: _Graph, src: str, dst: str) -> tuple[str, list[onnx.N
         frontier.extend(i for i in node.input if i not in G.init)
         if len(nodes) > 12:
             return None
-    ids = {id(m) for m in nodes}
     for n in nodes:  # constants may be shared; computed values must not be
-        if n.op_type != "Constant" and n.output[0] != dst and any(id(c) not in ids for c in G.consumers.get(n.output[0], [])):
+        if n.op_type != "Constant" and n.output[0] != dst and not G.read_only_by(n.output[0], nodes):
             return None
     # evaluate the piece on sample values
     ops = [n for n in nodes if n.op_type != "Constant"]
@@ -162,8 +168,10 @@ def rewrite(model: onnx.ModelProto, bf16: bool = False) -> tuple[onnx.ModelProto
                 continue
             if G.only_consumer(down.quantize.output[0]) is None or down.weights.shape[0] != up.weights.shape[1]:
                 continue
+            if G.only_consumer(down.x) is None or G.only_consumer(down.matmul.input[0]) is None:
+                continue  # the activation or its dequantized codes are read elsewhere too
             found = _activation_between(G, up.add.output[0], down.x)
-            if found is None or len(G.consumers.get(down.x, [])) != 1:
+            if found is None or not G.read_only_by(up.add.output[0], found[1]):
                 continue
             act, act_nodes = found
             base = up.matmul.name.strip("/").replace("/", ".") + ".sparse24_ffn"

@@ -9,11 +9,12 @@
 // from that window and VPDPBUSD multiplies them with the four weights: one instruction does the work of
 // two dense ones, and the weights take half the bytes (plus as many for the index).
 //
-// Two operations:
-//   Sparse24Gemm(x, {weights, index, comp, scale, bias} x G) -> G outputs: Linears sharing one input
-//     (Q, K and V), which is quantized once.
-//   Sparse24Ffn(x, first Linear's five, second Linear's five) -> y: Linear, activation (exact GELU or
-//     ReLU), QuantizeLinear at `h_scale`, Linear. The hidden layer stays in uint8 codes in cache.
+// Two operations, as ONNX nodes of domain "holoserve" whose first input is x and whose other inputs are
+// the Linears' initializers (weights, index, comp, scale, bias per Linear); converted to OpenVINO ops
+// that take x alone and hold the initializers as constants:
+//   Sparse24Gemm -> one output per Linear: Linears sharing one input (Q, K and V), quantized once.
+//   Sparse24Ffn -> y: Linear, activation (exact GELU or ReLU), QuantizeLinear at `h_scale`, Linear. The
+//     hidden layer stays in uint8 codes in cache.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -25,7 +26,6 @@
 #include <vector>
 
 #include <openvino/core/extension.hpp>
-#include <openvino/core/op_extension.hpp>
 #include <openvino/core/parallel.hpp>
 #include <openvino/frontend/onnx/extension/conversion.hpp>
 #include <openvino/op/constant.hpp>

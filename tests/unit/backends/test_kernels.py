@@ -80,22 +80,29 @@ def linear_inputs(rng, name, K, N, x_scale):
     return [f"{name}.{k}" for k in arrays], inits, (w, arrays["scale"].astype(np.float64), bias)
 
 
-def run_node(library, node, inits, x, outputs, precision="f32"):
-    import openvino as ov
-
-    graph = helper.make_graph([node], "kernel", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
-                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("holoserve", 1)])
-    core = ov.Core()
-    core.add_extension(str(library))
+def compile_onnx(library, model):
+    """An ONNX model with the kernels' nodes, compiled by OpenVINO's CPU plugin (float ops in f32)."""
     import tempfile
     from pathlib import Path
 
+    import openvino as ov
+
+    core = ov.Core()
+    core.add_extension(str(library))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.onnx"
         onnx.save(model, str(path))
-        compiled = core.compile_model(core.read_model(str(path)), "CPU",
-                                      {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": 2})
+        return core.compile_model(core.read_model(str(path)), "CPU",
+                                  {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 2})
+
+
+def run_node(library, nodes, inits, x, outputs):
+    """Outputs of a graph of `nodes` (one node or a list) from the float input "x"."""
+    graph = helper.make_graph(nodes if isinstance(nodes, list) else [nodes], "kernel",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("holoserve", 1)])
+    compiled = compile_onnx(library, model)
     out = compiled.create_infer_request().infer({"x": x})
     return [np.asarray(out[compiled.output(i)]) for i in range(len(outputs))]
 
@@ -141,20 +148,8 @@ def test_ffn_matches_linear_activation_quantize_linear(library, activation):
                                  x_scale=s, h_scale=h, activation=activation)
     cast_in = helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16)
     cast_out = helper.make_node("Cast", ["yb"], ["y"], to=TensorProto.FLOAT)
-    import openvino as ov
-    import tempfile
-    from pathlib import Path
-
-    graph = helper.make_graph([cast_in, node_bf16, cast_out], "k", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits_up + inits_down)
-    core = ov.Core()
-    core.add_extension(str(library))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "m.onnx"
-        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("holoserve", 1)]),
-                  str(path))
-        compiled = core.compile_model(core.read_model(str(path)), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-    yb = np.asarray(compiled.create_infer_request().infer({"x": x})[compiled.output(0)]).reshape(-1, 64)
+    (yb,) = run_node(library, [cast_in, node_bf16, cast_out], inits_up + inits_down, x, ["y"])
+    yb = yb.reshape(-1, 64)
     ref_b = reference(bf16(x))
     close = np.abs(yb - ref_b) <= 2.0 ** -8 * np.abs(ref_b) + 1e-4
     assert np.mean(~close) < 0.01, np.mean(~close)
@@ -205,6 +200,19 @@ def test_rewrite_leaves_a_linear_that_is_not_2_4_alone(checkpoints):
     init.CopyFrom(numpy_helper.from_array(w, init.name))
     _, counts = rewrite(model)
     assert counts["Sparse24Ffn"] == 1 and counts["linears_kept"] >= 1
+
+
+def test_rewrite_keeps_values_read_elsewhere(checkpoints, library):
+    """An FFN whose hidden pre-activation is also a graph output is not fused; the graph stays whole."""
+    model = onnx.load(str(checkpoints["gelu"] / "model.ov.onnx"))
+    hidden = next(n.output[0] for n in model.graph.node
+                  if n.op_type == "Add" and "layer.0/intermediate/dense" in n.name)
+    model.graph.output.append(helper.make_tensor_value_info(hidden, TensorProto.FLOAT, ["batch", "seq", 128]))
+    out, counts = rewrite(model)
+    assert counts["Sparse24Ffn"] == 1, counts  # layer 1's FFN only
+    onnx.checker.check_model(out)
+    assert hidden in {o for n in out.graph.node for o in n.output}
+    assert len(compile_onnx(library, out).outputs) == 2
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
