@@ -15,7 +15,7 @@ some speed (docs/results/2026-11-24-openvino.md). `info()` reports the precision
 
 HoloServe's 2:4 kernels (`kernels="auto"`, the default; `--openvino-kernels`): on CPUs with AVX-512 VNNI
 and VBMI and no AMX, the 2:4 INT8 Linears run on our own OpenVINO extension (holoserve.kernels), which
-skips the zeros; on a 2-core AMD EPYC 1.31-1.37x NNCF's INT8 where OpenVINO's GEMMs gave 1.14-1.21x
+skips the zeros; on a 2-core AMD EPYC 1.32-1.38x NNCF's INT8 where OpenVINO's GEMMs gave 1.15-1.20x
 (docs/results/2026-11-27-sparse24-kernels.md). `info()["kernels"]` says whether they run and why.
 
 Static shapes (`shapes=[(batch, seq), ...]`, `--openvino-shapes 1x128,32x128`): OpenVINO's CPU plugin
