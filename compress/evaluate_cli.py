@@ -88,9 +88,7 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     from .data import encode
     from .evaluate import score
 
-    backend = _check_backend_options(backend, onnx, fp32, openvino_precision, compare, onnx_export)
-    if openvino_kernels is not None and backend != "openvino":
-        raise HoloServeError(f"--openvino-kernels only applies to --backend openvino (got --backend {backend})")
+    backend = _check_backend_options(backend, onnx, fp32, openvino_precision, compare, onnx_export, openvino_kernels)
     if predictions is not None:  # a bad path fails now, not after the scoring
         _predictions_folder(predictions)
     model = None
@@ -150,7 +148,8 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     return out
 
 
-def _check_backend_options(backend, onnx: bool, fp32: bool, openvino_precision, compare: bool, onnx_export) -> str:
+def _check_backend_options(backend, onnx: bool, fp32: bool, openvino_precision, compare: bool, onnx_export,
+                           openvino_kernels=None) -> str:
     """The backend to score through, or a clear error for options that do not go together."""
     if onnx and backend not in (None, "onnxruntime"):
         raise HoloServeError(f"--onnx means --backend onnxruntime, not --backend {backend}: give one of them")
@@ -160,8 +159,9 @@ def _check_backend_options(backend, onnx: bool, fp32: bool, openvino_precision, 
     if fp32 and backend != "pytorch":
         raise HoloServeError(f"--fp32 and --backend {backend} (or --onnx) do not combine: an export always has the "
                              "checkpoint's numerics; drop --fp32")
-    if openvino_precision is not None and backend != "openvino":
-        raise HoloServeError(f"--openvino-precision only applies to --backend openvino (got --backend {backend})")
+    for flag, value in (("--openvino-precision", openvino_precision), ("--openvino-kernels", openvino_kernels)):
+        if value is not None and backend != "openvino":
+            raise HoloServeError(f"{flag} only applies to --backend openvino (got --backend {backend})")
     if onnx_export != ONNXRUNTIME and backend != "onnxruntime":
         raise HoloServeError(f"--onnx-export only applies to --backend onnxruntime (got --backend {backend})")
     if compare and backend == "pytorch":

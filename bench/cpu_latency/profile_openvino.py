@@ -166,8 +166,8 @@ def main(argv=None) -> int:
             if key == "ours_openvino_kernels":
                 from holoserve.backends.openvino import kernels_plan, read_model
 
-                _, bf16, _ = kernels_plan("on", "auto")
-                model, _ = read_model(core, path, kernels=True, bf16=bf16)
+                library, bf16, _ = kernels_plan("on", "auto")
+                model, _ = read_model(core, path, library, bf16)
             else:
                 model = core.read_model(str(path))
             if args.static:

@@ -75,31 +75,32 @@ def check_kernels(kernels: str) -> str:
     return kernels
 
 
-def kernels_plan(kernels: str, precision: str) -> tuple[bool, bool, str]:
-    """(use HoloServe's 2:4 kernels, in bf16, why) for --openvino-kernels and the float precision.
+def kernels_plan(kernels: str, precision: str) -> tuple[Path | None, bool, str]:
+    """(the kernels' library, or None to run OpenVINO's GEMMs; in bf16; why) for --openvino-kernels and the
+    float precision.
     `on` raises HoloServeError where they cannot run; `auto` falls back to OpenVINO's GEMMs and says why,
     and leaves CPUs with AMX to OpenVINO (its AMX int8 GEMMs are another class of speed than VNNI)."""
     check_kernels(kernels)
     if kernels == "off":
-        return False, False, "off (--openvino-kernels off)"
+        return None, False, "off (--openvino-kernels off)"
     from holoserve.kernels import KernelsUnavailable, build
 
     bf16 = precision == "bf16" or (precision == "auto" and cpu_has_bf16())
     if kernels == "auto" and cpu_has_amx():
-        return False, False, ("off: this CPU has AMX, whose int8 tiles OpenVINO's GEMMs use and the kernels "
+        return None, False, ("off: this CPU has AMX, whose int8 tiles OpenVINO's GEMMs use and the kernels "
                               "(AVX-512 VNNI) do not; --openvino-kernels on forces them")
     if precision == "f16":
         why = "off: the kernels read and write f32 or bf16, not f16"
         if kernels == "on":
             raise HoloServeError(f"--openvino-kernels on: {why[5:]}; use --openvino-precision auto, bf16 or f32")
-        return False, False, why
+        return None, False, why
     try:
-        build()  # checks the CPU's flags first
+        library = build()  # checks the CPU's flags first
     except KernelsUnavailable as e:
         if kernels == "on":
             raise
-        return False, False, f"off: {e}"
-    return True, bf16, f"on (HoloServe's 2:4 INT8 kernels, {'bf16' if bf16 else 'f32'} in and out)"
+        return None, False, f"off: {e}"
+    return library, bf16, f"on (HoloServe's 2:4 INT8 kernels, {'bf16' if bf16 else 'f32'} in and out)"
 
 
 def cpu_has_bf16() -> bool:
@@ -118,14 +119,12 @@ def _rewritten(path: str, mtime_ns: int, bf16: bool) -> tuple[bytes, dict[str, i
     return model.SerializeToString(), counts
 
 
-def read_model(core, path: str | os.PathLike, kernels: bool = False, bf16: bool = False):
-    """(ov.Model, kernel counts or None) of an ONNX file; with `kernels`, its 2:4 INT8 Linears run on
-    HoloServe's kernels (the extension is added to `core`)."""
-    if not kernels:
+def read_model(core, path: str | os.PathLike, library: Path | None = None, bf16: bool = False):
+    """(ov.Model, kernel counts or None) of an ONNX file; with the kernels' `library` (kernels_plan), its
+    2:4 INT8 Linears run on HoloServe's kernels (the extension is added to `core`)."""
+    if library is None:
         return core.read_model(str(path)), None
-    from holoserve.kernels import build
-
-    core.add_extension(str(build()))
+    core.add_extension(str(library))
     data, counts = _rewritten(str(path), Path(path).stat().st_mtime_ns, bf16)
     with tempfile.TemporaryDirectory(prefix="holoserve-ov-") as tmp:
         onnx_path = Path(tmp) / "model.onnx"
@@ -142,7 +141,7 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = F
     it keeps OpenVINO from fusing across them); `kernels` (auto, on, off) runs the 2:4 INT8 Linears on
     HoloServe's kernels (holoserve.kernels); `report`, when given, gets what they did and why."""
     check_precision(precision)
-    use_kernels, bf16, kernels_note = kernels_plan(kernels, precision)
+    library, bf16, kernels_note = kernels_plan(kernels, precision)
     try:
         import openvino as ov
     except ImportError as e:
@@ -162,7 +161,7 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = F
     else:
         note = "off (the default; AMX present: --openvino-sparse-weights turns it on)"
     try:
-        model, counts = read_model(core, path, use_kernels, bf16)
+        model, counts = read_model(core, path, library, bf16)
         if extra_outputs:
             model.add_outputs(list(extra_outputs))
         if shape is not None:

@@ -22,17 +22,9 @@ if kernels.cpu_missing():
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     """The extension, built once for this module into its own cache folder."""
-    import os
-
-    old = os.environ.get("HOLOSERVE_KERNEL_CACHE")
-    os.environ["HOLOSERVE_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("kernel-cache"))
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOLOSERVE_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernel-cache")))
         yield kernels.build()
-    finally:
-        if old is None:
-            os.environ.pop("HOLOSERVE_KERNEL_CACHE", None)
-        else:
-            os.environ["HOLOSERVE_KERNEL_CACHE"] = old
 
 
 def random_24(rng, K, N, sparse_groups=0.2):
