@@ -18,7 +18,13 @@ Tensor data is JSON, or binary per the binary-tensor-data extension (what triton
 default): the request's JSON header is `Inference-Header-Content-Length` bytes long and binary
 inputs follow it, BYTES elements each as a 4-byte little-endian length and the bytes; binary outputs
 are asked for with `parameters: {"binary_data": true}` on an output, or `binary_data_output` on the
-request. Shared-memory and classification parameters are not supported (400).
+request (JSON booleans only). Shared-memory and classification parameters are not supported (400).
+
+What one request can make the server produce is bounded before the model runs: each output may be
+asked for once (a duplicate is a 400), and the largest response the request could get, computed from
+its inputs (rows x labels x the longest number or label, the echoed `id`), must fit `max_body_bytes`,
+the limit request bodies have too; otherwise 400. A 1 MB request could otherwise ask for the same
+output tens of thousands of times and hold the event loop and hundreds of MB building the answer.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from .. import __version__
-from .protocol import ApiError, text_bytes
+from .protocol import ApiError, text_bytes, v2_error_body
 from .service import ClassifierService
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -45,10 +51,6 @@ class V2Error(Exception):
     def __init__(self, code: int, type_: str, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.code, self.type, self.message, self.headers = code, type_, message, headers or {}
-
-
-def v2_error_body(message: str) -> bytes:
-    return json.dumps({"error": message}).encode()
 
 
 def _error_response(code: int, message: str, headers: dict[str, str] | None = None) -> Response:
@@ -74,17 +76,22 @@ def _model(svc: ClassifierService, name: str, version: str | None = None) -> Non
 # ---- request decoding
 
 
-def _flatten(data: Any, name: str) -> list[Any]:
-    """JSON tensor data, flat or nested by rows ([n] or [n, 1] tensors: two levels at most)."""
+def _flatten(data: Any, name: str, shape: list[int]) -> list[Any]:
+    """JSON tensor data, flat (row-major) or nested as the shape is: [n] takes a flat list, [n, 1] a flat
+    list or n rows of one element each. Nesting that disagrees with the shape is refused, so a request
+    means one thing (shape [2] with [["a", "b"]] is one row of two, not two texts)."""
     if not isinstance(data, list):
         raise V2Error(400, "invalid_request", f"input '{name}': 'data' must be a list of strings")
     if not any(isinstance(x, list) for x in data):
         return data
+    if len(shape) == 1:
+        raise V2Error(400, "invalid_request", f"input '{name}' has shape {shape} (one dimension) but nested "
+                      f"'data'; send a flat list of {shape[0]} strings, or shape [{shape[0]}, 1] with rows of one")
     out: list[Any] = []
-    for x in data:
-        if not isinstance(x, list) or any(isinstance(y, list) for y in x):
-            raise V2Error(400, "invalid_request", f"input '{name}': 'data' must be a flat list of strings or a "
-                          "list of rows of strings")
+    for i, x in enumerate(data):
+        if not isinstance(x, list) or len(x) != shape[1] or any(isinstance(y, list) for y in x):
+            raise V2Error(400, "invalid_request", f"input '{name}': row {i} of 'data' is not a list of "
+                          f"{shape[1]} string (shape {shape}); send a flat list of strings or rows of one")
         out.extend(x)
     return out
 
@@ -106,6 +113,16 @@ def _bytes_elements(raw: bytes, name: str) -> list[bytes]:
     return out
 
 
+class _NonFinite(ValueError):
+    pass
+
+
+def _non_finite(token: str) -> Any:
+    """NaN and Infinity are not JSON: Python's parser takes them, and an `id` holding one would be
+    echoed back as a body no strict client can parse."""
+    raise _NonFinite(f"{token} is not a JSON value")
+
+
 def _parse_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], bytes]:
     """The JSON inference header and the binary data after it (empty without the extension)."""
     if header_length is not None:
@@ -120,9 +137,10 @@ def _parse_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any],
     else:
         head, binary = body, b""
     try:
-        req = json.loads(head)
+        req = json.loads(head, parse_constant=_non_finite)
     except (ValueError, RecursionError) as e:
-        why = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8 or nested too deeply"
+        why = (e.msg if isinstance(e, json.JSONDecodeError) else str(e) if isinstance(e, _NonFinite)
+               else "not UTF-8 or nested too deeply")
         raise V2Error(400, "invalid_body", f"the inference request is not valid JSON ({why}); send "
                       '{"inputs": [{"name": "TEXT", "shape": [n], "datatype": "BYTES", "data": [...]}]}') from None
     if not isinstance(req, dict):
@@ -165,7 +183,7 @@ def _texts(inp: dict[str, Any], binary: bytes, offset: int) -> tuple[list[str], 
     else:
         if "data" not in inp:
             raise V2Error(400, "invalid_request", f"input '{name}' has no 'data' (and no binary_data_size)")
-        items = _flatten(inp["data"], name)
+        items = _flatten(inp["data"], name, shape)
         for i, s in enumerate(items):
             if not isinstance(s, str):
                 raise V2Error(400, "invalid_request", f"{name}[{i}] is {type(s).__name__}, not a string")
@@ -219,22 +237,35 @@ def decode_inputs(req: dict[str, Any], binary: bytes, svc: ClassifierService):
     return list(zip(texts, seconds)), total, shape
 
 
+def _flag(params: dict[str, Any], key: str, default: bool, where: str) -> bool:
+    """A boolean parameter: JSON true or false only (bool("no") would be true)."""
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise V2Error(400, "invalid_request", f"{where}parameter '{key}' is {json.dumps(value)[:40]}; it takes "
+                      "true or false (a JSON boolean)")
+    return value
+
+
 def _requested_outputs(req: dict[str, Any]) -> list[tuple[str, bool]]:
-    """(name, binary) of each output to return, in order."""
+    """(name, binary) of each output to return, in order; each output at most once."""
     params = req.get("parameters") or {}
     if not isinstance(params, dict):
         raise V2Error(400, "invalid_request", "'parameters' must be an object")
-    all_binary = bool(params.get("binary_data_output", False))
+    all_binary = _flag(params, "binary_data_output", False, "")
     outputs = req.get("outputs")
     if outputs is None:
         return [(LOGITS, all_binary), (LABEL, all_binary)]
     if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
         raise V2Error(400, "invalid_request", "'outputs' must be a list of {\"name\": ...} objects")
-    out = []
+    out: list[tuple[str, bool]] = []
     for o in outputs:
         name = o.get("name")
         if name not in (LOGITS, LABEL):
-            raise V2Error(400, "invalid_request", f"unknown output {name!r}; the model has LOGITS and LABEL")
+            shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
+            raise V2Error(400, "invalid_request", f"unknown output {shown}; the model has LOGITS and LABEL")
+        if any(name == n for n, _ in out):
+            raise V2Error(400, "invalid_request", f"output '{name}' is asked for more than once; list each "
+                          "output once")
         p = o.get("parameters") or {}
         if not isinstance(p, dict):
             raise V2Error(400, "invalid_request", f"output '{name}': 'parameters' must be an object")
@@ -242,8 +273,51 @@ def _requested_outputs(req: dict[str, Any]) -> list[tuple[str, bool]]:
             if any(k.startswith(bad) for k in p):
                 raise V2Error(400, "unsupported", f"output '{name}': parameter '{bad}' is not supported by this "
                               "server")
-        out.append((name, bool(p.get("binary_data", all_binary))))
+        out.append((name, _flag(p, "binary_data", all_binary, f"output '{name}': ")))
     return out
+
+
+def _request_id(req: dict[str, Any]) -> str | None:
+    """The request's `id`, echoed in the response: a string, as the protocol has it."""
+    rid = req.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise V2Error(400, "invalid_request", f"'id' is {type(rid).__name__}; send a string (or no id)")
+    return rid
+
+
+# The longest JSON text of one FP32 logit as the response writes it (a float32 widened to a Python
+# float: up to 17 significant digits, a sign, a point and an exponent), with its comma.
+_FLOAT_JSON = 25
+# The response's fixed parts: braces, keys, datatype and shape of each output, binary sizes.
+_ENVELOPE = 128
+_PER_OUTPUT = 160
+
+
+def response_bound(svc: ClassifierService, n: int, outputs: list[tuple[str, bool]], rid: str | None) -> int:
+    """The most bytes the answer to a request with `n` rows, these outputs and this id can take."""
+    labels = svc.labels  # ["score"] for regression: the LABEL output's one value
+    size = _ENVELOPE + len(json.dumps(svc.name)) + len(json.dumps(svc.version))
+    if rid is not None:
+        size += len(json.dumps(rid)) + 8
+    for name, binary in outputs:
+        size += _PER_OUTPUT
+        if name == LOGITS:
+            size += n * len(labels) * (4 if binary else _FLOAT_JSON)
+        elif binary:
+            size += n * (4 + max(len(x.encode()) for x in labels))
+        else:
+            size += n * (1 + max(len(json.dumps(x)) for x in labels))
+    return size
+
+
+def check_response_size(svc: ClassifierService, n: int, outputs: list[tuple[str, bool]], rid: str | None) -> None:
+    """Refuse, before the model runs, a request whose answer could pass the body limit."""
+    limit = svc.config.max_body_bytes
+    bound = response_bound(svc, n, outputs, rid)
+    if bound > limit:
+        raise V2Error(400, "response_too_large", f"the response to this request could take {bound} bytes; the "
+                      f"server's limit is {limit} bytes (--max-body-bytes): send fewer texts, ask for binary "
+                      "outputs or fewer of them, or a shorter 'id'")
 
 
 def _serialize_bytes(values: list[str]) -> bytes:
@@ -343,6 +417,8 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         req, binary = _parse_body(await request.body(), request.headers.get(HEADER_LENGTH))
         items, total_bytes, shape = decode_inputs(req, binary, svc)
         outputs = _requested_outputs(req)
+        rid = _request_id(req)
+        check_response_size(svc, len(items), outputs, rid)
         encs, results, _ = await svc.classify(items, total_bytes, request.state.request_id, t0)
         logits = np.stack([r.logits for r in results]).astype(np.float32, copy=False)
         n = len(results)
@@ -372,7 +448,6 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
                 blobs.append(blob)
             out_json.append(entry)
         body: dict[str, Any] = {"model_name": svc.name, "model_version": svc.version, "outputs": out_json}
-        rid = req.get("id")
         if rid is not None:
             body["id"] = rid
         head = json.dumps(body, separators=(",", ":")).encode()

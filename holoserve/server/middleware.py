@@ -1,5 +1,12 @@
-"""Cross-cutting work for every request: request id, bearer auth, body-size limit, HTTP metrics,
-the JSON access log, and the last word on errors.
+"""Cross-cutting work for every request: request id, bearer auth, body-size limit, request
+decompression, HTTP metrics, the JSON access log, and the last word on errors.
+
+Auth takes exactly one Authorization header: with two, which one a server reads differs from server to
+server (this one's header dict kept the last), so a request carrying two is refused with 400.
+
+Compressed request bodies (Content-Encoding: gzip or deflate, which tritonclient sends when asked to
+compress requests) are inflated here, to at most the body limit (413 beyond it: a small compressed
+body must not inflate to gigabytes); any other encoding gets 415 naming the ones supported.
 
 One plain ASGI middleware: Starlette's BaseHTTPMiddleware would cost more than the whole request's
 server overhead budget.
@@ -19,11 +26,11 @@ import logging
 import re
 import time
 import uuid
+import zlib
 
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .kserve import v2_error_body
-from .protocol import error_body
+from .protocol import error_body, is_v2_path, v2_error_body
 
 access_log = logging.getLogger("holoserve.access")
 log = logging.getLogger("holoserve.server")
@@ -52,6 +59,41 @@ def route_label(path: str) -> str:
                     return "/v2/models/{name}" + tail
             return "/v2/models/{name}"
     return "other"
+
+
+class BodyError(Exception):
+    def __init__(self, code: int, type_: str, message: str):
+        super().__init__(message)
+        self.code, self.type, self.message = code, type_, message
+
+
+ENCODINGS = ("gzip", "deflate")
+
+
+def inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """A gzip or deflate request body, inflated to at most `limit` bytes; BodyError otherwise."""
+    coding = encoding.strip().lower()
+    if coding == "x-gzip":
+        coding = "gzip"
+    if coding not in ENCODINGS:
+        raise BodyError(415, "unsupported_encoding", f"Content-Encoding {encoding!r} is not supported; send the "
+                        "body uncompressed, or compressed with gzip or deflate (one encoding)")
+    # gzip: a gzip header; deflate: the zlib format HTTP names so, or bare deflate data, which some clients send.
+    tries = (16 + zlib.MAX_WBITS,) if coding == "gzip" else (zlib.MAX_WBITS, -zlib.MAX_WBITS)
+    for wbits in tries:
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out = inflater.decompress(body, limit + 1)
+        except zlib.error:
+            continue
+        if len(out) > limit:
+            raise BodyError(413, "body_too_large", f"the {coding} request body inflates to more than the limit "
+                            f"of {limit} bytes")
+        if not inflater.eof or inflater.unused_data:
+            break
+        return out
+    raise BodyError(400, "invalid_body", f"the request body is not valid {coding} data (Content-Encoding: "
+                    f"{encoding}); compress the whole body once, or send it uncompressed")
 
 
 def is_inference(path: str) -> bool:
@@ -88,7 +130,7 @@ class EdgeMiddleware:
 
         async def reject(code: int, type_: str, msg: str, extra: list[tuple[bytes, bytes]] = ()):
             # The Open Inference Protocol's routes answer errors as {"error": "..."}.
-            body = v2_error_body(msg) if path.startswith("/v2") else error_body(code, type_, msg, rid)
+            body = v2_error_body(msg) if is_v2_path(path) else error_body(code, type_, msg, rid)
             await send_wrapped({"type": "http.response.start", "status": code, "headers": [
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})
             await send_wrapped({"type": "http.response.body", "body": body})
@@ -98,6 +140,11 @@ class EdgeMiddleware:
         try:
             if self.token is not None and path not in PUBLIC:
                 auth = headers.get(b"authorization", b"")
+                if auth and sum(k == b"authorization" for k, _ in scope["headers"]) > 1:
+                    if is_inference(path):
+                        m.fail("unauthorized")
+                    return await reject(400, "bad_request", "the request has more than one Authorization header; "
+                                        "send one: 'Authorization: Bearer <token>'")
                 scheme, _, given = auth.partition(b" ")
                 if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
                     if is_inference(path):
@@ -130,6 +177,18 @@ class EdgeMiddleware:
                     if not msg.get("more_body", False):
                         break
                 body = b"".join(chunks)
+                encoding = headers.get(b"content-encoding")
+                if encoding is not None and encoding.strip().lower() != b"identity":
+                    try:
+                        body = inflate(body, encoding.decode("latin-1"), limit)
+                    except BodyError as e:
+                        if is_inference(path):
+                            m.fail(e.type)
+                        return await reject(e.code, e.type, e.message)
+                    # The app sees the body as if it had been sent uncompressed.
+                    scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
+                                                  if k not in (b"content-encoding", b"content-length")]
+                             + [(b"content-length", str(len(body)).encode())]}
                 replayed = False
 
                 async def replay():

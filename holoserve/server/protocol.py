@@ -15,6 +15,7 @@ each server narrows it to its model's input kind and its own limits (`restrict_r
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -233,6 +234,16 @@ def error_body(code: int, type_: str, message: str, request_id: str | None) -> b
     """An `ErrorResponse` as JSON bytes (the middleware answers before FastAPI, so it needs bytes)."""
     return ErrorResponse(error=ErrorBody(code=code, type=type_, message=message),
                          request_id=request_id).model_dump_json().encode()
+
+
+def v2_error_body(message: str) -> bytes:
+    """The Open Inference Protocol's error body, {"error": "..."}: what every answer on a /v2 path
+    carries, whichever layer (connection guard, middleware, app) gives it."""
+    return json.dumps({"error": message}).encode()
+
+
+def is_v2_path(path: str | bytes) -> bool:
+    return path.startswith(b"/v2" if isinstance(path, bytes) else "/v2")
 
 
 class Status(BaseModel):

@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.helpers.serving import running, tiny_checkpoint
+from tests.helpers.serving import metric, running, tiny_checkpoint
 
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -133,9 +133,34 @@ def _post(srv, body, name=None, path="infer"):
     ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["   "]}]}, 400, "TEXT[0] is empty"),
     ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": [7]}]}, 400, "not a string"),
     ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": "x"}]}, 400, "must be a list of strings"),
-    ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": [[["x"]]]}]}, 400, "list of rows"),
-    ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": json.loads("[" * 200 + "]" * 200)}]},
-     400, "list of rows"),
+    ({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [[["x"]]]}]}, 400, "rows of one"),
+    ({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": json.loads("[" * 200 + "]" * 200)}]},
+     400, "rows of one"),
+    # Nesting must agree with the shape: [2] with one row of two is not two texts.
+    ({"inputs": [{"name": "TEXT", "shape": [2], "datatype": "BYTES", "data": [["a", "b"]]}]}, 400,
+     "has shape [2] (one dimension) but nested 'data'"),
+    ({"inputs": [{"name": "TEXT", "shape": [2, 1], "datatype": "BYTES", "data": [["a", "b"]]}]}, 400,
+     "row 0 of 'data' is not a list of 1 string"),
+    ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": [[["x"]]]}]}, 400, "nested 'data'"),
+    # Each output once; boolean parameters are JSON booleans; the id is a string; no NaN in the JSON.
+    ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}],
+      "outputs": [{"name": "LOGITS"}, {"name": "LABEL"}, {"name": "LOGITS"}]}, 400,
+     "output 'LOGITS' is asked for more than once"),
+    ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}],
+      "outputs": [{"name": "LOGITS", "parameters": {"binary_data": "no"}}]}, 400,
+     "output 'LOGITS': parameter 'binary_data' is \"no\"; it takes true or false"),
+    ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}],
+      "parameters": {"binary_data_output": "false"}}, 400, "parameter 'binary_data_output' is \"false\""),
+    ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}], "id": 7}, 400,
+     "'id' is int; send a string"),
+    (b'{"id": NaN, "inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}', 400,
+     "NaN is not a JSON value"),
+    (b'{"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}], "parameters": {"p": -Infinity}}',
+     400, "-Infinity is not a JSON value"),
+    # The echoed id counts in the response's size: 3,000 non-ASCII characters are 18,000 bytes of JSON.
+    (json.dumps({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}], "id": "\u00e9" * 3000},
+                ensure_ascii=False).encode(), 400,
+     "the server's limit is 8192 bytes (--max-body-bytes)"),
     (b'{"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ' + b"[" * 100_000 + b"]" * 100_000
      + b"}]}", 413, "the limit is 8192 bytes"),
     (b'{"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ' + b"[" * 4000 + b"]" * 4000
@@ -190,6 +215,16 @@ def test_auth(sst2):
             c.infer(name, [text_input("TEXT", ["x"], True)])
         res = c.infer(name, [text_input("TEXT", ["x"], True)], headers=auth)
         assert res.as_numpy("LOGITS").shape == (1, 2)
+        # Two Authorization headers are refused, whichever comes first: no server-specific pick of one.
+        body = {"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}
+        for pair in (["Bearer wrong", "Bearer s3cret-token"], ["Bearer s3cret-token", "Bearer wrong"],
+                     ["Bearer s3cret-token", "Bearer s3cret-token"]):
+            r = httpx.post(f"{srv.url}/v2/models/{name}/infer", json=body,
+                           headers=[("Authorization", v) for v in pair])
+            assert r.status_code == 400 and "more than one Authorization header" in r.json()["error"], r.text
+        r = httpx.get(srv.url + "/v1/models", headers=[("Authorization", "Bearer wrong"),
+                                                        ("Authorization", "Bearer s3cret-token")])
+        assert r.status_code == 400 and "more than one Authorization header" in r.json()["error"]["message"]
 
 
 def test_pairs():
@@ -229,3 +264,80 @@ def test_binary_input_edges(server):
         assert r.status_code == 400 and needle in r.json()["error"], (kwargs, r.text)
     r = _binary_request(server, [b"\xff\xfe bad"])
     assert r.status_code == 400 and "TEXT[0] is not valid UTF-8" in r.json()["error"]
+
+
+def test_outputs_are_bounded_before_the_model_runs(sst2):
+    """One output listed 50,000 times in a 0.9 MB request: refused at once with a small answer, not a
+    response of a hundred MB built on the event loop."""
+    with running(sst2) as srv:
+        name = model_name(srv)
+        texts = [f"text number {i}" for i in range(64)]
+        body = {"inputs": [{"name": "TEXT", "shape": [64], "datatype": "BYTES", "data": texts}],
+                "outputs": [{"name": "LOGITS"}] * 50_000}
+        before = httpx.get(srv.url + "/metrics").text
+        r = _post(srv, json.dumps(body, separators=(",", ":")).encode(), name=name)
+        assert r.status_code == 400 and "asked for more than once" in r.json()["error"]
+        assert len(r.content) < 200
+        after = httpx.get(srv.url + "/metrics").text
+        count = "holoserve_inference_count_total"
+        assert metric(after, count) == metric(before, count)  # the model never ran
+        # Each output once is served, and a long id (it is echoed) within the limit too.
+        body["outputs"] = [{"name": "LOGITS"}, {"name": "LABEL"}]
+        body["id"] = "r" * 500_000
+        r = _post(srv, body, name=name)
+        assert r.status_code == 200 and r.json()["id"] == body["id"] and len(r.json()["outputs"]) == 2
+        body["id"] = "\u00e9" * 400_000  # 0.8 MB of UTF-8 fits the limit; as JSON ("\\u00e9") it would not
+        r = _post(srv, json.dumps(body, ensure_ascii=False).encode(), name=name)
+        assert r.status_code == 400 and "could take" in r.json()["error"]
+
+
+def test_response_bound_covers_the_largest_answer(server):
+    """The size model is an upper bound: for the longest numbers and labels, and every output shape."""
+    from holoserve.server.kserve import response_bound
+
+    svc = server.app.state.service
+    name = model_name(server)
+    for outputs in ([("LOGITS", False), ("LABEL", False)], [("LOGITS", True), ("LABEL", True)],
+                    [("LABEL", False)], [("LOGITS", True)]):
+        body = {"id": "\u00e9x" * 50, "inputs": [{"name": "TEXT", "shape": [8], "datatype": "BYTES", "data": TEXTS * 2}],
+                "outputs": [{"name": n, "parameters": {"binary_data": b}} for n, b in outputs]}
+        r = _post(server, body, name=name)
+        assert r.status_code == 200, r.text
+        assert len(r.content) <= response_bound(svc, 8, outputs, body["id"])
+    # The JSON form of the worst float32 logit fits the per-number allowance.
+    worst = np.array([-1.2345678e-38, -3.4028235e38, -1.4e-45], dtype=np.float32)
+    assert max(len(json.dumps(x)) + 1 for x in worst.tolist()) <= 25
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests(server, algorithm):
+    """tritonclient's request compression: inflated by the server, the same answer as uncompressed."""
+    c = client(server)
+    name = model_name(server)
+    plain = c.infer(name, [text_input("TEXT", TEXTS, True)])
+    packed = c.infer(name, [text_input("TEXT", TEXTS, True)], request_compression_algorithm=algorithm,
+                     response_compression_algorithm=algorithm)
+    np.testing.assert_array_equal(packed.as_numpy("LOGITS"), plain.as_numpy("LOGITS"))
+    assert strs(packed.as_numpy("LABEL")) == strs(plain.as_numpy("LABEL"))
+
+
+def test_compressed_request_edges(server):
+    import gzip
+
+    url = f"{server.url}/v2/models/{model_name(server)}/infer"
+    body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["loved it"]}]}).encode()
+    r = httpx.post(url, content=gzip.compress(body), headers={"Content-Encoding": "gzip"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(url, content=body, headers={"Content-Encoding": "br"})
+    assert r.status_code == 415 and "Content-Encoding 'br' is not supported" in r.json()["error"]
+    r = httpx.post(url, content=body, headers={"Content-Encoding": "gzip"})
+    assert r.status_code == 400 and "not valid gzip data" in r.json()["error"]
+    r = httpx.post(url, content=gzip.compress(body)[:-6], headers={"Content-Encoding": "gzip"})  # cut off
+    assert r.status_code == 400 and "not valid gzip data" in r.json()["error"]
+    bomb = gzip.compress(b" " * 5_000_000)  # 5 MB of spaces in a few kB
+    assert len(bomb) < 8192
+    r = httpx.post(url, content=bomb, headers={"Content-Encoding": "gzip"})
+    assert r.status_code == 413 and "inflates to more than the limit of 8192 bytes" in r.json()["error"]
+    r = httpx.post(server.url + "/predict", content=gzip.compress(b'{"text": "loved it"}'),
+                   headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["predictions"][0]["label"] in ("negative", "positive")
