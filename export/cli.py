@@ -19,8 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=TARGETS, default="all",
                    help="onnxruntime: model.onnx (MatMul-only QDQ, uint8 activations, fused by ORT on CPU); "
                         "tensorrt: model.trt.onnx (QDQBERT placement for TensorRT); openvino: model.ov.onnx (the "
-                        "onnxruntime placement in standard ops, for --backend openvino); all: onnxruntime + "
-                        "tensorrt (default)")
+                        "onnxruntime placement in standard ops, for --backend openvino); all (default): every "
+                        "target this install can serve (openvino where OpenVINO is installed), so that `serve "
+                        "--backend auto` can choose among them")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="write the files and export_report.json here instead of into the checkpoint "
                         "(default: into the checkpoint folder, recorded in its manifest)")
@@ -88,12 +89,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instance_group count of each Triton model (default 1)")
 
 
+def all_targets() -> tuple[list[str], dict[str, str]]:
+    """(the targets `--target all` writes, {target: why it is left out}): every one a backend of this
+    install can serve; the TensorRT placement is plain ONNX, written for engines built elsewhere."""
+    import importlib.util
+
+    targets, left_out = ["onnxruntime", "tensorrt"], {}
+    if importlib.util.find_spec("openvino") is not None:
+        targets.append("openvino")
+    else:
+        left_out["openvino"] = "OpenVINO is not installed (pip install 'holoserve[openvino]')"
+    return targets, left_out
+
+
 def run(args: argparse.Namespace) -> int:
     from holoserve.data.tabular import data_options
 
     from .onnx_export import MANIFEST_KEYS, export_checkpoint
 
-    targets = ["onnxruntime", "tensorrt"] if args.target == "all" else [args.target]
+    targets, left_out = all_targets() if args.target == "all" else ([args.target], {})
     res = export_checkpoint(
         args.checkpoint,
         targets,
@@ -130,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
             exports=res.entries if args.out else None,
             exports_dir=res.out_dir if args.out else None,
         )
+    if left_out:
+        res.report["targets_left_out"] = left_out
     if args.json:
         print(json.dumps(res.report | ({"triton_repo": triton.report()} if triton else {}), indent=2))
         return 0
@@ -194,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
             ps = v["polygraphy_sparsity"]
             print(f"  Polygraphy: {ps['encoder_weights_2of4']}/{ps['encoder_weights']} encoder weights 2:4 "
                   f"({ps['tensors_checked']} tensors checked)")
+    for t, why in left_out.items():
+        print(f"{t}: not written ({why})")
     if not args.out:
         print(f"recorded in {res.checkpoint / 'manifest.json'}")
     if triton:

@@ -46,3 +46,23 @@ def stsb():
     from tests.helpers.serving import tiny_checkpoint
 
     return tiny_checkpoint("stsb")
+
+
+@pytest.fixture(scope="session")
+def kernel_build(tmp_path_factory):
+    """(cache folder, library): one real build of the 2:4 kernels for the whole run, made as a builder
+    without VBMI would make it (building never consults the CPU). Skips without OpenVINO or g++."""
+    import shutil
+
+    pytest.importorskip("openvino")
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to build the 2:4 kernels with")
+    from holoserve import kernels
+
+    cache = tmp_path_factory.mktemp("kernel-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(kernels.CACHE_ENV, str(cache))
+        mp.delenv("CXX", raising=False)
+        mp.setattr(kernels, "cpu_flags", lambda: set())
+        path = kernels.build()
+    return cache, path

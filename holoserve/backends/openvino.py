@@ -83,7 +83,7 @@ def kernels_plan(kernels: str, precision: str) -> tuple[Path | None, bool, str]:
     check_kernels(kernels)
     if kernels == "off":
         return None, False, "off (--openvino-kernels off)"
-    from holoserve.kernels import KernelsUnavailable, build
+    from holoserve.kernels import KernelsUnavailable, locate
 
     bf16 = precision == "bf16" or (precision == "auto" and cpu_has_bf16())
     if kernels == "auto" and cpu_has_amx():
@@ -95,7 +95,7 @@ def kernels_plan(kernels: str, precision: str) -> tuple[Path | None, bool, str]:
             raise HoloServeError(f"--openvino-kernels on: {why[5:]}; use --openvino-precision auto, bf16 or f32")
         return None, False, why
     try:
-        library = build()  # checks the CPU's flags first
+        library = locate()  # checks the CPU's flags first; builds only where a compiler is present
     except KernelsUnavailable as e:
         if kernels == "on":
             raise
@@ -160,15 +160,31 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = F
         note = "off: this CPU has no AMX (OpenVINO decompresses sparse INT8 weights only with AMX)"
     else:
         note = "off (the default; AMX present: --openvino-sparse-weights turns it on)"
-    try:
+
+    def compile_with(library: Path | None):
         model, counts = read_model(core, path, library, bf16)
         if extra_outputs:
             model.add_outputs(list(extra_outputs))
         if shape is not None:
             model.reshape({i.get_any_name(): ov.PartialShape([int(shape[0]), int(shape[1])]) for i in model.inputs})
-        compiled = core.compile_model(model, "CPU", config)
+        return core.compile_model(model, "CPU", config), counts
+
+    try:
+        compiled, counts = compile_with(library)
     except Exception as e:  # OpenVINO raises RuntimeError subclasses with long messages
-        raise BackendUnavailable(f"OpenVINO cannot compile {path}: {str(e).splitlines()[0][:300]}") from None
+        first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        if library is None or kernels == "on":
+            what = "with HoloServe's 2:4 kernels " if library is not None else ""
+            raise BackendUnavailable(f"OpenVINO cannot compile {path} {what}({first})"
+                                     + ("; --openvino-kernels auto falls back to OpenVINO's GEMMs" if what else "")
+                                     ) from None
+        # auto: a library that does not load, or a rewrite OpenVINO refuses, costs speed, not service
+        kernels_note = f"off: the kernels failed to load or compile ({first}); OpenVINO's GEMMs run instead"
+        core = ov.Core()  # a fresh core, without the extension that failed
+        try:
+            compiled, counts = compile_with(None)
+        except Exception as e2:
+            raise BackendUnavailable(f"OpenVINO cannot compile {path}: {str(e2).splitlines()[0][:300]}") from None
     check_gemm_kernels(compiled, path)
     if report is not None:
         report.update({"status": kernels_note, **(counts or {})})

@@ -17,18 +17,28 @@ DequantizeLinear -> MatMul with int8 weights (zero points 0, at most two non-zer
 four along the input) -> Add of a bias, with the input width a multiple of 64 and the output width a
 multiple of 32; anything else stays as it was.
 
-The extension is built from `sparse24_gemm.cpp` with the C++ compiler (`CXX`, else `g++`) against the
-installed OpenVINO's headers, once per source and OpenVINO version, into
-`$HOLOSERVE_KERNEL_CACHE` (default `~/.cache/holoserve/kernels`); `python -m holoserve.kernels build`
-does it ahead of time (for a machine or image that has OpenVINO but no compiler at serving time).
+Building and loading are separate steps. `build()` compiles `sparse24_gemm.cpp` with the C++ compiler
+(`CXX`, else `g++`) against the installed OpenVINO's headers; the output ISA is fixed by CXXFLAGS, so any
+x86-64 machine with a compiler can build it (an image's builder stage, a CI runner) whatever its CPU.
+`locate()` finds the library to load and checks this CPU's flags first. Builds live in
+`$HOLOSERVE_KERNEL_CACHE` (default `~/.cache/holoserve/kernels`), one folder per build key (source,
+OpenVINO version, flags, compiler, C library), each with a `build.json` saying what it was built from;
+a machine without a compiler loads any build whose key matches on everything but the compiler. Concurrent
+builds (`serve --workers N`, several services on one cache) are serialised by a file lock; a killed or
+failed build leaves no library behind. `python -m holoserve.kernels build` builds ahead of serving.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
+import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +46,13 @@ import numpy as np
 from holoserve import HoloServeError
 from holoserve.core.machine import cpu_flags
 
+log = logging.getLogger("holoserve.kernels")
+
 SOURCE = Path(__file__).with_name("sparse24_gemm.cpp")
 LIBRARY = "libholoserve_sparse24.so"
+BUILD_INFO = "build.json"
+LOCK = ".build.lock"
+CACHE_ENV = "HOLOSERVE_KERNEL_CACHE"
 DOMAIN = "holoserve"
 TILE, WINDOW = 32, 64
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512vbmi")
@@ -47,13 +62,21 @@ CXXFLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-march=x86-64-v4", "-mavx5
 
 
 class KernelsUnavailable(HoloServeError):
-    """The kernels cannot run here (CPU, compiler or OpenVINO missing); the message says which."""
+    """The kernels cannot run here (CPU, compiler, build or OpenVINO missing); the message says which."""
 
 
 def cpu_missing() -> list[str]:
     """The CPU flags the kernels need that this CPU lacks (empty: it can run them)."""
     flags = cpu_flags()
     return [f for f in REQUIRED_FLAGS if f not in flags]
+
+
+def check_cpu() -> None:
+    """Raises KernelsUnavailable where this CPU cannot run the kernels."""
+    missing = cpu_missing()
+    if missing:
+        raise KernelsUnavailable(f"this CPU lacks {', '.join(missing)}, which the 2:4 kernels need "
+                                 "(AVX-512 VNNI and VBMI); run without them (--openvino-kernels off)")
 
 
 def _openvino_dir() -> Path:
@@ -64,37 +87,110 @@ def _openvino_dir() -> Path:
     return Path(openvino.__file__).parent
 
 
-def _compiler() -> str:
+def _compiler() -> str | None:
+    """The C++ compiler's path, or None where there is none."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _no_compiler() -> KernelsUnavailable:
     cxx = os.environ.get("CXX", "g++")
-    path = shutil.which(cxx)
-    if path is None:
-        raise KernelsUnavailable(f"no C++ compiler {cxx!r} to build the 2:4 kernels: install g++ (or set CXX), "
-                                 "or run without them (--openvino-kernels off)")
-    return path
+    return KernelsUnavailable(f"no build of the 2:4 kernels for this OpenVINO in {cache_dir()} and no C++ compiler "
+                              f"{cxx!r} to build one: install g++ (or set CXX) and run `python -m holoserve.kernels "
+                              "build`, point HOLOSERVE_KERNEL_CACHE at a folder with a build, or run without them "
+                              "(--openvino-kernels off)")
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("HOLOSERVE_KERNEL_CACHE")
+def _compiler_id(cxx: str) -> str:
+    """The compiler's version line and target triple: part of the build key, so a new compiler rebuilds."""
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        target = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelsUnavailable(f"the C++ compiler {cxx!r} does not run ({e}): install g++ or set CXX") from None
+    return f"{(version.splitlines() or ['?'])[0].strip()} ({target.strip() or '?'})"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV)
     return Path(root) if root else Path.home() / ".cache" / "holoserve" / "kernels"
 
 
-def library_path() -> Path:
-    """Where the library for this source, OpenVINO version and flags lives (built or not)."""
+def build_key(compiler: str | None) -> dict[str, str]:
+    """What a build depends on; `compiler` None leaves the compiler out (for matching without one)."""
     import openvino
 
-    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([openvino.__version__, *CXXFLAGS]).encode())
-    return _cache_dir() / key.hexdigest()[:16] / LIBRARY
+    libc = " ".join(platform.libc_ver()).strip() or "unknown libc"
+    key = {"source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest(), "openvino": openvino.__version__,
+           "cxxflags": " ".join(CXXFLAGS), "libc": libc, "machine": platform.machine()}
+    if compiler is not None:
+        key["compiler"] = compiler
+    return key
+
+
+def _key_dir(key: dict[str, str]) -> Path:
+    return cache_dir() / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _matching_builds(key: dict[str, str]) -> list[Path]:
+    """Libraries in the cache whose build.json matches `key` on each of its fields, newest first."""
+    found = []
+    for info in cache_dir().glob(f"*/{BUILD_INFO}"):
+        try:
+            recorded = json.loads(info.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        lib = info.parent / LIBRARY
+        if isinstance(recorded, dict) and all(recorded.get(k) == v for k, v in key.items()) and lib.is_file():
+            found.append(lib)
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def library_path() -> Path | None:
+    """The build this machine would load now (built or not, with a compiler; None without a compiler and
+    no matching build)."""
+    cxx = _compiler()
+    if cxx is not None:
+        return _key_dir(build_key(_compiler_id(cxx))) / LIBRARY
+    found = _matching_builds(build_key(None))
+    return found[0] if found else None
+
+
+def locate() -> Path:
+    """The library to load here: checks the CPU, then takes this compiler's build (building it if needed)
+    or, without a compiler, a matching prebuilt one. Raises KernelsUnavailable saying why not."""
+    check_cpu()
+    _openvino_dir()
+    if _compiler() is None:
+        found = _matching_builds(build_key(None))
+        if not found:
+            raise _no_compiler()
+        return found[0]
+    return build()
+
+
+def _check_loads(path: str | os.PathLike) -> None:
+    """Raises KernelsUnavailable where OpenVINO cannot load the library (loading runs none of its code
+    that needs VBMI, so a builder without it can check its build)."""
+    import openvino as ov
+
+    try:
+        ov.Core().add_extension(str(path))
+    except Exception as e:  # OpenVINO raises RuntimeError subclasses with long messages
+        raise KernelsUnavailable(f"OpenVINO cannot load the 2:4 kernels' library {path}: "
+                                 f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}") from None
 
 
 def build(verbose: bool = False) -> Path:
-    """The extension's path, compiled first if this source, OpenVINO and compiler have no build yet.
-    The library is written under a temporary name and renamed, so a reader sees none or all of it."""
-    missing = cpu_missing()
-    if missing:
-        raise KernelsUnavailable(f"this CPU lacks {', '.join(missing)}, which the 2:4 kernels need "
-                                 "(AVX-512 VNNI and VBMI); run without them (--openvino-kernels off)")
+    """The extension's path, compiled first if this source, OpenVINO and compiler have no build yet. Needs
+    a compiler, not a CPU that runs the kernels. Builds are serialised by a lock in the cache folder; the
+    library is written under a temporary name and renamed, and a failed or interrupted build is removed."""
     ov_dir = _openvino_dir()
-    target = library_path()
+    cxx = _compiler()
+    if cxx is None:
+        raise _no_compiler()
+    key = build_key(_compiler_id(cxx))
+    folder = _key_dir(key)
+    target = folder / LIBRARY
     if target.is_file():
         return target
     libs = {name: sorted((ov_dir / "libs").glob(f"{name}.so*"), key=lambda p: len(p.name))
@@ -103,21 +199,41 @@ def build(verbose: bool = False) -> Path:
         raise KernelsUnavailable(f"this OpenVINO install ({ov_dir}) has no headers or libopenvino to build the "
                                  "2:4 kernels against: pip install 'holoserve[openvino]'")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
-        os.close(fd)
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(cache_dir() / LOCK, "a")
     except OSError as e:
-        raise KernelsUnavailable(f"cannot write the 2:4 kernels' build to {target.parent} ({e.strerror}): set "
-                                 "HOLOSERVE_KERNEL_CACHE to a writable folder") from None
-    cmd = [_compiler(), *CXXFLAGS, f"-I{ov_dir / 'include'}", str(SOURCE), "-o", tmp,
-           f"-L{ov_dir / 'libs'}", *(f"-l:{found[-1].name}" for found in libs.values())]
-    if verbose:
-        print("building the 2:4 kernels:", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise KernelsUnavailable("building the 2:4 kernels failed:\n" + proc.stderr[-2000:])
-    os.replace(tmp, target)
+        raise KernelsUnavailable(f"cannot write the 2:4 kernels' build to {folder} ({e.strerror}): set "
+                                 f"{CACHE_ENV} to a writable folder") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+        if target.is_file():  # another process built it while this one waited
+            return target
+        for stale in cache_dir().glob("*/.build-*"):  # left by a build that was killed: no build runs now
+            stale.unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+        os.close(fd)
+        cmd = [cxx, *CXXFLAGS, f"-I{ov_dir / 'include'}", str(SOURCE), "-o", tmp,
+               f"-L{ov_dir / 'libs'}", *(f"-l:{found[-1].name}" for found in libs.values())]
+        log.info("building the 2:4 kernels once for OpenVINO %s with %s into %s (about a minute)",
+                 key["openvino"], key["compiler"], folder)
+        if verbose:
+            print("building the 2:4 kernels:", " ".join(cmd), flush=True)
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise KernelsUnavailable("building the 2:4 kernels failed:\n" + proc.stderr[-2000:])
+            info_tmp = folder / f".build-{os.getpid()}.json"
+            info_tmp.write_text(json.dumps({**key, "built_s": round(time.monotonic() - t0, 1)}, indent=1),
+                                encoding="utf-8")
+            _check_loads(tmp)
+            os.replace(tmp, target)
+            os.replace(info_tmp, folder / BUILD_INFO)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+            for leftover in folder.glob(f".build-{os.getpid()}.json"):
+                leftover.unlink(missing_ok=True)
+        log.info("built the 2:4 kernels in %.0f s: %s", time.monotonic() - t0, target)
     return target
 
 

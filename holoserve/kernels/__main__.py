@@ -1,7 +1,9 @@
-"""python -m holoserve.kernels [build|check]: build the 2:4 kernels' OpenVINO extension ahead of time (into
-$HOLOSERVE_KERNEL_CACHE, default ~/.cache/holoserve/kernels), or say whether this machine can run them."""
+"""python -m holoserve.kernels [build|check]: build the 2:4 kernels' OpenVINO extension ahead of serving (into
+$HOLOSERVE_KERNEL_CACHE, default ~/.cache/holoserve/kernels; needs a C++ compiler, not a CPU that runs the
+kernels), or say whether this machine can run them and which build it would load."""
 from __future__ import annotations
 
+import logging
 import sys
 
 from holoserve import HoloServeError
@@ -15,17 +17,20 @@ def main(argv: list[str] | None = None) -> int:
     if command not in ("build", "check") or len(args) > 1:
         print(__doc__.strip(), file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if command == "build":
             print(build(verbose=True))
             return 0
         missing = cpu_missing()
-        if missing:
-            print(f"no: this CPU lacks {', '.join(missing)}")
-            return 1
         path = library_path()
-        print(f"yes: {'built' if path.is_file() else 'not built yet'} at {path}")
-        return 0
+        where = "no build, and no compiler to make one" if path is None else \
+            f"{'built' if path.is_file() else 'not built yet'} at {path}"
+        if missing:
+            print(f"no: this CPU lacks {', '.join(missing)} (library: {where})")
+            return 1
+        print(f"yes: {where}")
+        return 0 if path is not None else 1
     except HoloServeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -20,11 +20,12 @@ if kernels.cpu_missing():
 
 
 @pytest.fixture(scope="module")
-def library(tmp_path_factory):
-    """The extension, built once for this module into its own cache folder."""
+def library(kernel_build):
+    """The extension, built once per test run (tests/conftest.py), its cache in effect for this module."""
+    cache, path = kernel_build
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HOLOSERVE_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernel-cache")))
-        yield kernels.build()
+        mp.setenv(kernels.CACHE_ENV, str(cache))
+        yield path
 
 
 def random_24(rng, K, N, sparse_groups=0.2):
@@ -235,15 +236,76 @@ def test_backend_with_kernels_agrees_with_onnxruntime(checkpoints, library, prec
 
 
 def test_kernels_off_auto_and_on_without_a_compiler(checkpoints, monkeypatch, tmp_path):
-    from holoserve.backends.openvino import compile_model
+    from holoserve.backends.openvino import compile_model, cpu_has_amx
 
     monkeypatch.setenv("HOLOSERVE_KERNEL_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("CXX", "no-such-compiler-holoserve")
     path = checkpoints["gelu"] / "model.ov.onnx"
-    with pytest.raises(KernelsUnavailable, match="install g\\+\\+"):
+    with pytest.raises(KernelsUnavailable, match="no C\\+\\+ compiler .*install g\\+\\+"):
         compile_model(path, threads=1, kernels="on")
     report = {}
     compile_model(path, threads=1, kernels="auto", report=report)
-    assert report["status"].startswith("off: no C++ compiler"), report
+    # auto leaves CPUs with AMX to OpenVINO's own GEMMs before it looks for a build
+    expected = "off: this CPU has AMX" if cpu_has_amx() else "off: no build of the 2:4 kernels"
+    assert report["status"].startswith(expected), report
     with pytest.raises(Exception, match="--openvino-kernels"):
         compile_model(path, threads=1, kernels="sometimes")
+
+
+def test_shapes_serving_meets_many_rows_and_a_3072_wide_input(library):
+    """Row counts past the row chunks (256) and the FFN's row blocks (512), neither a multiple of them nor of
+    the register block (8), and a 3072-wide input (BERT-base's FFN): each Linear equals the integer reference."""
+    rng = np.random.default_rng(3)
+    s, h = 0.03, 0.02
+    x = rng.normal(0, 1, (1, 1037, 64)).astype(np.float32)  # 1037 rows: 2 FFN blocks + a part, 4 chunks + a part
+    names_up, inits_up, ref_up = linear_inputs(rng, "up", 64, 3072, s)
+    names_down, inits_down, ref_down = linear_inputs(rng, "down", 3072, 64, h)
+    node = helper.make_node("Sparse24Ffn", ["x", *names_up, *names_down], ["y"], domain="holoserve",
+                            x_scale=s, h_scale=h, activation="relu")
+    (y,) = run_node(library, node, inits_up + inits_down, x, ["y"])
+    pre = linear_ref(quantize(x.reshape(-1, 64), s), *ref_up)
+    ref = linear_ref(quantize(np.maximum(pre, 0).astype(np.float32), h), *ref_down)
+    np.testing.assert_allclose(y.reshape(-1, 64), ref, rtol=1e-5, atol=1e-4)
+
+    xk = rng.normal(0, 1, (3, 197, 3072)).astype(np.float32)  # 591 rows through a K = 3072 Linear
+    names, inits, ref_k = linear_inputs(rng, "k", 3072, 96, s)
+    gemm = helper.make_node("Sparse24Gemm", ["x", *names], ["y"], domain="holoserve", x_scale=s)
+    (yk,) = run_node(library, gemm, inits, xk, ["y"])
+    np.testing.assert_allclose(yk.reshape(-1, 96), linear_ref(quantize(xk.reshape(-1, 3072), s), *ref_k),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_several_threads_calling_one_compiled_model_at_once(library):
+    """A server runs several infer requests of one compiled model at a time (batcher threads, static shapes):
+    the nodes keep no per-call state between requests, so concurrent calls each get their own exact answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(4)
+    s, h = 0.03, 0.02
+    names_up, inits_up, ref_up = linear_inputs(rng, "up", 64, 256, s)
+    names_down, inits_down, ref_down = linear_inputs(rng, "down", 256, 64, h)
+    node = helper.make_node("Sparse24Ffn", ["x", *names_up, *names_down], ["y"], domain="holoserve",
+                            x_scale=s, h_scale=h, activation="relu")
+    graph = helper.make_graph([node], "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits_up + inits_down)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("holoserve", 1)])
+    compiled = compile_onnx(library, model)
+    inputs = [rng.normal(0, 1 + i, (40 + 97 * i, 64)).astype(np.float32) for i in range(8)]
+
+    def reference(x):
+        pre = linear_ref(quantize(x, s), *ref_up)
+        return linear_ref(quantize(np.maximum(pre, 0).astype(np.float32), h), *ref_down)
+
+    def call(i):
+        request = compiled.create_infer_request()
+        outs = []
+        for _ in range(5):
+            outs.append(np.asarray(request.infer({"x": inputs[i]})[compiled.output(0)]).copy())
+        return outs
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(call, range(8)))
+    for x, outs in zip(inputs, results):
+        ref = reference(x)
+        for y in outs:
+            np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-4)
