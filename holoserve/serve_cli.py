@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     from holoserve.core.artifact import load_artifact
     from .server.app import create_app, open_backend
+    from .server.backend_choice import decide_for_workers
     from .server.connections import fit_open_files, server_options
     from .server.logs import setup_logging
     from .server.metrics import prepare_multiprocess_dir
@@ -132,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             raise HoloServeError(f"cannot read the checkpoint {cfg.artifact_dir}: {e}") from None
         effective_max_seq_length(cfg, artifact)
+        decision = decide_for_workers(cfg)  # one backend for every worker (server/backend_choice.py)
+        logging.getLogger("holoserve.server").info("backend for all workers: %s (%s)", cfg.backend,
+                                                    decision["reason"])
         os.environ.update(cfg.to_env())
         # One set of metrics for all workers: they inherit PROMETHEUS_MULTIPROC_DIR (metrics.py).
         metrics_dir, made = prepare_multiprocess_dir(cfg.workers)

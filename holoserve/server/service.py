@@ -146,7 +146,8 @@ class ClassifierService:
         return self.status == "ready" and not self.shutdown_flag()
 
     def load_backend(self) -> None:
-        self.backend, self.decision = open_backend(self.config, self.artifact)
+        self.backend, decision = open_backend(self.config, self.artifact)
+        self.decision = self.decision or decision  # a decision made for all workers (backend_choice.py) stands
 
     async def start(self) -> None:
         """Load the backend if none was given, start the batcher, and warm up in the background."""
