@@ -62,6 +62,7 @@ HELP = {
                         "connecting); then 408 and the connection is closed (slow-header clients)",
     "body_timeout_s": "seconds a client has to send a whole request body once its head has arrived; then 408 "
                       "and the connection is closed (slow-body clients)",
+    "send_timeout_s": "seconds a client may take none of its response before its connection is aborted",
     "keep_alive_timeout_s": "seconds an idle keep-alive connection is kept open",
     "max_connections": "open connections per server process; beyond it the connection that has waited longest "
                        "for its client (idle, or a request still arriving) is closed, and when all are busy "

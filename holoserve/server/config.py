@@ -64,6 +64,9 @@ class ServerConfig:
     max_header_bytes: int = 16_384  # request line + headers; beyond this: 431 and the connection is closed
     header_timeout_s: float = 10.0  # to receive a whole request head, from its first byte (or from connect)
     body_timeout_s: float = 30.0  # to receive a whole request body once its head has arrived
+    # A client that takes none of its response for this long has its connection aborted (and the
+    # response bytes buffered for it dropped).
+    send_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int = 1024  # open connections per process; beyond it the longest-stalled one is dropped
     log_level: str = "info"
@@ -98,7 +101,7 @@ class ServerConfig:
             problems.append("max sequence length must be >= 0 (0 = from the manifest)")
         if self.max_header_bytes < 1024:
             problems.append(f"max header bytes ({self.max_header_bytes}) must be >= 1024")
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s", "keep_alive_timeout_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name.removesuffix('_s').replace('_', ' ')} must be > 0 s")
         if self.max_connections < 1:

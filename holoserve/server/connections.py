@@ -11,6 +11,10 @@ legitimate clients can no longer connect at all). `GuardedHttpToolsProtocol` add
   (a connection that sent nothing is closed without an answer, as an idle keep-alive one is);
 - a body not complete `body_timeout_s` after its head: 408 and close (the app sees a disconnect);
 - bytes that are not HTTP/1.1: 400 in the API's JSON error shape, and close;
+- a response the client does not read: the transport's write buffer pauses the sender past its
+  high-water mark (64 KiB), so the app holds at most the response it is writing (whose size the
+  routes bound); when the client has taken nothing for `send_timeout_s` the connection is aborted,
+  which drops what was buffered for it;
 - more than `max_connections` open: the connection that has waited longest for its client (idle,
   a head or a body still arriving) is closed to make room; a connection whose request the app is
   working on is never dropped. When every connection is busy, the new one gets 503 and is closed.
@@ -18,8 +22,14 @@ legitimate clients can no longer connect at all). `GuardedHttpToolsProtocol` add
 Per request this costs a few attribute checks: timers are armed only when a head or a body spans
 several reads, which a well-behaved client's small request never does.
 
+Errors on a /v2 path carry the Open Inference Protocol's body, {"error": "..."}, as the app's do.
+
+A client that closes its connection while the app answers one request and a pipelined one waits:
+uvicorn marks only the newest request disconnected, and the running one would write to the closed
+transport and log an error; here every request of the connection is told the client is gone.
+
 Closures are counted in `holoserve_http_connections_closed_total{reason}` (header_too_large, header_timeout,
-body_timeout, bad_request, evicted, refused; the app's lifespan hands its
+body_timeout, send_timeout, bad_request, evicted, refused; the app's lifespan hands its
 metrics to the protocol through the lifespan state) and logged at most once per reason every 10 s.
 """
 from __future__ import annotations
@@ -31,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .config import ServerConfig
-from .protocol import error_body
+from .protocol import error_body, is_v2_path, v2_error_body
 
 log = logging.getLogger("holoserve.server")
 
@@ -47,10 +57,12 @@ class ConnectionLimits:
     header_timeout_s: float = ServerConfig.header_timeout_s
     body_timeout_s: float = ServerConfig.body_timeout_s
     max_connections: int = ServerConfig.max_connections
+    send_timeout_s: float = ServerConfig.send_timeout_s
 
     @classmethod
     def from_config(cls, cfg: ServerConfig) -> "ConnectionLimits":
-        return cls(cfg.max_header_bytes, cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections)
+        return cls(cfg.max_header_bytes, cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections,
+                   cfg.send_timeout_s)
 
 
 def _note(reason: str, message: str) -> None:
@@ -62,9 +74,10 @@ def _note(reason: str, message: str) -> None:
                     "holoserve_http_connections_closed_total, logged again in %.0f s)", message, _WARN_EVERY_S)
 
 
-def raw_error(code: int, type_: str, message: str, extra: bytes = b"") -> bytes:
-    """A whole HTTP/1.1 error response in the API's JSON error shape, ending the connection."""
-    body = error_body(code, type_, message, None)
+def raw_error(code: int, type_: str, message: str, extra: bytes = b"", v2: bool = False) -> bytes:
+    """A whole HTTP/1.1 error response in the API's JSON error shape (the Open Inference Protocol's
+    with `v2`), ending the connection."""
+    body = v2_error_body(message) if v2 else error_body(code, type_, message, None)
     return (f"HTTP/1.1 {code} {http.HTTPStatus(code).phrase}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n").encode() + extra + b"\r\n" + body
 
@@ -95,12 +108,16 @@ if HttpToolsProtocol is not None:
             self._head_timeout = lim.header_timeout_s
             self._body_timeout = lim.body_timeout_s
             self._max_connections = lim.max_connections
+            self._send_timeout = lim.send_timeout_s
             self._timer: Any = None
+            self._send_timer: Any = None  # armed while the transport's write buffer is over its high-water mark
+            self._running: Any = None  # the request cycle the app is answering (pipelined ones wait behind it)
             self._head_started = False  # bytes of a request head have arrived, the head is not complete
             self._in_body = False  # the head is complete, the body is not
             self._head_bytes = 0  # bytes of earlier reads of the head in progress
             self._chunk = 0  # size of the read being parsed
             self._refused: tuple[int, str, str] | None = None
+            self._v2_head = False  # the request whose body is arriving is on a /v2 path
             # When the connection began waiting for its client (connect, or its last answer); None while
             # the app holds a whole request. The longest waiting is the first dropped at the cap.
             self._idle_since: float | None = None
@@ -119,7 +136,15 @@ if HttpToolsProtocol is not None:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_timer()
+            self._cancel_send_timer()
             self._idle_since = None
+            # uvicorn marks only its newest cycle (a pipelined request still waiting) disconnected: the
+            # one the app is answering must stop writing too, and the waiting ones will never run.
+            for cycle in (self._running, *(c for c, _ in self.pipeline)):
+                if cycle is not None and not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
+            self.pipeline.clear()
             if self._metrics is not None:
                 self._metrics.connections.dec()
                 self._metrics = None
@@ -130,14 +155,14 @@ if HttpToolsProtocol is not None:
             super().data_received(data)
             if self._refused is not None:
                 code, type_, message = self._refused
-                return self._close("header_too_large", message, raw_error(code, type_, message))
+                return self._close("header_too_large", message, raw_error(code, type_, message, v2=self._v2_head))
             if self.transport.is_closing():
                 return
             if self._head_started:  # a head spans reads: bound its size and its time
                 self._head_bytes += self._chunk
                 if self._head_bytes > self._max_head:
                     msg = f"the request line and headers exceed {self._max_head} bytes"
-                    return self._close("header_too_large", msg, raw_error(431, "header_too_large", msg))
+                    return self._close("header_too_large", msg, raw_error(431, "header_too_large", msg, v2=self._v2()))
                 if self._timer is None:
                     self._timer = self.loop.call_later(self._head_timeout, self._on_head_timeout)
             elif self._in_body and self._timer is None:
@@ -149,6 +174,7 @@ if HttpToolsProtocol is not None:
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
+            self._v2_head = self._v2()
             self._head_started = False
             self._cancel_timer()
             if self._refused is not None:  # a pipelined head after a refused one: the connection is closing
@@ -179,6 +205,38 @@ if HttpToolsProtocol is not None:
             self._idle_since = self.loop.time()
             super().on_response_complete()
 
+        def _start_asgi_task(self, cycle, app) -> None:
+            self._running = cycle
+            super()._start_asgi_task(cycle, app)
+
+        # ---- asyncio write flow control: a client that does not read its response
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._send_timer is None:
+                self._send_timer = self.loop.call_later(self._send_timeout, self._on_send_timeout)
+
+        def resume_writing(self) -> None:
+            self._cancel_send_timer()
+            super().resume_writing()
+
+        def _cancel_send_timer(self) -> None:
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
+
+        def _on_send_timeout(self) -> None:
+            self._send_timer = None
+            buffered = self.transport.get_write_buffer_size()
+            self._close("send_timeout", f"the client read nothing of its response for {self._send_timeout:g} s "
+                        f"({buffered} bytes waiting)", abort=True)
+
+        def _v2(self) -> bool:
+            """The request being read is on a /v2 path (its URL so far says so)."""
+            if self._in_body:
+                return self._v2_head
+            url = getattr(self, "url", None)
+            return bool(self._head_started and url and is_v2_path(url))
+
         # ---- limits
         def _cancel_timer(self) -> None:
             if self._timer is not None:
@@ -188,16 +246,21 @@ if HttpToolsProtocol is not None:
         def send_400_response(self, msg: str) -> None:
             """Bytes that are not HTTP/1.1: the JSON error shape instead of uvicorn's plain text."""
             text = "the request is not valid HTTP/1.1"
-            self._close("bad_request", text, raw_error(400, "bad_request", text))
+            self._close("bad_request", text, raw_error(400, "bad_request", text, v2=self._v2()))
 
-        def _close(self, reason: str, message: str, response: bytes = b"") -> None:
+        def _close(self, reason: str, message: str, response: bytes = b"", abort: bool = False) -> None:
             self._cancel_timer()
             self._idle_since = None  # not a candidate for eviction any more
-            if self.transport.is_closing():
-                return
-            if response:
-                self.transport.write(response)
-            self.transport.close()
+            if abort or (not response and self.transport.get_write_buffer_size()):
+                # close() would wait for the client to take what is buffered, which it may never do.
+                self._cancel_send_timer()
+                self.transport.abort()
+            else:
+                if self.transport.is_closing():
+                    return
+                if response:
+                    self.transport.write(response)
+                self.transport.close()
             if self._metrics is not None:
                 self._metrics.connections_closed.labels(reason).inc()
             client = "%s:%d" % self.client if self.client else "a client"
@@ -211,7 +274,7 @@ if HttpToolsProtocol is not None:
                 return
             if self._head_started:
                 msg = f"the request head did not arrive within {self._head_timeout:g} s"
-                self._close("header_timeout", msg, raw_error(408, "request_timeout", msg))
+                self._close("header_timeout", msg, raw_error(408, "request_timeout", msg, v2=self._v2()))
             else:
                 self._close("header_timeout", f"no request within {self._head_timeout:g} s of connecting")
 
@@ -223,7 +286,7 @@ if HttpToolsProtocol is not None:
             if cycle is not None and not cycle.response_started:
                 cycle.disconnected = True  # the app's next receive() answers http.disconnect
                 cycle.message_event.set()
-                response = raw_error(408, "request_timeout", msg)
+                response = raw_error(408, "request_timeout", msg, v2=self._v2())
             self._close("body_timeout", msg, response)
 
         def _make_room(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -220,6 +221,111 @@ def test_garbage_bytes_get_a_json_400(guarded):
         conn.send(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not http\r\n\r\n")  # e.g. TLS to a plain port
         status, headers, body = conn.response()
         assert status == 400 and json.loads(body)["error"]["type"] == "bad_request"
+
+
+def test_connection_level_errors_on_v2_paths_have_the_v2_body(guarded):
+    """431, 408 and 400 answered by the connection guard carry {"error": "..."} on /v2 paths, as the app's
+    answers there do, and the API's error object elsewhere."""
+    infer = "/v2/models/any/infer"
+    with RawHTTP(guarded.url) as conn:  # a head over the limit
+        conn.request("POST", infer, body=b"{}", headers={"X-Pad": "a" * 20000})
+        status, _, body = conn.response()
+        assert status == 431 and set(json.loads(body)) == {"error"} and "the limit is 4096" in json.loads(body)["error"]
+    with RawHTTP(guarded.url) as conn:  # a head over the limit, arriving in pieces
+        conn.send(f"POST {infer} HTTP/1.1\r\nHost: x\r\nX-Big: ".encode())
+        with contextlib.suppress(ConnectionError, OSError):
+            for _ in range(8):
+                conn.send(b"b" * 1024)
+        assert conn.closed_within(3)
+        status, _, body = conn.response()
+        assert status == 431 and isinstance(json.loads(body)["error"], str)
+    with RawHTTP(guarded.url) as conn:  # a head that never ends
+        conn.send(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+        assert conn.closed_within(5)
+        status, _, body = conn.response()
+        assert status == 408 and "did not arrive" in json.loads(body)["error"]
+    with RawHTTP(guarded.url) as conn:  # a body that never ends
+        conn.send(f"POST {infer} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{{".encode())
+        assert conn.closed_within(5)
+        status, _, body = conn.response()
+        assert status == 408 and "body did not arrive" in json.loads(body)["error"]
+    with RawHTTP(guarded.url) as conn:  # not HTTP/1.1
+        conn.send(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n")
+        status, _, body = conn.response()
+        assert status == 400 and json.loads(body) == {"error": "the request is not valid HTTP/1.1"}
+    with RawHTTP(guarded.url) as conn:  # the same on /predict: the API's error object
+        conn.send(b"GET /predict HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n")
+        status, _, body = conn.response()
+        assert status == 400 and json.loads(body)["error"]["type"] == "bad_request"
+
+
+def test_a_client_leaving_during_pipelined_requests_logs_no_error(guarded, caplog):
+    """uvicorn marks only the newest pipelined request of a lost connection disconnected; the one being
+    answered wrote to the closed transport and logged two error tracebacks."""
+    import socket
+    import struct
+
+    body = json.dumps({"texts": ["a fun film"] * 64}).encode()
+    req = (f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+           "\r\n\r\n").encode() + body
+    before = metric(httpx.get(guarded.url + "/metrics").text, "holoserve_http_request_duration_seconds_count",
+                    route="/predict")
+    loggers = [logging.getLogger(n) for n in ("holoserve", "uvicorn.error")]
+    for lg in loggers:  # whether or not they propagate to the root logger (setup_logging stops that)
+        lg.addHandler(caplog.handler)
+    try:
+        for _ in range(6):
+            s = socket.create_connection(("127.0.0.1", int(guarded.url.rsplit(":", 1)[1])))
+            s.sendall(req * 3)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # leave with a reset
+            s.close()
+        # Every first request of the six was taken by the app: wait until each has finished.
+        wait_metric(guarded.url, "holoserve_http_request_duration_seconds_count", lambda v: v >= before + 6,
+                    route="/predict")
+        wait_metric(guarded.url, "holoserve_http_requests_in_flight", lambda v: v == 1)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(caplog.handler)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    assert httpx.post(guarded.url + "/predict", json={"text": "still serving"}).status_code == 200
+
+
+def test_a_response_the_client_does_not_read_is_dropped_after_the_send_timeout(sst2):
+    """Pipelined requests whose ~0.9 MB answers the client never reads: once the kernel's buffers are
+    full the app stops writing, and after send_timeout_s the connection is aborted, freeing what was
+    buffered; other clients are served meanwhile."""
+    import socket
+
+    with running(sst2, send_timeout_s=1.0) as srv:
+        name = httpx.get(srv.url + "/v1/models").json()["models"][0]["name"]
+        body = json.dumps({"id": "r" * 900_000, "inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES",
+                                                           "data": ["x"]}]}).encode()
+        req = f"POST /v2/models/{name}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", srv.port))
+
+        def push():
+            with contextlib.suppress(OSError):
+                s.sendall((req + body) * 6)
+
+        sender = threading.Thread(target=push, daemon=True)
+        sender.start()
+        try:
+            assert httpx.post(srv.url + "/predict", json={"text": "a neighbour"}).status_code == 200
+            wait_metric(srv.url, "holoserve_http_connections_closed_total", lambda v: v == 1, timeout=30,
+                        reason="send_timeout")
+            got = b""
+            with contextlib.suppress(OSError):
+                while chunk := s.recv(1 << 20):
+                    got += chunk
+            assert len(got) < 6 * len(body)  # the connection ended before the client took its answers
+            assert httpx.post(srv.url + "/predict", json={"text": "a neighbour"}).status_code == 200
+            wait_metric(srv.url, "holoserve_http_connections", lambda v: v == 1)  # just this scrape
+        finally:
+            s.close()
+            sender.join(10)
 
 
 # --------------------------------------------------------------------------- 6. protocol edges
