@@ -8,18 +8,24 @@ ADMM (scaled form) for min_W loss(W) s.t. W ∈ C, with C = S ∩ Q (or S alone 
     U-step  U += W - Z
 rho rises geometrically; when it changes, the scaled dual U is rescaled by rho_old / rho_new so the
 unscaled multiplier rho·U is continuous.
+
+`layerwise_projection` is the one-time projection of the teacher onto the set, layer by layer on calibration
+inputs (preset projection="obs": SparseGPT's OBS updates; "admm": compress.project.admm_prune), with each
+Linear's reconstruction error on held-out calibration rows for the manifest.
 """
 from __future__ import annotations
 
 import math
-from typing import Mapping
+import time
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from .config import AdmmConfig
-from .layers import get_linear
-from .project import project
+from .layers import encoder_layer_stack, get_linear
+from .project import admm_prune, obs_prune, project
+from .quant import input_hessians
 
 
 class Admm:
@@ -108,3 +114,79 @@ class Admm:
             self.U[k] = tensors[f"admm.U.{k}"].to(dev, copy=True)
         self.k = int(meta["k"])
         self.mask_moves = [float(x) for x in meta.get("mask_moves", [])]
+
+
+def _output_error(dense: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> float:
+    """tr((W - V) H (W - V)^T): the squared output error of V against W on the inputs whose X^T X is H."""
+    d = dense - w.to(dense.dtype)
+    return float((d @ h * d).sum())
+
+
+@torch.no_grad()
+def layerwise_projection(model: nn.Module, layers: list[str], batches: list[Mapping[str, torch.Tensor]],
+                         heldout: list[Mapping[str, torch.Tensor]] | None = None, *, method: str = "admm",
+                         masks: Mapping[str, torch.Tensor] | None = None,
+                         importance: Mapping[str, torch.Tensor] | None = None, quant: bool = True,
+                         n: int = 2, m: int = 4, damp: float = 0.01, admm_options: Mapping[str, Any] | None = None,
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float]]]:
+    """Project each named Linear onto 2:4 (∩ INT8) so its output on `batches` stays close to the dense one's, in place.
+
+    Encoder layers are taken in order and each one's Linear inputs are measured after the layers before it were
+    projected (SparseGPT's sequential pass), so later layers also make up for the earlier ones' error.
+      method="obs"   optimal-brain-surgeon updates (compress.project.obs_prune) on the given `masks`; the model
+                     keeps the updated weights off the grid, as compress.sparsify.obs_masks does
+      method="admm"  layer-wise ADMM (compress.project.admm_prune), the masks free to move from `masks` (mask
+                     choice by |w| x importance[layer]) unless admm_options["fixed_mask"]; the model gets the
+                     least-squares weights rounded onto the grid (with `quant`), what the later layers will see
+    Returns (masks, per-layer diagnostics): for each Linear the squared output error of its final weights (on
+    the grid with `quant`) relative to that of the nearest projection (the same mask metric, the weights kept
+    as they are), on the fit batches ("fit_vs_nearest") and on `heldout` ("heldout_vs_nearest"), and relative
+    to the dense output's energy on `heldout` ("heldout_relative"); with "admm" also its iterations.
+    """
+    if method not in ("obs", "admm"):
+        raise ValueError(f"layerwise_projection: method {method!r} is not obs or admm")
+    opts = dict(admm_options or {})
+    fixed_mask = bool(opts.pop("fixed_mask", False))
+    stack, _ = encoder_layer_stack(model)
+    blocks: dict[str, list[str]] = {}
+    for name in layers:
+        rest = name[len(stack) + 1:] if name.startswith(f"{stack}.") else name
+        blocks.setdefault(rest.split(".")[0], []).append(name)
+    out_masks: dict[str, torch.Tensor] = {}
+    diag: dict[str, dict[str, float]] = {}
+    for names in blocks.values():
+        hessians = input_hessians(model, names, batches)
+        held = input_hessians(model, names, heldout) if heldout else None
+        for name in names:
+            lin = get_linear(model, name)
+            w = lin.weight.detach()
+            dense, h = w.to("cpu", torch.float64), hessians[name]
+            imp = importance.get(name) if importance else None
+            given = masks.get(name) if masks else None
+            nearest = project(dense, n, m, quant=quant, mask=given, importance=imp).z
+            t0 = time.perf_counter()
+            info: dict[str, float] = {}
+            if method == "obs":
+                new, out_masks[name] = obs_prune(w, h, n, m, mask=given, damp=damp)
+                final = project(new.to("cpu", torch.float64), n, m, quant=quant, mask=out_masks[name].cpu()).z
+            else:
+                res = admm_prune(w, h, n, m, quant=quant, mask=given if fixed_mask else None, importance=imp,
+                                 damp=damp, **opts)
+                out_masks[name] = res.mask
+                final = project(res.w.to("cpu", torch.float64), n, m, quant=quant, mask=res.mask.cpu()).z
+                new = final.to(w.device, w.dtype)
+                info = {"iters": res.iters, "rho_final": round(res.rho, 4),
+                        "mask_moved_vs_start": round(float((res.mask.cpu() != (nearest != 0)).float().mean()), 5)}
+                if given is not None:
+                    info["mask_moved_vs_start"] = round(float((res.mask.cpu() != given.cpu()).float().mean()), 5)
+            info["seconds"] = round(time.perf_counter() - t0, 2)
+            info["fit_vs_nearest"] = _output_error(dense, final, h) / max(_output_error(dense, nearest, h), 1e-30)
+            if held is not None:
+                hh = held[name]
+                info["heldout_vs_nearest"] = _output_error(dense, final, hh) / max(_output_error(dense, nearest, hh),
+                                                                                   1e-30)
+                info["heldout_relative"] = _output_error(dense, final, hh) / max(float((dense @ hh * dense).sum()),
+                                                                                 1e-30)
+            diag[name] = info
+            lin.weight.copy_(new)
+    return out_masks, diag

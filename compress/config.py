@@ -1,8 +1,9 @@
 """Compression settings as dataclasses, with named presets (`quick`, `full`).
 
 A preset fixes everything that changes accuracy or run time; the CLI may override a few knobs
-(--max-steps, --train-limit, --seed). The numbers for `quick` are sized for minutes on a 2-core
-CPU with MiniLM + SST-2; `full` is the best-accuracy recipe (hours on CPU, minutes on a GPU).
+(--max-steps, --train-limit, --seed, --max-seq-length). `quick` is sized for minutes on a CPU, `full` is the
+best-accuracy recipe (hours on a CPU, minutes on a GPU). Why each default is what it is: the result pages
+linked beside it (docs/results/).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class DistillConfig:
 
 
 ADMM_INITS = ("teacher", "projection")  # AdmmConfig.init: where W starts
+PROJECTIONS = ("nearest", "obs", "admm")  # Preset.projection
 # Preset.activation: the FFN activations a student may be given (each one the export, ONNX Runtime, OpenVINO
 # and the torch-cuda backend compute; the config key is `hidden_act`, DistilBERT's `activation`)
 STUDENT_ACTIVATIONS = ("gelu", "relu")
@@ -60,8 +62,8 @@ class AdmmConfig:
     penalty: str = "decoupled"
     penalty_lr: float = 1.0
     # Fake-quantize every encoder Linear's input during the ADMM phase too (ranges calibrated on the
-    # teacher), so W is shaped for INT8 activations as well as for the 2:4 ∩ INT8 weight set. On SST-2
-    # at the quick budget (same teacher, seed 0) it lifted ADMM from 83.72 to 85.32.
+    # teacher), so W is shaped for INT8 activations as well as for the 2:4 ∩ INT8 weight set.
+    # Why on: docs/results/2026-11-24-admm-search.md
     act_quant: bool = True
     # Where W starts: "teacher" (the dense fine-tuned weights; Z = the nearest projection of them) or
     # "projection" (the teacher's hard projection onto the set, with the preset's mask metric and projection,
@@ -75,9 +77,9 @@ class Preset:
     name: str
     batch_size: int = 32
     eval_batch_size: int = 128
-    max_seq_length: int = 64
+    max_seq_length: int = 64  # the most tokens per row; the length itself comes from the rows (compress/seqlen.py)
     dense: PhaseConfig = PhaseConfig(lr=1e-4, epochs=3, max_steps=500)
-    # 1e-4 for ADMM and QAT beat 5e-5 / 2e-5 on MiniLM + SST-2 (84.9 vs 82.7 dev accuracy, same teacher)
+    # ADMM and QAT learning rates: why 1e-4, docs/results/2026-11-21-accuracy.md
     admm: PhaseConfig = PhaseConfig(lr=1e-4, epochs=2, max_steps=300)
     qat: PhaseConfig = PhaseConfig(lr=1e-4, epochs=2, max_steps=200)
     admm_cfg: AdmmConfig = AdmmConfig()
@@ -87,20 +89,20 @@ class Preset:
     #   "activation"  the 2 largest |w_ij| * ||x_j|| ** mask_activation_power, x_j the layer's input channel j
     #                 over the calibration batches (power 1: Wanda's score, the mask closest to w in the
     #                 layer's output error; 0.5: RIA's exponent, Zhang et al. 2024; 0: magnitude)
-    # (`--method magnitude` is the APEX ASP baseline and always uses magnitude.) The default, activation
-    # with power 0.5, has the best mean of the three over SST-2/STS-B/MRPC/CoLA x 3 seeds (one-shot + QAT,
-    # quick budget): power 1 wins STS-B but loses CoLA by 2.9 MCC to magnitude, 0.5 wins CoLA and SST-2
-    # (docs/results/2026-11-24-activation-aware-masks.md).
     #   "saliency"    SparseGPT's w_ij^2 / [H^-1]_jj^2, chosen inside the OBS projection (projection="obs" only)
+    # (`--method magnitude` is the APEX ASP baseline and always uses magnitude.)
+    # Why activation with power 0.5: docs/results/2026-11-24-activation-aware-masks.md
     mask_metric: str = "activation"
     mask_activation_power: float = 0.5
     # How the one-shot projection (and ADMM's final one) treats the weights it keeps:
     #   "nearest"  keep them as they are: the Frobenius-nearest point of 2:4 (then the INT8 grid)
     #   "obs"      update them by optimal-brain-surgeon steps on the calibration batches' input Hessians so
     #              each layer's output moves as little as it can (SparseGPT's sequential pass), then the grid
-    # The default, obs, has the better mean over SST-2/CoLA/MRPC/STS-B at the quick budget (70.50 vs 69.81),
-    # from CoLA (+3.0 MCC over three seeds; SST-2 +0.15, MRPC +0.42; STS-B -0.85 over two seeds)
-    # (docs/results/2026-11-25-obs-projection.md).
+    #   "admm"     solve min ||X W - X V||^2 over V in 2:4 ∩ INT8 per layer by ADMM on the same Hessians, in the
+    #              same sequential pass, the mask free to move from the mask metric's (the Z-step keeps the 2 of
+    #              4 that metric ranks highest), then least squares on the final mask and the grid
+    #              (compress.project.admm_prune; docs/results/2026-11-27-admm-layerwise.md)
+    # Why obs: docs/results/2026-11-25-obs-projection.md
     projection: str = "obs"
     calib_batches: int = 16  # training batches used to calibrate activation ranges
     calib_percentile: float | None = 99.99  # None = plain max
@@ -113,33 +115,24 @@ class Preset:
     # QAT also fake-quantizes the tensors only the TensorRT placement quantizes: the Q/K/V projections,
     # the softmax output and each residual-Add input whose INT8 SQNR clears RESIDUAL_MIN_SQNR_DB (ranges
     # in the manifest; the export's "auto" then quantizes exactly those). ONNX Runtime keeps them in float.
-    # Off by default: an earlier form (every residual input, no softmax) cost more than it saved at the
-    # quick budget (SST-2 with it: ORT path 82.34, TensorRT placement 82.91; without: 85.44 and 82.57).
+    # Why off: docs/results/2026-11-21-accuracy.md (and docs/results/2026-11-24-tensorrt-placement.md)
     tensorrt_qat: bool = False
     # The student's FFN activation: None keeps the teacher's; "relu" replaces the (erf) GELU by ReLU, during
     # QAT (activation_ramp below) or before the projection, and the checkpoint's config.json says hidden_act
     # "relu" (still a plain Hugging Face model). ReLU is a GEMM post-op almost for free where GELU is a
-    # polynomial per element. Off by default: on a 2-core AMD EPYC, OpenVINO INT8 at seq 128 ran 3-6 % faster
-    # at batch 32 (2.5-5 % at batch 1 in a two-model A/B). Against GELU, ramped: -0.08 points on SST-2 (quick,
-    # three seeds), -1.76 MCC on CoLA (full, six seeds), -0.22 F1 on MRPC (full, three seeds)
-    # (docs/results/2026-11-27-relu-ramp.md; swapped before the projection: docs/results/2026-11-26-relu-student.md).
+    # polynomial per element. Why off (the speed it gains against the accuracy it costs):
+    # docs/results/2026-11-27-relu-ramp.md
     activation: str | None = None
     # With `activation` set: the share of the QAT steps over which the student's FFN moves from the teacher's
     # activation to `activation`, as (1 - a) * old(x) + a * new(x) with a rising linearly from 0 to 1. The
     # projection and calibration then see the teacher's activation; the rest of QAT (and the checkpoint) is
     # the new activation alone. 0 swaps it before the projection; None (the default) is DEFAULT_ACTIVATION_RAMP
-    # for methods that end with QAT, 0 for the others. Measured (docs/results/2026-11-27-relu-ramp.md) for
-    # ReLU, 0.5 against 0: MRPC +0.92 F1 (full, three seeds, ahead on each), CoLA -0.17 MCC (full, six
-    # seeds), SST-2 +0.03 (quick, three seeds).
+    # for methods that end with QAT, 0 for the others. Why 0.5: docs/results/2026-11-27-relu-ramp.md
     activation_ramp: float | None = None
     # torch.compile the student's and the teacher's forward for training (dynamic shapes, so the length
     # groups' many sequence lengths share one compiled graph). The same losses and gradients as eager up to
-    # float rounding (dropout draws its own random numbers). Off by default: on a 2-core AMD EPYC the quick
-    # preset's QAT phase took 219 s with it against 154 s without (SST-2, seed 0, the quick start's teacher
-    # reused: `holoserve compress --task sst2 --preset quick --teacher runs/minilm-sst2.state/teacher
-    # [--set compile=true]`), compiling included; there a step is bound by arithmetic. On a GPU a MiniLM
-    # step (51 ms on an H200) is probably bound by launching its thousands of operators, which compiling
-    # fuses. Not yet timed there.
+    # float rounding (dropout draws its own random numbers). Why off: slower on a CPU, where a step is bound
+    # by arithmetic; not yet timed on a GPU (docs/usage.md, "compile=true").
     compile: bool = False
     group_size: int = 50  # batches per length-sorted mega-batch (length grouping)
     save_every: int = 200  # steps between mid-phase state saves
@@ -193,8 +186,7 @@ PRESETS: dict[str, Preset] = {
         name="full",
         max_seq_length=128,
         dense=PhaseConfig(lr=5e-5, epochs=3, max_steps=6000),
-        # ADMM and QAT at 1e-4, as in `quick`: on MiniLM + CoLA (seed 0, same 27.94 teacher) 3e-5 / 1e-5
-        # gave 15.75 MCC after ADMM + QAT and 18.78 after one-shot + QAT; 1e-4 gives 21.94 and 27.06.
+        # ADMM and QAT at 1e-4, as in `quick`: why, docs/results/2026-11-24-accuracy-over-tasks.md
         admm=PhaseConfig(lr=1e-4, epochs=3, max_steps=6000),
         qat=PhaseConfig(lr=1e-4, epochs=2, max_steps=3000),
         admm_cfg=AdmmConfig(interval=50, rho_start=1e-3, rho_end=0.2),

@@ -33,13 +33,14 @@ from holoserve.data.tasks import Task
 
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
 from .distributed import Processes
-from .config import ADMM_INITS, STUDENT_ACTIVATIONS, Preset, apply_overrides, get_preset
+from .admm import layerwise_projection
+from .config import ADMM_INITS, PROJECTIONS, STUDENT_ACTIVATIONS, Preset, apply_overrides, get_preset
 from .data import Encoded, encode, train_batches, with_perturbed_copies
 from .evaluate import evaluate
 from .layers import activation_key, encoder_linear_names
 from .methods import Outcome, get_method
 from .quant import calibrate_amax, calibrate_tensorrt_amax, input_channel_norms, input_quantizers
-from .sparsify import hard_masks, nm_share, obs_masks, quantize_embeddings
+from .sparsify import hard_masks, nm_share, quantize_embeddings
 from .state import load_state, save_state
 from .trainer import train_phase
 
@@ -131,8 +132,8 @@ def _load_hf(folder: Path, task: Task, activation: str | None = None) -> nn.Modu
 def check_preset_settings(preset: Preset, method: str) -> None:
     """Refuse preset settings no phase can honour (masks, projection, ADMM start, augmentation), before
     the teacher is trained."""
-    if preset.projection not in ("nearest", "obs"):
-        raise HoloServeError(f"projection={preset.projection!r}: choose nearest or obs")
+    if preset.projection not in PROJECTIONS:
+        raise HoloServeError(f"projection={preset.projection!r}: choose one of {', '.join(PROJECTIONS)}")
     if preset.mask_metric not in ("activation", "magnitude", "saliency"):
         raise HoloServeError(f"mask_metric={preset.mask_metric!r}: choose activation, magnitude or saliency "
                              "(projection=obs only)")
@@ -414,15 +415,17 @@ class Runner:
         fixed = next(iter(self.emb_scales.values())) if self.emb_scales else None
         self.emb_scales = quantize_embeddings(model, fixed)
 
-    def calibration_batches(self) -> list[dict]:
-        """The preset's calibration batches: the first `calib_batches` training batches of a fixed order."""
+    def calibration_batches(self, held_out: bool = False) -> list[dict]:
+        """The preset's calibration batches: the first `calib_batches` training batches of a fixed order; with
+        `held_out`, the next `calib_batches` of that order (rows the projection is not fitted on, to score it)."""
         p = self.preset
         stream = train_batches(self.train, p.batch_size, self.job.seed + 7, p.group_size)
         batches = []
-        for _ in range(p.calib_batches):
+        for i in range(2 * p.calib_batches if held_out else p.calib_batches):
             b = next(stream)
             b.pop("labels")
-            batches.append(b)
+            if not held_out or i >= p.calib_batches:
+                batches.append(b)
         return batches
 
     def mask_importance(self, model: nn.Module, layers) -> dict[str, torch.Tensor] | None:
@@ -439,23 +442,36 @@ class Runner:
         raise AssertionError(f"mask_metric={metric!r} outside a projection (refused by check_preset_settings)")
 
     def project_masks(self, model: nn.Module, layers) -> dict[str, torch.Tensor]:
-        """The hard projection's 2:4 masks (preset mask_metric); with preset projection="obs" the kept weights
-        are also updated in place to compensate for the pruned ones (compress.sparsify.obs_masks)."""
+        """The hard projection's 2:4 masks (preset mask_metric); with preset projection="obs" or "admm" the kept
+        weights are also fitted in place to the calibration inputs (compress.admm.layerwise_projection), and each
+        Linear's reconstruction error on held-out calibration rows goes in the log and the manifest."""
         p = self.preset
-        chosen = None if p.mask_metric == "saliency" else \
-            hard_masks(model, layers, importance=self.mask_importance(model, layers))
+        importance = None if p.mask_metric == "saliency" else self.mask_importance(model, layers)
+        chosen = None if p.mask_metric == "saliency" else hard_masks(model, layers, importance=importance)
         if p.projection == "nearest":
             return chosen
         t0 = time.monotonic()
-        masks, ratios = obs_masks(model, layers, self.calibration_batches(), masks=chosen)
+        masks, diag = layerwise_projection(model, layers, self.calibration_batches(),
+                                           self.calibration_batches(held_out=True), method=p.projection,
+                                           masks=chosen, importance=importance, quant=self.job.quant)
         seconds = time.monotonic() - t0
-        r = sorted(ratios.values())
-        log.info("[project] OBS 2:4 projection (masks by %s) over %d calibration batches: each layer's output error "
-                 "%.2f (median; %.2f-%.2f) of keeping the kept weights as they are | %.0fs",
-                 "SparseGPT saliency" if chosen is None else p.mask_metric, p.calib_batches,
-                 r[len(r) // 2], r[0], r[-1], seconds)
-        self.phases["projection"] = {"method": "obs", "seconds": round(seconds, 1),
-                                     "output_error_vs_nearest": {k: round(v, 4) for k, v in ratios.items()}}
+        held = sorted(d["heldout_vs_nearest"] for d in diag.values())
+        worst = max(diag, key=lambda k: diag[k]["heldout_relative"])
+        log.info("[project] %s 2:4 projection (masks by %s) over %d calibration batches: each layer's output error on "
+                 "%d held-out batches %.2f (median; %.2f-%.2f) of the nearest projection's; largest relative to the "
+                 "layer's output: %.3g (%s) | %.0fs", p.projection.upper(),
+                 "SparseGPT saliency" if chosen is None else p.mask_metric, p.calib_batches, p.calib_batches,
+                 held[len(held) // 2], held[0], held[-1], diag[worst]["heldout_relative"], worst, seconds)
+        for name, d in diag.items():
+            log.debug("[project] %s: held-out error %.4f of nearest, %.4g of the output", name,
+                      d["heldout_vs_nearest"], d["heldout_relative"])
+        self.phases["projection"] = {
+            "method": p.projection, "seconds": round(seconds, 1), "calib_batches": p.calib_batches,
+            "heldout_batches": p.calib_batches, "heldout_vs_nearest_median": round(held[len(held) // 2], 4),
+            # per Linear: squared output error relative to the nearest projection's (fit and held-out rows) and
+            # to the dense output's energy (held-out rows)
+            "layers": {k: {f: (round(v, 5) if isinstance(v, float) else v) for f, v in d.items()}
+                       for k, d in diag.items()}}
         return masks
 
     def calibrate(self, model: nn.Module, layers, tensorrt: bool = True) -> dict[str, float]:

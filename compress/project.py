@@ -130,3 +130,131 @@ def obs_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *,
         if b1 < in_f:
             W[:, b1:] -= err @ U[b0:b1, b1:]
     return (W * keep).to(w.device, w.dtype), keep.to(w.device)
+
+
+class AdmmSolve(NamedTuple):
+    w: torch.Tensor  # exact least-squares weights on `mask` (not yet on the INT8 grid), w's dtype and device
+    mask: torch.Tensor  # bool, the final 2:4 mask
+    z: torch.Tensor  # ADMM's last Z (on 2:4 ∩ INT8, before the least-squares solve), w's dtype and device
+    iters: int  # ADMM iterations run
+    rho: float  # the penalty at the end (relative to mean(diag H))
+    mask_moves: list[float]  # share of the weights whose kept/pruned state changed, per check (every `check` iters)
+
+
+def _damped(hessian: torch.Tensor, damp: float) -> torch.Tensor:
+    """X^T X in float64 on the CPU, scaled to mean diagonal 1, with `damp` added to the diagonal (an input never
+    seen in the samples gets diagonal 1: no error to compensate through it)."""
+    H = hessian.detach().to("cpu", torch.float64, copy=True)
+    diag = H.diagonal()
+    diag[diag <= 0] = float(diag[diag > 0].mean()) if bool((diag > 0).any()) else 1.0
+    H /= float(diag.mean())
+    H.diagonal().add_(damp)
+    return H
+
+
+def masked_least_squares(w: torch.Tensor, hessian: torch.Tensor, mask: torch.Tensor, *, damp: float = 0.01,
+                         start: torch.Tensor | None = None, tol: float = 1e-4, max_iters: int = 300,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weights on `mask` closest to w in the layer's output error: for each row i,
+    argmin_v (w_i - v)^T H (w_i - v) with v zero off the row's mask, i.e. v_S = H_SS^-1 (H w_i)_S
+    (H scaled and damped as in admm_prune).
+
+    Solved for all rows at once by conjugate gradients on the masked normal equations, preconditioned by
+    diag(H), from `start` (default: w on the mask), until every row's residual is under `tol` of its right-hand
+    side (or `max_iters`): one [out, in] x [in, in] product per iteration, where a direct solve of each row's own
+    [k, k] system costs ~out * k^3. float64 on the CPU; returns w's dtype and device.
+    """
+    out_f, in_f = w.shape
+    if hessian.shape != (in_f, in_f) or mask.shape != w.shape:
+        raise ValueError(f"hessian {tuple(hessian.shape)} / mask {tuple(mask.shape)} do not fit weight {tuple(w.shape)}")
+    H64 = _damped(hessian, damp)
+    W = w.detach().to("cpu", torch.float64)
+    b = ((W @ H64) * mask.detach().to("cpu", torch.float64)).to(dtype)
+    H, M = H64.to(dtype), mask.detach().to("cpu", dtype)
+    x = (start.detach().to("cpu", dtype) if start is not None else W.to(dtype)) * M
+    bnorm = b.norm(dim=1).clamp_min(1e-30)
+    inv_d = M / H.diagonal()
+    r = b - (x @ H) * M
+    z = r * inv_d
+    p = z.clone()
+    rz = (r * z).sum(1)
+    for _ in range(max_iters):
+        if bool((r.norm(dim=1) <= tol * bnorm).all()):
+            break
+        Ap = (p @ H) * M
+        pAp = (p * Ap).sum(1)
+        alpha = torch.where(pAp > 0, rz / pAp.clamp_min(1e-30), torch.zeros_like(pAp)).unsqueeze(1)
+        x += alpha * p
+        r -= alpha * Ap
+        z = r * inv_d
+        rz_new = (r * z).sum(1)
+        beta = torch.where(rz > 0, rz_new / rz.clamp_min(1e-30), torch.zeros_like(rz)).unsqueeze(1)
+        p = z + beta * p
+        rz = rz_new
+    return x.to(w.device, w.dtype)
+
+
+def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *, quant: bool = True,
+               mask: torch.Tensor | None = None, importance: torch.Tensor | None = None, damp: float = 0.01,
+               rho: float = 0.1, max_iters: int = 150, check: int = 3, settle: float = 0.01,
+               stop: float = 1e-4) -> AdmmSolve:
+    """min_V ||X w^T - X V^T||^2 s.t. V ∈ 2:4 ∩ per-row INT8 grid, by ADMM (scaled form), for one Linear.
+
+    H = X^T X (`hessian`, scaled to mean diagonal 1 and damped by `damp`) is factorised once, H = Q diag(λ) Q^T:
+      W-step  W = (W0 H + ρ (Z - U)) (H + ρI)^-1  per row, the exact minimiser of the output error plus the
+              proximal term ρ/2 ||W - Z + U||^2; with the eigenbasis a change of ρ costs nothing
+      Z-step  Z = Π(W + U): the 2:4 mask by |v| x importance (compress.project.nm_mask, the activation-weighted
+              metric the other projections use), then the kept values rounded onto their row's INT8 grid
+      U-step  U += W - Z
+    Every `check` iterations ρ grows (x1.3 once fewer than `settle` of the weights changed kept/pruned state
+    since the last check, else x1.1), rescaling U so ρU is continuous; the loop stops once fewer than `stop`
+    changed (or after `max_iters`). The kept weights are then solved exactly by least squares on the final mask
+    (masked_least_squares); the caller rounds them onto the grid (compress.sparsify.finalize). The iterations
+    run in float32 on the CPU. With a given `mask` the problem is convex up to the rounding and ADMM converges
+    to that least-squares solution, so it is returned without iterating.
+    """
+    out_f, in_f = _nm_shape(w, n, m)
+    if hessian.shape != (in_f, in_f):
+        raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({in_f}, {in_f})")
+    if mask is not None and mask.shape != w.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(w.shape)}")
+    if not (rho > 0 and max_iters >= 1 and check >= 1):
+        raise ValueError(f"admm_prune needs rho > 0, max_iters >= 1 and check >= 1 (got {rho}, {max_iters}, {check})")
+    H = _damped(hessian, damp)
+    W0 = w.detach().to("cpu", torch.float64)
+    evals, Q = torch.linalg.eigh(H)
+    Q32, ev32 = Q.float(), evals.float()
+    WH = (W0 @ H).float()
+    imp = importance.detach().to("cpu", torch.float32) if importance is not None else None
+    if mask is not None:
+        w_ls = masked_least_squares(W0, hessian, mask, damp=damp)
+        z = project(w_ls, n, m, quant=quant, mask=mask.to("cpu")).z
+        return AdmmSolve(w_ls.to(w.device, w.dtype), mask.to(w.device, torch.bool), z.to(w.device, w.dtype), 0, rho, [])
+
+    def z_step(v: torch.Tensor) -> Projection:
+        return project(v, n, m, quant=quant, importance=imp)
+
+    W = W0.float()
+    p = z_step(W)
+    Z, keep = p.z, p.mask
+    U = torch.zeros_like(W)
+    last = keep
+    moves: list[float] = []
+    it = 0
+    while it < max_iters:
+        it += 1
+        W = ((WH + rho * (Z - U)) @ Q32 / (ev32 + rho)) @ Q32.T
+        p = z_step(W + U)
+        Z, keep = p.z, p.mask
+        U += W - Z
+        if it % check == 0:
+            moved = float((keep != last).float().mean())
+            moves.append(moved)
+            last = keep
+            if moved < stop:
+                break
+            grow = 1.3 if moved < settle else 1.1
+            rho *= grow
+            U /= grow  # scaled dual: rho * U unchanged
+    w_ls = masked_least_squares(W0, hessian, keep, damp=damp, start=W)
+    return AdmmSolve(w_ls.to(w.device, w.dtype), keep.to(w.device), Z.to(w.device, w.dtype), it, rho, moves)

@@ -319,7 +319,9 @@ def test_obs_projection(admm_ckpt, env, caplog, metric):
     training = json.loads((out / "manifest.json").read_text())["training"]
     cfg, proj = training["preset_config"], training["phases"]["projection"]
     assert cfg["projection"] == "obs" and cfg["mask_metric"] == metric
-    assert proj["method"] == "obs" and len(proj["output_error_vs_nearest"]) == 12
+    assert proj["method"] == "obs" and len(proj["layers"]) == 12 and proj["heldout_batches"] == proj["calib_batches"]
+    assert all(0 < d["fit_vs_nearest"] < 1 and d["heldout_vs_nearest"] > 0 and d["heldout_relative"] > 0
+               for d in proj["layers"].values())
     if metric == "activation":  # the default's masks (tests/unit/compress/test_qat.py), other weights
         ref = env["root"] / "obs-ref"
         assert compress(env, ref, "--teacher", str(teacher), "--set", "projection=nearest") == 0
@@ -328,10 +330,34 @@ def test_obs_projection(admm_ckpt, env, caplog, metric):
         assert not torch.equal(a[layer], b[layer])
 
 
+def test_admm_projection_is_2to4_int8_records_each_layer_and_resumes_identically(admm_ckpt, env, caplog):
+    """projection=admm: the layer-wise ADMM solve onto 2:4 ∩ INT8 (masks free to move), then QAT; the checkpoint
+    keeps the contract, the manifest holds each Linear's held-out reconstruction error, and the same job again
+    (resumed from its state, and fresh in a new folder) writes a byte-identical model."""
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    out = env["root"] / "admm-projection"
+    with caplog.at_level("INFO"):
+        assert compress(env, out, "--teacher", str(teacher), "--set", "projection=admm") == 0
+    check_saved_checkpoint(out)
+    assert "ADMM 2:4 projection (masks by activation)" in caplog.text
+    m = json.loads((out / "manifest.json").read_text())
+    proj = m["training"]["phases"]["projection"]
+    assert proj["method"] == "admm" and len(proj["layers"]) == 12
+    assert all(d["iters"] >= 1 and 0 < d["fit_vs_nearest"] < 1 and d["heldout_relative"] > 0
+               for d in proj["layers"].values())
+    assert "after_projection" in m["metrics"]
+    first = sha256_file(out / "model.safetensors")
+    assert compress(env, out, "--teacher", str(teacher), "--set", "projection=admm", "--overwrite") == 0
+    assert sha256_file(out / "model.safetensors") == first
+    again = env["root"] / "admm-projection-again"
+    assert compress(env, again, "--teacher", str(teacher), "--set", "projection=admm") == 0
+    assert sha256_file(again / "model.safetensors") == first
+
+
 @pytest.mark.parametrize("sets, message", [
     (["mask_metric=saliency", "projection=nearest"],
      "mask_metric=saliency is SparseGPT's score, known only inside the one-time OBS"),
-    (["projection=exact"], "projection='exact': choose nearest or obs"),
+    (["projection=exact"], "projection='exact': choose one of nearest, obs, admm"),
 ])
 def test_bad_projection_settings_are_refused(env, capsys, sets, message):
     """Refused before any work: no teacher is trained, no state is written."""

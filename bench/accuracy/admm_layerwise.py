@@ -1,0 +1,196 @@
+"""The projections onto 2:4 ∩ INT8 compared on each encoder Linear's reconstruction error.
+
+A fine-tuned teacher's calibration batches (the pipeline's: `calib_batches` training batches of the seed's
+order) fit each projection; the next `calib_batches` batches of that order score it. The error of a projected
+weight V is ||X (W - V)^T||^2 on the held-out inputs X, relative to the nearest projection's (the preset's
+activation-weighted mask, the kept weights as they are), every candidate ending on the per-row INT8 grid.
+
+  --mode layer       each Linear on the dense teacher's inputs, side by side: nearest, OBS (the mask metric's
+                     mask), least squares on that mask (what ADMM with that mask fixed converges to), ADMM with
+                     the mask free (its last Z), and least squares on ADMM's mask (the `admm` projection)
+  --mode sequential  the pipeline's pass (compress.admm.layerwise_projection): each encoder layer fed by the
+                     already-projected ones, OBS and ADMM each on their own copy of the teacher, with wall times
+
+    python bench/accuracy/admm_layerwise.py --task sst2 --data-dir "$GLUE_DIR" --teacher runs/x.state/teacher \
+        --mode layer --results runs/admm-layer-sst2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def _ratio(dense, v, h) -> float:
+    d = dense - v
+    return float((d @ h * d).sum())
+
+
+def layer_mode(run, model, layers, fit, held, names) -> dict:
+    import torch
+
+    from holoserve.compress.project import admm_prune, masked_least_squares, obs_prune, project
+    from holoserve.compress.quant import input_hessians
+    from holoserve.compress.sparsify import hard_masks
+
+    importance = run.mask_importance(model, layers)
+    masks = hard_masks(model, layers, importance=importance)
+    hf, hh = input_hessians(model, names, fit), input_hessians(model, names, held)
+    out = {}
+    for name in names:
+        w = model.get_submodule(name).weight.detach().double()
+        mask, imp = masks[name], importance[name]
+        grid = lambda v, mk: project(v.double(), mask=mk).z  # noqa: E731  (the kept values onto the row grid)
+        t = {}
+        t0 = time.perf_counter()
+        cand = {"nearest": project(w, mask=mask).z}
+        t["nearest"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        o, _ = obs_prune(w, hf[name], mask=mask)
+        cand["obs"] = grid(o, mask)
+        t["obs"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        cand["ls_fixed_mask"] = grid(masked_least_squares(w, hf[name], mask), mask)
+        t["ls_fixed_mask"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        res = admm_prune(w, hf[name], importance=imp)
+        t["admm"] = time.perf_counter() - t0
+        cand["admm_free_z"] = res.z.double()
+        cand["admm_free_ls"] = grid(res.w, res.mask)
+        row = {}
+        for split, h in (("fit", hf[name]), ("heldout", hh[name])):
+            base = _ratio(w, cand["nearest"], h)
+            row[split] = {k: _ratio(w, v, h) / base for k, v in cand.items()}
+        row["seconds"] = {k: round(v, 2) for k, v in t.items()}
+        row["admm_iters"], row["admm_rho"] = res.iters, res.rho
+        row["admm_mask_moved"] = float((res.mask != mask).float().mean())
+        out[name] = row
+        print(f"{name}: held-out " + " ".join(f"{k}={v:.3f}" for k, v in row["heldout"].items())
+              + f" | iters {res.iters} moved {row['admm_mask_moved']:.3f} | {t['admm']:.1f}s", flush=True)
+    return out
+
+
+def sequential_mode(run, teacher_dir, layers, fit, held) -> dict:
+    import torch
+
+    from holoserve.compress.admm import layerwise_projection
+    from holoserve.compress.sparsify import hard_masks
+
+    out = {}
+    for method in ("obs", "admm"):
+        model = run.student(teacher_dir).eval()
+        importance = run.mask_importance(model, layers)
+        masks = hard_masks(model, layers, importance=importance)
+        t0 = time.perf_counter()
+        _, diag = layerwise_projection(model, layers, fit, held, method=method, masks=masks, importance=importance)
+        secs = time.perf_counter() - t0
+        out[method] = {"seconds": round(secs, 1), "layers": diag}
+        med = statistics.median(d["heldout_vs_nearest"] for d in diag.values())
+        print(f"sequential {method}: {secs:.1f}s, held-out median {med:.3f} of nearest", flush=True)
+        del model
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def short(name: str) -> str:
+    return name.replace("bert.encoder.layer.", "L").replace(".attention.self.", ".").replace(".attention.output.dense",
+                                                                                               ".attn_out")
+
+
+def markdown(r: dict) -> str:
+    m = r["meta"]
+    lines = [f"# Layer-wise projections onto 2:4 ∩ INT8, {m['task']} teacher ({m['machine']})", "",
+             f"Held-out squared output error relative to the nearest projection's; fit on {m['calib_batches']} "
+             f"calibration batches, scored on the next {m['calib_batches']}.", ""]
+    if "layer" in r:
+        keys = ["obs", "ls_fixed_mask", "admm_free_z", "admm_free_ls"]
+        lines += ["## Each Linear on the dense teacher's inputs", "",
+                  "| Linear | " + " | ".join(keys) + " | ADMM / OBS | mask moved | ADMM s | OBS s |",
+                  "|" + " --- |" * (len(keys) + 5)]
+        for name, row in r["layer"].items():
+            h = row["heldout"]
+            lines.append(f"| {short(name)} | " + " | ".join(f"{h[k]:.3f}" for k in keys)
+                         + f" | {h['admm_free_ls'] / h['obs']:.2f} | {100 * row['admm_mask_moved']:.1f} % | "
+                         f"{row['seconds']['admm']:.1f} | {row['seconds']['obs']:.1f} |")
+        med = {k: statistics.median(row["heldout"][k] for row in r["layer"].values()) for k in keys}
+        ratio = statistics.median(row["heldout"]["admm_free_ls"] / row["heldout"]["obs"] for row in r["layer"].values())
+        lines.append("| **median** | " + " | ".join(f"**{med[k]:.3f}**" for k in keys) + f" | **{ratio:.2f}** | | | |")
+        lines.append("")
+    if "sequential" in r:
+        s = r["sequential"]
+        lines += ["## The sequential pass (each layer fed by the already-projected ones)", "",
+                  "| Linear | OBS | ADMM | ADMM / OBS | ADMM rel. to output |", "| --- | --- | --- | --- | --- |"]
+        for name in s["obs"]["layers"]:
+            o, a = s["obs"]["layers"][name], s["admm"]["layers"][name]
+            lines.append(f"| {short(name)} | {o['heldout_vs_nearest']:.3f} | {a['heldout_vs_nearest']:.3f} | "
+                         f"{a['heldout_vs_nearest'] / o['heldout_vs_nearest']:.2f} | {a['heldout_relative']:.3g} |")
+        mo = statistics.median(d["heldout_vs_nearest"] for d in s["obs"]["layers"].values())
+        ma = statistics.median(d["heldout_vs_nearest"] for d in s["admm"]["layers"].values())
+        mr = statistics.median(s["admm"]["layers"][k]["heldout_vs_nearest"] / s["obs"]["layers"][k]["heldout_vs_nearest"]
+                               for k in s["obs"]["layers"])
+        lines += [f"| **median** | **{mo:.3f}** | **{ma:.3f}** | **{mr:.2f}** | |", "",
+                  f"Wall time of the pass (Hessians, held-out scoring and solves): OBS {s['obs']['seconds']} s, "
+                  f"ADMM {s['admm']['seconds']} s.", ""]
+    lines.append(f"Command: `{m['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--task", required=True)
+    ap.add_argument("--data-dir", required=True)
+    ap.add_argument("--teacher", required=True, help="a fine-tuned teacher folder (a compress run's <out>.state/teacher)")
+    ap.add_argument("--preset", default="quick")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", choices=("layer", "sequential", "both"), default="both")
+    ap.add_argument("--layers", default="", help="comma-separated substrings: only Linears whose name holds one "
+                    "(layer mode), e.g. 'layer.0.,layer.3.,layer.5.'")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--results", required=True, help="folder for results.json and results.md")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from holoserve.compress.layers import encoder_linear_names
+    from holoserve.compress.pipeline import Job, Runner, machine
+
+    torch.set_num_threads(args.threads)
+    teacher = Path(args.teacher)
+    if not (teacher / "config.json").is_file():
+        print(f"error: {teacher} is not a model folder (no config.json)", file=sys.stderr)
+        return 2
+    out = Path(args.results)
+    run = Runner(Job(task=args.task, out=out / "unused-checkpoint", data_dir=args.data_dir, preset=args.preset,
+                     seed=args.seed, teacher=teacher, progress=False))
+    run.load_data(teacher)
+    fit, held = run.calibration_batches(), run.calibration_batches(held_out=True)
+    model = run.student(teacher).eval()
+    layers = encoder_linear_names(model)
+    names = [n for n in layers if not args.layers or any(s in n for s in args.layers.split(","))]
+    res = {"meta": {"task": args.task, "teacher": str(teacher), "seed": args.seed, "preset": args.preset,
+                    "calib_batches": run.preset.calib_batches, "machine": machine(), "threads": args.threads,
+                    "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                    "command": "python bench/accuracy/admm_layerwise.py " + " ".join(sys.argv[1:] if argv is None
+                                                                                      else argv)}}
+    with torch.no_grad():
+        if args.mode in ("layer", "both"):
+            res["layer"] = layer_mode(run, model, layers, fit, held, names)
+        if args.mode in ("sequential", "both"):
+            res["sequential"] = sequential_mode(run, teacher, layers, fit, held)
+    out.mkdir(parents=True, exist_ok=True)
+    from holoserve.core.files import atomic_write_json, atomic_write_text
+
+    atomic_write_json(out / "results.json", res)
+    atomic_write_text(out / "results.md", markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
