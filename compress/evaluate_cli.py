@@ -1,4 +1,5 @@
-"""`holoserve eval CHECKPOINT --task T --data-dir DIR`: dev metrics with the numerics the export reproduces.
+"""`holoserve eval CHECKPOINT`: dev metrics with the numerics the export reproduces, on the checkpoint's own
+dev rows (the embedded sample it was trained on), a GLUE split (--data-dir DIR) or the user's file (--dev FILE).
 
 Weights are used exactly as stored (int8 × per-channel scale); with INT8 activations in the
 manifest, every encoder Linear input is fake-quantized per tensor with the manifest's amax.
@@ -25,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     adv = advanced(p)
     p.add_argument("checkpoint", type=Path, help="HoloServe checkpoint folder")
     g = p.add_argument_group("data", "the rows to score: --dev FILE (your own labelled rows, labels spelled as in "
-                                     "training), or a GLUE shortcut's split in --data-dir")
+                                     "training), or a GLUE shortcut's split in --data-dir; a checkpoint trained on "
+                                     "the embedded sample is scored on the sample's dev rows by default")
     g.add_argument("--dev", metavar="FILE", help="labelled rows: CSV, TSV, JSON Lines, Parquet or a "
                                                  "datasets.save_to_disk folder")
     g.add_argument("--text-column", metavar="NAME", help="text column (default: text, sentence, sentence1, question)")
@@ -78,8 +80,9 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
     result also says how its predictions differ from the checkpoint's own numerics on the same rows."""
     import time
 
+    from holoserve.data import sample
     from holoserve.data.glue import read_split
-    from holoserve.data.tabular import rows_for
+    from holoserve.data.tabular import rows_for, trained_on_embedded
     from holoserve.data.tasks import get_task, task_of
 
     from .checkpoint import load_model
@@ -111,6 +114,8 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
         if task_obj.name != art.task_name:
             raise HoloServeError(f"{path} was trained for {art.task_name!r}, not {task_obj.name!r}; pass its dev "
                                  "rows with --dev FILE")
+        if data_dir is None and trained_on_embedded(art):  # its own rows: the sample that ships with HoloServe
+            data_dir = sample.root()
         rows = read_split(task_obj, split, data_dir, limit=limit)
     data = encode(tok, rows, task_obj.is_regression)
     t0 = time.perf_counter()

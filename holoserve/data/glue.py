@@ -25,7 +25,8 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path:
     if not raw:
         raise HoloServeError(
             f"no GLUE data dir given: pass --data-dir DIR or set {DATA_DIR_ENV} "
-            "(a folder holding SST-2/, MRPC/, CoLA/, STS-B/ with train.tsv and dev.tsv)"
+            "(a folder holding SST-2/, MRPC/, CoLA/, STS-B/ with train.tsv and dev.tsv); `holoserve compress` "
+            "with no --task, --train or --data-dir trains on the SST-2 sample that ships with HoloServe"
         )
     path = Path(raw).expanduser()
     if not path.is_dir():

@@ -320,10 +320,17 @@ class TaskData:
 def load_for_training(name: str | None, opts: DataOptions, *, metric: str | None = None, seed: int = 0,
                       train_limit: int | None = None, dev_limit: int | None = None) -> TaskData:
     """The task and its rows for `holoserve compress`: labels from the training file, the dev file checked
-    against them, or a fixed-seed share of the training rows held out when there is no dev file."""
+    against them, or a fixed-seed share of the training rows held out when there is no dev file; a GLUE
+    shortcut's files (`name`, `opts.data_dir`); with neither, the embedded SST-2 sample (holoserve.data.sample)."""
+    from . import sample
     from .glue import read_split
     from .tasks import Task, get_task
 
+    if not opts.user_files and name is None and opts.data_dir is None:  # no data options: the embedded sample
+        task = get_task(sample.TASK).with_primary(metric)
+        train = read_split(task, "train", sample.root(), limit=train_limit)
+        dev = read_split(task, "dev", sample.root(), limit=dev_limit)
+        return TaskData(task, train, dev, sample.info())
     if not opts.user_files:
         task = get_task(name or "sst2").with_primary(metric)
         train = read_split(task, "train", opts.data_dir, limit=train_limit)
@@ -359,13 +366,24 @@ def load_for_training(name: str | None, opts: DataOptions, *, metric: str | None
     return TaskData(task, train, dev, info)
 
 
-def rows_for(task: Any, split: str, opts: DataOptions, limit: int | None = None) -> list[Example] | None:
+def trained_on_embedded(art: Any) -> bool:
+    """Whether a checkpoint (holoserve.core.artifact.Artifact) was trained on the embedded sample."""
+    data = art.manifest.training.get("data")
+    return isinstance(data, dict) and data.get("source") == "embedded"
+
+
+def rows_for(task: Any, split: str, opts: DataOptions, limit: int | None = None, *,
+             embedded: bool = False) -> list[Example] | None:
     """Rows of `split` ("train" or "dev") for a checkpoint's task, labels mapped onto its outputs by name;
-    None when no source for that split was given (the caller falls back or says what to pass)."""
+    None when no source for that split was given (the caller falls back or says what to pass). With
+    `embedded` (a checkpoint trained on the embedded sample) and no data options, the sample's rows."""
+    from . import sample
     from .glue import read_split
     from .tasks import get_task
 
     path = {"train": opts.train, "dev": opts.dev}[split]
+    if path is None and embedded and not opts.user_files and opts.data_dir is None and task.name == sample.TASK:
+        return read_split(get_task(sample.TASK), split, sample.root(), limit=limit)
     if path is None:
         if opts.user_files or (opts.data_dir is None and not os.environ.get("HOLOSERVE_DATA_DIR")):
             return None
