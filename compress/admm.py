@@ -190,3 +190,131 @@ def layerwise_projection(model: nn.Module, layers: list[str], batches: list[Mapp
             diag[name] = info
             lin.weight.copy_(new)
     return out_masks, diag
+
+
+class GuidedWeight(nn.Module):
+    """Parametrization for ADMM-guided QAT: weight = fake_quant(original * mask), the mask a buffer that the
+    Z-steps of GuidedAdmm replace. The gradient reaches every entry of `original` (straight through the mask
+    as through the rounding), so a pruned weight the task needs can grow until a Z-step keeps it."""
+
+    def __init__(self, mask: torch.Tensor, quant: bool):
+        super().__init__()
+        self.register_buffer("mask", mask.to(torch.bool), persistent=True)
+        self.quant = quant
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        from .project import channel_scales
+        from .quant import fake_quant_weight
+
+        masked = w * self.mask
+        v = w + (masked - w).detach()  # the value of w * mask, the gradient of w
+        if self.quant:
+            v = fake_quant_weight(v, channel_scales(masked.detach()))
+        return v
+
+
+class GuidedAdmm:
+    """ADMM kept on through QAT with distillation (stage 2 after projection="admm"), for compress.trainer.
+
+    The student's encoder Linears carry GuidedWeight (W latent, the forward sees W on Z's mask, rounded). After
+    every optimizer step the proximal term ρ/2 Σ_ij d_j (W_ij - Z_ij + U_ij)^2 takes a plain gradient step, with
+    d_j = importance_j^2 / mean(importance^2): the metric whose 2:4 choice (|w| x importance) makes the Z-step,
+    so Z is the minimiser, over the set, of the penalty it enters. ρ is constant. Every `interval` steps, until
+    `until` of the steps, Z = Π(W + U) (2:4 by that metric, then the row's INT8 grid), U += W - Z, and the
+    forward's mask becomes Z's; after that the mask stays, so the last steps train the final mask. The masks at
+    the end are Z's (no mask rebuilt from W). Same interface as Admm (penalty_loss, penalty_step, update, state).
+    """
+
+    def __init__(self, model: nn.Module, layers: list[str], masks: Mapping[str, torch.Tensor], *, rho: float,
+                 interval: int, total_steps: int, until: float = 0.8, quant: bool = True,
+                 importance: Mapping[str, torch.Tensor] | None = None, n: int = 2, m: int = 4):
+        from types import SimpleNamespace
+
+        from torch.nn.utils import parametrize
+
+        from holoserve import HoloServeError
+
+        if not (rho > 0 and interval >= 1 and 0.0 <= until <= 1.0):
+            raise HoloServeError(f"admm guidance needs rho > 0, interval >= 1 and 0 <= until <= 1 (got {rho}, "
+                                 f"{interval}, {until})")
+        self.layers, self.n, self.m, self.quant = list(layers), n, m, quant
+        self.cfg = SimpleNamespace(interval=interval)  # what the trainer reads
+        self._rho = rho
+        self.last_update_step = int(until * total_steps)
+        self.importance = dict(importance or {})
+        self.k = 0
+        self.mask_moves: list[float] = []
+        self.weights: dict[str, torch.Tensor] = {}
+        self.params: dict[str, GuidedWeight] = {}
+        self.d: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name in self.layers:
+                lin = get_linear(model, name)
+                lin.weight.mul_(masks[name])
+                guide = GuidedWeight(masks[name], quant)
+                parametrize.register_parametrization(lin, "weight", guide)
+                self.weights[name] = lin.parametrizations.weight.original
+                self.params[name] = guide
+                imp = self.importance.get(name)
+                w = self.weights[name]
+                if imp is None:
+                    self.d[name] = torch.ones(1, w.shape[1], device=w.device, dtype=w.dtype)
+                else:
+                    sq = imp.to(w.device, w.dtype) ** 2
+                    self.d[name] = (sq / sq.mean().clamp_min(1e-30)).reshape(1, -1)
+            self.Z = {k: project(w.detach(), n, m, quant=quant, mask=masks[k]).z for k, w in self.weights.items()}
+            self.U = {k: torch.zeros_like(w) for k, w in self.weights.items()}
+
+    @property
+    def rho(self) -> float:
+        return self._rho
+
+    def penalty_loss(self) -> None:
+        return None
+
+    @torch.no_grad()
+    def penalty_step(self) -> None:
+        for name, w in self.weights.items():
+            w.sub_(self._rho * self.d[name] * (w - self.Z[name] + self.U[name]))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Z-step, U-step and the forward's new mask (until `until` of the steps; then nothing)."""
+        if (self.k + 1) * self.cfg.interval > self.last_update_step:
+            return
+        moved = total = 0
+        for name, w in self.weights.items():
+            p = project(w + self.U[name], self.n, self.m, quant=self.quant, importance=self.importance.get(name))
+            guide = self.params[name]
+            moved += int((p.mask != guide.mask).sum())
+            total += p.mask.numel()
+            self.Z[name] = p.z
+            self.U[name].add_(w - p.z)
+            guide.mask.copy_(p.mask)
+        self.mask_moves.append(moved / max(1, total))
+        self.k += 1
+
+    def masks(self) -> dict[str, torch.Tensor]:
+        return {k: g.mask.clone() for k, g in self.params.items()}
+
+    @torch.no_grad()
+    def residual(self) -> float:
+        num = sum(float(((w * self.params[k].mask - self.Z[k]) ** 2).sum()) for k, w in self.weights.items())
+        den = sum(float((w ** 2).sum()) for w in self.weights.values())
+        return math.sqrt(num / max(den, 1e-30))
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"admm.Z.{k}": v for k, v in self.Z.items()}
+        out.update({f"admm.U.{k}": v for k, v in self.U.items()})
+        return out
+
+    def state_meta(self) -> dict:
+        return {"k": self.k, "mask_moves": list(self.mask_moves)}
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping) -> None:
+        for k in self.layers:  # the masks come back with the model's state (GuidedWeight's buffer)
+            dev = self.weights[k].device
+            self.Z[k] = tensors[f"admm.Z.{k}"].to(dev, copy=True)
+            self.U[k] = tensors[f"admm.U.{k}"].to(dev, copy=True)
+        self.k = int(meta["k"])
+        self.mask_moves = [float(x) for x in meta.get("mask_moves", [])]

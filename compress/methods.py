@@ -9,6 +9,8 @@ checkpoint records about it. Adding a method is one class here with `@register("
              (docs/results/2026-11-24-admm-search.md, docs/results/2026-11-25-obs-projection.md)
   admm       dense teacher -> ADMM toward 2:4 ∩ INT8 (INT8 activations fake-quantized too) with
              distillation -> hard projection -> QAT
+  admm_guided  dense teacher -> layer-wise ADMM projection onto 2:4 ∩ INT8 (projection="admm") -> QAT with
+             distillation and the ADMM penalty kept on (Z/U carried to the end), the steps ADMM + QAT spend
   magnitude  one-shot magnitude 2:4 of the teacher -> masked fine-tune with distillation -> post-training
              INT8 (the APEX ASP recipe, the baseline ADMM has to beat, same step budget and distillation)
   ptq        post-training INT8 of an existing checkpoint or fine-tuned folder
@@ -27,8 +29,8 @@ from torch import nn
 from holoserve import HoloServeError
 from holoserve.core.artifact import MANIFEST
 
-from .admm import Admm
-from .layers import blend_ffn_activations, encoder_linear_names, set_ffn_activation
+from .admm import Admm, GuidedAdmm
+from .layers import blend_ffn_activations, encoder_linear_names, get_linear, set_ffn_activation
 from .quant import input_quantizers, tensorrt_quantizers
 from .sparsify import attach_masks, finalize, hard_masks, nm_share, quantize_weights
 from .trainer import train_phase
@@ -169,9 +171,11 @@ class AdmmMethod(_FromTeacher):
         return _project_and_finetune(run, student, teacher, layers, p.qat)
 
 
-def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module, layers, cfg):
+def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module, layers, cfg, guided: bool = False):
     """Hard projection onto 2:4 (∩ INT8) — the mask is frozen from here on — then QAT (or a masked
-    fine-tune without INT8) with distillation for `cfg`'s steps. Returns (scales, amax, extra metrics)."""
+    fine-tune without INT8) with distillation for `cfg`'s steps. With `guided`, QAT keeps ADMM on instead of a
+    frozen mask (compress.admm.GuidedAdmm: Z and U from the projection on, the masks at the end are Z's).
+    Returns (scales, amax, extra metrics)."""
     job, p = run.job, run.preset
     reg = run.task.is_regression
     masks = run.project_masks(student, layers)
@@ -187,8 +191,16 @@ def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module,
     ramping = share > 0  # the student still has the teacher's FFN activation
     ramp_steps = max(1, math.ceil(share * cfg.steps)) if ramping and cfg.steps else 0
 
+    guide = None
+
     def qat_phase():
-        attach_masks(student, masks, quant=job.quant)
+        nonlocal guide
+        if guided:  # Z-steps choose masks by the metric that chose the projection's (the teacher's input norms)
+            c = p.admm_cfg
+            guide = GuidedAdmm(student, layers, masks, rho=c.guide_rho, interval=c.interval, total_steps=cfg.steps,
+                               until=c.guide_until, quant=job.quant, importance=run.mask_importance(teacher, layers))
+        else:
+            attach_masks(student, masks, quant=job.quant)
         ctx = (lambda: _quantizers(student, amax, layers, p.tensorrt_qat)) if amax else None
         on_step = None
         if ramp_steps:  # the FFN activation moves from the teacher's to p.activation over the first ramp_steps
@@ -201,13 +213,22 @@ def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module,
                     b.set_alpha((step + 1) / ramp_steps)
 
         res = train_phase(name, student, cfg, run.kd_train, p, job.seed + 2, run.state, regression=reg,
-                          teacher=teacher, distill=p.distill, masks=masks, context=ctx, progress=job.progress,
-                          procs=run.procs, on_step=on_step)
+                          teacher=teacher, distill=p.distill, masks=None if guided else masks, context=ctx,
+                          progress=job.progress, procs=run.procs, on_step=on_step, admm=guide)
         if ramping:
             set_ffn_activation(student, p.activation)
-        finalize(student, masks, quant=job.quant)
+        final_masks = guide.masks() if guide is not None else masks
+        finalize(student, final_masks, quant=job.quant)
         metrics = run.dev_metrics(student, amax, layers if amax else None)
         result = _result(res, run)
+        if guide is not None:
+            moves = guide.mask_moves
+            result.update({"admm_guided": True, "rho": guide.rho, "z_updates": guide.k,
+                           "mask_changed_vs_projection": round(sum(int((final_masks[k] != masks[k]).sum())
+                                                                   for k in layers)
+                                                               / sum(masks[k].numel() for k in layers), 5),
+                           "mask_moves": [round(x, 5) for x in (moves[0], sorted(moves)[len(moves) // 2],
+                                                                moves[-1])] if moves else []})
         if ramp_steps:
             result["activation_ramp_steps"] = ramp_steps
         run.log_phase(name, result, metrics, student, layers)
@@ -219,6 +240,8 @@ def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module,
         set_ffn_activation(student, p.activation)
     if saved_amax is not None and meta.get("amax"):
         amax = meta["amax"]
+    if guided:  # the masks the phase ended with (Z's): exactly the non-zeros of its saved, finalized weights
+        masks = {k: get_linear(student, k).weight.detach() != 0 for k in layers}
     scales = {}
     if job.quant:  # weights are exact already; this recomputes their scales from the saved values
         scales = finalize(student, masks, quant=True)
@@ -238,6 +261,24 @@ class OneShotMethod(_FromTeacher):
         p = run.preset
         run.phases["admm"] = {"steps": 0, "skipped": "one-shot projection instead"}
         return _project_and_finetune(run, student, teacher, layers, replace(p.qat, steps=p.admm.steps + p.qat.steps))
+
+
+@register("admm_guided")
+class AdmmGuidedMethod(_FromTeacher):
+    """ADMM end to end, the candidate default (issue: it becomes `--method admm` once it measures level with
+    oneshot): the teacher projected by the layer-wise ADMM solve (projection="admm", whatever the preset says),
+    then QAT with distillation and the ADMM penalty kept on (compress.admm.GuidedAdmm), one LR schedule over
+    the steps ADMM + QAT spend, as oneshot."""
+
+    distills = True
+    qat = True
+
+    def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
+        p = run.preset
+        run.preset = replace(p, projection="admm")
+        run.phases["admm"] = {"steps": 0, "skipped": "layer-wise ADMM projection, then ADMM-guided QAT"}
+        return _project_and_finetune(run, student, teacher, layers, replace(p.qat, steps=p.admm.steps + p.qat.steps),
+                                     guided=True)
 
 
 @register("magnitude")

@@ -141,7 +141,7 @@ def check_preset_settings(preset: Preset, method: str) -> None:
     if not (math.isfinite(power) and power >= 0):
         raise HoloServeError(f"mask_activation_power={power}: use a number >= 0 (1 = |w| x ||x||, "
                              "0.5 = |w| x sqrt(||x||), 0 = |w|)")
-    if preset.mask_metric == "saliency" and (preset.projection != "obs" or method == "admm"):
+    if preset.mask_metric == "saliency" and (preset.projection != "obs" or method in ("admm", "admm_guided")):
         raise HoloServeError("mask_metric=saliency is SparseGPT's score, known only inside the one-time OBS "
                              "projection: use it with --method oneshot and --set projection=obs, or choose "
                              "mask_metric=activation or magnitude")

@@ -354,6 +354,30 @@ def test_admm_projection_is_2to4_int8_records_each_layer_and_resumes_identically
     assert sha256_file(again / "model.safetensors") == first
 
 
+def test_admm_guided_keeps_admm_on_through_qat_and_resumes_identically(admm_ckpt, env, caplog):
+    """--method admm_guided: the layer-wise ADMM projection, then QAT with the ADMM penalty on (Z/U updated on a
+    cadence, the masks at the end Z's, which may differ from the projection's); the checkpoint keeps the
+    contract, and the same job resumed from its state, or fresh in a new folder, writes the same bytes."""
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    out = env["root"] / "admm-guided"
+    args = ("--method", "admm_guided", "--teacher", str(teacher), "--set", "admm_cfg.interval=3",
+            "--set", "admm_cfg.guide_rho=0.05")
+    with caplog.at_level("INFO"):
+        assert compress(env, out, *args) == 0
+    check_saved_checkpoint(out)
+    assert "ADMM 2:4 projection" in caplog.text
+    m = json.loads((out / "manifest.json").read_text())
+    qat = m["training"]["phases"]["qat"]
+    assert m["training"]["phases"]["projection"]["method"] == "admm" and m["training"]["method"] == "admm_guided"
+    assert qat["admm_guided"] and qat["steps"] > 0 and qat["z_updates"] == int(0.8 * qat["steps"]) // 3
+    first = sha256_file(out / "model.safetensors")
+    assert compress(env, out, *args, "--overwrite") == 0
+    assert sha256_file(out / "model.safetensors") == first
+    again = env["root"] / "admm-guided-again"
+    assert compress(env, again, *args) == 0
+    assert sha256_file(again / "model.safetensors") == first
+
+
 @pytest.mark.parametrize("sets, message", [
     (["mask_metric=saliency", "projection=nearest"],
      "mask_metric=saliency is SparseGPT's score, known only inside the one-time OBS"),
