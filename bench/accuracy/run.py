@@ -82,6 +82,14 @@ METHODS = {  # row key -> (label, extra CLI arguments); the order is the run ord
     "admm_init_obs": ("ADMM from the OBS projection + QAT, activation-aware mask (‖x‖^0.5)",
                       ["--method", "admm", "--set", "mask_metric=activation", "--set", "mask_activation_power=0.5",
                        "--set", "projection=obs", "--set", "admm_cfg.init=projection"]),
+    # the default recipe with the layer-wise ADMM projection (projection=admm) in place of OBS, then the same QAT
+    "oneshot_act05_admm": ("one-shot 2:4 ∩ INT8 (layer-wise ADMM) + QAT, activation-aware mask (‖x‖^0.5)",
+                           ["--method", "oneshot", "--set", "mask_metric=activation",
+                            "--set", "mask_activation_power=0.5", "--set", "projection=admm"]),
+    # ADMM end to end: the layer-wise ADMM projection, then QAT with the ADMM penalty kept on (--method admm_guided)
+    "admm_guided": ("layer-wise ADMM + ADMM-guided QAT, activation-aware mask (‖x‖^0.5)",
+                    ["--method", "admm_guided", "--set", "mask_metric=activation",
+                     "--set", "mask_activation_power=0.5"]),
     # the default recipe with QAT also training the TensorRT placement's extra quantizers (for model.trt.onnx)
     "oneshot_act05_trtqat": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5), TensorRT QAT",
                              ["--method", "oneshot", "--set", "mask_metric=activation",
@@ -91,11 +99,13 @@ PEER = "nncf_ptq"  # NNCF INT8 PTQ of the same teacher (dense weights)
 LABELS = {"dense": "dense teacher", PEER: "NNCF INT8 PTQ (dense W)", **{k: v[0] for k, v in METHODS.items()}}
 COLUMNS = ("dense", PEER, "magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "admm_sparse",
            "admm_int8", "admm_act_int8", "admm_act05_int8", "oneshot_act05_obs", "oneshot_act05_obs_aug1",
-           "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp", "oneshot_obs_sal", "admm_act05_obs", "admm_init_obs", "oneshot_act05_trtqat")
+           "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp", "oneshot_obs_sal", "admm_act05_obs", "admm_init_obs", "oneshot_act05_admm", "admm_guided",
+           "oneshot_act05_trtqat")
 BASELINES = ("magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "oneshot_act05_obs",
              "oneshot_act05_obs_aug1", "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp",
              "oneshot_obs_sal")  # the 2:4 ∩ INT8 recipes ADMM has to beat
-ADMM_ROWS = ("admm_int8", "admm_act_int8", "admm_act05_int8", "admm_act05_obs", "admm_init_obs")
+ADMM_ROWS = ("admm_int8", "admm_act_int8", "admm_act05_int8", "admm_act05_obs", "admm_init_obs", "oneshot_act05_admm",
+             "admm_guided")
 
 
 def run_one(task: str, seed: int, key: str, args, teacher: Path | None) -> Path | None:
