@@ -98,7 +98,7 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
         return None, "no CPU backend loads"
     if len(loaded) == 1:
         (name, backend), = loaded.items()
-        return backend, f"{name}, the only CPU backend that loads here"
+        return backend, f"{name}{_kernels_note(backend)}, the only CPU backend that loads here"
     feed = _warmup_feed(artifact)
     times: dict[str, list[float]] = {n: [] for n in loaded}
     for _ in range(2):  # untimed: first-run allocations
@@ -112,8 +112,16 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
     median = {n: sorted(v)[len(v) // 2] * 1000 for n, v in times.items()}
     best = min(median, key=median.get)
     shape = "x".join(str(d) for d in feed[0].shape)
-    timing = ", ".join(f"{n} {ms:.2f} ms" for n, ms in sorted(median.items(), key=lambda kv: kv[1]))
+    timing = ", ".join(f"{n} {ms:.2f} ms{_kernels_note(loaded[n])}"
+                       for n, ms in sorted(median.items(), key=lambda kv: kv[1]))
     return loaded[best], f"{best}, the fastest CPU backend on a warm-up batch of {shape} tokens here ({timing})"
+
+
+def _kernels_note(backend: Backend) -> str:
+    """" with the 2:4 kernels on/off: why" for the OpenVINO backend (what its timing measured), else ""."""
+    kernels = backend.info().get("kernels") if backend.name == "openvino" else None
+    status = kernels.get("status") if isinstance(kernels, dict) else None
+    return f" with the 2:4 kernels {status}" if status else ""
 
 
 def select_backend(artifact: Artifact, *, order: tuple[str, ...] = ORDER, **options: Any) -> tuple[Backend, dict[str, Any]]:

@@ -100,3 +100,25 @@ def test_entrypoint_command_serves_the_mounted_model():
         assert httpx.post(url + "/predict", json={"text": "good"}).json()["model"]["backend"] == "onnxruntime"
     r = subprocess.run(health, env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and "unhealthy" in r.stderr
+
+
+def test_cpu_image_serves_auto_with_prebuilt_kernels_and_no_compiler():
+    """The CPU image's defaults give the fastest path: `auto`, OpenVINO installed, the 2:4 kernels built in a
+    builder stage (with g++) and copied into the final stage (without it), found by HOLOSERVE_KERNEL_CACHE."""
+    text = (DOCKER / "Dockerfile").read_text()
+    d = parse_dockerfile(DOCKER / "Dockerfile")
+    assert d["env"]["HOLOSERVE_BACKEND"] == "auto" and d["env"]["HOLOSERVE_KERNEL_CACHE"] == "/opt/holoserve/kernels"
+    stages = re.split(r"^FROM ", text, flags=re.M)[1:]
+    builder = next(s for s in stages if " AS kernels" in s.splitlines()[0])
+    final = stages[-1]
+    assert "g++" in builder and "python -m holoserve.kernels build" in builder
+    assert "g++" not in final and "apt-get" not in final
+    assert "COPY --from=kernels" in final and "/opt/holoserve/kernels" in final
+    assert "['optional-dependencies']['openvino']" in text  # the [openvino] extra is installed
+
+
+def test_gpu_image_serves_torch_cuda_and_builds_no_engine_at_start_up():
+    d = parse_dockerfile(DOCKER / "Dockerfile.gpu")
+    text = (DOCKER / "Dockerfile.gpu").read_text()
+    assert d["env"]["HOLOSERVE_BACKEND"] == "auto" and d["env"]["HOLOSERVE_BUILD_ENGINE"] == "never"
+    assert '"torch==${TORCH_VERSION}"' in text
