@@ -114,7 +114,10 @@ def test_cpu_image_serves_auto_with_prebuilt_kernels_and_no_compiler():
     assert "g++" in builder and "python -m holoserve.kernels build" in builder
     assert "g++" not in final and "apt-get" not in final
     assert "COPY --from=kernels" in final and "/opt/holoserve/kernels" in final
-    assert "['optional-dependencies']['openvino']" in text  # the [openvino] extra is installed
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.startswith("openvino") for d in deps)  # the base install, which the image installs, has it
 
 
 def test_gpu_image_serves_torch_cuda_and_builds_no_engine_at_start_up():
