@@ -21,14 +21,24 @@ Each app owns its registry, so several apps (tests) can live in one process.
 Several worker processes (`--workers N`) report as one server: `holoserve serve` points
 PROMETHEUS_MULTIPROC_DIR at a fresh folder before the workers start (prometheus-client's multiprocess
 mode, chosen when it is imported), each worker writes its values there, and /metrics, whichever
-worker answers it, adds up the files of all of them: counters and histograms are summed, gauges
-summed over live workers (queue depth, requests in flight, connections), and model_ready is the
-least over live workers (1 only when every worker is ready).
+worker answers it, adds up the files of all of them: counters and histograms are summed over every
+worker that ever ran (a dead worker's requests still happened), gauges over live workers only (queue
+depth, requests in flight, connections, ready workers: `live*` modes), and model_ready is the most
+over live workers: 1 when a worker can answer, as /readyz says (a worker that is not warm takes no
+connections; holoserve_workers_ready counts the warm ones).
+
+A worker that stops gracefully removes its gauge files itself; one that is killed (SIGKILL, the
+kernel's OOM killer) cannot, and its last values would stay in the totals for ever. So each /metrics
+first removes the live-gauge files of processes that no longer run (`reap_dead_workers`): a pid that
+does not exist, is a zombie, or is no longer a sibling of this worker (the pid was reused). It is
+done where the files are read, so it holds whoever restarts the workers (uvicorn's supervisor
+replaces a dead one) and needs no hook in the parent process.
 """
 from __future__ import annotations
 
 import glob
 import os
+import re
 import tempfile
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
@@ -66,6 +76,55 @@ def prepare_multiprocess_dir(workers: int) -> tuple[str | None, bool]:
     return path, True
 
 
+_LIVE_GAUGE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
+
+
+def _is_sibling(pid: int) -> bool:
+    """`pid` is this process or a running process with the same parent (another worker)."""
+    if pid == os.getpid():
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): whether the pid exists at all
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after its last ')'.
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return len(fields) > 1 and fields[0] not in (b"Z", b"X") and int(fields[1]) == os.getppid()
+
+
+def reap_dead_workers(path: str) -> list[int]:
+    """Remove the live-gauge files of processes that no longer run; returns their pids."""
+    dead: set[int] = set()
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return []
+    pids: dict[int, list[str]] = {}
+    for name in names:
+        m = _LIVE_GAUGE.match(name)
+        if m:
+            pids.setdefault(int(m.group(1)), []).append(name)
+    for pid, files in pids.items():
+        if _is_sibling(pid):
+            continue
+        dead.add(pid)
+        for name in files:
+            try:
+                os.remove(os.path.join(path, name))
+            except FileNotFoundError:  # another worker reaped it first
+                pass
+    return sorted(dead)
+
+
 class ServerMetrics:
     def __init__(self, model: str, version: str) -> None:
         self.multiprocess = multiprocess_active()
@@ -93,8 +152,10 @@ class ServerMetrics:
         self.pending = Gauge("holoserve_inference_pending_request_count",
                              "Sequences waiting for inference (queue depth)", lab, registry=r,
                              multiprocess_mode="livesum")
-        self.ready = Gauge("holoserve_model_ready", "1 when the model is loaded and warmed up", lab, registry=r,
-                           multiprocess_mode="livemin")
+        self.ready = Gauge("holoserve_model_ready", "1 when the model is loaded and warmed up (with several "
+                           "workers: when one is)", lab, registry=r, multiprocess_mode="livemax")
+        self.workers_ready = Gauge("holoserve_workers_ready", "Server processes with the model loaded and warmed up",
+                                   lab, registry=r, multiprocess_mode="livesum")
         self.http_duration = Histogram("holoserve_http_request_duration_seconds", "HTTP request latency",
                                        ("route", "method", "status"), buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("holoserve_http_requests_in_flight", "HTTP requests being handled", registry=r,
@@ -115,6 +176,11 @@ class ServerMetrics:
         self.batch_size_l = self.batch_size.labels(**self.labels)
         self.pending_l = self.pending.labels(**self.labels)
         self.ready_l = self.ready.labels(**self.labels)
+        self.workers_ready_l = self.workers_ready.labels(**self.labels)
+
+    def set_ready(self, ready: bool) -> None:
+        self.ready_l.set(int(ready))
+        self.workers_ready_l.set(int(ready))
 
     def fail(self, reason: str) -> None:
         self.failure.labels(**self.labels, reason=reason).inc()
@@ -123,6 +189,7 @@ class ServerMetrics:
         if self.multiprocess:
             from prometheus_client.multiprocess import MultiProcessCollector
 
+            reap_dead_workers(os.environ[MULTIPROC_ENV])
             registry = CollectorRegistry()
             MultiProcessCollector(registry)
             return generate_latest(registry)

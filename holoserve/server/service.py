@@ -171,7 +171,7 @@ class ClassifierService:
             if self.config.warmup:
                 await asyncio.to_thread(self.warmup)
             self.status = "ready"
-            self.metrics.ready_l.set(1)
+            self.metrics.set_ready(True)
             log.info("ready")
         except Exception as e:  # surfaced on /readyz; the process stays up for inspection
             self.status, self.detail = "failed", f"warm-up failed: {e}"
@@ -193,7 +193,7 @@ class ClassifierService:
     async def stop(self) -> None:
         """Report not ready, then let queued work finish (up to the graceful timeout)."""
         self.status = "shutting_down"
-        self.metrics.ready_l.set(0)
+        self.metrics.set_ready(False)
         if self.warmup_task is not None:
             await self.warmup_task
         if self.batcher is not None:
