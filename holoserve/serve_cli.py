@@ -20,7 +20,8 @@ HELP = {
                "at start-up), whichever this machine can run",
     "host": "bind address (127.0.0.1: this machine only; 0.0.0.0: all interfaces, as in the container)",
     "port": "TCP port",
-    "workers": "server processes (each loads the model; /metrics reports all of them together)",
+    "workers": "server processes (each loads the model; the backend is chosen once for all of them; /metrics "
+               "reports all of them together)",
     "max_batch_size": "largest batch the dynamic batcher forms; 1 turns batching off",
     "max_queue_delay_ms": "how long a non-full batch waits for more requests",
     "max_padding_waste": "split a merged batch into length groups when padding would exceed this share of its "
@@ -40,17 +41,18 @@ HELP = {
                       "bounds it too)",
     "threads": "backend intra-op threads; 0 = the library default",
     "openvino_precision": "openvino backend: precision of the float ops around the INT8 GEMMs; auto = OpenVINO's "
-                          "CPU default (bf16 on CPUs with bf16 units, ~2 %% of predictions differ from `holoserve "
+                          "CPU default (bf16 on CPUs with bf16 units: a few predictions differ from `holoserve "
                           "eval`), f32 = the checkpoint's numerics",
     "openvino_shapes": "openvino backend: BATCHxSEQ shapes to compile static models for, e.g. 1x128,32x128 "
-                       "(each ~0.3 s at start-up and ~40 MB for MiniLM); a batch that fits one with at most 10 %% "
-                       "padding runs there (13-26 %% less time for MiniLM on a 2-core Xeon), every other batch on "
-                       "the dynamic model",
+                       "(each compiled at start-up, one more copy of the model in memory); a batch that fits one with "
+                       "at most 10 %% padding runs there (OpenVINO fuses more with static shapes), every other "
+                       "batch on the dynamic model",
     "openvino_kernels": "openvino backend: run the 2:4 INT8 Linears on HoloServe's own kernels, which skip the "
-                        "zeros (AVX-512 VNNI + VBMI; built once with g++ against the installed OpenVINO); auto = "
-                        "where this machine can, on = fail where it cannot, off = OpenVINO's GEMMs",
+                        "zeros (AVX-512 VNNI + VBMI, no AMX; `python -m holoserve.kernels build` builds them ahead "
+                        "of time); auto = where this machine can, falling back to OpenVINO's GEMMs, on = fail where "
+                        "they cannot run, off = OpenVINO's GEMMs",
     "openvino_sparse_weights": "openvino backend: let OpenVINO decompress the 2:4 INT8 weights (CPUs with AMX "
-                               "only; no consistent gain measured for MiniLM on a 2-core Xeon)",
+                               "only; see docs/results/2026-11-24-openvino.md)",
     "model_name": "name reported by the API and metrics; default: the checkpoint folder's name",
     "warmup": "run the model once before reporting ready",
     "verify": "check the sha256 of every checkpoint file at start-up",

@@ -1,34 +1,31 @@
 """OpenVINO backend (CPU): the checkpoint's own quantized model (our QDQ placement and calibrated ranges)
 compiled by OpenVINO, whose CPU plugin runs the Q/DQ Linears as u8 x i8 GEMMs.
 
-It reads the `openvino` export (`holoserve export CKPT --target openvino`: the ONNX Runtime placement
-in standard ONNX ops, with the [CLS]-row rewrite). On CPUs with AMX, OpenVINO can also decompress sparse
-INT8 weights (`CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE`): 2:4 weights are half zeros. It is off by default:
-on a 2-core Xeon with AMX it made MiniLM no consistently faster (four runs: -6 % to +4 % at batch 1,
-within 1 % at batch 32; the weights fit in cache, and OpenVINO aims it at memory-bound models).
+It reads the `openvino` export (`holoserve export CKPT`, which writes it where OpenVINO is installed: the
+ONNX Runtime placement in standard ONNX ops, with the [CLS]-row rewrite). On CPUs with AMX, OpenVINO can
+also decompress sparse INT8 weights (`CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE`): 2:4 weights are half zeros.
+It is off by default, having shown no consistent gain for MiniLM (docs/results/2026-11-24-openvino.md);
 `sparse=True` (`--openvino-sparse-weights`) turns it on where the CPU has AMX; `info()` reports which.
 
 The float ops around the Q/DQ GEMMs run at OpenVINO's inference precision. Its CPU plugin defaults to
-bf16 on CPUs with AVX-512 BF16 or AMX, which changes ~2 % of SST-2 predictions against `holoserve eval`
-(the checkpoint's numerics, which ONNX Runtime reproduces); `precision="f32"` keeps them in float32, at
-some speed (docs/results/2026-11-24-openvino.md). `info()` reports the precision in use.
+bf16 on CPUs with AVX-512 BF16 or AMX, which changes a few predictions against `holoserve eval` (the
+checkpoint's numerics, which ONNX Runtime reproduces); `precision="f32"` keeps them in float32, at some
+speed. `info()` reports the precision in use.
 
 HoloServe's 2:4 kernels (`kernels="auto"`, the default; `--openvino-kernels`): on CPUs with AVX-512 VNNI
 and VBMI and no AMX, the 2:4 INT8 Linears run on our own OpenVINO extension (holoserve.kernels), which
-skips the zeros; on a 2-core AMD EPYC 1.32-1.38x NNCF's INT8 where OpenVINO's GEMMs gave 1.15-1.20x
-(docs/results/2026-11-27-sparse24-kernels.md). `info()["kernels"]` says whether they run and why.
+skips the zeros (docs/results/2026-11-27-sparse24-kernels.md). Under `auto`, anything that keeps them from
+running (the CPU, no build, a library that does not load or compile) leaves OpenVINO's own GEMMs in
+charge; `info()["kernels"]` says whether they run and why.
 
 Static shapes (`shapes=[(batch, seq), ...]`, `--openvino-shapes 1x128,32x128`): OpenVINO's CPU plugin
 fuses the element-wise ops around the quantized GEMMs (LayerNorm's affine, the activation quantizers,
 residual adds) into JIT subgraphs only when every dimension is static; with dynamic shapes each runs as
-its own pass, the quantizers in float32 behind a bf16->f32 reorder. A model compiled for one shape took
-13-26 % less time (MiniLM, seq 128, batch 1 and 32, 1 and 2 threads, 2-core Xeon with AMX; NNCF's INT8
-model 8-20 % less the same way). The backend compiles one such model per listed shape (~0.3 s and
-~40 MB each for MiniLM) beside the dynamic one, and runs a batch on the smallest listed shape that holds
-it when padding it up adds at most STATIC_PAD_SHARE of its tokens: extra rows repeat the first row,
-extra positions are masked out, and the padded rows' logits are dropped. Every
-other batch runs on the dynamic model. Worth it where traffic has fixed shapes (clients padding to a
-fixed length, offline scoring at a fixed batch size).
+its own pass (docs/results/2026-11-24-openvino.md). The backend compiles one such model per listed shape
+beside the dynamic one, and runs a batch on the smallest listed shape that holds it when padding it up
+adds at most STATIC_PAD_SHARE of its tokens: extra rows repeat the first row, extra positions are masked
+out, and the padded rows' logits are dropped. Every other batch runs on the dynamic model. Worth it where
+traffic has fixed shapes (clients padding to a fixed length, offline scoring at a fixed batch size).
 """
 from __future__ import annotations
 
@@ -50,8 +47,8 @@ from .base import BackendUnavailable
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 SPARSE_RATE = 0.5  # every 2:4 weight is at least half zeros
-# A batch is padded up to a listed static shape only when that adds at most this share of its tokens:
-# static shapes took 13-26 % less time, so a little padding still pays and more would not.
+# A batch is padded up to a listed static shape only when that adds at most this share of its tokens: a
+# static shape saves more than that, so a little padding still pays and more would not.
 STATIC_PAD_SHARE = 0.10
 PRECISIONS = OPENVINO_PRECISIONS  # INFERENCE_PRECISION_HINT values (holoserve.core.choices)
 KERNEL_CHOICES = OPENVINO_KERNELS
@@ -194,8 +191,7 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = F
 def check_gemm_kernels(compiled, path) -> dict[str, int]:
     """The GEMM kernel counts, after one tiny run if the kernels are not chosen yet. Raises
     BackendUnavailable when any GEMM runs OpenVINO's reference kernel: that is orders of magnitude
-    slower (on a Xeon with AVX-512 FP16, the INT8 GEMMs under INFERENCE_PRECISION_HINT f16 ran 2,600x
-    slower than under bf16), so a server would time out rather than serve."""
+    slower (docs/results/2026-11-24-openvino.md), so a server would time out rather than serve."""
     kernels = gemm_kernels(compiled)
     if any(k.startswith("undef") for k in kernels):
         request = compiled.create_infer_request()
