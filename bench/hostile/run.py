@@ -17,6 +17,17 @@ Phases, each against a real server process on loopback:
    with the server's peak memory.
 5. flood: more stalled connections than the server may hold (and than its open-file limit allows),
    then legitimate requests.
+6. v2: malformed and edge KServe v2 requests (JSON and binary framing, duplicate outputs, non-boolean
+   flags, a NaN id, data nested against its shape, compressed bodies, connection-level errors on /v2
+   paths, whose bodies must be {"error": "..."}); then clients that reset a connection while
+   pipelined requests are answered. Error-level lines in the server's log count as failures.
+7. amplification: neighbours alone, then beside clients that loop a 0.9 MB request naming one output
+   50,000 times (and clients that send it and never read), with the server's peak memory.
+8. unread: connections that pipeline requests with ~0.9 MB answers and never read them, beside
+   neighbours: each must be aborted after the server's send timeout, memory staying bounded.
+9. workers: `--workers 2` with a token: duplicate Authorization headers, then a worker SIGKILLed under
+   load (fresh connection per request): failures only among the requests in flight at the kill, the
+   worker replaced, /metrics agreeing with /readyz within 5 s.
 
 The server runs with a low open-file limit (--server-nofile, 1024 by default: a common soft limit) and
 short header/body timeouts (--header-timeout, --body-timeout) so that a run takes about a minute.
@@ -265,9 +276,20 @@ def fuzz_cases(pair: bool) -> list[tuple[str, list[bytes], set, int]]:
     ]
 
 
-async def run_fuzz(port: int, pair: bool) -> dict:
+def v2_error_shape(body: bytes) -> bool:
+    """The Open Inference Protocol's error body: {"error": "..."}."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and set(obj) == {"error"} and isinstance(obj["error"], str)
+
+
+async def run_fuzz(port: int, pair: bool, todo: list | None = None, v2: bool = False) -> dict:
+    """Each case on its own connection. `v2`: every 4xx answer must also have the v2 error body."""
     cases = []
-    for name, pieces, ok, n in fuzz_cases(pair):
+    for name, pieces, ok, n in (fuzz_cases(pair) if todo is None else todo):
+        bad_shape = False
         conn = Conn(port)
         outcomes: list = []
         sent = 0
@@ -285,6 +307,7 @@ async def run_fuzz(port: int, pair: bool) -> dict:
                     if status == 100:  # an interim answer: the real one follows
                         status, headers, body = await conn.response(15)
                     outcomes.append(status)
+                    bad_shape |= v2 and 400 <= status < 500 and not v2_error_shape(body)
                 except ConnectionError:
                     outcomes.append("closed")
                     break
@@ -302,6 +325,8 @@ async def run_fuzz(port: int, pair: bool) -> dict:
             kind = "no answer (timeout)"
         elif len(outcomes) < n or any(o not in ok for o in outcomes):
             kind = "unexpected outcome" if all(isinstance(o, int) for o in outcomes) else "no answer (closed)"
+        elif bad_shape:
+            kind = "error body not {\"error\": ...}"
         cases.append({"case": name, "outcomes": outcomes, "expected": sorted(map(str, ok)),
                       "bytes_sent": sent, "failure": kind})
     failures: dict[str, int] = {}
@@ -468,6 +493,350 @@ async def run_flood(port: int, pair: bool, stalled: int, legit_n: int) -> dict:
             "legit_ok": int(sum(results))}
 
 
+# --------------------------------------------------------------------------- 6.-9. KServe v2, output size, workers
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+class RssSampler:
+    """The largest resident memory of a set of processes (their sum), sampled every 50 ms."""
+
+    def __init__(self, pids):
+        self.pids = pids  # a callable: the pids to sample now (workers come and go)
+        self.peak = 0.0
+        self.task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            self.peak = max(self.peak, sum(rss_mb(p) for p in self.pids()))
+            await asyncio.sleep(0.05)
+
+    def __enter__(self):
+        self.peak = sum(rss_mb(p) for p in self.pids())
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc):
+        self.task.cancel()
+
+
+def model_name(url: str, token: str = "") -> str:
+    req = urllib.request.Request(url + "/v1/models", headers={"Authorization": f"Bearer {token}"} if token else {})
+    return json.loads(urllib.request.urlopen(req, timeout=10).read())["models"][0]["name"]
+
+
+def v2_inputs(texts: list[str], pair: bool) -> list[dict]:
+    inputs = [{"name": "TEXT", "shape": [len(texts)], "datatype": "BYTES", "data": texts}]
+    if pair:
+        inputs.append({"name": "TEXT_PAIR", "shape": [len(texts)], "datatype": "BYTES", "data": texts})
+    return inputs
+
+
+def v2_binary(texts: list[str], pair: bool) -> tuple[bytes, int]:
+    """A binary-tensor request as tritonclient sends it: the JSON header, then each BYTES element."""
+    blob = b"".join(len(t.encode()).to_bytes(4, "little") + t.encode() for t in texts)
+    inputs = [{"name": "TEXT", "shape": [len(texts)], "datatype": "BYTES", "parameters": {"binary_data_size": len(blob)}}]
+    if pair:
+        inputs.append({**inputs[0], "name": "TEXT_PAIR"})
+    head = js({"inputs": inputs, "outputs": [{"name": "LOGITS", "parameters": {"binary_data": True}},
+                                             {"name": "LABEL", "parameters": {"binary_data": True}}]})
+    return head + blob * (2 if pair else 1), len(head)
+
+
+def amplification_body(pair: bool) -> bytes:
+    """64 texts and one output named 50,000 times: 0.9 MB that asked for a 125 MB answer."""
+    return json.dumps({"inputs": v2_inputs([long_text(12, i) for i in range(64)], pair),
+                       "outputs": [{"name": "LOGITS"}] * 50_000}, separators=(",", ":")).encode()
+
+
+def v2_cases(name: str, pair: bool) -> list[tuple[str, list[bytes], set, int]]:
+    """Malformed and edge KServe v2 requests; every 4xx answer must carry the protocol's {"error": "..."}."""
+    import gzip
+    import zlib
+
+    infer = f"/v2/models/{name}/infer"
+    one = v2_inputs(["a fun film"], pair)
+    good = js({"inputs": one})
+    binary, head_len = v2_binary(["a fun film", "a dull mess"], pair)
+    out = lambda outputs, **kw: js({"inputs": one, "outputs": outputs, **kw})  # noqa: E731
+    return [
+        ("v2: JSON request", [post(good, infer)], {200}, 1),
+        ("v2: binary request (tritonclient's framing)",
+         [post(binary, infer, "application/octet-stream", f"Inference-Header-Content-Length: {head_len}\r\n")], {200}, 1),
+        ("v2: one output 50,000 times (0.9 MB)", [post(amplification_body(pair), infer)], {400}, 1),
+        ("v2: an output listed twice", [post(out([{"name": "LABEL"}, {"name": "LABEL"}]), infer)], {400}, 1),
+        ('v2: binary_data "no"', [post(out([{"name": "LOGITS", "parameters": {"binary_data": "no"}}]), infer)],
+         {400}, 1),
+        ('v2: binary_data_output "false"', [post(js({"inputs": one, "parameters": {"binary_data_output": "false"}}),
+                                                 infer)], {400}, 1),
+        ("v2: id NaN", [post(b'{"id": NaN, "inputs": ' + js(one) + b"}", infer)], {400}, 1),
+        ("v2: id a number", [post(js({"id": 5, "inputs": one}), infer)], {400}, 1),
+        ("v2: shape [2] with data [[a, b]]",
+         [post(js({"inputs": [{"name": "TEXT", "shape": [2], "datatype": "BYTES", "data": [["a", "b"]]}]}), infer)],
+         {400}, 1),
+        ("v2: answer over the body limit (0.8 MB non-ASCII id)",
+         [post(json.dumps({"id": "\u00e9" * 400_000, "inputs": one}, ensure_ascii=False).encode(), infer)], {400}, 1),
+        ("v2: gzip request", [post(gzip.compress(good), infer, extra="Content-Encoding: gzip\r\n")], {200}, 1),
+        ("v2: deflate request", [post(zlib.compress(good), infer, extra="Content-Encoding: deflate\r\n")], {200}, 1),
+        ("v2: Content-Encoding br", [post(good, infer, extra="Content-Encoding: br\r\n")], {415}, 1),
+        ("v2: gzip bomb (5 MB in 5 kB)", [post(gzip.compress(b" " * 5_000_000), infer,
+                                               extra="Content-Encoding: gzip\r\n")], {413}, 1),
+        ("v2: gzip header, plain body", [post(good, infer, extra="Content-Encoding: gzip\r\n")], {400}, 1),
+        ("v2: head over the limit", [post(good, infer, extra=f"X-Pad: {'a' * 20_000}\r\n")], {431}, 1),
+        ("v2: NUL in a header value", [f"GET /v2/models/{name} HTTP/1.1\r\nHost: bench\r\nX-A: a".encode()
+                                       + b"\x00b\r\n\r\n"], {400}, 1),
+        ("v2: head never completed", [f"POST {infer} HTTP/1.1\r\nHost: bench\r\n".encode()], {408}, 1),
+        ("v2: body never completed", [f"POST {infer} HTTP/1.1\r\nHost: bench\r\nContent-Length: 100\r\n\r\n{{".encode()],
+         {408}, 1),
+        ("v2: unknown model", [post(good, "/v2/models/nope/infer")], {404}, 1),
+    ]
+
+
+async def run_leavers(port: int, pair: bool, n: int) -> dict:
+    """Clients that send three pipelined requests and reset the connection while the first is answered."""
+    import struct
+
+    body = js({"pairs": [["a man rides a horse", "a man is riding a horse"]] * 64} if pair else {"texts": ["a fun film"] * 64})
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(post(body) * 3)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+    await asyncio.sleep(1.0)  # let the server finish what it took
+    return {"connections": n}
+
+
+async def neighbours(port: int, pair: bool, clients: int, seconds: float, name: str, token: str = "",
+                     fresh: bool = False, log: list | None = None) -> dict:
+    """Closed-loop clients sending good /predict and v2 requests for `seconds`; each request's (start, end,
+    ok) goes to `log`. `fresh`: a new connection per request (as a load balancer's health-checked pool)."""
+    log = [] if log is None else log
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    good_predict = post(js({"pairs": [["a man rides a horse", "a man is riding a horse"]]} if pair else
+                           {"text": "a fun film"}), extra=auth)
+    good_v2 = post(js({"inputs": v2_inputs(["a fun film", "a dull mess"], pair)}), f"/v2/models/{name}/infer",
+                   extra=auth)
+    deadline = time.monotonic() + seconds
+
+    async def client(i: int) -> None:
+        conn = Conn(port)
+        k = 0
+        while time.monotonic() < deadline:
+            k += 1
+            t0 = time.monotonic()
+            ok = False
+            try:
+                if conn.writer is None:
+                    await conn.open()
+                await conn.send(good_v2 if (i + k) % 2 else good_predict)
+                status, headers, _ = await conn.response(30)
+                ok = status == 200
+                if fresh or headers.get("connection", "").lower() == "close":
+                    conn.close()
+            except (ConnectionError, OSError, asyncio.TimeoutError):
+                conn.close()
+            log.append((t0, time.monotonic(), ok))
+        conn.close()
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    lat = sorted(e - s for s, e, _ in log)
+    pick = lambda q: round(1000 * lat[min(len(lat) - 1, int(q * len(lat)))], 1) if lat else 0.0  # noqa: E731
+    return {"tried": len(log), "failed": sum(not ok for *_, ok in log), "p50_ms": pick(0.5), "p99_ms": pick(0.99),
+            "max_ms": round(1000 * lat[-1], 1) if lat else 0.0}
+
+
+async def run_amplification(server: Server, port: int, pair: bool, name: str, attackers: int, non_readers: int,
+                            clients: int, seconds: float) -> dict:
+    """Neighbours alone, then beside clients that send the 0.9 MB amplification request in a loop and
+    clients that send it and never read the answer."""
+    base = await neighbours(port, pair, clients, seconds / 2, name)
+    body = post(amplification_body(pair), f"/v2/models/{name}/infer")
+    statuses: dict[str, int] = {}
+    deadline = time.monotonic() + seconds
+
+    async def attacker() -> None:
+        conn = Conn(port)
+        while time.monotonic() < deadline:
+            try:
+                if conn.writer is None:
+                    await conn.open()
+                await conn.send(body)
+                status, headers, _ = await conn.response(30)
+                statuses[str(status)] = statuses.get(str(status), 0) + 1
+                if headers.get("connection", "").lower() == "close":
+                    conn.close()
+            except (ConnectionError, OSError, asyncio.TimeoutError) as e:
+                statuses[type(e).__name__] = statuses.get(type(e).__name__, 0) + 1
+                conn.close()
+        conn.close()
+
+    silent = []
+    for _ in range(non_readers):  # send it (twice, pipelined) and never read
+        c = Conn(port)
+        await c.open()
+        c.writer.write(body * 2)
+        silent.append(c)
+    with RssSampler(lambda: [server.proc.pid]) as rss:
+        attack = asyncio.gather(*(attacker() for _ in range(attackers)))
+        near = await neighbours(port, pair, clients, seconds, name)
+        await attack
+    for c in silent:
+        c.close()
+    return {"attackers": attackers, "non_readers": non_readers, "clients": clients, "seconds": seconds,
+            "attack_statuses": statuses, "baseline": base, "under_attack": near,
+            "server_peak_rss_mb": round(rss.peak, 1)}
+
+
+async def run_unread(server: Server, port: int, pair: bool, name: str, conns: int, pipelined: int, clients: int,
+                     send_timeout: float) -> dict:
+    """Connections that pipeline requests with ~0.9 MB answers (a long id, echoed) and never read them,
+    beside neighbours; the server must stop writing to them and abort each after its send timeout."""
+    body = js({"id": "r" * 900_000, "inputs": v2_inputs(["a fun film"], pair)})
+    req = post(body, f"/v2/models/{name}/infer")
+    before = server.metrics().get("send_timeout", 0.0)
+    loop = asyncio.get_running_loop()
+    silent = []
+    for _ in range(conns):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that reads nothing, small window
+        s.setblocking(False)
+        await loop.sock_connect(s, ("127.0.0.1", port))
+        _, writer = await asyncio.open_connection(sock=s)
+        writer.write(req * pipelined)  # never drained: the server stops reading once it stops writing
+        silent.append(writer)
+    hold = send_timeout + 3.0
+    with RssSampler(lambda: [server.proc.pid]) as rss:
+        near = await neighbours(port, pair, clients, hold, name)
+    closed = server.metrics().get("send_timeout", 0.0) - before
+    for w in silent:
+        w.transport.abort()
+    return {"connections": conns, "pipelined": pipelined, "answer_bytes": len(body) + 200, "held_s": hold,
+            "send_timeout_s": send_timeout, "aborted_by_server": int(closed), "neighbours": near,
+            "server_peak_rss_mb": round(rss.peak, 1)}
+
+
+def live_workers(metrics_dir: Path) -> list[int]:
+    """The running workers: pids with live-gauge files in the metrics folder that are not zombies."""
+    pids = set()
+    for f in metrics_dir.glob("gauge_live*_*.db"):
+        pid = int(f.stem.rsplit("_", 1)[1])
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            pids.add(pid)
+    return sorted(pids)
+
+
+def scrape(url: str, token: str) -> dict[str, float]:
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for key in ("holoserve_model_ready", "holoserve_workers_ready", "holoserve_http_requests_in_flight",
+                    "holoserve_http_connections"):
+            if line.startswith(key + "{") or line.startswith(key + " "):
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def ready_workers(scraped: dict[str, float]) -> float:
+    """Warm workers, from holoserve_workers_ready (or, from a server without it, model_ready as the least
+    over workers: 1 when both are)."""
+    if "holoserve_workers_ready" in scraped:
+        return scraped["holoserve_workers_ready"]
+    return 2.0 if scraped.get("holoserve_model_ready") == 1 else 0.0
+
+
+def readyz(url: str) -> int:
+    try:
+        return urllib.request.urlopen(url + "/readyz", timeout=10).status
+    except Exception:
+        return 0
+
+
+async def run_worker_kill(root: Path, ckpt: Path, settings: dict, log: Path, nofile: int, pair: bool,
+                          clients: int, tmp: Path) -> dict:
+    """`--workers 2` with a token: neighbours on fresh connections, one worker SIGKILLed mid-load."""
+    token = "bench-" + os.urandom(8).hex()
+    metrics_dir = tmp / "metrics"
+    srv = Server(root, ckpt, {**settings, "HOLOSERVE_WORKERS": "2", "HOLOSERVE_API_TOKEN": token,
+                              "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}, log, nofile)
+    out: dict = {}
+    try:
+        srv.wait_ready()
+        deadline = time.monotonic() + 120
+        while ready_workers(scrape(srv.url, token)) < 2 or len(live_workers(metrics_dir)) < 2:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the two workers did not become ready")
+            await asyncio.sleep(0.2)
+        name = model_name(srv.url, token)
+        infer = f"/v2/models/{name}/infer"
+        good = js({"inputs": v2_inputs(["a fun film"], pair)})
+        auth_cases = []
+        for label, headers, ok in (
+                ("right token", ["Bearer " + token], 200), ("wrong token", ["Bearer nope"], 401),
+                ("wrong, then right", ["Bearer nope", "Bearer " + token], 400),
+                ("right, then wrong", ["Bearer " + token, "Bearer nope"], 400),
+                ("right twice", ["Bearer " + token] * 2, 400)):
+            conn = Conn(srv.port)
+            await conn.open()
+            await conn.send(post(good, infer, extra="".join(f"Authorization: {h}\r\n" for h in headers)))
+            status, _, body = await conn.response(10)
+            conn.close()
+            shape_ok = status == 200 or isinstance(json.loads(body).get("error"), str)
+            auth_cases.append({"case": label, "status": status, "expected": ok,
+                               "failure": None if status == ok and shape_ok else "unexpected outcome"})
+        out["auth_cases"] = auth_cases
+        workers = live_workers(metrics_dir)
+        log_: list = []
+        with RssSampler(lambda: live_workers(metrics_dir)) as rss:
+            load = asyncio.ensure_future(neighbours(srv.port, pair, clients, 6.0, name, token, fresh=True, log=log_))
+            await asyncio.sleep(2.0)
+            victim = workers[0]
+            t_kill = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            replaced_s = None
+            while not load.done():
+                now = live_workers(metrics_dir)
+                if replaced_s is None and len(now) == 2 and victim not in now:
+                    replaced_s = round(time.monotonic() - t_kill, 2)
+                await asyncio.sleep(0.05)
+            near = await load
+        in_flight = sum(1 for s, e, _ in log_ if s <= t_kill <= e)
+        failed_after = sum(1 for s, _, ok in log_ if not ok and s > t_kill)
+        t_end = time.monotonic()
+        consistent_s, seen = None, {}
+        while time.monotonic() - t_end < 5.0:
+            seen = {"readyz": readyz(srv.url), **scrape(srv.url, token)}
+            if (seen["readyz"] == 200 and seen.get("holoserve_model_ready") == 1
+                    and seen.get("holoserve_http_requests_in_flight") == 1 and seen.get("holoserve_http_connections") == 1):
+                consistent_s = round(time.monotonic() - t_end, 2)
+                break
+            await asyncio.sleep(0.1)
+        while replaced_s is None and time.monotonic() - t_kill < 60:
+            now = live_workers(metrics_dir)
+            if len(now) == 2 and victim not in now:
+                replaced_s = round(time.monotonic() - t_kill, 2)
+            await asyncio.sleep(0.05)
+        out.update({"clients": clients, "neighbours": near, "in_flight_at_kill": in_flight,
+                    "failed_after_kill_sent": failed_after, "replaced_after_s": replaced_s,
+                    "metrics_consistent_after_s": consistent_s, "last_scrape": seen,
+                    "workers_peak_rss_mb": round(rss.peak, 1)})
+    finally:
+        srv.stop()
+    return out
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -512,6 +881,53 @@ def write_markdown(res: dict, path: Path) -> None:
     lines += ["", "## 5. Connection flood",
               f"{fl['stalled_connections']} stalled connections: {fl['closed_by_server']} closed by the server; "
               f"legitimate requests meanwhile: {fl['legit_ok']}/{fl['legit_tried']} answered 200."]
+    if "v2" in res:
+        lines += ["", "## 6. KServe v2 edges",
+                  "Every 4xx answer on a /v2 path must carry the protocol's `{\"error\": \"...\"}` body.", "",
+                  "| case | outcome | expected | failure |", "| --- | --- | --- | --- |"]
+        for c in res["v2"]["cases"]:
+            lines.append(f"| {c['case']} | {', '.join(map(str, c['outcomes']))} | {', '.join(c['expected'])} | "
+                         f"{c['failure'] or '-'} |")
+        lv = res["leavers"]
+        lines += ["", f"{lv['connections']} clients sent three pipelined 64-text requests each and reset the "
+                  f"connection while the first was answered; error-level lines in the server's log over phases 2-8: "
+                  f"{res['server_log_errors']}."]
+    if "amplification" in res:
+        am = res["amplification"]
+        b, u = am["baseline"], am["under_attack"]
+        lines += ["", "## 7. Output amplification",
+                  f"{am['attackers']} clients sending a 0.9 MB v2 request with 64 texts and one output named 50,000 "
+                  f"times, in a loop, and {am['non_readers']} that send it twice and never read, for "
+                  f"{am['seconds']} s beside {am['clients']} neighbours (keep-alive, /predict and v2 in turn). "
+                  f"Attack answers: {am['attack_statuses']}. Server peak RSS during the attack: "
+                  f"{am['server_peak_rss_mb']} MB.", "",
+                  "| neighbours | requests | failed | p50 ms | p99 ms | max ms |", "| --- | ---: | ---: | ---: | ---: | ---: |",
+                  f"| alone | {b['tried']} | {b['failed']} | {b['p50_ms']} | {b['p99_ms']} | {b['max_ms']} |",
+                  f"| beside the attack | {u['tried']} | {u['failed']} | {u['p50_ms']} | {u['p99_ms']} | {u['max_ms']} |"]
+    if "unread" in res:
+        ur = res["unread"]
+        nb = ur["neighbours"]
+        lines += ["", "## 8. Answers nobody reads",
+                  f"{ur['connections']} connections each pipelined {ur['pipelined']} v2 requests whose answers are "
+                  f"~{ur['answer_bytes'] // 1000} kB (a long id, echoed) and never read them (4 kB receive buffer); "
+                  f"send timeout {ur['send_timeout_s']} s, held {ur['held_s']} s. Aborted by the server: "
+                  f"{ur['aborted_by_server']}/{ur['connections']}. Neighbours meanwhile: {nb['tried'] - nb['failed']}/"
+                  f"{nb['tried']} answered 200 (p99 {nb['p99_ms']} ms, max {nb['max_ms']} ms). Server peak RSS: "
+                  f"{ur['server_peak_rss_mb']} MB."]
+    if "workers" in res:
+        wk = res["workers"]
+        nb = wk.get("neighbours", {})
+        lines += ["", "## 9. `--workers 2` with a token: a worker SIGKILLed under load", "",
+                  "| auth case | status | expected | failure |", "| --- | ---: | ---: | --- |"]
+        lines += [f"| {c['case']} | {c['status']} | {c['expected']} | {c['failure'] or '-'} |"
+                  for c in wk.get("auth_cases", [])]
+        lines += ["", f"{wk.get('clients')} neighbours on fresh connections for 6 s; one worker SIGKILLed at 2 s. "
+                  f"Neighbour requests: {nb.get('tried')}, failed {nb.get('failed')} (in flight at the kill: "
+                  f"{wk.get('in_flight_at_kill')}; failed among those sent after it: {wk.get('failed_after_kill_sent')}). "
+                  f"Replacement worker running after {wk.get('replaced_after_s')} s. /metrics agreed with /readyz "
+                  f"(ready, 1 request and 1 connection open: the scrape's) {wk.get('metrics_consistent_after_s')} s "
+                  f"after the load ended; last scrape {wk.get('last_scrape')}. Workers' peak RSS (sum): "
+                  f"{wk.get('workers_peak_rss_mb')} MB."]
     if res.get("server_counters"):
         lines += ["", f"Connections the server closed, by reason (its metrics): {res['server_counters']}"]
     atomic_write_text(path, "\n".join(lines) + "\n")
@@ -538,6 +954,39 @@ def summarize(res: dict) -> dict:
     add("flood: legitimate request failed", fl["legit_tried"] - fl["legit_ok"])
     tried = res["fuzz"]["tried"] + res["mixed"]["tried"] + sl["legit_tried"] + fl["legit_tried"]
     conns = sum(sl["attack_connections"].values()) + fl["stalled_connections"]
+    if "v2" in res:
+        for k, v in res["v2"]["failures"].items():
+            add(f"v2: {k}", v)
+        add("server log: error-level lines", res["server_log_errors"])
+        tried += res["v2"]["tried"]
+        conns += res["leavers"]["connections"]
+    if "amplification" in res:
+        am = res["amplification"]
+        add("amplification: attack request not refused with 400",
+            sum(v for k, v in am["attack_statuses"].items() if k != "400"))
+        add("amplification: neighbour request failed", am["baseline"]["failed"] + am["under_attack"]["failed"])
+        tried += am["baseline"]["tried"] + am["under_attack"]["tried"] + sum(am["attack_statuses"].values())
+        conns += am["non_readers"]
+    if "unread" in res:
+        ur = res["unread"]
+        add("unread: neighbour request failed", ur["neighbours"]["failed"])
+        add("unread: connection not aborted after the send timeout", ur["connections"] - ur["aborted_by_server"])
+        tried += ur["neighbours"]["tried"]
+        conns += ur["connections"]
+    if "workers" in res:
+        wk = res["workers"]
+        if "error" in wk:
+            add(f"workers: {wk['error']}")
+        else:
+            for c in wk["auth_cases"]:
+                add(f"workers: auth case {c['case']!r}", c["failure"] is not None)
+            nb = wk["neighbours"]
+            add("workers: neighbour failures beyond the requests in flight at the kill",
+                max(0, nb["failed"] - wk["in_flight_at_kill"]))
+            add("workers: a request sent after the kill failed", wk["failed_after_kill_sent"])
+            add("workers: /metrics not consistent with /readyz within 5 s", wk["metrics_consistent_after_s"] is None)
+            add("workers: the dead worker was not replaced", wk["replaced_after_s"] is None)
+            tried += nb["tried"] + len(wk["auth_cases"])
     return {"requests_tried": tried, "connections_tried": conns, "failures_total": sum(failures.values()),
             "failures_by_kind": failures}
 
@@ -565,6 +1014,15 @@ def main() -> int:
     ap.add_argument("--body-timeout", type=float, default=3.0)
     ap.add_argument("--hold", type=float, default=0.0, help="seconds to hold slow connections; default timeouts + 3")
     ap.add_argument("--server-nofile", type=int, default=1024, help="the server's open-file limit; 0: inherit")
+    ap.add_argument("--send-timeout", type=float, default=3.0, help="the server's --send-timeout")
+    ap.add_argument("--leavers", type=int, default=20, help="clients that reset a connection with pipelined requests")
+    ap.add_argument("--amp-attackers", type=int, default=4)
+    ap.add_argument("--amp-non-readers", type=int, default=4)
+    ap.add_argument("--amp-seconds", type=float, default=6.0)
+    ap.add_argument("--neighbours", type=int, default=8, help="good clients beside the attacks of phases 7-9")
+    ap.add_argument("--unread", type=int, default=16, help="connections that never read their answers")
+    ap.add_argument("--unread-pipelined", type=int, default=4)
+    ap.add_argument("--no-workers", action="store_true", help="skip phase 9 (--workers 2, a worker killed)")
     args = ap.parse_args()
 
     import resource
@@ -583,7 +1041,8 @@ def main() -> int:
     root = Path(args.server_root).resolve()
     settings = {"HOLOSERVE_BACKEND": "onnxruntime", "HOLOSERVE_THREADS": "1", "HOLOSERVE_ACCESS_LOG": "0",
                 "HOLOSERVE_HEADER_TIMEOUT_S": str(args.header_timeout),
-                "HOLOSERVE_BODY_TIMEOUT_S": str(args.body_timeout)}
+                "HOLOSERVE_BODY_TIMEOUT_S": str(args.body_timeout),
+                "HOLOSERVE_SEND_TIMEOUT_S": str(args.send_timeout)}
     hold = args.hold or max(args.header_timeout, args.body_timeout) + 3
     log = tmp / "server.log"
     res: dict = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -606,6 +1065,7 @@ def main() -> int:
         msg = lines[-1].strip()[:400] if lines else ""
     res["settings"] = {"max_seq_length": too_long, "position_table": table, "refused": not started,
                        "exit_code": srv.proc.returncode, "message": msg}
+    log_start = log.stat().st_size if log.exists() else 0
     if not started:
         srv = Server(root, ckpt, settings, log, args.server_nofile)
         srv.wait_ready()
@@ -619,10 +1079,29 @@ def main() -> int:
         print(f"slow: {res['slow']}", flush=True)
         res["flood"] = asyncio.run(run_flood(srv.port, pair, args.stalled, args.legit))
         print(f"flood: {res['flood']}", flush=True)
+        name = model_name(srv.url)
+        res["v2"] = asyncio.run(run_fuzz(srv.port, pair, v2_cases(name, pair), v2=True))
+        print(f"v2: {res['v2']['tried']} cases, failures {res['v2']['failures']}", flush=True)
+        res["leavers"] = asyncio.run(run_leavers(srv.port, pair, args.leavers))
+        res["amplification"] = asyncio.run(run_amplification(srv, srv.port, pair, name, args.amp_attackers,
+                                                             args.amp_non_readers, args.neighbours, args.amp_seconds))
+        print(f"amplification: {res['amplification']}", flush=True)
+        res["unread"] = asyncio.run(run_unread(srv, srv.port, pair, name, args.unread, args.unread_pipelined,
+                                               args.neighbours, args.send_timeout))
+        print(f"unread: {res['unread']}", flush=True)
         res["server_alive_at_end"] = srv.proc.poll() is None
         res["server_counters"] = srv.metrics()
     finally:
         srv.stop()
+    res["server_log_errors"] = sum('"level": "error"' in line for line in
+                                   log.read_bytes()[log_start:].decode(errors="replace").splitlines())
+    if not args.no_workers:
+        try:
+            res["workers"] = asyncio.run(run_worker_kill(root, ckpt, settings, log, args.server_nofile, pair,
+                                                         args.neighbours, tmp))
+        except Exception as e:  # a failure to report, not a crash of the benchmark
+            res["workers"] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"workers: {res['workers']}", flush=True)
     res["summary"] = summarize(res)
     out = Path(args.out)
     atomic_write_json(out.with_suffix(".json"), res)
