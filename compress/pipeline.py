@@ -1,12 +1,14 @@
-"""The compression job: what every method shares (data, the dense teacher, resumable phases,
-calibration, the checkpoint), around one registered method handler (compress/methods.py):
-admm (dense teacher -> ADMM 2:4 ∩ INT8 with KD -> hard projection + QAT), magnitude (one-shot
-magnitude 2:4 + masked fine-tune, then post-training INT8: the APEX ASP recipe) and ptq.
+"""The compression job: what every method shares (data, the sequence length, the dense teacher, resumable
+phases, calibration, progress, the checkpoint), around one registered method handler (compress/methods.py):
+oneshot, the default (dense teacher -> one-shot projection onto 2:4 ∩ INT8 -> QAT with KD), admm (dense
+teacher -> ADMM toward 2:4 ∩ INT8 with KD -> hard projection + QAT), magnitude (one-shot magnitude 2:4 +
+masked fine-tune, then post-training INT8: the APEX ASP recipe) and ptq (post-training INT8).
 Each phase saves its result under the state folder (`<out>.state/` by default), so an interrupted
 job resumes where it stopped; a phase also saves mid-way every `preset.save_every` steps.
 """
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import json
 import logging
@@ -15,7 +17,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -29,6 +31,8 @@ from holoserve.core.tokenizer import load_tokenizer
 from holoserve.data.tabular import DataOptions, load_for_training
 from holoserve.core.machine import describe_cpu
 from holoserve.core.numerics import RESIDUAL_MIN_SQNR_DB
+from holoserve.core.progress import Progress
+from holoserve.core.progress import current as current_progress
 from holoserve.data.tasks import Task
 
 from .checkpoint import TOKENIZER_FILES, save_checkpoint, set_label_config
@@ -36,7 +40,9 @@ from .distributed import Processes
 from .admm import layerwise_projection
 from .config import ADMM_INITS, PROJECTIONS, STUDENT_ACTIVATIONS, Preset, apply_overrides, get_preset
 from .data import Encoded, encode, train_batches, with_perturbed_copies
-from .evaluate import evaluate
+from .seqlen import UNBOUNDED, SequenceLength, model_positions, token_lengths
+from .seqlen import choose as choose_length
+from .evaluate import EVAL_ROW_COST, evaluate
 from .layers import activation_key, encoder_linear_names
 from .methods import Outcome, get_method
 from .quant import calibrate_amax, calibrate_tensorrt_amax, input_channel_norms, input_quantizers
@@ -91,6 +97,7 @@ class Job:
     device: str = "auto"  # auto: CUDA when present, else CPU
     data: DataOptions | None = None  # the user's files; None: the GLUE shortcut `task` in `data_dir`
     metric: str | None = None  # primary metric (--metric)
+    max_seq_length: int | None = None  # None: from the training rows, at most the preset's (compress.seqlen)
 
     def validate(self) -> "Job":
         """Refuse a job whose output would clobber something, before any work starts."""
@@ -221,6 +228,23 @@ def _fmt(metrics: Mapping[str, float]) -> str:
     return " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
 
 
+# Rough cost of the work besides training steps, in training steps, so that one overall bar (and its ETA)
+# spans it all (evaluation: compress.evaluate.EVAL_ROW_COST); both are weighed per calibration batch.
+CALIBRATION_COST = 0.25  # per calibration batch
+PROJECTION_COST = 1.0  # per calibration batch
+
+
+def _progress_phase(name: str, kind: str):
+    """Show a Runner method as a progress phase (one indeterminate step worth its planned share of the job)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(self, *args, **kwargs):
+            with current_progress().phase(name, None, weight=self.planned_cost(kind), enabled=self.job.progress):
+                return fn(self, *args, **kwargs)
+        return run
+    return wrap
+
+
 class Runner:
     """What every method shares: the job's settings, data, teacher, resumable phases and calibration."""
 
@@ -252,6 +276,7 @@ class Runner:
         self.train: Encoded | None = None
         self.kd_train: Encoded | None = None
         self.dev: Encoded | None = None
+        self.seq_length: SequenceLength | None = None  # how max_seq_length was chosen (load_data)
         self.base_name: str = ""
         self.t_start = time.perf_counter()
         self.tensorrt_residuals: dict | None = None  # TensorRT QAT: residual-Add inputs left float, their SQNR
@@ -283,16 +308,21 @@ class Runner:
 
     # -- data
     def load_data(self, tokenizer_dir: Path) -> None:
+        """Read the rows, choose max_seq_length from them (compress.seqlen), tokenize, size the phases."""
         p = self.preset
         self.tokenizer_dir = tokenizer_dir
-        tok = load_tokenizer(tokenizer_dir, p.max_seq_length)
-        self.vocab_size = tok.get_vocab_size()
         j = self.job
         data = load_for_training(j.task, j.data or DataOptions(data_dir=j.data_dir), metric=j.metric, seed=j.seed,
                                  train_limit=j.train_limit, dev_limit=j.dev_limit)
         self.task, self.data_info = data.task, data.info
         if "held out" in str(data.info.get("dev")):
             log.info("no --dev file: %s", data.info["dev"])
+        lengths = token_lengths(load_tokenizer(tokenizer_dir, UNBOUNDED), data.train)
+        self.seq_length = choose_length(lengths, cap=p.max_seq_length, positions=model_positions(tokenizer_dir),
+                                        fixed=j.max_seq_length)
+        p = replace(p, max_seq_length=self.seq_length.value)
+        tok = load_tokenizer(tokenizer_dir, p.max_seq_length)
+        self.vocab_size = tok.get_vocab_size()
         self.train = encode(tok, data.train, self.task.is_regression)
         self.dev = encode(tok, data.dev, self.task.is_regression)
         self.preset = p = p.sized(len(self.train)).with_max_steps(j.max_steps)
@@ -304,14 +334,59 @@ class Runner:
                                                   j.seed + 11, specials)
             log.info("distillation also reads %d perturbed copies of the training rows (%d rows; token rate %.2f)",
                      p.distill.augment, len(self.kd_train) - len(self.train), p.distill.augment_rate)
-        log.info("%s: %d train rows, %d dev rows, max_seq_length %d; steps: dense %d, admm %d, qat %d (batch %d)",
-                 self.task.name, len(self.train), len(self.dev), p.max_seq_length, p.dense.steps, p.admm.steps,
-                 p.qat.steps, p.batch_size)
+        source = data.info.get("description") or data.info.get("source")
+        log.info("%s: %d train rows, %d dev rows (%s)", self.task.name, len(self.train), len(self.dev), source)
+        log.info("%s", self.seq_length.describe())
+        steps = ", ".join(f"{name} {n}" if isinstance(n, int) else f"{name} ({n})" for name, n in self.planned_phases())
+        log.info("--method %s, preset %s: %s (batch %d)", j.method, p.name, steps or "no training phase", p.batch_size)
+        current_progress().add(self.planned_work())
+
+    def planned_cost(self, kind: str) -> float:
+        """The overall progress units of one piece of work of `kind` (training steps' worth)."""
+        p = self.preset
+        if kind == "evaluation":
+            return EVAL_ROW_COST * p.eval_batch_size
+        return (CALIBRATION_COST if kind == "calibration" else PROJECTION_COST) * p.calib_batches
+
+    def planned_work(self) -> float:
+        """The job's work in overall progress units: its training steps, evaluations, calibration passes and
+        projection, counted as compress/methods.py runs them (an estimate: the bar grows if it is short)."""
+        p, j = self.preset, self.job
+        steps = sum(n for _, n in self.planned_phases() if isinstance(n, int))
+        trt = 1 if p.tensorrt_qat else 0
+        masks = 1 if p.mask_metric == "activation" else 0
+        project = 1 if p.projection != "nearest" else 0
+        evals, calibrations, projections = {
+            "oneshot": (4 + trt, masks + 1 + trt, project),
+            "admm_guided": (4 + trt, masks + 1 + trt, 1),
+            "admm": (5 + trt + (p.admm_cfg.init == "projection"), 2 * masks + 1 + int(p.admm_cfg.act_quant) + trt,
+                     project * (1 + (p.admm_cfg.init == "projection"))),
+            "magnitude": (4 + (1 if j.quant else 0), 1, 0),
+            "ptq": (2, 1, 0),
+        }.get(j.method, (1, 1, 0))
+        eval_batches = math.ceil(len(self.dev) / p.eval_batch_size)
+        return (steps + evals * eval_batches * self.planned_cost("evaluation")
+                + calibrations * self.planned_cost("calibration") + projections * self.planned_cost("projection"))
+
+    def planned_phases(self) -> list[tuple[str, int | str]]:
+        """The training phases the job's method runs, in order, with their optimizer steps (as compress/methods.py
+        runs them: one-shot and magnitude spend the ADMM + QAT budget in one phase)."""
+        p, j = self.preset, self.job
+        if j.method == "ptq":
+            return []
+        last = "qat" if j.quant else "masked"
+        dense: list[tuple[str, int | str]] = [("dense", "reused --teacher" if j.teacher else p.dense.steps)]
+        if j.method == "admm":
+            return dense + [("admm", p.admm.steps), (last, p.qat.steps)]
+        if j.method == "magnitude":
+            return dense + [("masked", p.admm.steps + p.qat.steps)]
+        # oneshot, admm_guided: the projection, then QAT for both budgets
+        return dense + [(last, p.admm.steps + p.qat.steps)]
 
     def dev_metrics(self, model: nn.Module, amax: Mapping[str, float] | None = None, layers=None,
                     tensorrt: bool = False) -> dict[str, float]:
         return evaluate(model, self.task, self.dev, batch_size=self.preset.eval_batch_size, act_amax=amax,
-                        quant_layers=layers, tensorrt=tensorrt)
+                        quant_layers=layers, tensorrt=tensorrt, progress="evaluate")
 
     def fingerprint(self, **extra) -> dict[str, Any]:
         j = self.job
@@ -428,6 +503,7 @@ class Runner:
                 batches.append(b)
         return batches
 
+    @_progress_phase("input norms", "calibration")
     def mask_importance(self, model: nn.Module, layers) -> dict[str, torch.Tensor] | None:
         """Per-input-channel weights for choosing 2:4 masks (preset mask_metric), or None for plain magnitude."""
         metric = self.preset.mask_metric
@@ -441,6 +517,7 @@ class Runner:
             return norms if power == 1 else {k: v.pow(power) for k, v in norms.items()}
         raise AssertionError(f"mask_metric={metric!r} outside a projection (refused by check_preset_settings)")
 
+    @_progress_phase("project", "projection")
     def project_masks(self, model: nn.Module, layers) -> dict[str, torch.Tensor]:
         """The hard projection's 2:4 masks (preset mask_metric); with preset projection="obs" or "admm" the kept
         weights are also fitted in place to the calibration inputs (compress.admm.layerwise_projection), and each
@@ -474,6 +551,7 @@ class Runner:
                        for k, d in diag.items()}}
         return masks
 
+    @_progress_phase("calibrate", "calibration")
     def calibrate(self, model: nn.Module, layers, tensorrt: bool = True) -> dict[str, float]:
         """Activation ranges of the Linear inputs; with preset tensorrt_qat (unless `tensorrt` is False), also
         those of the TensorRT placement's extra quantizers."""
@@ -493,7 +571,9 @@ class Runner:
 
     # -- the job
     def run(self) -> Artifact:
-        return self.save(self.method.run(self))
+        # the overall bar: load_data adds the planned work once the rows (and so the step counts) are known
+        with Progress(enabled=self.job.progress and self.procs.main, desc=f"compress ({self.job.method})"):
+            return self.save(self.method.run(self))
 
     def save(self, result: Outcome) -> Artifact:
         job, p = self.job, self.preset
@@ -527,7 +607,8 @@ class Runner:
                     max_seq_length=p.max_seq_length, sparse_layers=list(result.sparse_layers) or None,
                     weight_scales=scales or None, act_amax=amax if scales else None,
                     embedding_scales=self.emb_scales if scales else None, metrics=result.metrics,
-                    training=training, overwrite=job.overwrite or self.out.exists(),
+                    training=training, sequence_length=self.seq_length.record() if self.seq_length else None,
+                    overwrite=job.overwrite or self.out.exists(),
                 )
         log.info("wrote %s (%s, %.0fs)", self.out, job.method, training["wall_seconds"])
         return art if art is not None else load_artifact(self.out)

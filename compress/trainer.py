@@ -30,7 +30,7 @@ def make_optimizer(model: nn.Module, cfg: PhaseConfig) -> torch.optim.Optimizer:
             continue
         (no_decay if p.dim() < 2 or "LayerNorm" in name else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    try:  # fused AdamW runs on CPU in recent torch and is ~20% faster per step here
+    try:  # fused AdamW (one kernel for every parameter's update) also runs on the CPU in recent torch
         return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(groups, lr=cfg.lr)
@@ -168,7 +168,7 @@ def train_phase(
     With several processes (compress/distributed.py) each takes its slice of every batch and DDP
     averages the gradients; only the main process writes the progress state. `on_step(step)` runs before
     each step's forward pass (a schedule that depends on the step alone, so a resumed phase follows it too)."""
-    from tqdm.auto import tqdm
+    from holoserve.core.progress import current as current_progress
 
     procs = procs or Processes(next(model.parameters()).device)
     opt = make_optimizer(model, cfg)
@@ -217,8 +217,8 @@ def train_phase(
                      " and teacher" if teacher is not None else "")
     stream = train_batches(data, preset.batch_size, seed, preset.group_size, start_step=start)
     t0 = time.perf_counter() - elapsed
-    bar = tqdm(total=cfg.steps, initial=start, desc=name, disable=not (progress and procs.main), dynamic_ncols=True,
-               leave=False)
+    # this phase's bar (or plain lines when stderr is not a terminal), under the job's overall bar
+    bar = current_progress().phase(name, cfg.steps, initial=start, enabled=progress and procs.main)
     ctx = context() if context is not None else contextlib.nullcontext()
     profiler = StepProfiler(name, device, start, cfg.steps)
     with ctx:
@@ -257,8 +257,7 @@ def train_phase(
             post = {"loss": f"{sum(losses[-50:]) / len(losses[-50:]):.4f}"}
             if admm is not None:
                 post["rho"] = f"{admm.rho:.2g}"
-            bar.set_postfix(post, refresh=False)
-            bar.update(1)
+            bar.update(1, **post)
             if state_dir is not None and preset.save_every and (step + 1) % preset.save_every == 0 and step + 1 < cfg.steps:
                 checkpoint(step + 1, time.perf_counter() - t0)
     bar.close()

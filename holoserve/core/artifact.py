@@ -78,6 +78,7 @@ def new_manifest(
     quantization: Mapping[str, Any] | None,
     metrics: Mapping[str, Any] | None = None,
     training: Mapping[str, Any] | None = None,
+    sequence_length: Mapping[str, Any] | None = None,
 ) -> Manifest:
     """A manifest in the current schema (holoserve.core.manifest); `files` is filled in by the writer."""
     return parse(
@@ -87,6 +88,7 @@ def new_manifest(
             "base_model": base_model,
             "task": dict(task),
             "max_seq_length": int(max_seq_length),
+            "sequence_length": dict(sequence_length) if sequence_length else None,
             "sparsity": dict(sparsity) if sparsity else None,
             "quantization": dict(quantization) if quantization else None,
             "dense_modules": list(DENSE_MODULES),

@@ -5,7 +5,8 @@ is declared here once. Schema history:
 
   1  the first format (untyped export entries; task.num_labels optional). Still read: `parse`
      upgrades it in memory, and the next write stores it as the current version.
-  2  this schema: every section typed, export entries typed by kind, task.num_labels required.
+  2  every section typed, export entries typed by kind, task.num_labels required. Still read (as 3).
+  3  this schema: adds `sequence_length`, how max_seq_length was chosen (optional; a v2 manifest has none).
 
 Only JSON is ever read; nothing is unpickled.
 """
@@ -21,7 +22,7 @@ from .. import HoloServeError, __version__
 from .numerics import ACT_QMAX, ACT_QMIN, WEIGHT_QMAX
 
 FORMAT = "holoserve-checkpoint"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Parts of a BERT classifier that stay dense and unquantized; recorded in every manifest.
 DENSE_MODULES = ("embeddings", "LayerNorm", "pooler", "classifier")
 
@@ -123,6 +124,22 @@ class Metrics(_Strict):
     compressed_tensorrt: Optional[dict[str, float]] = None  # TensorRT QAT: with the TensorRT placement's quantizers
 
 
+class SequenceLength(_Strict):
+    """How `max_seq_length` was chosen: from the training rows' token counts (`data`: the length that covers
+    `coverage` of them, rounded up to a multiple of `multiple`, at most `preset_cap` and the model's positions)
+    or given by the user (`option`, --max-seq-length)."""
+
+    source: Literal["data", "option"]
+    train_rows: int = Field(ge=0)  # tokenized training rows (before any augmentation)
+    train_rows_truncated: int = Field(ge=0)  # of those, rows longer than max_seq_length (cut to it)
+    longest_row: int = Field(ge=0)  # tokens, special tokens included
+    coverage: Optional[float] = Field(None, gt=0, le=1)  # data: the share of rows the length must hold
+    tokens_at_coverage: Optional[int] = Field(None, ge=0)  # data: the shortest length that holds `coverage`
+    multiple: Optional[PositiveInt] = None  # data: rounded up to a multiple of this
+    preset_cap: Optional[PositiveInt] = None  # data: the preset's max_seq_length, the most it may be
+    model_positions: Optional[PositiveInt] = None  # the tokens the model's position table holds
+
+
 class FileEntry(_Strict):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     bytes: int = Field(ge=0)
@@ -200,12 +217,13 @@ class Exports(_Strict):
 
 class Manifest(_Strict):
     format: Literal["holoserve-checkpoint"] = FORMAT
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: Literal[3] = SCHEMA_VERSION
     holoserve_version: str = __version__
     created: str = Field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     base_model: str
     task: TaskInfo
     max_seq_length: PositiveInt
+    sequence_length: Optional[SequenceLength] = None  # how max_seq_length was chosen (compress writes it)
     sparsity: Optional[Sparsity] = None
     quantization: Optional[Quantization] = None
     dense_modules: list[str] = Field(default_factory=lambda: list(DENSE_MODULES))
@@ -239,7 +257,7 @@ class Manifest(_Strict):
 
 def _upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
     """Schema 1 -> 2: the fields v2 requires that a v1 writer could leave out."""
-    data = dict(data, schema_version=SCHEMA_VERSION)
+    data = dict(data, schema_version=2)
     task = data.get("task")
     if isinstance(task, dict) and "num_labels" not in task:
         labels = task.get("labels") or []
@@ -274,6 +292,8 @@ def parse(data: Any, where: str = "manifest.json") -> Manifest:
         raise ArtifactError(f"{where}: unknown manifest schema_version {version}")
     if version == 1:
         data = _upgrade_v1(data)
+    if data.get("schema_version") == 2:  # 2 -> 3 adds only an optional section
+        data = dict(data, schema_version=SCHEMA_VERSION)
     try:
         return Manifest.model_validate(data)
     except ValidationError as e:

@@ -165,11 +165,33 @@ def test_schema_v1_checkpoint_still_loads(ckpt):
     m["exports"] = {}
     _write_manifest(ckpt, m)
     art = load_artifact(ckpt)
-    assert art.manifest.schema_version == SCHEMA_VERSION == 2
+    assert art.manifest.schema_version == SCHEMA_VERSION == 3
     assert art.num_labels == 2 and art.labels == ["negative", "positive"]
     (ckpt / "notes.txt").write_text("x")
     add_files(art, {"notes.txt": ckpt / "notes.txt"})
-    assert _manifest(ckpt)["schema_version"] == 2 and _manifest(ckpt)["task"]["num_labels"] == 2
+    assert _manifest(ckpt)["schema_version"] == 3 and _manifest(ckpt)["task"]["num_labels"] == 2
+
+
+def test_schema_v2_checkpoint_loads_without_a_sequence_length_section(ckpt):
+    """Schema 3 adds only the optional `sequence_length` section: a v2 manifest (without it) loads as 3, a
+    section with an unknown field or a bad value is refused by name."""
+    m = _manifest(ckpt)
+    m["schema_version"] = 2
+    m.pop("sequence_length", None)
+    _write_manifest(ckpt, m)
+    art = load_artifact(ckpt)
+    assert art.manifest.schema_version == 3 and art.manifest.sequence_length is None
+    good = {"source": "data", "train_rows": 10, "train_rows_truncated": 0, "longest_row": 12, "coverage": 0.99,
+            "tokens_at_coverage": 12, "multiple": 32, "preset_cap": 64, "model_positions": 512}
+    m["schema_version"] = 3
+    m["sequence_length"] = good
+    _write_manifest(ckpt, m)
+    assert load_artifact(ckpt).manifest.sequence_length.tokens_at_coverage == 12
+    for bad, msg in ((dict(good, guess=1), "sequence_length.guess"), (dict(good, source="preset"), "source"),
+                     (dict(good, coverage=1.5), "coverage")):
+        m["sequence_length"] = bad
+        _write_manifest(ckpt, m)
+        _fails(ckpt, msg)
 
 
 @pytest.mark.parametrize("where,value,msg", [
@@ -186,7 +208,7 @@ def test_manifest_fields_are_typed_and_closed(ckpt, where, value, msg):
         section = section[key]
     section[value[0]] = value[1]
     _write_manifest(ckpt, m)
-    _fails(ckpt, "does not follow schema 2", msg)
+    _fails(ckpt, "does not follow schema 3", msg)
 
 
 def test_export_entries_are_typed(ckpt):
