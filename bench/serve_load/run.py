@@ -531,6 +531,97 @@ def token_budget_main(args, ckpt: Path, texts: list[str], text_source: str, out_
     return 0
 
 
+def _docker(*args: str, timeout: float = 120) -> str:
+    r = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"docker {' '.join(args[:2])} failed: {r.stderr.strip()[-500:]}")
+    return r.stdout.strip()
+
+
+def start_container(image: str, ckpt: Path, env: dict[str, str]) -> tuple[str, int, dict]:
+    """`docker run -d` of `image` as a user runs it (checkpoint read-only at /model, port on loopback):
+    (container id, host port, its /v1/models backend entry) once ready."""
+    import urllib.request
+
+    args = ["run", "-d", "-p", "127.0.0.1::8000", "-v", f"{ckpt.resolve()}:/model:ro"]
+    for k, v in env.items():
+        args += ["-e", f"{k}={v}"]
+    cid = _docker(*args, image)
+    port = int(_docker("port", cid, "8000/tcp").splitlines()[0].rsplit(":", 1)[1])
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as m:
+                        return cid, port, json.loads(m.read())["models"][0]["backend"]
+        except Exception:
+            if _docker("inspect", "-f", "{{.State.Running}}", cid) != "true":
+                raise RuntimeError(f"the container exited: {_docker('logs', cid)[-2000:]}")
+            time.sleep(0.5)
+    raise TimeoutError("the container did not become ready in 300 s")
+
+
+def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: Path) -> int:
+    """The image as `docker run` serves it (no backend flags) against the same image with
+    HOLOSERVE_BACKEND=onnxruntime: p50 latency at 1 client and throughput at 32, the two containers
+    taking turns round by round on the same texts."""
+    levels = [int(x) for x in args.clients.split(",")]
+    variants = {"default": {}, "onnxruntime": {"HOLOSERVE_BACKEND": "onnxruntime"}}
+    size = int(_docker("image", "inspect", "-f", "{{.Size}}", args.docker))
+    res: dict = {"benchmark": "serve_load_docker", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 "machine": machine(), "image": args.docker, "image_mb": round(size / 1e6),
+                 "checkpoint": ckpt.name, "texts": text_source, "duration_s": args.duration, "rounds": args.rounds,
+                 "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop", "variants": {}}
+    running: dict[str, tuple[str, int]] = {}
+    try:
+        for name, env in variants.items():
+            cid, port, backend = start_container(args.docker, ckpt, env)
+            running[name] = (cid, port)
+            res["variants"][name] = {"env": env, "backend": backend.get("backend"),
+                                     "selection": backend.get("selection"),
+                                     "kernels": (backend.get("kernels") or {}).get("status"), "levels": []}
+            print(f"{name}: {backend.get('backend')} ({backend.get('selection')})", flush=True)
+            asyncio.run(run_load(port, texts, 8, 2.0, 400))  # warm-up, not recorded
+        for c in levels:
+            parts: dict[str, list[dict]] = {n: [] for n in variants}
+            for _ in range(args.rounds):
+                for name in variants:
+                    parts[name].append(asyncio.run(run_load(running[name][1], texts, c, args.duration / args.rounds,
+                                                            args.max_requests // args.rounds)))
+            for name in variants:
+                lv = summarize(c, parts[name])
+                res["variants"][name]["levels"].append(lv)
+                print(f"{name:11s} clients {c:3d}: {lv['throughput_rps']:8.1f} req/s  p50 {lv.get('p50_ms')} ms  "
+                      f"{lv['status_counts']}", flush=True)
+    finally:
+        for cid, _ in running.values():
+            subprocess.run(["docker", "rm", "-f", cid], capture_output=True, timeout=60)
+    by = {n: {lv["clients"]: lv for lv in v["levels"]} for n, v in res["variants"].items()}
+    res["summary"] = {}
+    if 32 in levels:
+        res["summary"]["throughput_ratio_32"] = round(by["default"][32]["throughput_rps"]
+                                                      / by["onnxruntime"][32]["throughput_rps"], 3)
+    if 1 in levels:
+        res["summary"]["p50_ratio_1"] = round(by["default"][1]["p50_ms"] / by["onnxruntime"][1]["p50_ms"], 3)
+    res["machine"]["uptime_at_end"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    name = f"{args.name}_docker"
+    atomic_write_json(out_dir / f"{name}.json", res)
+    lines = [f"# `docker run` defaults vs ONNX Runtime, same image ({res['date']})", "",
+             f"Machine: {res['machine'].get('cpu', '')}; image `{args.docker}`, {res['image_mb']} MB; checkpoint "
+             f"{ckpt.name}; {text_source}; {args.rounds} alternating rounds, {args.duration} s per level and variant.",
+             "", "| variant | backend | clients | req/s | p50 ms | p99 ms | statuses |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for n, v in res["variants"].items():
+        for lv in v["levels"]:
+            lines.append(f"| {n} | {v['backend']} | {lv['clients']} | {lv['throughput_rps']} | {lv.get('p50_ms')} | "
+                         f"{lv.get('p99_ms')} | {lv['status_counts']} |")
+    lines += ["", f"Default's selection: {res['variants']['default']['selection']}", "",
+              f"Summary: {json.dumps(res['summary'])}", ""]
+    atomic_write_text(out_dir / f"{name}.md", "\n".join(lines))
+    print(json.dumps(res["summary"], indent=2))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None,
@@ -548,6 +639,9 @@ def main() -> int:
     ap.add_argument("--bare-n", type=int, default=1000)
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--name", default="serve_load")
+    ap.add_argument("--docker", metavar="IMAGE", default=None,
+                    help="compare two containers of IMAGE instead: its defaults (no backend flags) and "
+                         "HOLOSERVE_BACKEND=onnxruntime, at --clients (e.g. 1,32); writes NAME_docker.{json,md}")
     ap.add_argument("--token-budgets", default=None,
                     help="comma-separated --max-batch-tokens values: compare them with count-based batching "
                          "(clients default to 32) instead of the full benchmark")
@@ -573,6 +667,8 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.token_budgets:
         return token_budget_main(args, ckpt, texts, text_source, out_dir)
+    if args.docker:
+        return docker_main(args, ckpt, texts, text_source, out_dir)
     res: dict = {
         "benchmark": "serve_load",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -8,6 +8,8 @@ import sys
 
 from holoserve import HoloServeError
 
+from holoserve.core.machine import cpu_flags
+
 from . import build, cpu_missing, library_path
 
 
@@ -17,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     if command not in ("build", "check") or len(args) > 1:
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("holoserve.kernels")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     try:
         if command == "build":
             print(build(verbose=True))
@@ -29,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"no: this CPU lacks {', '.join(missing)} (library: {where})")
             return 1
-        print(f"yes: {where}")
+        amx = " (--openvino-kernels auto leaves this CPU, which has AMX, to OpenVINO's GEMMs; on forces them)" \
+            if "amx_int8" in cpu_flags() else ""
+        print(f"yes: {where}{amx}")
         return 0 if path is not None else 1
     except HoloServeError as e:
         print(f"error: {e}", file=sys.stderr)
