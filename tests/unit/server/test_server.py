@@ -73,6 +73,7 @@ def test_health_ready_models_metrics(server):
                  "holoserve_inference_pending_request_count", "holoserve_http_request_duration_seconds",
                  "holoserve_model_ready"):
         assert name in r.text, name
+    assert metric(r.text, "holoserve_model_ready") == 1 and metric(r.text, "holoserve_workers_ready") == 1
     spec = httpx.get(server.url + "/openapi.json").json()
     assert {"/predict", "/healthz", "/readyz", "/v1/models", "/metrics"} <= set(spec["paths"])
 
