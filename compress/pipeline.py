@@ -527,7 +527,7 @@ class Runner:
         chosen = None if p.mask_metric == "saliency" else hard_masks(model, layers, importance=importance)
         if p.projection == "nearest":
             return chosen
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         masks, diag = layerwise_projection(model, layers, self.calibration_batches(),
                                            self.calibration_batches(held_out=True), method=p.projection,
                                            masks=chosen, importance=importance, quant=self.job.quant)
@@ -543,7 +543,8 @@ class Runner:
             log.debug("[project] %s: held-out error %.4f of nearest, %.4g of the output", name,
                       d["heldout_vs_nearest"], d["heldout_relative"])
         self.phases["projection"] = {
-            "method": p.projection, "seconds": round(seconds, 1), "calib_batches": p.calib_batches,
+            "method": p.projection, "seconds": round(seconds, 1), "cpu_seconds": round(time.process_time() - c0, 1),
+            "calib_batches": p.calib_batches,
             "heldout_batches": p.calib_batches, "heldout_vs_nearest_median": round(held[len(held) // 2], 4),
             # per Linear: squared output error relative to the nearest projection's (fit and held-out rows) and
             # to the dense output's energy (held-out rows)

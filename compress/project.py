@@ -197,7 +197,7 @@ def masked_least_squares(w: torch.Tensor, hessian: torch.Tensor, mask: torch.Ten
 def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *, quant: bool = True,
                mask: torch.Tensor | None = None, importance: torch.Tensor | None = None, damp: float = 0.01,
                rho: float = 0.1, max_iters: int = 150, check: int = 3, settle: float = 0.01,
-               stop: float = 1e-4) -> AdmmSolve:
+               stop: float = 1e-3, growth: tuple[float, float] = (1.2, 1.5), ls_tol: float = 1e-3) -> AdmmSolve:
     """min_V ||X w^T - X V^T||^2 s.t. V ∈ 2:4 ∩ per-row INT8 grid, by ADMM (scaled form), for one Linear.
 
     H = X^T X (`hessian`, scaled to mean diagonal 1 and damped by `damp`) is factorised once, H = Q diag(λ) Q^T:
@@ -206,11 +206,11 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
       Z-step  Z = Π(W + U): the 2:4 mask by |v| x importance (compress.project.nm_mask, the activation-weighted
               metric the other projections use), then the kept values rounded onto their row's INT8 grid
       U-step  U += W - Z
-    Every `check` iterations ρ grows (x1.3 once fewer than `settle` of the weights changed kept/pruned state
-    since the last check, else x1.1), rescaling U so ρU is continuous; the loop stops once fewer than `stop`
-    changed (or after `max_iters`). The kept weights are then solved exactly by least squares on the final mask
-    (masked_least_squares); the caller rounds them onto the grid (compress.sparsify.finalize). The iterations
-    run in float32 on the CPU. With a given `mask` the problem is convex up to the rounding and ADMM converges
+    Every `check` iterations ρ grows (by growth[1] once fewer than `settle` of the weights changed kept/pruned
+    state since the last check, else by growth[0]), rescaling U so ρU is continuous; the loop stops once fewer
+    than `stop` changed (or after `max_iters`). The kept weights are then solved by least squares on the final
+    mask (masked_least_squares, to a residual of `ls_tol`); the caller rounds them onto the grid
+    (compress.sparsify.finalize). The factorisation and the iterations run in float32 on the CPU. With a given `mask` the problem is convex up to the rounding and ADMM converges
     to that least-squares solution, so it is returned without iterating.
     """
     out_f, in_f = _nm_shape(w, n, m)
@@ -222,8 +222,7 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
         raise ValueError(f"admm_prune needs rho > 0, max_iters >= 1 and check >= 1 (got {rho}, {max_iters}, {check})")
     H = _damped(hessian, damp)
     W0 = w.detach().to("cpu", torch.float64)
-    evals, Q = torch.linalg.eigh(H)
-    Q32, ev32 = Q.float(), evals.float()
+    ev32, Q32 = torch.linalg.eigh(H.float())
     WH = (W0 @ H).float()
     imp = importance.detach().to("cpu", torch.float32) if importance is not None else None
     if mask is not None:
@@ -253,8 +252,8 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
             last = keep
             if moved < stop:
                 break
-            grow = 1.3 if moved < settle else 1.1
+            grow = growth[1] if moved < settle else growth[0]
             rho *= grow
             U /= grow  # scaled dual: rho * U unchanged
-    w_ls = masked_least_squares(W0, hessian, keep, damp=damp, start=W)
+    w_ls = masked_least_squares(W0, hessian, keep, damp=damp, start=W, tol=ls_tol)
     return AdmmSolve(w_ls.to(w.device, w.dtype), keep.to(w.device), Z.to(w.device, w.dtype), it, rho, moves)
