@@ -129,7 +129,8 @@ def layerwise_projection(model: nn.Module, layers: list[str], batches: list[Mapp
                          importance: Mapping[str, torch.Tensor] | None = None, quant: bool = True,
                          n: int = 2, m: int = 4, damp: float = 0.01, admm_options: Mapping[str, Any] | None = None,
                          ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float]]]:
-    """Project each named Linear onto 2:4 (∩ INT8) so its output on `batches` stays close to the dense one's, in place.
+    """Project each named Linear onto 2:4 (∩ INT8), in place, so its output on `batches` stays close to the dense
+    one's.
 
     Encoder layers are taken in order and each one's Linear inputs are measured after the layers before it were
     projected (SparseGPT's sequential pass), so later layers also make up for the earlier ones' error.

@@ -166,7 +166,8 @@ def masked_least_squares(w: torch.Tensor, hessian: torch.Tensor, mask: torch.Ten
     """
     out_f, in_f = w.shape
     if hessian.shape != (in_f, in_f) or mask.shape != w.shape:
-        raise ValueError(f"hessian {tuple(hessian.shape)} / mask {tuple(mask.shape)} do not fit weight {tuple(w.shape)}")
+        raise ValueError(f"hessian {tuple(hessian.shape)} / mask {tuple(mask.shape)} do not fit weight "
+                         f"{tuple(w.shape)}")
     H64 = _damped(hessian, damp)
     W = w.detach().to("cpu", torch.float64)
     b = ((W @ H64) * mask.detach().to("cpu", torch.float64)).to(dtype)
@@ -210,8 +211,9 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
     state since the last check, else by growth[0]), rescaling U so ρU is continuous; the loop stops once fewer
     than `stop` changed (or after `max_iters`). The kept weights are then solved by least squares on the final
     mask (masked_least_squares, to a residual of `ls_tol`); the caller rounds them onto the grid
-    (compress.sparsify.finalize). The factorisation and the iterations run in float32 on the CPU. With a given `mask` the problem is convex up to the rounding and ADMM converges
-    to that least-squares solution, so it is returned without iterating.
+    (compress.sparsify.finalize). The factorisation and the iterations run in float32 on the CPU. With a given
+    `mask` the problem is convex up to the rounding and ADMM converges to that least-squares solution, so it is
+    returned without iterating.
     """
     out_f, in_f = _nm_shape(w, n, m)
     if hessian.shape != (in_f, in_f):

@@ -132,8 +132,8 @@ def markdown(r: dict) -> str:
                          f"{a['heldout_vs_nearest'] / o['heldout_vs_nearest']:.2f} | {a['heldout_relative']:.3g} |")
         mo = statistics.median(d["heldout_vs_nearest"] for d in s["obs"]["layers"].values())
         ma = statistics.median(d["heldout_vs_nearest"] for d in s["admm"]["layers"].values())
-        mr = statistics.median(s["admm"]["layers"][k]["heldout_vs_nearest"] / s["obs"]["layers"][k]["heldout_vs_nearest"]
-                               for k in s["obs"]["layers"])
+        a_l, o_l = s["admm"]["layers"], s["obs"]["layers"]
+        mr = statistics.median(a_l[k]["heldout_vs_nearest"] / o_l[k]["heldout_vs_nearest"] for k in o_l)
         lines += [f"| **median** | **{mo:.3f}** | **{ma:.3f}** | **{mr:.2f}** | |", "",
                   f"Time of the pass (Hessians, held-out scoring and solves), CPU (process) / wall: OBS "
                   f"{s['obs'].get('cpu_seconds')} / {s['obs']['seconds']} s, ADMM {s['admm'].get('cpu_seconds')} / "
@@ -146,7 +146,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", required=True)
     ap.add_argument("--data-dir", required=True)
-    ap.add_argument("--teacher", required=True, help="a fine-tuned teacher folder (a compress run's <out>.state/teacher)")
+    ap.add_argument("--teacher", required=True,
+                    help="a fine-tuned teacher folder (a compress run's <out>.state/teacher)")
     ap.add_argument("--preset", default="quick")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", choices=("layer", "sequential", "both"), default="both")
