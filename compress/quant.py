@@ -55,8 +55,8 @@ def input_quantizers(model: nn.Module, amax: Mapping[str, float], layers: Iterab
     its input is int8 x scale and its weight int8 x per-channel scale, so every product is exact
     and the sum carries no float32 rounding, as with the int32 accumulators of the exported
     INT8 GEMMs. In float32, a K=1536 dot product of such values rounds differently from the integer
-    kernel, the next quantizer amplifies it, and a few dev rows flip (2 of 872 on SST-2). With
-    float64 the PyTorch model and ONNX Runtime agree on every one.
+    kernel, the next quantizer amplifies it, and a few dev rows flip. With float64 the PyTorch model
+    and ONNX Runtime agree on every one (docs/design.md, the numerics contract).
     """
     handles = []
     patched: list[nn.Module] = []
@@ -292,8 +292,9 @@ def calibrate_tensorrt_amax(model: nn.Module, layers: Iterable[str],
                             batches: Iterable[Mapping[str, torch.Tensor]]) -> tuple[dict[str, float], dict[str, float]]:
     """(ranges, residual SQNR) of the extra TensorRT tensors over `batches`.
 
-    Ranges are a plain max |x| (the residual stream's outlier channels carry signal; clipping them cost
-    more than the coarser grid on SST-2). The SQNR (dB) of each residual-Add input, over the batches'
+    Ranges are a plain max |x| (the residual stream's outlier channels carry signal: clipping them costs
+    more than the coarser grid; docs/results/2026-11-24-tensorrt-placement.md). The SQNR (dB) of each
+    residual-Add input, over the batches'
     real (non-padding) tokens with that range, is measured in a second pass; the ranges returned leave
     out the residual inputs under RESIDUAL_MIN_SQNR_DB, which then stay float in QAT and in the export.
     """

@@ -42,32 +42,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "graph's own types): fp32 (default) or fp16 (LayerNormalization and Softmax stay fp32)")
     adv.add_argument("--tensorrt-residuals", choices=("auto", "int8", "float"), default="auto",
                      help="tensorrt target: which residual-Add inputs get INT8 Q/DQ. auto (default): each one whose "
-                          "INT8 SQNR on the calibration rows is >= 20 dB (on MiniLM all but 2-6 of the six FFN outputs, "
-                          "whose GEMMs then write float); int8: all (every GEMM INT8-out; SST-2 85.09 vs 86.70); "
-                          "float: none")
+                          "INT8 SQNR on the calibration rows is >= 20 dB (the others' GEMMs then write float); int8: "
+                          "all (every GEMM INT8-out); float: none. Why auto: "
+                          "docs/results/2026-11-24-tensorrt-placement.md")
     adv.add_argument("--openvino-precision", choices=OPENVINO_PRECISIONS, default="auto",
                      help="openvino target: the precision its check runs OpenVINO's float ops at; auto (default) is "
-                          "OpenVINO's CPU default, bf16 on CPUs with bf16 units (~2%% of predictions differ from "
+                          "OpenVINO's CPU default, bf16 on CPUs with bf16 units (a few predictions then differ from "
                           "`holoserve eval`), f32 the checkpoint's numerics. Serve with the same "
                           "--openvino-precision")
     adv.add_argument("--tensorrt-float-residuals", dest="tensorrt_residuals", action="store_const", const="float",
                      help="the same as --tensorrt-residuals float")
     p.add_argument("--embeddings", choices=("auto", "int8", "fp32"), default="auto",
-                   help="word-embedding table storage: int8 + per-row scale makes the file ~3.7x instead of "
-                        "~1.5x smaller than fp32 for MiniLM, but is a numeric change unless the checkpoint's "
-                        "table is already on that grid; auto (default) = int8 only when lossless")
+                   help="word-embedding table storage: int8 + per-row scale (a quarter of the table's fp32 bytes), "
+                        "a numeric change unless the checkpoint's table is already on that grid; auto (default) = "
+                        "int8 only when lossless")
     adv.add_argument("--no-fuse-attention", action="store_true",
                    help="onnxruntime target: keep attention as standard ONNX ops instead of ONNX Runtime's "
-                        "MultiHeadAttention contrib op (about 10%% slower at sequence 128 on a CPU)")
+                        "MultiHeadAttention contrib op (slower; docs/results/2026-11-22-cpu-latency.md)")
     adv.add_argument("--no-fuse-matmul", action="store_true",
                    help="onnxruntime target: keep QDQ MatMul + bias Add instead of MatMulIntegerToFloat with the "
-                        "bias folded in (about 8%% slower at batch 32 / sequence 128 on a CPU)")
+                        "bias folded in (slower; docs/results/2026-11-22-cpu-latency.md)")
     adv.add_argument("--no-fuse-gelu", action="store_true",
                    help="onnxruntime target: keep a tanh-approximated GELU as elementwise ops instead of FastGelu")
     adv.add_argument("--no-classifier-row", action="store_true",
                    help="onnxruntime target: compute the last layer for every token instead of only the [CLS] row "
-                        "the classifier reads (exact either way; about 14%% slower at batch 32 / sequence 128 "
-                        "for a 6-layer model on a CPU)")
+                        "the classifier reads (exact either way; slower; docs/results/2026-11-24-openvino.md)")
     adv.add_argument("--no-verify", action="store_true", help="skip checker/parity/fusion/Polygraphy checks")
     adv.add_argument("--no-polygraphy", action="store_true", help="skip `polygraphy inspect sparsity`")
     adv.add_argument("--keep-float", action="store_true",

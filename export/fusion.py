@@ -784,9 +784,8 @@ def split_key_transposes(model) -> int:
     """For the openvino target: write each attention's Kᵀ head split, Transpose(perm 0,2,3,1) into
     Q·Kᵀ's MatMul, as Transpose(0,2,1,3) then Transpose(0,1,3,2). OpenVINO's CPU plugin folds the
     second into the MatMul (its transpose_b) and runs the first, a plain head split, in a third of the
-    time the one 0,2,3,1 transpose took (its generic kernel). Exact: the same elements, moved. On MiniLM,
-    batch 32 / seq 128, static shapes, 1 thread, a 2-core Xeon with AMX: transposes 7.8 -> 3.5 ms of
-    120 ms. Returns how many transposes it split."""
+    time the one 0,2,3,1 transpose took (its generic kernel). Exact: the same elements, moved. What it
+    saves: docs/results/2026-11-24-openvino.md. Returns how many transposes it split."""
     from onnx import helper
 
     g = model.graph

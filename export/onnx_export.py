@@ -33,6 +33,8 @@ from holoserve.core.files import atomic_copy, atomic_write_json, sweep_stale, te
 from holoserve.core.manifest import ONNXRUNTIME, OPENVINO, TENSORRT_ONNX
 from holoserve.core.numerics import SQNR_CAP_DB, sqnr_db
 from holoserve.core.ort import session as ort_session
+from holoserve.core.progress import Progress, StepBar, counted
+from holoserve.core.progress import current as current_progress
 from holoserve.core.tokenizer import load_tokenizer
 from holoserve.data.metrics import compare_within_rounding, prediction_check, score
 from holoserve.data.tabular import DataOptions
@@ -107,11 +109,11 @@ def encode_batches(tok, texts: Sequence[str], pairs: Sequence[str] | None = None
 
 def _rows(art: Artifact, split: str, data, limit: int | None):
     """(task, texts, pairs, labels) of a split for the checkpoint's task, or None when no rows were given."""
-    from holoserve.data.tabular import rows_for
+    from holoserve.data.tabular import rows_for, trained_on_embedded
     from holoserve.data.tasks import task_of
 
     task = task_of(art)
-    ex = rows_for(task, split, data, limit=limit)
+    ex = rows_for(task, split, data, limit=limit, embedded=trained_on_embedded(art))
     if ex is None:
         return None
     return task, [e.text for e in ex], ([e.text_pair for e in ex] if task.is_pair else None), [e.label for e in ex]
@@ -123,11 +125,11 @@ EVAL_BATCH_SIZE = 128  # `holoserve eval`'s default --batch-size
 def eval_batches_np(art: Artifact, split: str, data, limit: int | None = None, batch_size: int = EVAL_BATCH_SIZE):
     """(task, [(row indices, numpy batch)], labels) exactly as `holoserve eval` batches the split, or None."""
     from holoserve.compress.data import encode, eval_batches
-    from holoserve.data.tabular import rows_for
+    from holoserve.data.tabular import rows_for, trained_on_embedded
     from holoserve.data.tasks import task_of
 
     task = task_of(art)
-    rows = rows_for(task, split, data, limit=limit)
+    rows = rows_for(task, split, data, limit=limit, embedded=trained_on_embedded(art))
     if rows is None:
         return None
     data = encode(load_tokenizer(art.path, art.max_seq_length), rows, task.is_regression)
@@ -145,8 +147,10 @@ def load_torch_model(art: Artifact):
     """The checkpoint as an fp32 HF model with eager attention (explicit attention MatMuls)."""
     try:
         from transformers import AutoModelForSequenceClassification
+        from transformers.utils import logging as hf_logging
     except ImportError as e:
         raise HoloServeError(f"export needs torch and transformers ({e}): pip install 'holoserve[export]'") from None
+    hf_logging.disable_progress_bar()  # a bar per load is noise (and carriage returns in a log file)
     model = AutoModelForSequenceClassification.from_pretrained(
         str(art.path), local_files_only=True, attn_implementation="eager"
     )
@@ -224,7 +228,7 @@ def reference_logits(model, art: Artifact, batches, *, tensorrt: bool = False) -
     also the extra quantizers TensorRT QAT trained (what its `model.trt.onnx` computes).
 
     Pass the model from compress.checkpoint.load_model, as `holoserve eval` does: the quantized
-    network amplifies float noise (e.g. eager vs SDPA attention flips ~0.1% of SST-2 predictions).
+    network amplifies float noise (e.g. eager against SDPA attention flips a few predictions).
     """
     import contextlib
 
@@ -304,7 +308,7 @@ class ExportOptions:
                      fake-quant model's by more than float rounding explains (metrics.prediction_check: at most
                      1 % of them changed); max_metric_diff adds a fixed bound (points)
     embeddings:      "fp32" keeps the word-embedding table as in the checkpoint; "int8" stores it as int8
-                     + per-row scale (about 2.5x smaller file overall, but a numeric change the checkpoint
+                     + per-row scale (a smaller file, but a numeric change the checkpoint
                      does not have: verification then compares against the PyTorch model with the same
                      table and reports the effect against the checkpoint's own numerics separately);
                      "auto" uses int8 only when that is lossless (the table already sits on a per-row grid)
@@ -320,12 +324,10 @@ class ExportOptions:
     tensorrt_residuals: which residual-Add inputs the tensorrt target quantizes (qdq.RESIDUAL_MODES).
                      "int8": all, so the attention-output and FFN-output GEMMs are INT8-in/INT8-out; "float":
                      none; "auto" (default): each input whose per-tensor INT8 SQNR on the calibration rows is
-                     at least qdq.RESIDUAL_MIN_SQNR_DB (on MiniLM: all but 2-6 of the six FFN-output sides,
-                     whose GEMMs then write float); for a checkpoint made with TensorRT QAT, exactly the
-                     inputs QAT quantized (it applies the same floor at its calibration). SST-2 quick
-                     checkpoint, 86.70: int8 85.09, auto 87.27, float 86.70
-                     (docs/results/2026-11-24-tensorrt-placement.md); whether TensorRT still picks sparse
-                     INT8 tactics for a GEMM that writes float is unmeasured
+                     at least qdq.RESIDUAL_MIN_SQNR_DB (the others' GEMMs then write float); for a checkpoint
+                     made with TensorRT QAT, exactly the inputs QAT quantized (it applies the same floor at its
+                     calibration). Why auto: docs/results/2026-11-24-tensorrt-placement.md; whether TensorRT
+                     still picks sparse INT8 tactics for a GEMM that writes float is unmeasured
     openvino_precision: the precision the openvino target's check runs OpenVINO's float ops at
                      (holoserve.backends.openvino.PRECISIONS; "auto" = OpenVINO's CPU default, bf16 where the
                      CPU has bf16 units; "f32" = the checkpoint's numerics); serve with the same setting
@@ -415,11 +417,15 @@ class _Export:
         self.trt_as_trained = False  # the tensorrt placement quantizes exactly what the checkpoint's TensorRT QAT did
 
     def run(self) -> ExportResult:
-        from tqdm import tqdm
-
         opts = self.opts
         steps = ["export fp32"] + [f"build {t}" for t in opts.targets] + (["verify"] if opts.verify_exports else [])
-        self.bar = tqdm(total=len(steps), desc="export", disable=not opts.progress, unit="step")
+        # an overall bar over the steps; each step (and the verification's passes over the rows) a phase
+        with Progress(len(steps), enabled=opts.progress, desc="export") as progress:
+            self.bar = StepBar(progress)
+            return self._run()
+
+    def _run(self) -> ExportResult:
+        opts = self.opts
         t0 = time.time()
         self.export_fp32()
         self.bar.update(1)
@@ -661,7 +667,8 @@ def _verify_openvino(path, batches, ref, rows_source, threads, task, labels, ord
         return {"openvino": f"not run: {e}"}
     req = compiled.create_infer_request()
     names = [i.get_any_name() for i in compiled.inputs]
-    got = np.concatenate([np.asarray(req.infer({n: b[n] for n in names})[compiled.outputs[0]]) for b in batches])
+    got = np.concatenate([np.asarray(req.infer({n: b[n] for n in names})[compiled.outputs[0]])
+                          for b in counted(batches, "verify: openvino through OpenVINO")])
     out = {"parity_openvino_vs_pytorch_fakequant": verify.parity(got, ref) | {"rows_source": rows_source},
            "openvino_gemm_precisions": gemm_precisions(compiled), "openvino_sparse_weights": sparse,
            "openvino_inference_precision": inference_precision(compiled)}
@@ -713,7 +720,8 @@ def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, de
     poly = None
     if polygraphy and art.nm == (2, 4):
         expected = [s.weight for s in sites if s.layer in sparse]
-        poly = verify.polygraphy_sparsity(float_path, expected)
+        with current_progress().phase("verify: Polygraphy 2:4 check", None, weight=0.0):
+            poly = verify.polygraphy_sparsity(float_path, expected)
         if not poly["all_encoder_weights_2of4"]:
             raise verify.ExportVerificationError(
                 f"Polygraphy found encoder weights that are not 2:4 although the manifest says so: "
@@ -734,7 +742,7 @@ def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, de
         rows_source = "builtin sentences (no dev rows given)"
     order = np.concatenate([np.asarray(i) for i, _ in idx_batches])
     batches = [b for _, b in idx_batches]
-    ref = reference_logits(model, art, batches)
+    ref = reference_logits(model, art, counted(batches, "verify: PyTorch fake-quant"))
     ref_metric = score(task, ref, np.asarray(labels)[order]) if labels is not None else None
     ckpt_metric = ref_metric
     if lossy_embeddings:
@@ -755,7 +763,7 @@ def _verify(art, model, built, targets, float_path, sites, sparse, tok, data, de
         v: dict[str, Any] = {}
         v.update(verify.check_onnx(path))
         sess = verify.ort_session(path, threads=threads)
-        got = verify.ort_logits(sess, batches)
+        got = verify.ort_logits(sess, counted(batches, f"verify: {t} through ONNX Runtime"))
         v["parity_vs_pytorch_fakequant"] = verify.parity(got, ref) | {"rows_source": rows_source}
         if labels is not None:
             v["dev_metric_ort"] = score(task, got, np.asarray(labels)[order])

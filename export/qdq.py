@@ -35,10 +35,8 @@ PLACEMENTS = ("onnxruntime", "tensorrt")
 # The TensorRT placement's residual-Add inputs: "int8" quantizes all of them, "float" none, "auto" (the
 # default) each one whose per-tensor INT8 Q/DQ keeps at least RESIDUAL_MIN_SQNR_DB (holoserve.core.numerics)
 # of signal-to-noise on the calibration rows, or, for a checkpoint made with TensorRT QAT, those QAT trained.
-# On MiniLM (SST-2) the six FFN-output sides measure 16.1-19.0 dB (ranges of 27-122
-# against an RMS of 0.5-1.7: one scale rounds 31-89 % of their values to zero) and every other
-# residual input 21.0-35.7 dB; sparing those six scored SST-2 87.27 against 85.09 with all 24 in INT8 and
-# 86.70 for the checkpoint (docs/results/2026-11-24-tensorrt-placement.md).
+# An input with outlier channels (a wide range against a small RMS) loses most of its values to zero on one
+# per-tensor scale. Why "auto": docs/results/2026-11-24-tensorrt-placement.md
 RESIDUAL_MODES = ("auto", "int8", "float")
 
 
