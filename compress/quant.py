@@ -294,8 +294,8 @@ def calibrate_tensorrt_amax(model: nn.Module, layers: Iterable[str],
 
     Ranges are a plain max |x| (the residual stream's outlier channels carry signal: clipping them costs
     more than the coarser grid; docs/results/2026-11-24-tensorrt-placement.md). The SQNR (dB) of each
-    residual-Add input, over the batches'
-    real (non-padding) tokens with that range, is measured in a second pass; the ranges returned leave
+    residual-Add input, over the batches' real (non-padding) tokens with that range, is measured in a
+    second pass; the ranges returned leave
     out the residual inputs under RESIDUAL_MIN_SQNR_DB, which then stay float in QAT and in the export.
     """
     from holoserve import HoloServeError
