@@ -144,3 +144,44 @@ def test_bad_admm_settings_are_refused():
                       (AdmmConfig(interval=0), "interval")):
         with pytest.raises(HoloServeError, match=word):
             Admm(lin, ["l"], cfg, total_steps=10)
+
+
+def test_guided_admm_z_minimises_the_weighted_penalty_and_moves_the_forward_mask():
+    """Stage 2 (GuidedAdmm): the penalty weighs input j by d_j = importance_j^2 / mean, so the Z-step's 2:4 choice by
+    |w| x importance keeps, in each group, the 2 entries whose removal costs most in that penalty; the forward
+    then computes W on Z's mask (rounded), gradients reach the pruned entries, and a Z-step moves the mask."""
+    from torch import nn
+
+    from holoserve.compress.admm import GuidedAdmm
+    from holoserve.compress.project import nm_mask
+
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 8, bias=False)
+
+    net = Net()
+    imp = torch.rand(16) + 0.1
+    start = nm_mask(net.lin.weight.detach(), importance=imp)
+    guide = GuidedAdmm(net, ["lin"], {"lin": start}, rho=0.5, interval=1, total_steps=10, importance={"lin": imp})
+    torch.testing.assert_close(guide.d["lin"].flatten(), imp ** 2 / (imp ** 2).mean())
+    w = guide.weights["lin"]
+    with torch.no_grad():
+        w.copy_(torch.randn(8, 16))  # the latent weights move (as training would move them)
+    x = torch.randn(4, 16, requires_grad=True)
+    net.lin(x).sum().backward()
+    assert (w.grad[~start] != 0).any()  # straight through the mask: the pruned entries get a gradient
+    guide.update()
+    z = guide.Z["lin"]
+    kept = nm_mask(w.detach(), importance=imp)  # Z = Π(W + U), and U was zero before this Z-step
+    assert torch.equal(guide.params["lin"].mask, kept) and not (z[~kept] != 0).any()
+    # the kept pair of each group is the one whose loss costs most in sum_j d_j (w_ij - z_ij)^2
+    cost = (guide.d["lin"] * w.detach() ** 2).reshape(8, 4, 4)
+    best = torch.zeros_like(cost, dtype=torch.bool).scatter_(-1, cost.topk(2, dim=-1).indices, True)
+    assert torch.equal(kept, best.reshape(8, 16))
+    assert guide.k == 1 and guide.mask_moves[0] > 0
+    with torch.no_grad():
+        out = net.lin(torch.eye(16))  # row j: the forward weight's column j
+    torch.testing.assert_close(out.T, project(w.detach(), mask=kept).z)
