@@ -11,8 +11,13 @@ activation-weighted mask, the kept weights as they are), every candidate ending 
   --mode sequential  the pipeline's pass (compress.admm.layerwise_projection): each encoder layer fed by the
                      already-projected ones, OBS and ADMM each on their own copy of the teacher, with wall times
 
+  --compare          no computing: two checkpoints of the same teacher (projection=obs, projection=admm) side by
+                     side, from their manifests (training.phases.projection: the sequential pass of the real job,
+                     its held-out errors and time; metrics.after_projection: the dev score before any training)
+
     python bench/accuracy/admm_layerwise.py --task sst2 --data-dir "$GLUE_DIR" --teacher runs/x.state/teacher \
         --mode layer --results runs/admm-layer-sst2
+    python bench/accuracy/admm_layerwise.py --compare runs/sst2-obs runs/sst2-admm
 """
 from __future__ import annotations
 
@@ -142,11 +147,36 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare(obs_dir: Path, admm_dir: Path) -> str:
+    """The sequential pass of two real jobs (projection=obs and projection=admm), from their manifests."""
+    ms = [json.loads((Path(d) / "manifest.json").read_text()) for d in (obs_dir, admm_dir)]
+    (po, pa), (mo, ma) = [m["training"]["phases"]["projection"] for m in ms], [m["metrics"] for m in ms]
+    primary = mo["primary"]
+    lines = [f"{obs_dir} vs {admm_dir}: held-out output error relative to the nearest projection's", "",
+             "| Linear | OBS | ADMM | ADMM / OBS |", "| --- | --- | --- | --- |"]
+    ratios = []
+    for name, o in po["layers"].items():
+        a = pa["layers"][name]
+        ratios.append(a["heldout_vs_nearest"] / o["heldout_vs_nearest"])
+        lines.append(f"| {short(name)} | {o['heldout_vs_nearest']:.3f} | {a['heldout_vs_nearest']:.3f} | "
+                     f"{ratios[-1]:.2f} |")
+    mo_med, ma_med = po["heldout_vs_nearest_median"], pa["heldout_vs_nearest_median"]
+    lines += [f"| **median** | **{mo_med:.3f}** | **{ma_med:.3f}** | **{statistics.median(ratios):.2f}** |", "",
+              f"dev {primary}: dense {100 * mo['dense'][primary]:.2f}; right after the projection OBS "
+              f"{100 * mo['after_projection'][primary]:.2f}, ADMM {100 * ma['after_projection'][primary]:.2f}; "
+              f"with INT8 activations (no training) OBS {100 * mo['compressed'][primary]:.2f}, "
+              f"ADMM {100 * ma['compressed'][primary]:.2f}",
+              f"projection time, CPU / wall s: OBS {po.get('cpu_seconds')} / {po['seconds']}, "
+              f"ADMM {pa.get('cpu_seconds')} / {pa['seconds']}"]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--task", required=True)
-    ap.add_argument("--data-dir", required=True)
-    ap.add_argument("--teacher", required=True,
+    ap.add_argument("--compare", nargs=2, metavar=("OBS_CHECKPOINT", "ADMM_CHECKPOINT"))
+    ap.add_argument("--task")
+    ap.add_argument("--data-dir")
+    ap.add_argument("--teacher",
                     help="a fine-tuned teacher folder (a compress run's <out>.state/teacher)")
     ap.add_argument("--preset", default="quick")
     ap.add_argument("--seed", type=int, default=0)
@@ -154,8 +184,16 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", default="", help="comma-separated substrings: only Linears whose name holds one "
                     "(layer mode), e.g. 'layer.0.,layer.3.,layer.5.'")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--results", required=True, help="folder for results.json and results.md")
+    ap.add_argument("--results", help="folder for results.json and results.md")
     args = ap.parse_args(argv)
+    if args.compare:
+        missing = [d for d in args.compare if not (Path(d) / "manifest.json").is_file()]
+        if missing:
+            ap.error(f"not a checkpoint (no manifest.json): {', '.join(missing)}")
+        print(compare(*map(Path, args.compare)))
+        return 0
+    if not (args.task and args.data_dir and args.teacher and args.results):
+        ap.error("--task, --data-dir, --teacher and --results are needed (or --compare OBS_CKPT ADMM_CKPT)")
 
     import torch
 
