@@ -13,8 +13,8 @@ legitimate clients can no longer connect at all). `GuardedHttpToolsProtocol` add
 - bytes that are not HTTP/1.1: 400 in the API's JSON error shape, and close;
 - a response the client does not read: the transport's write buffer pauses the sender past its
   high-water mark (64 KiB), so the app holds at most the response it is writing (whose size the
-  routes bound); when the client has taken nothing for `send_timeout_s` the connection is aborted,
-  which drops what was buffered for it;
+  routes bound); when the client has taken nothing of it for `send_timeout_s` the connection is
+  aborted, which drops what was buffered for it (a client that reads, however slowly, is not);
 - more than `max_connections` open: the connection that has waited longest for its client (idle,
   a head or a body still arriving) is closed to make room; a connection whose request the app is
   working on is never dropped. When every connection is busy, the new one gets 503 and is closed.
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import http
 import logging
+import struct
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -44,6 +45,15 @@ from .config import ServerConfig
 from .protocol import error_body, is_v2_path, v2_error_body
 
 log = logging.getLogger("holoserve.server")
+
+try:  # the ioctl that tells how many bytes wait in a socket's send queue (Linux: SIOCOUTQ)
+    import fcntl
+    import termios
+
+    _OUTQ: int | None = termios.TIOCOUTQ
+except (ImportError, AttributeError):  # pragma: no cover - not on this system
+    fcntl = None  # type: ignore[assignment]
+    _OUTQ = None
 
 # File descriptors kept free for everything but client connections (model files, logs, pipes).
 FD_HEADROOM = 128
@@ -111,6 +121,7 @@ if HttpToolsProtocol is not None:
             self._send_timeout = lim.send_timeout_s
             self._timer: Any = None
             self._send_timer: Any = None  # armed while the transport's write buffer is over its high-water mark
+            self._send_left = 0  # bytes buffered when the send timer was armed
             self._running: Any = None  # the request cycle the app is answering (pipelined ones wait behind it)
             self._head_started = False  # bytes of a request head have arrived, the head is not complete
             self._in_body = False  # the head is complete, the body is not
@@ -213,11 +224,28 @@ if HttpToolsProtocol is not None:
         def pause_writing(self) -> None:
             super().pause_writing()
             if self._send_timer is None:
-                self._send_timer = self.loop.call_later(self._send_timeout, self._on_send_timeout)
+                self._arm_send_timer()
 
         def resume_writing(self) -> None:
             self._cancel_send_timer()
             super().resume_writing()
+
+        def _unsent(self) -> int:
+            """Bytes of answers not yet taken by the client: the transport's buffer and, where the system
+            says, the socket's send queue (a reading client drains that first, and the transport's
+            buffer moves only when a third of the socket's buffer is free)."""
+            n = self.transport.get_write_buffer_size()
+            sock = self.transport.get_extra_info("socket")
+            if _OUTQ is not None and sock is not None:
+                try:
+                    n += struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"))[0]
+                except (OSError, ValueError):
+                    pass
+            return n
+
+        def _arm_send_timer(self) -> None:
+            self._send_left = self._unsent()
+            self._send_timer = self.loop.call_later(self._send_timeout, self._on_send_timeout)
 
         def _cancel_send_timer(self) -> None:
             if self._send_timer is not None:
@@ -225,7 +253,11 @@ if HttpToolsProtocol is not None:
                 self._send_timer = None
 
         def _on_send_timeout(self) -> None:
+            """Writing has been paused for send_timeout_s: a client that took some of the buffer meanwhile is
+            reading slowly and gets another period; one that took nothing is cut off."""
             self._send_timer = None
+            if self._unsent() < self._send_left:
+                return self._arm_send_timer()
             buffered = self.transport.get_write_buffer_size()
             self._close("send_timeout", f"the client read nothing of its response for {self._send_timeout:g} s "
                         f"({buffered} bytes waiting)", abort=True)

@@ -328,6 +328,36 @@ def test_a_response_the_client_does_not_read_is_dropped_after_the_send_timeout(s
             sender.join(10)
 
 
+def test_a_client_that_reads_slowly_is_not_cut_off(sst2):
+    """The send timeout ends connections that take nothing; one that keeps reading, however slowly
+    (here ~1 MB/s with a 4 kB receive buffer: the server's writes pause for longer than the timeout while
+    the client drains the socket's send queue), gets every answer."""
+    import socket
+
+    with running(sst2, send_timeout_s=1.0) as srv:
+        name = httpx.get(srv.url + "/v1/models").json()["models"][0]["name"]
+        body = json.dumps({"id": "r" * 900_000, "inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES",
+                                                           "data": ["x"]}]}).encode()
+        req = f"POST /v2/models/{name}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", srv.port))
+            sender = threading.Thread(target=lambda: s.sendall((req + body) * 4), daemon=True)
+            sender.start()
+            got = b""
+            s.settimeout(10)
+            while got.count(b"HTTP/1.1 200") < 4 or not got.endswith(b"}"):
+                time.sleep(0.05)
+                chunk = s.recv(64 * 1024)  # at most ~1.3 MB/s
+                assert chunk, (f"the server closed the connection after {len(got)} bytes",
+                               [x for x in httpx.get(srv.url + "/metrics").text.splitlines() if "closed_total{" in x])
+                got += chunk
+            sender.join(10)
+        assert got.count(b'"id":"' + b"r" * 900_000 + b'"') == 4
+        m = httpx.get(srv.url + "/metrics").text
+        assert metric(m, "holoserve_http_connections_closed_total", reason="send_timeout") == 0
+
+
 # --------------------------------------------------------------------------- 6. protocol edges
 
 
