@@ -201,16 +201,19 @@ def _check(items: list[str], name: str, limits) -> int:
 def decode_inputs(req: dict[str, Any], binary: bytes, svc: ClassifierService):
     """The texts (or pairs) of an inference request, checked as /predict checks them."""
     inputs = req.get("inputs")
-    if not isinstance(inputs, list) or not inputs or not all(isinstance(x, dict) for x in inputs):
-        raise V2Error(400, "invalid_request", "'inputs' must be a non-empty list of tensors "
-                      '({"name", "shape", "datatype", "data"})')
+    shape_error = V2Error(400, "invalid_request", "'inputs' must be a non-empty list of tensors "
+                          '({"name", "shape", "datatype", "data"})')
+    if not isinstance(inputs, list) or not inputs:
+        raise shape_error
     expected = (TEXT, TEXT_PAIR) if svc.limits.pair else (TEXT,)
     by_name: dict[str, tuple[list[str], tuple[int, ...]]] = {}
     offset = 0
-    for inp in inputs:
+    for inp in inputs:  # entry by entry: a long list is refused at its first bad entry
+        if not isinstance(inp, dict):
+            raise shape_error
         name = inp.get("name")
         if name not in expected:
-            raise V2Error(400, "invalid_request", f"unexpected input {name!r}; model '{svc.name}' takes "
+            raise V2Error(400, "invalid_request", f"unexpected input {_shown(name)}; model '{svc.name}' takes "
                           + " and ".join(expected))
         if name in by_name:
             raise V2Error(400, "invalid_request", f"input '{name}' is given twice")
@@ -237,6 +240,12 @@ def decode_inputs(req: dict[str, Any], binary: bytes, svc: ClassifierService):
     return list(zip(texts, seconds)), total, shape
 
 
+def _shown(value: Any) -> str:
+    """A client's value in an error message, cut short (it could be most of a megabyte)."""
+    text = repr(value[:100] if isinstance(value, (str, list)) else value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _flag(params: dict[str, Any], key: str, default: bool, where: str) -> bool:
     """A boolean parameter: JSON true or false only (bool("no") would be true)."""
     value = params.get(key, default)
@@ -255,14 +264,17 @@ def _requested_outputs(req: dict[str, Any]) -> list[tuple[str, bool]]:
     outputs = req.get("outputs")
     if outputs is None:
         return [(LOGITS, all_binary), (LABEL, all_binary)]
-    if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
-        raise V2Error(400, "invalid_request", "'outputs' must be a list of {\"name\": ...} objects")
+    shape_error = V2Error(400, "invalid_request", "'outputs' must be a list of {\"name\": ...} objects")
+    if not isinstance(outputs, list):
+        raise shape_error
     out: list[tuple[str, bool]] = []
+    # Entry by entry: a list that names an output again is refused at that entry, not walked whole.
     for o in outputs:
+        if not isinstance(o, dict):
+            raise shape_error
         name = o.get("name")
         if name not in (LOGITS, LABEL):
-            shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
-            raise V2Error(400, "invalid_request", f"unknown output {shown}; the model has LOGITS and LABEL")
+            raise V2Error(400, "invalid_request", f"unknown output {_shown(name)}; the model has LOGITS and LABEL")
         if any(name == n for n, _ in out):
             raise V2Error(400, "invalid_request", f"output '{name}' is asked for more than once; list each "
                           "output once")
