@@ -543,7 +543,8 @@ def v2_inputs(texts: list[str], pair: bool) -> list[dict]:
 def v2_binary(texts: list[str], pair: bool) -> tuple[bytes, int]:
     """A binary-tensor request as tritonclient sends it: the JSON header, then each BYTES element."""
     blob = b"".join(len(t.encode()).to_bytes(4, "little") + t.encode() for t in texts)
-    inputs = [{"name": "TEXT", "shape": [len(texts)], "datatype": "BYTES", "parameters": {"binary_data_size": len(blob)}}]
+    inputs = [{"name": "TEXT", "shape": [len(texts)], "datatype": "BYTES",
+               "parameters": {"binary_data_size": len(blob)}}]
     if pair:
         inputs.append({**inputs[0], "name": "TEXT_PAIR"})
     head = js({"inputs": inputs, "outputs": [{"name": "LOGITS", "parameters": {"binary_data": True}},
@@ -570,7 +571,8 @@ def v2_cases(name: str, pair: bool) -> list[tuple[str, list[bytes], set, int]]:
     return [
         ("v2: JSON request", [post(good, infer)], {200}, 1),
         ("v2: binary request (tritonclient's framing)",
-         [post(binary, infer, "application/octet-stream", f"Inference-Header-Content-Length: {head_len}\r\n")], {200}, 1),
+         [post(binary, infer, "application/octet-stream", f"Inference-Header-Content-Length: {head_len}\r\n")],
+         {200}, 1),
         ("v2: one output 50,000 times (0.9 MB)", [post(amplification_body(pair), infer)], {400}, 1),
         ("v2: an output listed twice", [post(out([{"name": "LABEL"}, {"name": "LABEL"}]), infer)], {400}, 1),
         ('v2: binary_data "no"', [post(out([{"name": "LOGITS", "parameters": {"binary_data": "no"}}]), infer)],
@@ -594,8 +596,8 @@ def v2_cases(name: str, pair: bool) -> list[tuple[str, list[bytes], set, int]]:
         ("v2: NUL in a header value", [f"GET /v2/models/{name} HTTP/1.1\r\nHost: bench\r\nX-A: a".encode()
                                        + b"\x00b\r\n\r\n"], {400}, 1),
         ("v2: head never completed", [f"POST {infer} HTTP/1.1\r\nHost: bench\r\n".encode()], {408}, 1),
-        ("v2: body never completed", [f"POST {infer} HTTP/1.1\r\nHost: bench\r\nContent-Length: 100\r\n\r\n{{".encode()],
-         {408}, 1),
+        ("v2: body never completed",
+         [f"POST {infer} HTTP/1.1\r\nHost: bench\r\nContent-Length: 100\r\n\r\n{{".encode()], {408}, 1),
         ("v2: unknown model", [post(good, "/v2/models/nope/infer")], {404}, 1),
     ]
 
@@ -604,7 +606,8 @@ async def run_leavers(port: int, pair: bool, n: int) -> dict:
     """Clients that send three pipelined requests and reset the connection while the first is answered."""
     import struct
 
-    body = js({"pairs": [["a man rides a horse", "a man is riding a horse"]] * 64} if pair else {"texts": ["a fun film"] * 64})
+    body = js({"pairs": [["a man rides a horse", "a man is riding a horse"]] * 64} if pair
+              else {"texts": ["a fun film"] * 64})
     for _ in range(n):
         s = socket.create_connection(("127.0.0.1", port))
         s.sendall(post(body) * 3)
@@ -819,7 +822,8 @@ async def run_worker_kill(root: Path, ckpt: Path, settings: dict, log: Path, nof
         while time.monotonic() - t_end < 5.0:
             seen = {"readyz": readyz(srv.url), **scrape(srv.url, token)}
             if (seen["readyz"] == 200 and seen.get("holoserve_model_ready") == 1
-                    and seen.get("holoserve_http_requests_in_flight") == 1 and seen.get("holoserve_http_connections") == 1):
+                    and seen.get("holoserve_http_requests_in_flight") == 1
+                    and seen.get("holoserve_http_connections") == 1):
                 consistent_s = round(time.monotonic() - t_end, 2)
                 break
             await asyncio.sleep(0.1)
@@ -901,9 +905,11 @@ def write_markdown(res: dict, path: Path) -> None:
                   f"{am['seconds']} s beside {am['clients']} neighbours (keep-alive, /predict and v2 in turn). "
                   f"Attack answers: {am['attack_statuses']}. Server peak RSS during the attack: "
                   f"{am['server_peak_rss_mb']} MB.", "",
-                  "| neighbours | requests | failed | p50 ms | p99 ms | max ms |", "| --- | ---: | ---: | ---: | ---: | ---: |",
+                  "| neighbours | requests | failed | p50 ms | p99 ms | max ms |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |",
                   f"| alone | {b['tried']} | {b['failed']} | {b['p50_ms']} | {b['p99_ms']} | {b['max_ms']} |",
-                  f"| beside the attack | {u['tried']} | {u['failed']} | {u['p50_ms']} | {u['p99_ms']} | {u['max_ms']} |"]
+                  f"| beside the attack | {u['tried']} | {u['failed']} | {u['p50_ms']} | {u['p99_ms']} | "
+                  f"{u['max_ms']} |"]
     if "unread" in res:
         ur = res["unread"]
         nb = ur["neighbours"]
@@ -923,7 +929,8 @@ def write_markdown(res: dict, path: Path) -> None:
                   for c in wk.get("auth_cases", [])]
         lines += ["", f"{wk.get('clients')} neighbours on fresh connections for 6 s; one worker SIGKILLed at 2 s. "
                   f"Neighbour requests: {nb.get('tried')}, failed {nb.get('failed')} (in flight at the kill: "
-                  f"{wk.get('in_flight_at_kill')}; failed among those sent after it: {wk.get('failed_after_kill_sent')}). "
+                  f"{wk.get('in_flight_at_kill')}; failed among those sent after it: "
+                  f"{wk.get('failed_after_kill_sent')}). "
                   f"Replacement worker running after {wk.get('replaced_after_s')} s. /metrics agreed with /readyz "
                   f"(ready, 1 request and 1 connection open: the scrape's) {wk.get('metrics_consistent_after_s')} s "
                   f"after the load ended; last scrape {wk.get('last_scrape')}. Workers' peak RSS (sum): "

@@ -173,7 +173,8 @@ if HttpToolsProtocol is not None:
                 self._head_bytes += self._chunk
                 if self._head_bytes > self._max_head:
                     msg = f"the request line and headers exceed {self._max_head} bytes"
-                    return self._close("header_too_large", msg, raw_error(431, "header_too_large", msg, v2=self._v2()))
+                    return self._close("header_too_large", msg,
+                                       raw_error(431, "header_too_large", msg, v2=self._v2()))
                 if self._timer is None:
                     self._timer = self.loop.call_later(self._head_timeout, self._on_head_timeout)
             elif self._in_body and self._timer is None:
@@ -214,6 +215,7 @@ if HttpToolsProtocol is not None:
 
         def on_response_complete(self) -> None:
             self._idle_since = self.loop.time()
+            self._running = None
             super().on_response_complete()
 
         def _start_asgi_task(self, cycle, app) -> None:
