@@ -80,7 +80,7 @@ def _warmup_feed(artifact: Artifact, batch: int = 8, seq: int = 64) -> tuple:
 
 
 def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped: dict[str, str],
-                runs: int = 5) -> tuple[Backend | None, str]:
+                runs: int = 7) -> tuple[Backend | None, str]:
     """The faster of the CPU backends that load here, timed alternately on the same warm-up batch."""
     import time
 
@@ -109,12 +109,14 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
             t0 = time.perf_counter()
             backend.infer(*feed)
             times[name].append(time.perf_counter() - t0)
-    median = {n: sorted(v)[len(v) // 2] * 1000 for n, v in times.items()}
-    best = min(median, key=median.get)
+    # the fastest run of each: other processes on the machine only ever add time, so the minimum is the
+    # estimate of what each backend can do that background load disturbs least
+    fastest = {n: min(v) * 1000 for n, v in times.items()}
+    best = min(fastest, key=fastest.get)
     shape = "x".join(str(d) for d in feed[0].shape)
     timing = ", ".join(f"{n} {ms:.2f} ms{_kernels_note(loaded[n])}"
-                       for n, ms in sorted(median.items(), key=lambda kv: kv[1]))
-    return loaded[best], f"{best}, the fastest CPU backend on a warm-up batch of {shape} tokens here ({timing})"
+                       for n, ms in sorted(fastest.items(), key=lambda kv: kv[1]))
+    return loaded[best], f"{best}, the fastest CPU backend on a warm-up batch of {shape} tokens here (best of {runs}: {timing})"
 
 
 def _kernels_note(backend: Backend) -> str:
