@@ -228,10 +228,11 @@ def _fmt(metrics: Mapping[str, float]) -> str:
     return " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
 
 
-# Rough cost of the work besides training steps, in training steps, so that one overall bar (and its ETA)
-# spans it all (evaluation: compress.evaluate.EVAL_ROW_COST); both are weighed per calibration batch.
-CALIBRATION_COST = 0.25  # per calibration batch
-PROJECTION_COST = 1.0  # per calibration batch
+# Rough cost of the work besides training steps, in dense training steps (the ratios of one quick-preset run
+# on a CPU), so that one overall bar (and its ETA) spans it all (evaluation: compress.evaluate.EVAL_ROW_COST);
+# both are weighed per calibration batch. The OBS projection's layer-by-layer solves make it the heavy one.
+CALIBRATION_COST = 0.5  # per calibration batch
+PROJECTION_COST = 6.0  # per calibration batch
 
 
 def _progress_phase(name: str, kind: str):
