@@ -15,6 +15,10 @@ legitimate clients can no longer connect at all). `GuardedHttpToolsProtocol` add
   high-water mark (64 KiB), so the app holds at most the response it is writing (whose size the
   routes bound); when the client has taken nothing of it for `send_timeout_s` the connection is
   aborted, which drops what was buffered for it (a client that reads, however slowly, is not);
+  and while the answers waiting on stalled connections together pass `SEND_BUDGET_BODIES` times the
+  body limit, the connection stalled longest is aborted, so many such clients at once cannot add up
+  to more memory than that before their timeouts; a request that arrives while the client has not
+  taken the last answer waits until it has;
 - more than `max_connections` open: the connection that has waited longest for its client (idle,
   a head or a body still arriving) is closed to make room; a connection whose request the app is
   working on is never dropped. When every connection is busy, the new one gets 503 and is closed.
@@ -29,7 +33,7 @@ uvicorn marks only the newest request disconnected, and the running one would wr
 transport and log an error; here every request of the connection is told the client is gone.
 
 Closures are counted in `holoserve_http_connections_closed_total{reason}` (header_too_large, header_timeout,
-body_timeout, send_timeout, bad_request, evicted, refused; the app's lifespan hands its
+body_timeout, send_timeout, send_budget, bad_request, evicted, refused; the app's lifespan hands its
 metrics to the protocol through the lifespan state) and logged at most once per reason every 10 s.
 """
 from __future__ import annotations
@@ -55,6 +59,10 @@ except (ImportError, AttributeError):  # pragma: no cover - not on this system
     fcntl = None  # type: ignore[assignment]
     _OUTQ = None
 
+# Answers waiting in the buffers of connections whose clients do not read, all together, in request
+# bodies' worth (--max-body-bytes): legitimate answers are a few kB and never wait there.
+SEND_BUDGET_BODIES = 32
+
 # File descriptors kept free for everything but client connections (model files, logs, pipes).
 FD_HEADROOM = 128
 _WARN_EVERY_S = 10.0
@@ -68,11 +76,12 @@ class ConnectionLimits:
     body_timeout_s: float = ServerConfig.body_timeout_s
     max_connections: int = ServerConfig.max_connections
     send_timeout_s: float = ServerConfig.send_timeout_s
+    send_budget_bytes: int = SEND_BUDGET_BODIES * ServerConfig.max_body_bytes
 
     @classmethod
     def from_config(cls, cfg: ServerConfig) -> "ConnectionLimits":
         return cls(cfg.max_header_bytes, cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections,
-                   cfg.send_timeout_s)
+                   cfg.send_timeout_s, SEND_BUDGET_BODIES * cfg.max_body_bytes)
 
 
 def _note(reason: str, message: str) -> None:
@@ -119,10 +128,13 @@ if HttpToolsProtocol is not None:
             self._body_timeout = lim.body_timeout_s
             self._max_connections = lim.max_connections
             self._send_timeout = lim.send_timeout_s
+            self._send_budget = lim.send_budget_bytes
+            self._stalled_since = 0.0  # when writing last paused
             self._timer: Any = None
             self._send_timer: Any = None  # armed while the transport's write buffer is over its high-water mark
             self._send_left = 0  # bytes buffered when the send timer was armed
             self._running: Any = None  # the request cycle the app is answering (pipelined ones wait behind it)
+            self._deferred: Any = None  # (cycle, app) of a request held until the client takes the last answer
             self._head_started = False  # bytes of a request head have arrived, the head is not complete
             self._in_body = False  # the head is complete, the body is not
             self._head_bytes = 0  # bytes of earlier reads of the head in progress
@@ -151,7 +163,9 @@ if HttpToolsProtocol is not None:
             self._idle_since = None
             # uvicorn marks only its newest cycle (a pipelined request still waiting) disconnected: the
             # one the app is answering must stop writing too, and the waiting ones will never run.
-            for cycle in (self._running, *(c for c, _ in self.pipeline)):
+            deferred = (self._deferred[0],) if self._deferred is not None else ()
+            self._deferred = None
+            for cycle in (self._running, *deferred, *(c for c, _ in self.pipeline)):
                 if cycle is not None and not cycle.response_complete:
                     cycle.disconnected = True
                     cycle.message_event.set()
@@ -219,18 +233,51 @@ if HttpToolsProtocol is not None:
             super().on_response_complete()
 
         def _start_asgi_task(self, cycle, app) -> None:
+            if self.flow.write_paused:
+                # The client has not taken the last answer: the next request waits, so that a client
+                # that pipelines requests and reads nothing holds one answer, not a second one built
+                # and waiting to be written (with its request body and parsed request).
+                self._deferred = (cycle, app)
+                return
             self._running = cycle
             super()._start_asgi_task(cycle, app)
+
+        def shutdown(self) -> None:
+            if self._deferred is not None:  # a client that does not read: nothing more will be answered
+                self._close("send_timeout", "the server is shutting down and the client reads nothing", abort=True)
+                return
+            super().shutdown()
 
         # ---- asyncio write flow control: a client that does not read its response
         def pause_writing(self) -> None:
             super().pause_writing()
             if self._send_timer is None:
+                self._stalled_since = self.loop.time()
                 self._arm_send_timer()
+                self._keep_send_budget()
+
+        def _keep_send_budget(self) -> None:
+            """Abort the longest-stalled connections while the stalled ones' buffers pass the budget."""
+            stalled = [c for c in self.connections if getattr(c, "_send_timer", None) is not None]
+            total = sum(c.transport.get_write_buffer_size() for c in stalled)
+            if total <= self._send_budget:
+                return
+            for conn in sorted(stalled, key=lambda c: c._stalled_since):
+                if total <= self._send_budget or conn is self:
+                    break
+                size = conn.transport.get_write_buffer_size()
+                total -= size
+                conn._close("send_budget", f"{len(stalled)} clients do not read their answers, which hold more "
+                            f"than {self._send_budget} bytes together; dropped the one stalled longest "
+                            f"({size} bytes waiting)", abort=True)
 
         def resume_writing(self) -> None:
             self._cancel_send_timer()
             super().resume_writing()
+            if self._deferred is not None and not self.transport.is_closing():
+                cycle, app = self._deferred
+                self._deferred = None
+                self._start_asgi_task(cycle, app)
 
         def _unsent(self) -> int:
             """Bytes of answers not yet taken by the client: the transport's buffer and, where the system

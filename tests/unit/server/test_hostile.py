@@ -328,6 +328,85 @@ def test_a_response_the_client_does_not_read_is_dropped_after_the_send_timeout(s
             sender.join(10)
 
 
+def test_the_next_request_waits_until_the_client_takes_the_last_answer(sst2, monkeypatch):
+    """A client that pipelines requests and reads nothing gets one answer built, not a second one held
+    (with its body and parsed request) while waiting to be written; once it reads, the rest are served."""
+    import socket
+
+    from holoserve.server import connections
+
+    made = connections.GuardedHttpToolsProtocol.connection_made
+
+    def small_send_buffer(self, transport):  # so that the first 0.9 MB answer surely stalls
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        made(self, transport)
+
+    monkeypatch.setattr(connections.GuardedHttpToolsProtocol, "connection_made", small_send_buffer)
+    with running(sst2, send_timeout_s=120.0) as srv:
+        name = httpx.get(srv.url + "/v1/models").json()["models"][0]["name"]
+        body = json.dumps({"id": "r" * 900_000, "inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES",
+                                                           "data": ["x"]}]}).encode()
+        req = f"POST /v2/models/{name}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        ok = "holoserve_inference_request_success_total"
+        before = metric(httpx.get(srv.url + "/metrics").text, ok)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", srv.port))
+            sender = threading.Thread(target=_push, args=(s, (req + body) * 4), daemon=True)
+            sender.start()
+            wait_metric(srv.url, ok, lambda v: v >= before + 1)
+            for _ in range(20):  # 2 s: the second request stays unanswered while the first answer waits
+                assert metric(httpx.get(srv.url + "/metrics").text, ok) == before + 1
+                time.sleep(0.1)
+            got = b""
+            s.settimeout(30)
+            while got.count(b'"model_name"') < 4 or not got.endswith(b"}"):
+                chunk = s.recv(1 << 20)
+                assert chunk, f"the server closed the connection after {len(got)} bytes"
+                got += chunk
+            sender.join(10)
+        assert got.count(b"HTTP/1.1 200 OK") == 4
+        assert metric(httpx.get(srv.url + "/metrics").text, ok) == before + 4
+
+
+def _push(sock, data: bytes) -> None:
+    """Send `data` until the server stops reading or closes (a client that never reads its answers)."""
+    with contextlib.suppress(OSError):
+        sock.sendall(data)
+
+
+def test_answers_nobody_reads_are_bounded_together(sst2, monkeypatch):
+    """Before their send timeouts, stalled connections together hold at most a budget of buffered
+    answers (SEND_BUDGET_BODIES x the body limit): past it the one stalled longest is aborted."""
+    import socket
+
+    from holoserve.server import connections
+
+    monkeypatch.setattr(connections, "SEND_BUDGET_BODIES", 2)  # 2 MB with the 1 MB body limit
+    with running(sst2, send_timeout_s=120.0) as srv:
+        name = httpx.get(srv.url + "/v1/models").json()["models"][0]["name"]
+        body = json.dumps({"id": "r" * 900_000, "inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES",
+                                                           "data": ["x"]}]}).encode()
+        req = f"POST /v2/models/{name}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        socks, senders = [], []
+        try:
+            for _ in range(6):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect(("127.0.0.1", srv.port))
+                socks.append(s)
+                senders.append(threading.Thread(target=_push, args=(s, (req + body) * 4), daemon=True))
+                senders[-1].start()
+            wait_metric(srv.url, "holoserve_http_connections_closed_total", lambda v: v >= 1, timeout=60,
+                        reason="send_budget")
+            assert httpx.post(srv.url + "/predict", json={"text": "a neighbour"}).status_code == 200
+            m = httpx.get(srv.url + "/metrics").text
+            assert metric(m, "holoserve_http_connections_closed_total", reason="send_timeout") == 0
+        finally:
+            for s in socks:
+                s.close()
+
+
 def test_a_client_that_reads_slowly_is_not_cut_off(sst2):
     """The send timeout ends connections that take nothing; one that keeps reading, however slowly
     (here ~1 MB/s with a 4 kB receive buffer: the server's writes pause for longer than the timeout while
