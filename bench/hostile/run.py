@@ -1041,7 +1041,7 @@ def main() -> int:
     ap.add_argument("--amp-non-readers", type=int, default=4)
     ap.add_argument("--amp-seconds", type=float, default=6.0)
     ap.add_argument("--neighbours", type=int, default=8, help="good clients beside the attacks of phases 7-9")
-    ap.add_argument("--unread", type=int, default=64, help="connections that never read their answers")
+    ap.add_argument("--unread", type=int, default=16, help="connections that never read their answers")
     ap.add_argument("--unread-pipelined", type=int, default=4)
     ap.add_argument("--no-workers", action="store_true", help="skip phase 9 (--workers 2, a worker killed)")
     args = ap.parse_args()
