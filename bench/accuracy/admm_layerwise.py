@@ -160,7 +160,7 @@ def compare(obs_dir: Path, admm_dir: Path) -> str:
         ratios.append(a["heldout_vs_nearest"] / o["heldout_vs_nearest"])
         lines.append(f"| {short(name)} | {o['heldout_vs_nearest']:.3f} | {a['heldout_vs_nearest']:.3f} | "
                      f"{ratios[-1]:.2f} |")
-    mo_med, ma_med = po["heldout_vs_nearest_median"], pa["heldout_vs_nearest_median"]
+    mo_med, ma_med = (statistics.median(d["heldout_vs_nearest"] for d in p["layers"].values()) for p in (po, pa))
     lines += [f"| **median** | **{mo_med:.3f}** | **{ma_med:.3f}** | **{statistics.median(ratios):.2f}** |", "",
               f"dev {primary}: dense {100 * mo['dense'][primary]:.2f}; right after the projection OBS "
               f"{100 * mo['after_projection'][primary]:.2f}, ADMM {100 * ma['after_projection'][primary]:.2f}; "
