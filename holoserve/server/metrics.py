@@ -15,7 +15,8 @@ nv_inference_pending_request_count      holoserve_inference_pending_request_coun
 (connections)                           holoserve_http_connections (open),
                                         holoserve_http_connections_closed_total{reason} (closed by the
                                         server's limits: header_too_large, header_timeout, body_timeout,
-                                        bad_request, evicted, refused)
+                                        send_timeout, send_budget, bad_request, evicted, refused)
+(readiness)                             holoserve_model_ready, holoserve_workers_ready
 Each app owns its registry, so several apps (tests) can live in one process.
 
 Several worker processes (`--workers N`) report as one server: `holoserve serve` points
