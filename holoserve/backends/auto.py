@@ -2,8 +2,10 @@
 
 Order: TensorRT (an engine built for this GPU and TensorRT version) > torch-cuda (2:4
 semi-structured kernels on a CUDA GPU) > the fastest CPU backend: where both OpenVINO and ONNX
-Runtime can serve the checkpoint, each runs a short warm-up here and the faster one is picked, with
-the timings in the reason (which runtime wins depends on the CPU, the batch and the model).
+Runtime can serve the checkpoint, each runs a short warm-up here at a lone request, a small and a full
+batch, and the faster one is picked, with the timings in the reason (which runtime wins depends on the
+CPU, the batch and the model). Where one wins the small batches and the other the large ones, both are
+loaded and each batch runs on the one that was faster for its size (RoutedCpuBackend).
 Cheap checks come first so that a CPU-only machine never imports torch or TensorRT.
 
 An engine on disk (in the checkpoint or the engine cache) that is not used is never a quiet
@@ -67,6 +69,12 @@ def _precheck(name: str, artifact: Artifact, gpu: bool, options: dict[str, Any] 
     return None
 
 
+# Warm-up shapes (batch, seq) the CPU backends are timed at: a lone request, a small merged batch, and a
+# full one (the server's default --max-batch-size). Which runtime wins can change with the batch.
+PROBE_SHAPES = ((1, 64), (8, 64), (32, 64))
+ROUTE_ENV = "HOLOSERVE_CPU_ROUTE"  # a routing decided before `--workers N` start (server/backend_choice.py)
+
+
 def _warmup_feed(artifact: Artifact, batch: int = 8, seq: int = 64) -> tuple:
     """Fixed random token ids inside the model's vocabulary (read from config.json), no padding."""
     import json
@@ -79,9 +87,54 @@ def _warmup_feed(artifact: Artifact, batch: int = 8, seq: int = 64) -> tuple:
     return ids, np.ones_like(ids), np.zeros_like(ids)
 
 
+class RoutedCpuBackend:
+    """Two CPU backends loaded side by side, each batch run by the one that was faster for batches of its
+    size at start-up: `small` up to `max_small_tokens` tokens (rows x sequence), `large` above."""
+
+    whole_batches = False
+
+    def __init__(self, small: Backend, large: Backend, max_small_tokens: int):
+        self.small, self.large, self.max_small_tokens = small, large, int(max_small_tokens)
+        self.name = f"{small.name}+{large.name}"
+        self.runs = {small.name: 0, large.name: 0}
+
+    def infer(self, input_ids, attention_mask, token_type_ids):
+        backend = self.small if input_ids.size <= self.max_small_tokens else self.large
+        self.runs[backend.name] += 1
+        return backend.infer(input_ids, attention_mask, token_type_ids)
+
+    def route(self) -> dict[str, Any]:
+        return {"small": self.small.name, "large": self.large.name, "max_small_tokens": self.max_small_tokens}
+
+    def info(self) -> dict[str, Any]:
+        parts = {b.name: b.info() for b in (self.small, self.large)}
+        out: dict[str, Any] = {"backend": self.name, "routing": {**self.route(), "runs": dict(self.runs)},
+                               "backends": parts}
+        for part in parts.values():
+            if "kernels" in part:
+                out["kernels"] = part["kernels"]
+        return out
+
+
+def _route_from_env(loaded: dict[str, Backend]) -> tuple[Backend, str] | None:
+    """The routing pinned for this worker by its parent, if any and if its backends loaded here."""
+    import json
+
+    raw = os.environ.get(ROUTE_ENV)
+    if not raw:
+        return None
+    try:
+        route = json.loads(raw)
+        small, large, limit = loaded[route["small"]], loaded[route["large"]], int(route["max_small_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return RoutedCpuBackend(small, large, limit), "the routing chosen before the workers started"
+
+
 def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped: dict[str, str],
                 runs: int = 7) -> tuple[Backend | None, str]:
-    """The faster of the CPU backends that load here, timed alternately on the same warm-up batch."""
+    """The fastest of the CPU backends that load here, timed alternately at each of PROBE_SHAPES; where
+    one wins the small batches and another the large ones, both serve, routed by batch size."""
     import time
 
     loaded: dict[str, Backend] = {}
@@ -96,27 +149,43 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
             skipped[name] = reason
     if not loaded:
         return None, "no CPU backend loads"
+    notes = "".join(f"; {n}{_kernels_note(b)}" for n, b in loaded.items() if _kernels_note(b))
     if len(loaded) == 1:
         (name, backend), = loaded.items()
-        return backend, f"{name}{_kernels_note(backend)}, the only CPU backend that loads here"
-    feed = _warmup_feed(artifact)
-    times: dict[str, list[float]] = {n: [] for n in loaded}
-    for _ in range(2):  # untimed: first-run allocations
-        for backend in loaded.values():
-            backend.infer(*feed)
-    for _ in range(runs):
-        for name, backend in loaded.items():
-            t0 = time.perf_counter()
-            backend.infer(*feed)
-            times[name].append(time.perf_counter() - t0)
-    # the fastest run of each: other processes on the machine only ever add time, so the minimum is the
-    # estimate of what each backend can do that background load disturbs least
-    fastest = {n: min(v) * 1000 for n, v in times.items()}
-    best = min(fastest, key=fastest.get)
-    shape = "x".join(str(d) for d in feed[0].shape)
-    timing = ", ".join(f"{n} {ms:.2f} ms{_kernels_note(loaded[n])}"
-                       for n, ms in sorted(fastest.items(), key=lambda kv: kv[1]))
-    return loaded[best], f"{best}, the fastest CPU backend on a warm-up batch of {shape} tokens here (best of {runs}: {timing})"
+        return backend, f"{name}, the only CPU backend that loads here{notes}"
+    pinned = _route_from_env(loaded)
+    if pinned is not None:
+        return pinned[0], pinned[1] + notes
+    winners, table = [], []
+    for batch, seq in PROBE_SHAPES:
+        feed = _warmup_feed(artifact, batch, seq)
+        times: dict[str, list[float]] = {n: [] for n in loaded}
+        for _ in range(2):  # untimed: first-run allocations
+            for backend in loaded.values():
+                backend.infer(*feed)
+        for _ in range(runs):
+            for name, backend in loaded.items():
+                t0 = time.perf_counter()
+                backend.infer(*feed)
+                times[name].append(time.perf_counter() - t0)
+        # the fastest run of each: other processes on the machine only ever add time, so the minimum is
+        # the estimate of what each backend can do that background load disturbs least
+        fastest = {n: min(v) * 1000 for n, v in times.items()}
+        winners.append((feed[0].size, min(fastest, key=fastest.get)))
+        table.append(f"{feed[0].shape[0]}x{feed[0].shape[1]}: "
+                     + ", ".join(f"{n} {ms:.2f} ms" for n, ms in sorted(fastest.items(), key=lambda kv: kv[1])))
+    timing = f"best of {runs}: {'; '.join(table)}{notes}"
+    first, last = winners[0][1], winners[-1][1]
+    if all(w == first for _, w in winners) or first == last:
+        best = first if all(w == first for _, w in winners) else max(
+            {w for _, w in winners}, key=lambda n: sum(w == n for _, w in winners))
+        return loaded[best], f"{best}, the fastest CPU backend on warm-up batches here ({timing})"
+    # small batches to `first` up to the geometric middle between its last win and `last`'s first
+    cut = next(i for i, (_, w) in enumerate(winners) if w != first)
+    limit = int((winners[cut - 1][0] * winners[cut][0]) ** 0.5)
+    routed = RoutedCpuBackend(loaded[first], loaded[last], limit)
+    return routed, (f"{first} for batches of up to {limit} tokens and {last} above, the fastest CPU backend for "
+                    f"each size on warm-up batches here ({timing})")
 
 
 def _kernels_note(backend: Backend) -> str:

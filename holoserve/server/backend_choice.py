@@ -4,9 +4,10 @@ Each worker builds its own app from HOLOSERVE_* variables; left to themselves, N
 `--backend auto`'s timing and could end up on different backends (or with the 2:4 kernels on in some and
 off in others). So the parent process decides in a short-lived child process (spawned, so no model,
 thread pool or CUDA context stays in the parent that supervises the workers), then pins the choice in
-the environment the workers inherit: HOLOSERVE_BACKEND names the backend, HOLOSERVE_OPENVINO_KERNELS
-says on or off, and HOLOSERVE_BACKEND_DECISION carries the decision (JSON) that each worker reports in
-GET /v1/models and its start-up log.
+the environment the workers inherit: HOLOSERVE_BACKEND names the backend (or stays auto, with
+HOLOSERVE_CPU_ROUTE fixing how two CPU backends share the batches), HOLOSERVE_OPENVINO_KERNELS says on or
+off, and HOLOSERVE_BACKEND_DECISION carries the decision (JSON) that each worker reports in GET /v1/models
+and its start-up log.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from multiprocessing import get_context
 from typing import Any
 
 from holoserve import HoloServeError
+from holoserve.backends.auto import ROUTE_ENV
 
 from .config import ServerConfig, env_name
 
@@ -33,7 +35,8 @@ def _decide(env: dict[str, str]) -> dict[str, Any]:
     backend, decision = open_backend(cfg, load_artifact(cfg.artifact_dir, verify=False))
     info = backend.info()
     kernels = info.get("kernels", {}).get("status", "") if isinstance(info.get("kernels"), dict) else ""
-    return {"decision": decision, "backend": backend.name, "kernels": kernels}
+    route = backend.route() if hasattr(backend, "route") else None  # auto's RoutedCpuBackend
+    return {"decision": decision, "backend": backend.name, "kernels": kernels, "route": route}
 
 
 def decide_for_workers(cfg: ServerConfig) -> dict[str, Any]:
@@ -41,6 +44,7 @@ def decide_for_workers(cfg: ServerConfig) -> dict[str, Any]:
     Raises HoloServeError (with the loader's message) where the backend cannot load."""
     env = {**os.environ, **cfg.to_env()}
     env.pop(DECISION_ENV, None)
+    env.pop(ROUTE_ENV, None)
     try:
         with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
             got = pool.submit(_decide, env).result()
@@ -51,8 +55,11 @@ def decide_for_workers(cfg: ServerConfig) -> dict[str, Any]:
     decision = dict(got["decision"])
     decision["reason"] = (f"chosen once for all {cfg.workers} workers before they started: "
                           f"{decision.get('reason', '')}")
-    cfg.backend = got["backend"]
-    if got["backend"] == "openvino":
+    if got["route"]:  # two CPU backends routed by batch size: each worker loads both, routed the same way
+        os.environ[ROUTE_ENV] = json.dumps(got["route"])
+    else:
+        cfg.backend = got["backend"]
+    if "openvino" in got["backend"].split("+"):
         cfg.openvino_kernels = "on" if got["kernels"].startswith("on") else "off"
     os.environ[env_name("backend")] = cfg.backend
     os.environ[env_name("openvino_kernels")] = cfg.openvino_kernels

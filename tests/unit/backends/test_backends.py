@@ -476,3 +476,66 @@ def test_tensorrt_api_used_by_the_backend_exists():
     assert trt.TensorIOMode.INPUT is not None and np.dtype(trt.nptype(trt.DataType.INT64)) == np.int64
     assert set(trt_backend._DIAGNOSTICS) == set(trt.EngineInvalidityDiagnostics.__members__)
     assert {"VALID", "SUBOPTIMAL", "INVALID"} == set(trt.EngineValidity.__members__)
+
+
+class _Timed:
+    """A stand-in CPU backend whose run time grows with the batch's tokens at its own rate, plus a fixed
+    cost: which of two wins depends on the batch size, as ONNX Runtime and OpenVINO do on some CPUs."""
+
+    whole_batches = False
+
+    def __init__(self, name: str, fixed_s: float, per_token_s: float):
+        self.name, self.fixed_s, self.per_token_s, self.calls = name, fixed_s, per_token_s, []
+
+    def infer(self, ids, mask, types):
+        import time
+
+        self.calls.append(ids.shape)
+        time.sleep(self.fixed_s + self.per_token_s * ids.size)
+        return np.full((ids.shape[0], 2), float(len(self.name)), np.float32)
+
+    def info(self):
+        return {"backend": self.name}
+
+
+def _fake_cpu_backends(monkeypatch, backends):
+    from holoserve.backends import auto
+
+    monkeypatch.setattr(auto, "_precheck", lambda name, art, gpu, options=None: None)
+    monkeypatch.setattr(auto, "load_backend", lambda name, art, **o: backends[name])
+    monkeypatch.delenv(auto.ROUTE_ENV, raising=False)
+    return auto
+
+
+def test_auto_routes_batches_by_size_when_each_cpu_backend_wins_some(sst2, monkeypatch):
+    """ONNX Runtime faster for a lone request, OpenVINO for full batches: both serve, each batch routed to
+    the one that was faster for its size, and the reason says where the line is."""
+    fast_small = _Timed("onnxruntime", 0.0005, 1e-5)
+    fast_large = _Timed("openvino", 0.002, 1e-6)
+    auto = _fake_cpu_backends(monkeypatch, {"onnxruntime": fast_small, "openvino": fast_large})
+    backend, why = auto.fastest_cpu(load_artifact(sst2), False, {}, {}, runs=3)
+    seq = min(64, load_artifact(sst2).max_seq_length)
+    # times: 1 x seq tokens -> onnxruntime; 8 and 32 rows -> openvino; the line between 1 and 8 rows
+    assert isinstance(backend, auto.RoutedCpuBackend) and backend.name == "onnxruntime+openvino"
+    assert backend.max_small_tokens == int((seq * 8 * seq) ** 0.5)
+    assert why.startswith(f"onnxruntime for batches of up to {backend.max_small_tokens} tokens and openvino above")
+    ids = np.ones((1, seq), np.int64)
+    fast_small.calls.clear(), fast_large.calls.clear()
+    assert backend.infer(ids, ids, ids)[0, 0] == len("onnxruntime")
+    big = np.ones((16, seq), np.int64)
+    assert backend.infer(big, big, big)[0, 0] == len("openvino")
+    assert fast_small.calls == [(1, seq)] and fast_large.calls == [(16, seq)]
+    assert backend.info()["routing"]["runs"] == {"onnxruntime": 1, "openvino": 1}
+    # a worker whose parent pinned the routing loads both and routes the same way, without timing
+    monkeypatch.setenv(auto.ROUTE_ENV, json.dumps(backend.route()))
+    fast_small.calls.clear(), fast_large.calls.clear()
+    pinned, why = auto.fastest_cpu(load_artifact(sst2), False, {}, {}, runs=3)
+    assert pinned.route() == backend.route() and why.startswith("the routing chosen before the workers started")
+    assert fast_small.calls == fast_large.calls == []
+
+
+def test_auto_keeps_one_cpu_backend_when_it_wins_every_size(sst2, monkeypatch):
+    a, b = _Timed("onnxruntime", 0.003, 2e-6), _Timed("openvino", 0.0005, 1e-6)
+    auto = _fake_cpu_backends(monkeypatch, {"onnxruntime": a, "openvino": b})
+    backend, why = auto.fastest_cpu(load_artifact(sst2), False, {}, {}, runs=3)
+    assert backend is b and why.startswith("openvino, the fastest CPU backend on warm-up batches here")

@@ -53,10 +53,11 @@ def test_auto_times_both_cpu_backends_and_says_which_won(with_openvino, monkeypa
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     ckpt, _ = with_openvino
     backend, decision = select_backend(load_artifact(ckpt), threads=1)
-    assert decision["picked"] in ("openvino", "onnxruntime") and backend.name == decision["picked"]
+    assert decision["picked"] in ("openvino", "onnxruntime", "onnxruntime+openvino", "openvino+onnxruntime")
+    assert backend.name == decision["picked"]
     reason = decision["reason"]
-    assert "fastest CPU backend on a warm-up batch" in reason and "openvino" in reason and "onnxruntime" in reason
-    assert reason.count(" ms") == 2
+    assert "the fastest CPU backend" in reason and "on warm-up batches here (best of 7: 1x" in reason
+    assert reason.count(" ms") == 2 * 3  # both backends at each of the three warm-up shapes
 
 
 def test_openvino_precision_f32_is_set_reported_and_served(with_openvino):

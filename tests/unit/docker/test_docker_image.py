@@ -230,8 +230,8 @@ def test_auto_serves_the_fastest_cpu_backend_with_the_prebuilt_kernels(container
     backend = httpx.get(c.url + "/v1/models").json()["models"][0]["backend"]
     selection, kernels = backend["selection"], expected_kernels()
     assert "the fastest CPU backend" in selection and "openvino" in selection and "onnxruntime" in selection
-    assert re.search(r"openvino [0-9.]+ ms with the 2:4 kernels " + re.escape(kernels), selection), selection
-    if backend["backend"] == "openvino":
+    assert re.search(r"openvino with the 2:4 kernels " + re.escape(kernels), selection), selection
+    if "openvino" in backend["backend"]:  # alone, or routed with ONNX Runtime by batch size
         assert backend["kernels"]["status"].startswith(kernels), backend["kernels"]
         if kernels.startswith("on"):
             assert backend["kernels"]["Sparse24Ffn"] == 2, backend["kernels"]
