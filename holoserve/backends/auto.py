@@ -2,8 +2,8 @@
 
 Order: TensorRT (an engine built for this GPU and TensorRT version) > torch-cuda (2:4
 semi-structured kernels on a CUDA GPU) > the fastest CPU backend: where both OpenVINO and ONNX
-Runtime can serve the checkpoint, each runs a short warm-up here at a lone request, a small and a full
-batch, and the faster one is picked, with the timings in the reason (which runtime wins depends on the
+Runtime can serve the checkpoint, each runs a short warm-up here at batches from a lone request to a
+full one, and the faster one is picked, with the timings in the reason (which runtime wins depends on the
 CPU, the batch and the model). Where one wins the small batches and the other the large ones, both are
 loaded and each batch runs on the one that was faster for its size (RoutedCpuBackend).
 Cheap checks come first so that a CPU-only machine never imports torch or TensorRT.
@@ -69,9 +69,9 @@ def _precheck(name: str, artifact: Artifact, gpu: bool, options: dict[str, Any] 
     return None
 
 
-# Warm-up shapes (batch, seq) the CPU backends are timed at: a lone request, a small merged batch, and a
-# full one (the server's default --max-batch-size). Which runtime wins can change with the batch.
-PROBE_SHAPES = ((1, 64), (8, 64), (32, 64))
+# Warm-up shapes (batch, seq) the CPU backends are timed at: a lone request up to a full batch (the
+# server's default --max-batch-size). Which runtime wins can change with the batch.
+PROBE_SHAPES = ((1, 64), (4, 64), (8, 64), (16, 64), (32, 64))
 ROUTE_ENV = "HOLOSERVE_CPU_ROUTE"  # a routing decided before `--workers N` start (server/backend_choice.py)
 
 

@@ -515,9 +515,10 @@ def test_auto_routes_batches_by_size_when_each_cpu_backend_wins_some(sst2, monke
     auto = _fake_cpu_backends(monkeypatch, {"onnxruntime": fast_small, "openvino": fast_large})
     backend, why = auto.fastest_cpu(load_artifact(sst2), False, {}, {}, runs=3)
     seq = min(64, load_artifact(sst2).max_seq_length)
-    # times: 1 x seq tokens -> onnxruntime; 8 and 32 rows -> openvino; the line between 1 and 8 rows
+    # up to 4 rows -> onnxruntime; 8 rows and more -> openvino; the line between 4 and 8 rows
+    assert [s[0] for s in auto.PROBE_SHAPES] == [1, 4, 8, 16, 32]
     assert isinstance(backend, auto.RoutedCpuBackend) and backend.name == "onnxruntime+openvino"
-    assert backend.max_small_tokens == int((seq * 8 * seq) ** 0.5)
+    assert backend.max_small_tokens == int((4 * seq * 8 * seq) ** 0.5)
     assert why.startswith(f"onnxruntime for batches of up to {backend.max_small_tokens} tokens and openvino above")
     ids = np.ones((1, seq), np.int64)
     fast_small.calls.clear(), fast_large.calls.clear()
