@@ -615,7 +615,9 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
         for lv in v["levels"]:
             lines.append(f"| {n} | {v['backend']} | {lv['clients']} | {lv['throughput_rps']} | {lv.get('p50_ms')} | "
                          f"{lv.get('p99_ms')} | {lv['status_counts']} |")
-    lines += ["", f"Default's selection: {res['variants']['default']['selection']}", "",
+    lines += ["", f"Load average at the start and end: {res['machine']['uptime_at_start'].split('load average: ')[-1]}; "
+              f"{res['machine']['uptime_at_end'].split('load average: ')[-1]}.",
+              "", f"Default's selection: {res['variants']['default']['selection']}", "",
               f"Summary: {json.dumps(res['summary'])}", ""]
     atomic_write_text(out_dir / f"{name}.md", "\n".join(lines))
     print(json.dumps(res["summary"], indent=2))
