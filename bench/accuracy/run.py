@@ -121,7 +121,7 @@ def run_one(task: str, seed: int, key: str, args, teacher: Path | None) -> Path 
         cmd += ["--teacher", str(teacher)]
     if args.model:  # also with a teacher: the run records (and may tokenize with) the base model
         cmd += ["--model", str(args.model)]
-    for flag in ("max_steps", "train_limit", "threads", "device"):
+    for flag in ("max_steps", "train_limit", "max_seq_length", "threads", "device"):
         if getattr(args, flag):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for item in args.set:
@@ -442,6 +442,8 @@ def main() -> int:
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--train-limit", type=int)
+    ap.add_argument("--max-seq-length", type=int,
+                    help="passed to holoserve compress: a fixed length instead of the one the data calls for")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--model", type=Path, help="base model folder (default: all-MiniLM-L6-v2 from its package)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), help="passed to holoserve compress")
