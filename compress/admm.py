@@ -200,7 +200,8 @@ class GuidedWeight(nn.Module):
 
     def __init__(self, mask: torch.Tensor, quant: bool):
         super().__init__()
-        self.register_buffer("mask", mask.to(torch.bool), persistent=True)
+        # a copy: the Z-steps overwrite it, and the caller's mask stays the projection's
+        self.register_buffer("mask", mask.detach().to(torch.bool, copy=True), persistent=True)
         self.quant = quant
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:

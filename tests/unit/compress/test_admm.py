@@ -165,6 +165,7 @@ def test_guided_admm_z_minimises_the_weighted_penalty_and_moves_the_forward_mask
     net = Net()
     imp = torch.rand(16) + 0.1
     start = nm_mask(net.lin.weight.detach(), importance=imp)
+    start_copy = start.clone()
     guide = GuidedAdmm(net, ["lin"], {"lin": start}, rho=0.5, interval=1, total_steps=10, importance={"lin": imp})
     torch.testing.assert_close(guide.d["lin"].flatten(), imp ** 2 / (imp ** 2).mean())
     w = guide.weights["lin"]
@@ -182,6 +183,7 @@ def test_guided_admm_z_minimises_the_weighted_penalty_and_moves_the_forward_mask
     best = torch.zeros_like(cost, dtype=torch.bool).scatter_(-1, cost.topk(2, dim=-1).indices, True)
     assert torch.equal(kept, best.reshape(8, 16))
     assert guide.k == 1 and guide.mask_moves[0] > 0
+    assert torch.equal(start, start_copy) and not torch.equal(guide.masks()["lin"], start)  # the caller's mask stays
     with torch.no_grad():
         out = net.lin(torch.eye(16))  # row j: the forward weight's column j
     torch.testing.assert_close(out.T, project(w.detach(), mask=kept).z)
