@@ -69,8 +69,10 @@ def _precheck(name: str, artifact: Artifact, gpu: bool, options: dict[str, Any] 
     return None
 
 
-# Warm-up shapes (batch, seq) the CPU backends are timed at: a lone request up to a full batch (the
-# server's default --max-batch-size). Which runtime wins can change with the batch.
+# Warm-up batch sizes the CPU backends are timed at, each with (batch, seq) up to these: a lone request up
+# to a full batch (the server's default --max-batch-size). Which runtime wins can change with the batch.
+# Each timed run has a sequence length of its own, as served traffic does: a runtime that pays for every
+# new input shape (OpenVINO's dynamic-shape models do) pays for it here too.
 PROBE_SHAPES = ((1, 64), (4, 64), (8, 64), (16, 64), (32, 64))
 ROUTE_ENV = "HOLOSERVE_CPU_ROUTE"  # a routing decided before `--workers N` start (server/backend_choice.py)
 
@@ -157,24 +159,27 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
     if pinned is not None:
         return pinned[0], pinned[1] + notes
     winners, table = [], []
-    for batch, seq in PROBE_SHAPES:
-        feed = _warmup_feed(artifact, batch, seq)
+    top = max(2, min(max(s for _, s in PROBE_SHAPES), artifact.max_seq_length))
+    # distinct lengths from a quarter of the longest up to it, none repeated: every timed run a new shape
+    lengths = sorted({max(2, round(top * (0.25 + 0.75 * i / max(1, runs - 1)))) for i in range(runs)})
+    for batch, _ in PROBE_SHAPES:
+        warm = _warmup_feed(artifact, batch, top)
+        for backend in loaded.values():  # untimed: first-run allocations
+            backend.infer(*warm)
         times: dict[str, list[float]] = {n: [] for n in loaded}
-        for _ in range(2):  # untimed: first-run allocations
-            for backend in loaded.values():
-                backend.infer(*feed)
-        for _ in range(runs):
+        for seq in lengths:
+            feed = _warmup_feed(artifact, batch, seq)
             for name, backend in loaded.items():
                 t0 = time.perf_counter()
                 backend.infer(*feed)
                 times[name].append(time.perf_counter() - t0)
-        # the fastest run of each: other processes on the machine only ever add time, so the minimum is
-        # the estimate of what each backend can do that background load disturbs least
-        fastest = {n: min(v) * 1000 for n, v in times.items()}
-        winners.append((feed[0].size, min(fastest, key=fastest.get)))
-        table.append(f"{feed[0].shape[0]}x{feed[0].shape[1]}: "
-                     + ", ".join(f"{n} {ms:.2f} ms" for n, ms in sorted(fastest.items(), key=lambda kv: kv[1])))
-    timing = f"best of {runs}: {'; '.join(table)}{notes}"
+        # the total over the same shapes, taken in turns, so background load hits both alike
+        total = {n: sum(v) * 1000 for n, v in times.items()}
+        mean_tokens = batch * sum(lengths) // len(lengths)
+        winners.append((mean_tokens, min(total, key=total.get)))
+        table.append(f"{batch} rows: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in
+                                                   sorted(total.items(), key=lambda kv: kv[1])))
+    timing = f"{len(lengths)} runs each, lengths {lengths[0]} to {lengths[-1]}: {'; '.join(table)}{notes}"
     first, last = winners[0][1], winners[-1][1]
     if all(w == first for _, w in winners) or first == last:
         best = first if all(w == first for _, w in winners) else max(

@@ -510,15 +510,17 @@ def _fake_cpu_backends(monkeypatch, backends):
 def test_auto_routes_batches_by_size_when_each_cpu_backend_wins_some(sst2, monkeypatch):
     """ONNX Runtime faster for a lone request, OpenVINO for full batches: both serve, each batch routed to
     the one that was faster for its size, and the reason says where the line is."""
-    fast_small = _Timed("onnxruntime", 0.0005, 1e-5)
-    fast_large = _Timed("openvino", 0.002, 1e-6)
+    fast_small = _Timed("onnxruntime", 0.0002, 3e-5)
+    fast_large = _Timed("openvino", 0.003, 1e-6)
     auto = _fake_cpu_backends(monkeypatch, {"onnxruntime": fast_small, "openvino": fast_large})
     backend, why = auto.fastest_cpu(load_artifact(sst2), False, {}, {}, runs=3)
     seq = min(64, load_artifact(sst2).max_seq_length)
-    # up to 4 rows -> onnxruntime; 8 rows and more -> openvino; the line between 4 and 8 rows
-    assert [s[0] for s in auto.PROBE_SHAPES] == [1, 4, 8, 16, 32]
+    # runs of 8, 20 and 32 tokens a row (mean 20): up to 4 rows -> onnxruntime; 8 rows and more -> openvino;
+    # the line between 4 and 8 rows of the mean length
+    assert [s[0] for s in auto.PROBE_SHAPES] == [1, 4, 8, 16, 32] and seq == 32
+    assert "3 runs each, lengths 8 to 32: " in why
     assert isinstance(backend, auto.RoutedCpuBackend) and backend.name == "onnxruntime+openvino"
-    assert backend.max_small_tokens == int((4 * seq * 8 * seq) ** 0.5)
+    assert backend.max_small_tokens == int((4 * 20 * 8 * 20) ** 0.5)
     assert why.startswith(f"onnxruntime for batches of up to {backend.max_small_tokens} tokens and openvino above")
     ids = np.ones((1, seq), np.int64)
     fast_small.calls.clear(), fast_large.calls.clear()
