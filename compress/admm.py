@@ -95,25 +95,39 @@ class Admm:
     @torch.no_grad()
     def residual(self) -> float:
         """||W - Z|| / ||W|| over all constrained layers (0 means W already lies in the constraint set)."""
-        num = sum(float(((w - self.Z[k]) ** 2).sum()) for k, w in self.weights.items())
-        den = sum(float((w ** 2).sum()) for w in self.weights.values())
-        return math.sqrt(num / max(den, 1e-30))
+        return _relative_residual(self.weights, self.weights, self.Z)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"admm.Z.{k}": v for k, v in self.Z.items()}
-        out.update({f"admm.U.{k}": v for k, v in self.U.items()})
-        return out
+        return _dual_tensors(self.Z, self.U)
 
     def state_meta(self) -> dict:
         return {"k": self.k, "num_updates": self.num_updates, "mask_moves": list(self.mask_moves)}
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping) -> None:
-        for k in self.layers:
-            dev = self.weights[k].device
-            self.Z[k] = tensors[f"admm.Z.{k}"].to(dev, copy=True)
-            self.U[k] = tensors[f"admm.U.{k}"].to(dev, copy=True)
-        self.k = int(meta["k"])
-        self.mask_moves = [float(x) for x in meta.get("mask_moves", [])]
+        _load_dual(self, tensors, meta)
+
+
+def _relative_residual(current: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor],
+                       Z: Mapping[str, torch.Tensor]) -> float:
+    """||current - Z|| / ||W|| summed over the layers."""
+    num = sum(float(((w - Z[k]) ** 2).sum()) for k, w in current.items())
+    den = sum(float((w ** 2).sum()) for w in weights.values())
+    return math.sqrt(num / max(den, 1e-30))
+
+
+def _dual_tensors(Z: Mapping[str, torch.Tensor], U: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Z and U as the tensors a saved run carries."""
+    return {**{f"admm.Z.{k}": v for k, v in Z.items()}, **{f"admm.U.{k}": v for k, v in U.items()}}
+
+
+def _load_dual(solver, tensors: Mapping[str, torch.Tensor], meta: Mapping) -> None:
+    """Z, U, the step count and the mask-move history of `solver` (Admm or GuidedAdmm) from a saved run."""
+    for k in solver.layers:
+        dev = solver.weights[k].device
+        solver.Z[k] = tensors[f"admm.Z.{k}"].to(dev, copy=True)
+        solver.U[k] = tensors[f"admm.U.{k}"].to(dev, copy=True)
+    solver.k = int(meta["k"])
+    solver.mask_moves = [float(x) for x in meta.get("mask_moves", [])]
 
 
 def _output_error(dense: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> float:
@@ -301,22 +315,14 @@ class GuidedAdmm:
 
     @torch.no_grad()
     def residual(self) -> float:
-        num = sum(float(((w * self.params[k].mask - self.Z[k]) ** 2).sum()) for k, w in self.weights.items())
-        den = sum(float((w ** 2).sum()) for w in self.weights.values())
-        return math.sqrt(num / max(den, 1e-30))
+        masked = {k: w * self.params[k].mask for k, w in self.weights.items()}
+        return _relative_residual(masked, self.weights, self.Z)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"admm.Z.{k}": v for k, v in self.Z.items()}
-        out.update({f"admm.U.{k}": v for k, v in self.U.items()})
-        return out
+        return _dual_tensors(self.Z, self.U)
 
     def state_meta(self) -> dict:
         return {"k": self.k, "mask_moves": list(self.mask_moves)}
 
     def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping) -> None:
-        for k in self.layers:  # the masks come back with the model's state (GuidedWeight's buffer)
-            dev = self.weights[k].device
-            self.Z[k] = tensors[f"admm.Z.{k}"].to(dev, copy=True)
-            self.U[k] = tensors[f"admm.U.{k}"].to(dev, copy=True)
-        self.k = int(meta["k"])
-        self.mask_moves = [float(x) for x in meta.get("mask_moves", [])]
+        _load_dual(self, tensors, meta)  # the masks come back with the model's state (GuidedWeight's buffer)
