@@ -151,7 +151,7 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
             skipped[name] = reason
     if not loaded:
         return None, "no CPU backend loads"
-    notes = "".join(f"; {n}{_kernels_note(b)}" for n, b in loaded.items() if _kernels_note(b))
+    notes = "".join(f"; {n}{note}" for n, b in loaded.items() if (note := _kernels_note(b)))
     if len(loaded) == 1:
         (name, backend), = loaded.items()
         return backend, f"{name}, the only CPU backend that loads here{notes}"
@@ -180,13 +180,13 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
         table.append(f"{batch} rows: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in
                                                    sorted(total.items(), key=lambda kv: kv[1])))
     timing = f"{len(lengths)} runs each, lengths {lengths[0]} to {lengths[-1]}: {'; '.join(table)}{notes}"
-    first, last = winners[0][1], winners[-1][1]
-    if all(w == first for _, w in winners) or first == last:
-        best = first if all(w == first for _, w in winners) else max(
-            {w for _, w in winners}, key=lambda n: sum(w == n for _, w in winners))
+    names = [w for _, w in winners]
+    first, last = names[0], names[-1]
+    if first == last:  # one runtime at both ends: the one that won most sizes serves everything
+        best = max(dict.fromkeys(names), key=names.count)
         return loaded[best], f"{best}, the fastest CPU backend on warm-up batches here ({timing})"
     # small batches to `first` up to the geometric middle between its last win and `last`'s first
-    cut = next(i for i, (_, w) in enumerate(winners) if w != first)
+    cut = next(i for i, w in enumerate(names) if w != first)
     limit = int((winners[cut - 1][0] * winners[cut][0]) ** 0.5)
     routed = RoutedCpuBackend(loaded[first], loaded[last], limit)
     return routed, (f"{first} for batches of up to {limit} tokens and {last} above, the fastest CPU backend for "

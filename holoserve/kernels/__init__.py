@@ -30,6 +30,7 @@ failed build leaves no library behind. `python -m holoserve.kernels build` build
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -100,6 +101,7 @@ def _no_compiler() -> KernelsUnavailable:
                               "(--openvino-kernels off)")
 
 
+@functools.lru_cache(maxsize=8)
 def _compiler_id(cxx: str) -> str:
     """The compiler's version line and target triple: part of the build key, so a new compiler rebuilds."""
     try:
