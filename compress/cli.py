@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     import torch
 
-    from holoserve.data.tabular import data_options
+    from holoserve.data.sources import data_options
 
     from .pipeline import Job, compress
 

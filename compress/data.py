@@ -7,7 +7,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from holoserve.data.glue import Example
+from holoserve.data.tabular import Example
 
 
 @dataclass

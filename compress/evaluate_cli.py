@@ -82,7 +82,7 @@ def evaluate_checkpoint(path, task=None, data_dir=None, split="dev", limit=None,
 
     from holoserve.data import sample
     from holoserve.data.glue import read_split
-    from holoserve.data.tabular import rows_for, trained_on_embedded
+    from holoserve.data.sources import rows_for, trained_on_embedded
     from holoserve.data.tasks import get_task, task_of
 
     from .checkpoint import load_model
@@ -260,7 +260,7 @@ def _predictions_folder(path) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit <= 0:
         raise HoloServeError("--limit must be a positive number")
-    from holoserve.data.tabular import data_options
+    from holoserve.data.sources import data_options
 
     out = evaluate_checkpoint(args.checkpoint, args.task, args.data_dir, args.split, args.limit, args.batch_size,
                               args.fp32, args.onnx, args.threads, args.onnx_export, args.device,

@@ -28,7 +28,7 @@ from holoserve import HoloServeError
 from holoserve.core.artifact import MANIFEST, Artifact, load_artifact
 from holoserve.core.files import atomic_write_json
 from holoserve.core.tokenizer import load_tokenizer
-from holoserve.data.tabular import DataOptions, load_for_training
+from holoserve.data.sources import DataOptions, load_for_training
 from holoserve.core.machine import describe_cpu
 from holoserve.core.numerics import RESIDUAL_MIN_SQNR_DB
 from holoserve.core.progress import Progress

@@ -75,7 +75,7 @@ def model_positions(folder: Path) -> int | None:
 
 
 def token_lengths(tokenizer, rows: Sequence[Any]) -> np.ndarray:
-    """Token counts (special tokens included) of examples (holoserve.data.glue.Example) under `tokenizer`,
+    """Token counts (special tokens included) of examples (holoserve.data.tabular.Example) under `tokenizer`,
     which must not truncate (holoserve.core.tokenizer.load_tokenizer(dir, UNBOUNDED))."""
     if not rows:
         return np.zeros(0, dtype=np.int64)

@@ -102,7 +102,7 @@ def all_targets() -> tuple[list[str], dict[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from holoserve.data.tabular import data_options
+    from holoserve.data.sources import data_options
 
     from .onnx_export import MANIFEST_KEYS, export_checkpoint
 

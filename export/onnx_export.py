@@ -37,7 +37,7 @@ from holoserve.core.progress import Progress, StepBar, counted
 from holoserve.core.progress import current as current_progress
 from holoserve.core.tokenizer import load_tokenizer
 from holoserve.data.metrics import compare_within_rounding, prediction_check, score
-from holoserve.data.tabular import DataOptions
+from holoserve.data.sources import DataOptions
 
 from . import fusion, qdq, verify
 
@@ -109,7 +109,7 @@ def encode_batches(tok, texts: Sequence[str], pairs: Sequence[str] | None = None
 
 def _rows(art: Artifact, split: str, data, limit: int | None):
     """(task, texts, pairs, labels) of a split for the checkpoint's task, or None when no rows were given."""
-    from holoserve.data.tabular import rows_for, trained_on_embedded
+    from holoserve.data.sources import rows_for, trained_on_embedded
     from holoserve.data.tasks import task_of
 
     task = task_of(art)
@@ -125,7 +125,7 @@ EVAL_BATCH_SIZE = 128  # `holoserve eval`'s default --batch-size
 def eval_batches_np(art: Artifact, split: str, data, limit: int | None = None, batch_size: int = EVAL_BATCH_SIZE):
     """(task, [(row indices, numpy batch)], labels) exactly as `holoserve eval` batches the split, or None."""
     from holoserve.compress.data import encode, eval_batches
-    from holoserve.data.tabular import rows_for, trained_on_embedded
+    from holoserve.data.sources import rows_for, trained_on_embedded
     from holoserve.data.tasks import task_of
 
     task = task_of(art)
@@ -300,7 +300,7 @@ class ExportOptions:
 
     targets:         "onnxruntime" (model.onnx) and/or "tensorrt" (model.trt.onnx)
     out_dir:         write the files (plus export_report.json) there and leave the checkpoint untouched
-    data / data_dir: the rows (holoserve.data.tabular.DataOptions: the user's --train/--dev files, or a GLUE
+    data / data_dir: the rows (holoserve.data.sources.DataOptions: the user's --train/--dev files, or a GLUE
                      shortcut's folder): training rows calibrate the TensorRT placement's extra ranges, dev
                      rows drive the parity check; without any, built-in sentences
     dev_rows / calib_rows / threads: the checks' rows and ORT threads
@@ -336,7 +336,7 @@ class ExportOptions:
     targets: tuple[str, ...] = ("onnxruntime",)
     out_dir: str | os.PathLike | None = None
     data_dir: str | os.PathLike | None = None
-    data: Any = None  # holoserve.data.tabular.DataOptions; default: the GLUE shortcut in data_dir
+    data: Any = None  # holoserve.data.sources.DataOptions; default: the GLUE shortcut in data_dir
     dev_rows: int | None = None
     calib_rows: int = 256
     verify_exports: bool = True

@@ -30,7 +30,7 @@ def nncf_ptq(teacher_dir: Path, task_name: str | None, data, *, max_seq_length: 
     from holoserve.compress.data import encode, eval_batches
     from holoserve.compress.evaluate import predict_with, score
     from holoserve.core.tokenizer import load_tokenizer
-    from holoserve.data.tabular import load_for_training
+    from holoserve.data.sources import load_for_training
     from holoserve.export.onnx_export import torch_export_fp32
 
     t0 = time.perf_counter()

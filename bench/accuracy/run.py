@@ -134,7 +134,7 @@ def run_one(task: str, seed: int, key: str, args, teacher: Path | None) -> Path 
 
 
 _SCORES: dict[Path, dict] = {}
-_DATA = None  # holoserve.data.tabular.DataOptions for the user's own files (--train/--dev), else None
+_DATA = None  # holoserve.data.sources.DataOptions for the user's own files (--train/--dev), else None
 
 
 def _user_data_args(args, with_train: bool) -> list[str]:
@@ -465,7 +465,7 @@ def main() -> int:
     if args.from_json:
         return rebuild(args.from_json, args.results)
     global _DATA
-    from holoserve.data.tabular import DataOptions, data_options
+    from holoserve.data.sources import DataOptions, data_options
 
     if args.train:  # the user's own rows: one task, named for the training file
         _DATA = data_options(args)

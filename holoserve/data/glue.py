@@ -3,20 +3,13 @@ sentences contain literal quotes; MRPC has a BOM; CoLA has no header)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from .. import HoloServeError
+from .tabular import Columns, LabelSpace, Source, examples, read_table
 from .tasks import Task, get_task
 
 DATA_DIR_ENV = "HOLOSERVE_DATA_DIR"
-
-
-@dataclass(frozen=True)
-class Example:
-    text: str
-    text_pair: str | None
-    label: int | float  # class index, or a float score for regression
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path:
@@ -47,8 +40,6 @@ def read_split(
     task: Task | str, split: str, data_dir: str | os.PathLike | None = None, limit: int | None = None
 ) -> list[Example]:
     """Read one split of a GLUE shortcut through the generic reader; `limit` keeps the first N rows."""
-    from .tabular import Columns, LabelSpace, Source, examples, read_table
-
     task = get_task(task) if isinstance(task, str) else task
     path = task_file(task, split, data_dir)
     table = read_table(Source(path, "tsv", header=task.header, encoding=task.encoding))

@@ -9,7 +9,7 @@ import pytest
 from holoserve import HoloServeError
 from holoserve.data import sample
 from holoserve.data.glue import read_split
-from holoserve.data.tabular import DataOptions, load_for_training, rows_for
+from holoserve.data.sources import DataOptions, load_for_training, rows_for
 from holoserve.data.tasks import get_task
 
 

@@ -9,7 +9,8 @@ pytest.importorskip("datasets")
 
 from holoserve import HoloServeError  # noqa: E402
 from holoserve.cli import main  # noqa: E402
-from holoserve.data.tabular import Columns, DataOptions, load_for_training  # noqa: E402
+from holoserve.data.sources import DataOptions, load_for_training  # noqa: E402
+from holoserve.data.tabular import Columns  # noqa: E402
 from tests.helpers.tiny import WORDS, make_tiny_bert  # noqa: E402
 
 FAST = ["--max-steps", "4", "--no-progress", "--threads", "1", "--set", "batch_size=8", "--set", "calib_batches=2"]

@@ -489,7 +489,7 @@ def test_compare_predictions_counts_and_mcnemar():
 
 def test_eval_predictions_of_a_pair_regression(tmp_path):
     from holoserve.compress.evaluate_cli import write_predictions
-    from holoserve.data.glue import Example
+    from holoserve.data.tabular import Example
 
     rows = [Example("a man plays", "a man is playing", 4.2), Example("cats", "the market fell", 0.0)]
     write_predictions(tmp_path / "p.jsonl", rows, np.array([[3.9], [0.5]], np.float32), True, None)
