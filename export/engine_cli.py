@@ -55,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
     from holoserve.core.artifact import MANIFEST, add_files, load_artifact
     from holoserve.core.manifest import TENSORRT_ENGINE, TENSORRT_ONNX
 
-    from .engine import (ShapeProfile, build_cached_engine, build_engine, build_target, load_trt, parse_shape,
-                         parse_size, up_to_date)
+    from .engine import build_engine
+    from .engine_cache import build_cached_engine, up_to_date
+    from .engine_settings import EngineOptions, ShapeProfile, build_target, load_trt, parse_shape, parse_size
 
     src = Path(args.source)
     art = None
@@ -85,13 +86,12 @@ def run(args: argparse.Namespace) -> int:
         (min(profile.min[0], mx[0]), min(profile.min[1], mx[1])),
         (min(profile.opt[0], mx[0]), min(profile.opt[1], mx[1])), mx,
     ).validate(max_seq)
-    kw = dict(profile=profile, sparse=args.sparse, fp16=args.fp16, workspace=parse_size(args.workspace),
-              timing_cache=args.timing_cache, compute_capability=args.compute_capability, log_path=args.log,
-              require_sparse=args.require_sparse)
+    options = EngineOptions(profile=profile, sparse=args.sparse, fp16=args.fp16, workspace=parse_size(args.workspace),
+                            timing_cache=args.timing_cache, compute_capability=args.compute_capability,
+                            flavour=args.flavour, log_path=args.log, require_sparse=args.require_sparse)
 
     if args.cache_dir:
-        res = build_cached_engine(onnx_path, args.cache_dir, onnx_sha256=onnx_sha, if_missing=args.if_missing,
-                                  flavour=args.flavour, **kw)
+        res = build_cached_engine(onnx_path, args.cache_dir, options, onnx_sha256=onnx_sha, if_missing=args.if_missing)
         return _done(res.plan, res.sidecar, res.skipped)
 
     if art is not None and args.out is None:
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                     return _done(art.path / entry.file, read_sidecar(art.path / entry.file), True)
         with tempfile.TemporaryDirectory(prefix=".holoserve-engine-", dir=art.path) as tmp:
             plan = Path(tmp) / "model.plan"
-            res = build_engine(onnx_path, plan, flavour=args.flavour, onnx_sha256=onnx_sha, **kw)
+            res = build_engine(onnx_path, plan, options, onnx_sha256=onnx_sha)
             side = res.sidecar
             add_files(art, {"model.plan": plan, "model.plan.json": res.sidecar_path}, exports={
                 TENSORRT_ENGINE: {
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             if up_to_date(out, flavour=flv, target=build_target(flv, args.compute_capability),
                           onnx_sha256=onnx_sha or sha256_file(onnx_path)) is None:
                 return _done(out, read_sidecar(out), True)
-        res = build_engine(onnx_path, out, flavour=args.flavour, onnx_sha256=onnx_sha, **kw)
+        res = build_engine(onnx_path, out, options, onnx_sha256=onnx_sha)
         side = res.sidecar
     return _done(out, side, False)
 

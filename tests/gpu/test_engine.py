@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from holoserve.export.engine import EngineBuildError, ShapeProfile
+from holoserve.export.engine_settings import EngineBuildError, EngineOptions, ShapeProfile
 from tests.unit.backends.test_backends import trt_ckpt  # noqa: F401  (checkpoint with both ONNX exports)
 from tests.unit.export.test_engine import trt_export  # noqa: F401  (the fixture)
 
@@ -27,8 +27,8 @@ def test_datacenter_tensorrt_builds_and_reports_per_gemm(trt_export, tmp_path): 
     from holoserve.core.sidecar import current_gpu
     from holoserve.export.engine import build_engine
 
-    res = build_engine(trt_export / "model.trt.onnx", tmp_path / "gpu.plan", flavour="tensorrt", profile=SMALL,
-                       log_path=tmp_path / "build.log")
+    res = build_engine(trt_export / "model.trt.onnx", tmp_path / "gpu.plan",
+                       EngineOptions(flavour="tensorrt", profile=SMALL, log_path=tmp_path / "build.log"))
     side = res.sidecar
     gpu = current_gpu()
     assert side["target"]["gpu"] == gpu["name"] and side["parser"]["accepted"]
@@ -46,12 +46,12 @@ def test_datacenter_tensorrt_builds_and_reports_per_gemm(trt_export, tmp_path): 
     print("precision:", side["precision"], side["precision_outside_qdq"])
     # --require-sparse agrees with the report
     if side["sparsity"]["sparse_gemms"]:
-        build_engine(trt_export / "model.trt.onnx", tmp_path / "req.plan", flavour="tensorrt", profile=SMALL,
-                     require_sparse=True)
+        build_engine(trt_export / "model.trt.onnx", tmp_path / "req.plan",
+                     EngineOptions(flavour="tensorrt", profile=SMALL, require_sparse=True))
     else:
         with pytest.raises(EngineBuildError, match="--require-sparse"):
-            build_engine(trt_export / "model.trt.onnx", tmp_path / "req.plan", flavour="tensorrt", profile=SMALL,
-                         require_sparse=True)
+            build_engine(trt_export / "model.trt.onnx", tmp_path / "req.plan",
+                         EngineOptions(flavour="tensorrt", profile=SMALL, require_sparse=True))
         assert not (tmp_path / "req.plan").exists()
 
 
@@ -60,13 +60,13 @@ def test_timing_cache_is_reused_and_a_foreign_one_replaced(trt_export, tmp_path)
 
     cache = tmp_path / "timing.cache"
     onnx = trt_export / "model.trt.onnx"
-    first = build_engine(onnx, tmp_path / "a.plan", flavour="tensorrt", profile=SMALL, timing_cache=cache)
+    first = build_engine(onnx, tmp_path / "a.plan", EngineOptions(flavour="tensorrt", profile=SMALL, timing_cache=cache))
     assert first.sidecar["timing_cache"] == "timing.cache: created" and cache.stat().st_size > 0
-    second = build_engine(onnx, tmp_path / "b.plan", flavour="tensorrt", profile=SMALL, timing_cache=cache)
+    second = build_engine(onnx, tmp_path / "b.plan", EngineOptions(flavour="tensorrt", profile=SMALL, timing_cache=cache))
     assert second.sidecar["timing_cache"] == "timing.cache: reused"
     foreign = tmp_path / "foreign.cache"
     foreign.write_bytes(b"not a cache from this GPU" * 40)
-    third = build_engine(onnx, tmp_path / "c.plan", flavour="tensorrt", profile=SMALL, timing_cache=foreign)
+    third = build_engine(onnx, tmp_path / "c.plan", EngineOptions(flavour="tensorrt", profile=SMALL, timing_cache=foreign))
     assert third.sidecar_path.is_file() and "fresh cache" in third.sidecar["timing_cache"]
 
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from holoserve.export.engine import ShapeProfile
+from holoserve.export.engine_settings import EngineOptions, ShapeProfile
 from tests.helpers.minilm import minilm_standin as _minilm_standin
 
 HAVE_RTX = importlib.util.find_spec("tensorrt_rtx") is not None
@@ -24,8 +24,8 @@ def test_minilm_tensorrt_rtx_sm80(tmp_path):
     ckpt = _minilm_standin(tmp_path, os.environ["HOLOSERVE_DATA_DIR"])
     export_checkpoint(ckpt, ["tensorrt"], data_dir=os.environ["HOLOSERVE_DATA_DIR"], calib_rows=64,
                       progress=False, verify_exports=False)
-    res = build_engine(ckpt / "model.trt.onnx", tmp_path / "minilm.plan", compute_capability="SM80",
-                       flavour="tensorrt_rtx", profile=ShapeProfile((1, 1), (8, 128), (32, 128)))
+    res = build_engine(ckpt / "model.trt.onnx", tmp_path / "minilm.plan", EngineOptions(
+        compute_capability="SM80", flavour="tensorrt_rtx", profile=ShapeProfile((1, 1), (8, 128), (32, 128))))
     side = res.sidecar
     assert side["parser"]["accepted"] and side["parser"]["layer_types"]["DEQUANTIZE"] >= 36
     assert side["engine_layers"]["gemm_int8_inputs"] >= 24  # 6 layers x (QKV, attention out, FFN in, FFN out)

@@ -8,21 +8,20 @@ import json
 
 import pytest
 
-from holoserve.export import engine as engine_mod
-from holoserve.export.engine import (
+from holoserve.export import engine_settings as settings_mod
+from holoserve.export.engine_report import parse_layer_info, parse_sparsity_log, summarize_layers
+from holoserve.export.engine_settings import (
     EngineBuildError,
+    EngineOptions,
     Flavour,
     ShapeProfile,
     build_target,
     builder_settings,
     cc_label,
     load_trt,
-    parse_layer_info,
     parse_shape,
     parse_size,
-    parse_sparsity_log,
     rtx_targets,
-    summarize_layers,
 )
 from holoserve.core import sidecar as sidecar_mod
 from holoserve.core.sidecar import (
@@ -104,7 +103,7 @@ def test_build_targets():
 
 
 def test_datacenter_target_needs_a_gpu(monkeypatch):
-    monkeypatch.setattr(engine_mod, "current_gpu", lambda: None)
+    monkeypatch.setattr(settings_mod, "current_gpu", lambda: None)
     with pytest.raises(EngineBuildError, match="no GPU was found"):
         build_target(Flavour("tensorrt", "10.5.0.18"))
 
@@ -132,7 +131,7 @@ def test_current_gpu_asks_cuda_for_the_current_device(monkeypatch):
     monkeypatch.setattr(sidecar_mod, "_cudart", lambda: _FakeCudart())
     gpu = sidecar_mod.current_gpu()
     assert gpu == {"name": "NVIDIA L4", "compute_capability": "8.9", "device": 1, "source": "cuda"}
-    assert engine_mod.gpu_info()["name"] == "NVIDIA L4"
+    assert settings_mod.gpu_info()["name"] == "NVIDIA L4"
 
 
 def test_nvidia_smi_fallback_follows_cuda_visible_devices():
@@ -236,7 +235,7 @@ def test_tensorrt_api_used_by_the_builder_exists():
         (trt.ILayer, ["metadata", "type", "name", "get_input", "get_output", "num_inputs", "num_outputs"]),
     ]:
         assert [n for n in names if not hasattr(cls, n)] == []
-    from holoserve.export.engine import RTX_COMPUTE_CAPABILITIES
+    from holoserve.export.engine_settings import RTX_COMPUTE_CAPABILITIES
 
     assert all(hasattr(trt.ComputeCapability, cc) for cc in RTX_COMPUTE_CAPABILITIES)
     assert trt.LayerInformationFormat.JSON is not None and trt.ProfilingVerbosity.DETAILED is not None
@@ -271,8 +270,8 @@ def test_tensorrt_rtx_parses_and_builds_sm80_engine(trt_export, tmp_path):
     from holoserve.export.engine import build_engine
 
     onnx_path = trt_export / "model.trt.onnx"
-    res = build_engine(onnx_path, tmp_path / "tiny.plan", profile=ShapeProfile((1, 1), (4, 16), (8, 32)),
-                       compute_capability="SM80", flavour="tensorrt_rtx")
+    res = build_engine(onnx_path, tmp_path / "tiny.plan", EngineOptions(
+        profile=ShapeProfile((1, 1), (4, 16), (8, 32)), compute_capability="SM80", flavour="tensorrt_rtx"))
     side = res.sidecar
     assert res.plan.stat().st_size > 0 and side["plan_bytes"] == res.plan.stat().st_size
     # what the parser accepted: every Q/DQ node of the ONNX graph became a TensorRT layer
@@ -327,10 +326,9 @@ def test_fp16_tensorrt_graph_keeps_its_int8_gemms(trt_export, trt_fp16_export, t
     fp16_path = trt_fp16_export
     assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in onnx.load(str(fp16_path)).graph.initializer)
     prof = ShapeProfile((1, 1), (4, 16), (8, 32))
-    s16 = build_engine(fp16_path, tmp_path / "fp16.plan", profile=prof, compute_capability=cc,
-                       flavour="tensorrt_rtx").sidecar
-    s32 = build_engine(trt_export / "model.trt.onnx", tmp_path / "fp32.plan", profile=prof, compute_capability=cc,
-                       flavour="tensorrt_rtx").sidecar
+    rtx = EngineOptions(profile=prof, compute_capability=cc, flavour="tensorrt_rtx")
+    s16 = build_engine(fp16_path, tmp_path / "fp16.plan", rtx).sidecar
+    s32 = build_engine(trt_export / "model.trt.onnx", tmp_path / "fp32.plan", rtx).sidecar
     assert s16["parser"]["accepted"] and not s16["parser"]["errors"]
     l16, l32 = s16["engine_layers"], s32["engine_layers"]
     assert l16["gemm_layers"] > 0 and l16["gemm_int8_inputs"] == l16["gemm_layers"]
@@ -352,8 +350,8 @@ def test_tensorrt_rtx_default_build_is_portable(trt_export, tmp_path):
 
     from holoserve.export.engine import build_engine
 
-    res = build_engine(trt_export / "model.trt.onnx", tmp_path / "portable.plan", flavour="tensorrt_rtx",
-                       profile=ShapeProfile((1, 1), (4, 16), (8, 32)))
+    res = build_engine(trt_export / "model.trt.onnx", tmp_path / "portable.plan", EngineOptions(
+        flavour="tensorrt_rtx", profile=ShapeProfile((1, 1), (4, 16), (8, 32))))
     target = read_sidecar(res.plan)["target"]
     assert target["portable"] and target["compute_capability"] is None
     assert target["compute_capabilities"] == ["SM80", "SM86", "SM89", "SM120"]
@@ -364,8 +362,8 @@ def test_tensorrt_rtx_default_build_is_portable(trt_export, tmp_path):
         with pytest.raises(EngineMismatchError):
             check_compatible(res.sidecar, flavour="tensorrt-rtx", version=v, compute_capability=cc)
     # pinned to several architectures: recorded as such
-    res2 = build_engine(trt_export / "model.trt.onnx", tmp_path / "two.plan", flavour="tensorrt_rtx",
-                        compute_capability="SM86,SM89", profile=ShapeProfile((1, 1), (4, 16), (8, 32)))
+    res2 = build_engine(trt_export / "model.trt.onnx", tmp_path / "two.plan", EngineOptions(
+        flavour="tensorrt_rtx", compute_capability="SM86,SM89", profile=ShapeProfile((1, 1), (4, 16), (8, 32))))
     assert res2.sidecar["target"]["compute_capabilities"] == ["SM86", "SM89"]
     check_compatible(res2.sidecar, flavour="tensorrt-rtx", version=v, compute_capability="8.9")
     with pytest.raises(EngineMismatchError):
@@ -393,7 +391,7 @@ def test_rtx_refuses_hopper():
     from holoserve.export.engine import build_engine
 
     with pytest.raises(EngineBuildError, match="cannot build for SM90"):
-        build_engine(__file__, "nonexistent/x.plan", compute_capability="9.0", flavour="tensorrt_rtx")
+        build_engine(__file__, "nonexistent/x.plan", EngineOptions(compute_capability="9.0", flavour="tensorrt_rtx"))
 
 
 def test_build_engine_cli_needs_a_tensorrt_export(tmp_path, capsys):

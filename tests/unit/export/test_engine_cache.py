@@ -10,17 +10,9 @@ import warnings
 
 import pytest
 
-from holoserve.export.engine import (
-    EngineBuildError,
-    Flavour,
-    ShapeProfile,
-    attach_timing_cache,
-    build_cached_engine,
-    build_engine,
-    build_target,
-    save_timing_cache,
-    up_to_date,
-)
+from holoserve.export.engine import attach_timing_cache, build_engine, save_timing_cache
+from holoserve.export.engine_cache import build_cached_engine, up_to_date
+from holoserve.export.engine_settings import EngineBuildError, EngineOptions, Flavour, ShapeProfile, build_target
 from holoserve.core.sidecar import cached_engines, read_sidecar
 from tests.helpers.serving import REPO
 from tests.unit.export.test_engine import trt_export  # noqa: F401  (the fixture)
@@ -114,8 +106,8 @@ def test_timing_cache_calls_on_a_real_builder_config(tmp_path):
 def test_rtx_build_leaves_a_foreign_timing_cache_alone(trt_export, tmp_path):  # noqa: F811
     cache = tmp_path / "from-another-build.cache"
     cache.write_bytes(b"ptrt" + bytes(range(200)))
-    res = build_engine(trt_export / "model.trt.onnx", tmp_path / "e.plan", flavour="tensorrt_rtx", profile=SMALL,
-                       timing_cache=cache)
+    res = build_engine(trt_export / "model.trt.onnx", tmp_path / "e.plan",
+                       EngineOptions(flavour="tensorrt_rtx", profile=SMALL, timing_cache=cache))
     assert res.plan.is_file() and res.sidecar_path.is_file()  # the sidecar is written too
     assert "not used" in res.sidecar["timing_cache"]
     assert cache.read_bytes() == b"ptrt" + bytes(range(200))
@@ -130,15 +122,16 @@ def test_cached_engine_is_keyed_by_tensorrt_and_target_and_reused(trt_export, tm
 
     onnx_path = trt_export / "model.trt.onnx"
     cache = tmp_path / "engines"
-    first = build_cached_engine(onnx_path, cache, flavour="tensorrt_rtx", profile=SMALL)
+    first = build_cached_engine(onnx_path, cache, EngineOptions(flavour="tensorrt_rtx", profile=SMALL))
     v = tensorrt_rtx.__version__
     assert not first.skipped and first.plan.parent.name == f"tensorrt-rtx-{v}-portable"
     sha = first.sidecar["onnx"]["sha256"]
     assert first.plan.parent.parent.name == sha[:16]
     mtime = first.plan.stat().st_mtime_ns
-    again = build_cached_engine(onnx_path, cache, flavour="tensorrt_rtx", profile=SMALL)
+    again = build_cached_engine(onnx_path, cache, EngineOptions(flavour="tensorrt_rtx", profile=SMALL))
     assert again.skipped and again.plan == first.plan and first.plan.stat().st_mtime_ns == mtime
-    pinned = build_cached_engine(onnx_path, cache, flavour="tensorrt_rtx", compute_capability="SM86", profile=SMALL)
+    pinned = build_cached_engine(onnx_path, cache, EngineOptions(flavour="tensorrt_rtx", compute_capability="SM86",
+                                                              profile=SMALL))
     assert not pinned.skipped and pinned.plan.parent.name == f"tensorrt-rtx-{v}-sm86"
     assert set(cached_engines(cache, sha)) == {first.plan, pinned.plan}
     # why an engine is not up to date
@@ -181,7 +174,8 @@ def test_require_sparse_fails_without_confirmed_sparse_kernels(trt_export, tmp_p
     assert "no plan was written" in err and "Traceback" not in err
     assert not out.exists() and not out.with_name("e.plan.json").exists()
     with pytest.raises(EngineBuildError, match="--require-sparse"):
-        build_engine(trt_export / "model.trt.onnx", out, flavour="tensorrt_rtx", profile=SMALL, require_sparse=True)
+        build_engine(trt_export / "model.trt.onnx", out,
+                     EngineOptions(flavour="tensorrt_rtx", profile=SMALL, require_sparse=True))
 
 
 @needs_rtx

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from holoserve.export.engine import (
-    EngineBuildError,
-    Flavour,
+from holoserve.export.engine_settings import EngineBuildError, Flavour
+from holoserve.export.engine_report import (
     gemm_report,
     is_gemm,
     normalize_dtype,
