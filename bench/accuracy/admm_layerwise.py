@@ -15,9 +15,9 @@ activation-weighted mask, the kept weights as they are), every candidate ending 
                      side, from their manifests (training.phases.projection: the sequential pass of the real job,
                      its held-out errors and time; metrics.after_projection: the dev score before any training)
 
-    python bench/accuracy/admm_layerwise.py --task sst2 --data-dir "$GLUE_DIR" --teacher runs/x.state/teacher \
+    python -m bench.accuracy.admm_layerwise --task sst2 --data-dir "$GLUE_DIR" --teacher runs/x.state/teacher \
         --mode layer --results runs/admm-layer-sst2
-    python bench/accuracy/admm_layerwise.py --compare runs/sst2-obs runs/sst2-admm
+    python -m bench.accuracy.admm_layerwise --compare runs/sst2-obs runs/sst2-admm
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 
 def _ratio(dense, v, h) -> float:
@@ -216,7 +215,7 @@ def main(argv=None) -> int:
     res = {"meta": {"task": args.task, "teacher": str(teacher), "seed": args.seed, "preset": args.preset,
                     "calib_batches": run.preset.calib_batches, "machine": machine(), "threads": args.threads,
                     "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                    "command": "python bench/accuracy/admm_layerwise.py " + " ".join(sys.argv[1:] if argv is None
+                    "command": "python -m bench.accuracy.admm_layerwise " + " ".join(sys.argv[1:] if argv is None
                                                                                       else argv)}}
     with torch.no_grad():
         if args.mode in ("layer", "both"):

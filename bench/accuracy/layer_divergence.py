@@ -10,7 +10,7 @@ difference of about 1e-6 in the first LayerNorm turns into whole-step code chang
 run is ONNX Runtime again, on the same graph with the position-embedding table × (1 + EPS · N(0, 1)) (as
 rounding_noise.py does): the same cascade from one rounding-sized change, for scale. Writes a table and a plot.
 
-    python bench/accuracy/layer_divergence.py runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/layer-divergence-sst2-s0
+    python -m bench.accuracy.layer_divergence runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/layer-divergence-sst2-s0
 """
 from __future__ import annotations
 
@@ -22,11 +22,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # rounding_noise.py beside it
 
 from holoserve.core.files import atomic_savefig  # noqa: E402
-from rounding_noise import command, position_table, save  # noqa: E402
+from bench.accuracy.rounding_noise import command, position_table, save  # noqa: E402
 
 
 def probes(model) -> list[tuple[str, str]]:
@@ -174,7 +172,7 @@ def main(argv=None) -> int:
             "date": time.strftime("%Y-%m-%d"), "seconds": time.time() - t0,
             "logits_median_abs_diff": float(np.median(np.abs(a - b))), "logits_max_abs_diff": float(np.abs(a - b).max()),
             "changed_predictions": int((a.argmax(1) != b.argmax(1)).sum()) if a.shape[1] > 1 else None,
-            "command": command(sys.argv[1:] if argv is None else argv, "bench/accuracy/layer_divergence.py")}
+            "command": command(sys.argv[1:] if argv is None else argv, "bench.accuracy.layer_divergence")}
     report = {"meta": meta, "tensors": rows_out}
     save(args.results, "layer_divergence", report, markdown(report), plot)
     return 0

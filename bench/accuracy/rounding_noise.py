@@ -16,7 +16,7 @@ metric's difference (mean, sd, largest, and how many draws move it by more than 
 how many draws `holoserve export`'s own check (holoserve.data.metrics.prediction_check) would accept.
 The plot puts every draw and every runtime on one axis, mean |Δlogit| against Δ metric.
 
-    python bench/accuracy/rounding_noise.py runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/rounding-noise-sst2
+    python -m bench.accuracy.rounding_noise runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/rounding-noise-sst2
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
 
@@ -69,9 +68,9 @@ def summarise(draws: list[dict], threshold: float) -> dict:
             "export_check_passes": sum(x["export_check_passes"] for x in draws)}
 
 
-def command(argv: list[str], script: str = "bench/accuracy/rounding_noise.py") -> str:
+def command(argv: list[str], module: str = "bench.accuracy.rounding_noise") -> str:
     """The command line as run, with the GLUE folder written as "$GLUE_DIR" (no machine's path in a report)."""
-    out, skip = [f"python {script}"], False
+    out, skip = [f"python -m {module}"], False
     for a in argv:
         if skip:
             out.append('"$GLUE_DIR"')

@@ -6,7 +6,7 @@ it through --teacher, and the NNCF row quantizes that same teacher. Every method
 steps after the teacher and the same distillation. Finished runs are kept under --runs-dir and
 reused, so the table can be built across several invocations. Results: <results>/accuracy.{json,md,png}.
 
-    python bench/accuracy/run.py --data-dir "$GLUE_DIR" --tasks mrpc,stsb,cola,sst2 --seeds 0,1,2 --preset quick
+    python -m bench.accuracy.run --data-dir "$GLUE_DIR" --tasks mrpc,stsb,cola,sst2 --seeds 0,1,2 --preset quick
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from holoserve.core.artifact import read_manifest  # noqa: E402
 from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402

@@ -7,7 +7,7 @@ dev sets move by whole points when a few predictions flip (CoLA's MCC by ~2 for 
 variant is also compared with the same graph stripped of all extra pairs (the onnxruntime placement's
 numerics): the share of rows whose prediction is unchanged and the mean |logit difference|.
 
-    python bench/accuracy/tensorrt_placement.py runs/minilm-sst2 --data-dir "$GLUE_DIR"
+    python -m bench.accuracy.tensorrt_placement runs/minilm-sst2 --data-dir "$GLUE_DIR"
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 VARIANTS = [(), ("softmax",), ("qkv",), ("softmax", "qkv"), ("residual",), ("softmax", "residual"),
             ("softmax", "qkv", "residual")]

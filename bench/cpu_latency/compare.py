@@ -1,6 +1,6 @@
 """A/B latency of ONNX exports of one model, alternating in one process (what one graph rewrite buys).
 
-    python bench/cpu_latency/compare.py LABEL=MODEL.onnx LABEL=MODEL.onnx [...] [--batch 32] [--seq 128]
+    python -m bench.cpu_latency.compare LABEL=MODEL.onnx LABEL=MODEL.onnx [...] [--batch 32] [--seq 128]
                                         [--threads 1] [--runs 40] [--rounds 2] [--runtime onnxruntime|openvino]
                                         [--name compare]
 
@@ -17,7 +17,6 @@ round and over all runs, to bench/results/NAME.{json,md}, with the machine named
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from datetime import datetime, timezone
@@ -27,22 +26,10 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT))
 
+# bench.cpu_latency.run's session options and helpers are shared
+from bench.cpu_latency.run import load_avg, ort_session, percentile, random_rows, uptime_text  # noqa: E402
 from holoserve.core.machine import describe_cpu  # noqa: E402
-
-
-def _latency_module():
-    """bench/cpu_latency/run.py, loaded by path (its session options and helpers are shared)."""
-    spec = importlib.util.spec_from_file_location("holoserve_bench_cpu_latency_run", HERE / "run.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_lat = _latency_module()
-load_avg, ort_session, percentile, uptime_text = _lat.load_avg, _lat.ort_session, _lat.percentile, _lat.uptime_text
-random_rows = _lat.random_rows
 
 
 def _shown(path: Path) -> str:

@@ -1,6 +1,6 @@
 """Graph rewrites tried on ours-on-OpenVINO, each timed against the export as it is.
 
-    python bench/cpu_latency/graph_variants.py CHECKPOINT [--batches 1,32] [--threads 1] [--seq 128]
+    python -m bench.cpu_latency.graph_variants CHECKPOINT [--batches 1,32] [--threads 1] [--seq 128]
 
 Reads the checkpoint's `openvino` export (`model.ov.onnx`) and writes three variants of it, none of
 which `holoserve export` applies, to learn whether it should:
@@ -36,7 +36,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from bench.cpu_latency.run import load_avg, random_rows  # noqa: E402
 from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402

@@ -1,6 +1,6 @@
 """How fast OpenVINO's INT8 GEMM runs on this CPU: at MiniLM's shapes, and at large shapes (its best here).
 
-    python bench/cpu_latency/int8_gemm_rate.py [--threads 1] [--name cpu_int8_gemm_rate]
+    python -m bench.cpu_latency.int8_gemm_rate [--threads 1] [--name cpu_int8_gemm_rate]
 
 Ours on OpenVINO spends most of its time in int8 GEMMs (the FullyConnected nodes OpenVINO makes of the
 export's QuantizeLinear -> DequantizeLinear -> MatMul), the same kernel NNCF's model runs. This builds
@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from holoserve.backends.openvino import gemm_precisions  # noqa: E402
 from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402

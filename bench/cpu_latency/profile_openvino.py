@@ -1,6 +1,6 @@
 """Where the time goes: ours on OpenVINO against OpenVINO's NNCF INT8 of the dense model, per operation.
 
-    python bench/cpu_latency/profile_openvino.py CHECKPOINT --dense HF_FOLDER --data-dir GLUE_DIR \
+    python -m bench.cpu_latency.profile_openvino CHECKPOINT --dense HF_FOLDER --data-dir GLUE_DIR \
         [--batch 1] [--seq 128] [--threads 1] [--static]
 
 Both engines are built as `bench/cpu_latency/run.py` builds them (ours: the checkpoint's `openvino`
@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from bench.cpu_latency.run import (load_avg, nncf_int8, openvino_modules, random_rows,  # noqa: E402
                                    train_samples)

@@ -1,6 +1,6 @@
 """CPU latency, side by side in one run: PyTorch fp32 eager, ORT fp32 and dynamic INT8, OpenVINO fp32 and NNCF INT8, ours.
 
-    python bench/cpu_latency/run.py CHECKPOINT [--dense HF_FOLDER] [--data-dir GLUE_DIR]
+    python -m bench.cpu_latency.run CHECKPOINT [--dense HF_FOLDER] [--data-dir GLUE_DIR]
 
 - "ours": the checkpoint's exported model.onnx (`holoserve export`: 2:4 weights, static INT8 QDQ
   fused by ONNX Runtime into integer MatMuls), and its `openvino` export (model.ov.onnx,
@@ -52,7 +52,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from holoserve.backends.openvino import inference_precision as openvino_inference_precision  # noqa: E402
 from holoserve.core.files import atomic_savefig  # noqa: E402

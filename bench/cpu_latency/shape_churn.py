@@ -1,7 +1,7 @@
 """ONNX Runtime vs OpenVINO on one repeated input shape and on a new sequence length every run, in one
 process, taking turns: what a runtime that pays for each new shape costs on served traffic.
 
-    python bench/cpu_latency/shape_churn.py runs/minilm-sst2 [--rows 8,32] [--runs 12]
+    python -m bench.cpu_latency.shape_churn runs/minilm-sst2 [--rows 8,32] [--runs 12]
 
 Prints the minimum and median of each (ms). Random token ids, no padding.
 """

@@ -131,10 +131,9 @@ def unpack(packed_dir: str | Path, dest: str | Path):
         return write_artifact(dest, manifest, files, overwrite=True)
 
 
-if __name__ == "__main__":  # python bench/gpu/carry.py unpack PACKED DEST (on the GPU machine)
+if __name__ == "__main__":  # python -m bench.gpu.carry unpack PACKED DEST (on the GPU machine, from the repo root)
     import sys
 
     if len(sys.argv) != 4 or sys.argv[1] != "unpack":
-        sys.exit("usage: python bench/gpu/carry.py unpack PACKED_DIR DEST_DIR")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        sys.exit("usage: python -m bench.gpu.carry unpack PACKED_DIR DEST_DIR")
     print(f"unpacked to {unpack(sys.argv[2], sys.argv[3]).path}")

@@ -13,7 +13,7 @@ int8 codes (everywhere):
 The FMA is emulated with one rounding: the exact product and sum in extended precision, then to float32.
 Values are clamped to +-256 s first, as in the kernels, which keeps v * (1/s) finite and changes no code.
 
-    python bench/gpu/fma_division_check.py [--scales 200] [--per-scale 300000]
+    python -m bench.gpu.fma_division_check [--scales 200] [--per-scale 300000]
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ With --sms and --clock-ghz it also gives each kernel's issue time per call at BE
 seq 128 (4 instructions per SM per clock, 32 threads each). With --bandwidth-tbs it gives the memory
 floor (the bytes the kernel must move), to set both beside a measured profile.
 
-    python bench/gpu/kernel_instructions.py [--arch 90] [--sms 132 --clock-ghz 1.98] [--kernels OLD.py]
+    python -m bench.gpu.kernel_instructions [--arch 90] [--sms 132 --clock-ghz 1.98] [--kernels OLD.py]
 
 A version without the FMA division (before 2026-11-26) counts the same under both labels.
 """
@@ -34,7 +34,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 QUANT_SIG = {"x_ptr": "*fp16", "out_ptr": "*i8", "scale_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr",
              "FMA_DIV": "constexpr", "SCALE_CHECK": "constexpr"}

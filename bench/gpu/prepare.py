@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prepare what the offline GPU benchmark needs, in git-ignored folders at the project root.
 
-    python bench/gpu/prepare.py CHECKPOINT [--data-dir GLUE_DIR] [--wheel-script PATH]
+    python -m bench.gpu.prepare CHECKPOINT [--data-dir GLUE_DIR] [--wheel-script PATH]
 
 writes
     .carry/checkpoint/   the checkpoint packed for travel (int8 codes + fp16 embeddings; see carry.py)
@@ -27,10 +27,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import carry  # noqa: E402
+from bench.gpu import carry  # noqa: E402
 
 DEFAULT_WHEELS = ["torchao==0.16.0"]
 # holoserve.data reads CSV/TSV through `datasets`, which the GPU image lacks (it has pyarrow, pandas,

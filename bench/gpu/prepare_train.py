@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prepare `holoserve compress` runs on the offline GPU machine: base model and GLUE splits, small enough to carry.
 
-    python bench/gpu/prepare_train.py --data-dir GLUE_DIR [--tasks sst2,mrpc,cola] [--model DIR]
+    python -m bench.gpu.prepare_train --data-dir GLUE_DIR [--tasks sst2,mrpc,cola] [--model DIR]
 
 writes, git-ignored:
     .carry-train/base/              the base model (default all-MiniLM-L6-v2) with its weights in FP16
@@ -24,10 +24,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prepare import data_wheels, fetch_wheels, folder_bytes, report_sizes, tree_bytes  # noqa: E402
+from bench.gpu.prepare import data_wheels, fetch_wheels, folder_bytes, report_sizes, tree_bytes  # noqa: E402
 
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 

@@ -47,9 +47,6 @@ from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-for p in (str(ROOT), str(HERE)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
 KN_DEFAULT = [384, 768, 1536, 3072]
 M_DEFAULT = [128, 512, 1024, 2048, 4096, 8192, 16384]
@@ -477,8 +474,7 @@ def _gemm_ratios(row: dict[str, Any]) -> None:
 
 def _load_carried_checkpoint(run: Run):
     """The carried checkpoint unpacked into a temp folder (cpu-smoke: a tiny one built here)."""
-    import carry
-
+    from bench.gpu import carry
     from holoserve.core.artifact import load_artifact
 
     tmp = Path(tempfile.mkdtemp(prefix="holoserve-gpu-bench-"))
@@ -488,7 +484,7 @@ def _load_carried_checkpoint(run: Run):
     else:
         packed = Path(run.args.carry) / "checkpoint"
         if not (packed / carry.WEIGHTS).is_file():
-            raise FileNotFoundError(f"{packed} has no packed checkpoint: run bench/gpu/prepare.py CHECKPOINT first "
+            raise FileNotFoundError(f"{packed} has no packed checkpoint: run python -m bench.gpu.prepare CHECKPOINT first "
                                     "and carry .carry")
     art = carry.unpack(packed, tmp / "ckpt")
     return load_artifact(art.path), packed
@@ -1136,10 +1132,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("merged_from"):
         L += [f"Merged from {len(report['merged_from'])} runs on the same machine kind, started at "
               + ", ".join(f"{str(d)[11:16]}" for d in report["merged_from"])
-              + " UTC (`run.py --merge`): sections and GEMM rows each come whole from one run; an encoder "
+              + " UTC (`python -m bench.gpu.run --merge`): sections and GEMM rows each come whole from one run; an encoder "
               "variant marked with a run's time was measured in that run, not beside the rest of its table.", ""]
     if report.get("rerendered"):
-        L += ["Rendered again from this run's results.json by a later `run.py --merge`: the measurements are the "
+        L += ["Rendered again from this run's results.json by a later `python -m bench.gpu.run --merge`: the measurements are the "
               "run's own; the targets are judged as that version of the script judges them.", ""]
     if "targets" in report:
         L += ["## Targets", "", "| target | measured | threshold | met |", "| --- | --- | --- | --- |"]
@@ -1401,7 +1397,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--merge"]:  # --merge A/results.json [B/results.json ...] --out DIR (one: re-render)
         if "--out" not in argv or argv.index("--out") < 2 or len(argv) != argv.index("--out") + 2:
-            print("usage: run.py --merge RESULTS.json [RESULTS.json ...] --out DIR", file=sys.stderr)
+            print("usage: python -m bench.gpu.run --merge RESULTS.json [RESULTS.json ...] --out DIR", file=sys.stderr)
             return 2
         return merge_main(argv[1:argv.index("--out")], Path(argv[-1]))
     args = parse_args(argv)

@@ -34,8 +34,8 @@ The server runs with a low open-file limit (--server-nofile, 1024 by default: a 
 short header/body timeouts (--header-timeout, --body-timeout) so that a run takes about a minute.
 Results go to bench/results/hostile.json and .md.
 
-    python bench/hostile/run.py                      # a tiny random checkpoint (needs the dev install)
-    python bench/hostile/run.py --checkpoint runs/minilm-sst2-quick
+    python -m bench.hostile.run                      # a tiny random checkpoint (needs the dev install)
+    python -m bench.hostile.run --checkpoint runs/minilm-sst2-quick
 """
 from __future__ import annotations
 
@@ -57,7 +57,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402
 from holoserve.core.machine import cpu_name  # noqa: E402
@@ -1073,7 +1072,7 @@ def main() -> int:
                  "server_settings": {k.removeprefix("HOLOSERVE_").lower(): v for k, v in settings.items()},
                  "server_nofile": args.server_nofile,
                  "timeouts": {"header": args.header_timeout, "body": args.body_timeout},
-                 "command": "python bench/hostile/run.py" + (" --checkpoint CKPT" if args.checkpoint else "")}
+                 "command": "python -m bench.hostile.run" + (" --checkpoint CKPT" if args.checkpoint else "")}
 
     # 1. a sequence length beyond the position table
     table = position_table(ckpt)

@@ -11,14 +11,14 @@ The client is a minimal asyncio HTTP/1.1 keep-alive client: a general-purpose cl
 costs more CPU per request than the server does, and both share this machine's cores.
 Bounded: every level stops after --duration seconds or --max-requests answers, whichever is first.
 
-    python bench/serve_load/run.py --checkpoint runs/minilm-sst2-quick --data-dir "$GLUE_DIR"
+    python -m bench.serve_load.run --checkpoint runs/minilm-sst2-quick --data-dir "$GLUE_DIR"
 
 `--token-budgets 256,512` runs the token-budget comparison instead: count-based batching (batch 32)
 against the same server closing batches on padded tokens (--max-batch-tokens B), at --clients
 (default 32) with the SST-2 dev sentences' own mixed lengths, modes alternating round by round;
 it writes NAME_tokens.{json,md}.
 
-    python bench/serve_load/run.py --data-dir "$GLUE_DIR" --token-budgets 256,512 --clients 32 --duration 16
+    python -m bench.serve_load.run --data-dir "$GLUE_DIR" --token-budgets 256,512 --clients 32 --duration 16
 """
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 from holoserve import HoloServeError  # noqa: E402
 from holoserve.core.artifact import load_artifact, read_manifest  # noqa: E402
@@ -661,7 +660,7 @@ def main() -> int:
         (p for p in (REPO / "runs" / "minilm-sst2-quick", REPO / "runs" / "minilm-sst2-standin") if exported(p)), None)
     if ckpt is None or not exported(ckpt):
         sys.exit("no checkpoint with an ONNX Runtime export: pass --checkpoint DIR (after `holoserve export DIR`) "
-                 "or build a stand-in with bench/serve_load/standin.py")
+                 "or build a stand-in with python -m bench.serve_load.standin")
     art = load_artifact(ckpt)
     texts, text_source = sst2_sentences(args.data_dir)
     levels = [int(x) for x in args.clients.split(",")]

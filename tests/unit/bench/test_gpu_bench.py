@@ -28,9 +28,10 @@ def tiny_ckpt(tmp_path_factory):
 def test_cpu_smoke_run_writes_every_report(tmp_path):
     """The whole pipeline on tiny shapes with no CUDA call: tables, JSON, Markdown and plots."""
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)  # run as on the GPU machine: a module, from the repository root
     proc = subprocess.run(
-        [sys.executable, str(GPU_DIR / "run.py"), "--cpu-smoke", "--out", str(out), "--carry", str(tmp_path / "none")],
+        [sys.executable, "-m", "bench.gpu.run", "--cpu-smoke", "--out", str(out), "--carry", str(tmp_path / "none")],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -152,7 +153,8 @@ def test_setup_script_lays_out_the_package_as_installed(tmp_path):
     for name in ("holoserve", "compress", "export"):
         shutil.copytree(root / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "bench" / "gpu").mkdir(parents=True)
-    shutil.copy2(GPU_DIR / "setup.sh", copy / "bench" / "gpu" / "setup.sh")
+    for name in ("__init__.py", "gpu/__init__.py", "gpu/setup.sh", "gpu/run.py"):
+        shutil.copy2(GPU_DIR.parent / name, copy / "bench" / name)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("PYTHONPATH", None)
     probe = ("import holoserve, holoserve.compress.config as c, holoserve.export; "
@@ -162,6 +164,10 @@ def test_setup_script_lays_out_the_package_as_installed(tmp_path):
     assert out.returncode == 0, out.stderr
     first, second = out.stdout.split()
     assert first.startswith(str(copy)) and second.startswith(str(copy / "holoserve" / "compress"))
+    # the benchmark runs there as a module from the root of the copy
+    out = subprocess.run(["bash", "-c", "source bench/gpu/setup.sh || exit 3; python3 -S -m bench.gpu.run --help"],
+                         cwd=copy, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--cpu-smoke" in out.stdout, out.stderr
 
 
 def test_merge_combines_split_runs_and_marks_borrowed_variants(tmp_path):

@@ -31,7 +31,7 @@ def test_rounding_noise_records_each_draw_and_why_a_runtime_did_not_run(exported
     assert "| eps 1e-06 |" in md and "| eps 0.1 |" in md and "Not run: OpenVINO f32: no openvino export" in md
     assert (out / "rounding_noise.png").stat().st_size > 0
     assert small["summary"]["export_check_passes"] == 2  # 1e-6 changes nothing the export check would refuse
-    assert r["meta"]["command"].startswith('python bench/accuracy/rounding_noise.py ') and \
+    assert r["meta"]["command"].startswith('python -m bench.accuracy.rounding_noise ') and \
         '--data-dir "$GLUE_DIR"' in r["meta"]["command"] and str(tmp_path) not in r["meta"]["command"].replace(str(out), "")
 
 

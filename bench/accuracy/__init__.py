@@ -1,0 +1,1 @@
+"""Accuracy benchmarks: `python -m bench.accuracy.run` and its side studies."""

@@ -1,0 +1,1 @@
+"""CPU latency benchmarks: `python -m bench.cpu_latency.run` and its A/B scripts."""

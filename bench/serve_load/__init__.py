@@ -1,0 +1,1 @@
+"""HTTP serving load benchmark: `python -m bench.serve_load.run`."""
