@@ -28,8 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _ratio(dense, v, h) -> float:
     d = dense - v

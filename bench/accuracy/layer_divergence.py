@@ -21,10 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from holoserve.core.files import atomic_savefig  # noqa: E402
-from bench.accuracy.rounding_noise import command, position_table, save  # noqa: E402
+from bench.accuracy.rounding_noise import command, position_table, save
+from holoserve.core.files import atomic_savefig
 
 
 def probes(model) -> list[tuple[str, str]]:

@@ -28,9 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
+from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text
 
 EPS = "1e-6,3e-6,1e-5,3e-5,1e-4"
 OPENVINO_PRECISIONS = ("f32", "auto")

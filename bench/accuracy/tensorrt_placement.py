@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
 
 VARIANTS = [(), ("softmax",), ("qkv",), ("softmax", "qkv"), ("residual",), ("softmax", "residual"),
             ("softmax", "qkv", "residual")]

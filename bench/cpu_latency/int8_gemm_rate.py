@@ -14,7 +14,6 @@ beside the whole model's GEMM time from `profile_openvino.py`. Writes bench/resu
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone

@@ -14,7 +14,6 @@ same runs. Writes bench/results/NAME.{json,md}.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from collections import defaultdict

@@ -33,7 +33,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 
 QUANT_SIG = {"x_ptr": "*fp16", "out_ptr": "*i8", "scale_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr",
              "FMA_DIV": "constexpr", "SCALE_CHECK": "constexpr"}
