@@ -78,12 +78,12 @@ def test_gpu_cslt_linear_matches_reference(m):
     for kernel in ("cslt", "int_mm"):
         for quantizer in quantizers:
             lin = tc.QuantLinear(codes.cuda(), p.scales.cuda(), act, bias, kernel=kernel, dtype=torch.float16,
-                                 epilogue=e, quantizer=quantizer)
+                                 tuning=tc.Tuning(epilogue=e, quantizer=quantizer))
             got = lin(x.cuda().half()).float().cpu()
             assert got.shape == (m, 96)
             assert torch.allclose(got, want, atol=2e-2 * float(want.abs().max()), rtol=1e-2), (kernel, quantizer)
     searched = tc.QuantLinear(codes.cuda(), p.scales.cuda(), act, bias, kernel="cslt", dtype=torch.float16,
-                              epilogue=e, alg_search=True)
+                              tuning=tc.Tuning(epilogue=e, alg_search=True))
     got = searched(x.cuda().half()).float().cpu()
     assert list(searched.algs) == [m + (-m) % 16]
     assert torch.allclose(got, want, atol=2e-2 * float(want.abs().max()), rtol=1e-2)

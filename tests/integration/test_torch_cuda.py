@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from holoserve.backends import torch_cuda as tc  # noqa: E402
-from holoserve.compress.checkpoint import save_checkpoint  # noqa: E402
+from holoserve.compress.checkpoint import CheckpointContents, save_checkpoint  # noqa: E402
 from holoserve.compress.quant import calibrate_amax, input_quantizers  # noqa: E402
 from holoserve.data.tasks import get_task  # noqa: E402
 from tests.helpers.minilm import minilm_projected  # noqa: E402
@@ -43,9 +43,10 @@ def test_reference_kernel_matches_fake_quant_on_minilm_and_sst2(tmp_path):
 
     train = read_split("sst2", "train", data_dir, limit=32)
     amax = calibrate_amax(model, layers, [batch(train)])
-    art = save_checkpoint(model, src, tmp_path / "ckpt", task=get_task("sst2"), base_model="all-MiniLM-L6-v2",
-                          max_seq_length=64, sparse_layers=layers, weight_scales=scales, act_amax=amax)
-    enc = tc.encoder_from_artifact(art, kernel="reference", dtype=torch.float32)
+    art = save_checkpoint(model, src, tmp_path / "ckpt", CheckpointContents(task=get_task("sst2"),
+        base_model="all-MiniLM-L6-v2", max_seq_length=64, sparse_layers=layers, weight_scales=scales,
+        act_amax=amax))
+    enc = tc.encoder_from_artifact(art, linear=tc.LinearOptions(kernel="reference", dtype=torch.float32))
     dev = batch(read_split("sst2", "dev", data_dir, limit=32))
     with torch.no_grad():
         got = enc(**dev)

@@ -29,11 +29,22 @@ Modules, each importable on its own:
 """
 from __future__ import annotations
 
-from .backend import DEFAULT_BATCH_BUCKETS, DEFAULT_SEQ_BUCKETS, NAME, PRECISIONS, TorchCudaBackend, load
+from .backend import (
+    DEFAULT_BATCH_BUCKETS,
+    DEFAULT_SEQ_BUCKETS,
+    NAME,
+    PRECISIONS,
+    TorchCudaBackend,
+    TorchCudaOptions,
+    load,
+)
 from .encoder import (
     SUPPORTED_ACTS,
     BertShape,
+    CheckpointQuant,
     Encoder,
+    Fusion,
+    LinearOptions,
     build_encoder,
     checkpoint_tensors,
     encoder_from_artifact,
@@ -49,6 +60,7 @@ from .layers import (
     DenseLinear,
     Epilogue,
     QuantLinear,
+    Tuning,
     pad_rows,
 )
 from .numerics import dequantize, int8_linear_codes, int8_linear_reference, quantize_activation, weight_codes
@@ -57,7 +69,8 @@ from .probe import choose_epilogue, choose_quantizer, cuda_report, require_cuda
 __all__ = [
     "CSLT_DENSE_MULTIPLE", "CSLT_SPARSE_MULTIPLE", "DEFAULT_BATCH_BUCKETS", "DEFAULT_SEQ_BUCKETS", "EPILOGUES",
     "KERNELS", "NAME", "PRECISIONS", "QUANT_BLOCK", "SUPPORTED_ACTS",
-    "BertShape", "DenseLinear", "Encoder", "Epilogue", "GraphRunner", "QuantLinear", "TorchCudaBackend",
+    "BertShape", "CheckpointQuant", "DenseLinear", "Encoder", "Epilogue", "Fusion", "GraphRunner", "LinearOptions",
+    "QuantLinear", "TorchCudaBackend", "TorchCudaOptions", "Tuning",
     "add_layer_norm_quant", "build_encoder", "checkpoint_tensors", "choose_epilogue", "choose_quantizer",
     "cuda_report", "dequantize", "encoder_from_artifact", "int8_linear_codes", "int8_linear_reference", "load",
     "make_linear", "pad_rows", "quantize_activation", "quantize_activation_triton", "quantize_by_table", "require_cuda",

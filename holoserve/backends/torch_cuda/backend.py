@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -17,9 +17,9 @@ from holoserve.backends.base import BackendUnavailable
 from holoserve.core.artifact import Artifact
 
 from ._torch import torch
-from .encoder import encoder_from_artifact
+from .encoder import Fusion, LinearOptions, encoder_from_artifact
 from .graphs import GraphRunner
-from .layers import DenseLinear, QuantLinear
+from .layers import DenseLinear, QuantLinear, Tuning
 from .probe import choose_epilogue, choose_quantizer, require_cuda
 
 NAME = "torch-cuda"
@@ -74,33 +74,45 @@ class TorchCudaBackend:
         }
 
 
-# cuSPARSELt's algorithm search up to this many tokens (batch x padded length). On an H100 at seq 128
-# it made whole encoders 1.15-1.57x faster at batch 1 and 8 (128 and 1,024 tokens; per GEMM up to 3x at
-# 128 tokens) and changed little or lost up to 6 % from 4,096 tokens on (bench/results/gpu).
+# cuSPARSELt's algorithm search up to this many tokens (batch x padded length): it pays at small token
+# counts and not from 4,096 on; why: docs/results/2026-11-25-gpu-h100.md
 ALG_SEARCH_MAX_TOKENS = 2048
 
 
-def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kernel: str = "cslt",
-         batch_buckets: Iterable[int] = DEFAULT_BATCH_BUCKETS, seq_buckets: Iterable[int] | None = None,
-         max_batch: int | None = None, quantizer: str = "auto", alg_search: bool | int = ALG_SEARCH_MAX_TOKENS,
-         precision: str = "fp16", activation_table: str = "auto", **_ignored: Any) -> TorchCudaBackend:
-    """Load a checkpoint for 2:4 INT8 inference on the GPU (raises BackendUnavailable off-GPU).
+@dataclass(frozen=True)
+class TorchCudaOptions:
+    """The torch-cuda backend's settings; `load` takes them as keyword options and ignores other backends' ones."""
 
-    alg_search: where cuSPARSELt's own algorithm search picks each GEMM's algorithm (once per token
-    count, at warm-up, before the CUDA graphs are captured): True for every token count, an int N up
-    to N tokens, False never (algorithm 0).
+    device: str = "cuda"
+    graphs: bool = True  # one CUDA graph per (batch, sequence) bucket
+    kernel: str = "cslt"  # the quantized layers' kernel (layers.KERNELS)
+    batch_buckets: Iterable[int] = DEFAULT_BATCH_BUCKETS
+    seq_buckets: Iterable[int] | None = None  # None: DEFAULT_SEQ_BUCKETS
+    max_batch: int | None = None  # drops the batch buckets above it
+    quantizer: str = "auto"  # "torch", "triton", or "auto": the Triton kernels where the device probe agrees
+    # where cuSPARSELt's own search picks each GEMM's algorithm (once per token count, at warm-up, before the
+    # CUDA graphs are captured): True for every token count, an int N up to N tokens, False never (algorithm 0)
+    alg_search: bool | int = ALG_SEARCH_MAX_TOKENS
+    # "fp16": everything outside the INT8 GEMMs in FP16, fused Triton kernels; "fp32": INT32 GEMM output and FP32
+    # torch ops elsewhere, closest to the checkpoint's fake-quant model (FP16 rounding alone moves some logits), slower
+    precision: str = "fp16"
+    # how the FFN activation meets the next quantizer in FP16 (Encoder.use_code_tables): "on" a lookup of each FP16
+    # value's code; "off" the fused erf kernel for exact GELU, torch ops otherwise; "auto" the table where no fused
+    # kernel exists (ReLU, tanh GELU), the erf kernel for exact GELU (measured; the table for GELU is not yet)
+    activation_table: str = "auto"
 
-    precision="fp16" (default): everything outside the INT8 GEMMs in FP16, fused Triton kernels.
-    precision="fp32": the GEMMs write INT32 and everything else runs in FP32 with the torch ops,
-    for numerics closest to the checkpoint's fake-quant model (a quantized network turns 1-ulp
-    differences into whole-step code changes, so FP16 rounding alone moves some logits), slower.
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> "TorchCudaOptions":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in options.items() if k in names})
 
-    activation_table: how the FFN activation meets the next GEMM's quantizer in FP16 (Encoder.use_code_tables).
-    "on": a lookup of each FP16 value's code, for any activation; "off": the fused erf kernel for exact GELU,
-    the torch ops then the quantizer otherwise; "auto" (default): the table where no fused kernel
-    exists (ReLU, tanh GELU: one kernel that moves 3 bytes per element instead of two that move 7), the
-    erf kernel for exact GELU, which is measured; the table for GELU waits for its measurement.
-    """
+
+def load(artifact: Artifact, **options: Any) -> TorchCudaBackend:
+    """Load a checkpoint for 2:4 INT8 inference on the GPU (raises BackendUnavailable off-GPU);
+    `options` are TorchCudaOptions' fields, others are ignored."""
+    opts = TorchCudaOptions.from_options(options)
+    precision, activation_table, quantizer, device = opts.precision, opts.activation_table, opts.quantizer, opts.device
+    kernel = opts.kernel
     if precision not in PRECISIONS:
         raise HoloServeError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     if activation_table not in ACTIVATION_TABLE:
@@ -120,10 +132,11 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
     if quantizer == "auto":
         quantizer, quant_probe = choose_quantizer(device)
     fp16 = precision == "fp16"
-    model = encoder_from_artifact(artifact, kernel=kernel, dtype=torch.float16 if fp16 else torch.float32,
-                                  device=device, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search,
-                                  gelu_quant=fp16 and bool(quant_probe.get("gelu_fused")),
-                                  ln_quant=fp16 and bool(quant_probe.get("ln_fused")))
+    linear = LinearOptions(kernel=kernel, dtype=torch.float16 if fp16 else torch.float32, device=device,
+                           tuning=Tuning(epilogue=epilogue, quantizer=quantizer, alg_search=opts.alg_search))
+    fusion = Fusion(gelu_quant=fp16 and bool(quant_probe.get("gelu_fused")),
+                    ln_quant=fp16 and bool(quant_probe.get("ln_fused")))
+    model = encoder_from_artifact(artifact, linear=linear, fusion=fusion)
     table_note = "off"
     wants_table = activation_table == "on" or (activation_table == "auto" and model.shape.act != "gelu")
     if fp16 and quantizer == "triton" and wants_table:
@@ -136,15 +149,16 @@ def load(artifact: Artifact, *, device: str = "cuda", graphs: bool = True, kerne
         else:
             table_note = "off: the table kernel did not give the reference's codes on this device (see quantizer_probe)"
     limit = artifact.max_seq_length
-    seqs = sorted({s for s in (seq_buckets or DEFAULT_SEQ_BUCKETS) if s < limit} | {int(math.ceil(limit / 16) * 16)})
-    bb = [b for b in batch_buckets if max_batch is None or b <= max_batch] or [1]
-    runner = GraphRunner(model, device=device, batch_buckets=bb, seq_buckets=seqs, graphs=graphs)
+    seqs = sorted({s for s in (opts.seq_buckets or DEFAULT_SEQ_BUCKETS) if s < limit}
+                  | {int(math.ceil(limit / 16) * 16)})
+    bb = [b for b in opts.batch_buckets if opts.max_batch is None or b <= opts.max_batch] or [1]
+    runner = GraphRunner(model, device=device, batch_buckets=bb, seq_buckets=seqs, graphs=opts.graphs)
     kinds: dict[str, int] = {}
     for mod in model.modules():
         if isinstance(mod, (QuantLinear, DenseLinear)):
             kinds[mod.kernel] = kinds.get(mod.kernel, 0) + 1
     extra = {"device": rep, "kernel": kernel, "precision": precision, "epilogue": epilogue.name if epilogue else None,
-             "epilogue_probe": tried, "alg_search": alg_search, "quantizer": quantizer, "gelu_quant_fused": model.gelu_quant,
+             "epilogue_probe": tried, "alg_search": opts.alg_search, "quantizer": quantizer, "gelu_quant_fused": model.gelu_quant,
              "activation_table": table_note,
              "ln_quant_fused": model.ln_quant, "quantizer_probe": quant_probe, "gemm_kernels": kinds, "load_seconds": round(time.perf_counter() - t0, 2)}
     return TorchCudaBackend(artifact, runner, extra)

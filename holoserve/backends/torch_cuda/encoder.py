@@ -13,7 +13,7 @@ weights are exactly int8 codes x per-channel scale, so the codes are recovered w
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -24,7 +24,7 @@ from holoserve.core.numerics import ACT_SCALE_DIV
 
 from ._torch import F, Module, torch, torch_or_raise
 from .kernels import activation_code_table, add_layer_norm_quant, quantize_activation_triton, quantize_by_table
-from .layers import DenseLinear, Epilogue, QuantLinear
+from .layers import DenseLinear, QuantLinear, Tuning
 from .numerics import weight_codes
 
 SUPPORTED_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
@@ -218,82 +218,95 @@ class _FusedQKV(Module):  # type: ignore[misc]
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
+@dataclass(frozen=True)
+class LinearOptions:
+    """What every Linear of an encoder is built with."""
+
+    kernel: str = "cslt"  # every quantized layer's kernel (layers.KERNELS); "dense": float Linears throughout
+    dtype: Any = None  # the float dtype; None: torch.float16
+    device: Any = "cpu"
+    tuning: Tuning = Tuning()
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    """A checkpoint's quantization: INT8 weight scales and activation ranges by layer, and its 2:4 layers."""
+
+    weight_scales: Mapping[str, Any] | None = None
+    act_amax: Mapping[str, float] | None = None
+    sparse_layers: Iterable[str] = ()
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """Which operations the encoder fuses; each fusion needs the Triton quantizer except `qkv`."""
+
+    qkv: bool = True  # Q, K and V as one GEMM where their activation ranges agree
+    gelu_quant: bool = False  # exact GELU + the FFN output's quantizer in one kernel
+    ln_quant: bool = False  # residual add + LayerNorm + the next quantizer in one kernel
+
+
 def make_linear(weight, bias, *, scales=None, act_amax: float | None = None, sparse: bool = False,
-                kernel: str = "cslt", dtype=None, device="cpu", epilogue: Epilogue | None = None,
-                quantizer: str = "torch", alg_search: bool | int = False):
-    """One Linear of the encoder. Quantized layers (scales and an activation range) use `kernel`;
+                linear: LinearOptions = LinearOptions()):
+    """One Linear of the encoder. Quantized layers (scales and an activation range) use `linear.kernel`;
     with kernel="cslt" a quantized layer that is not 2:4 falls back to dense INT8 (`int_mm`)."""
-    dtype = dtype or torch.float16
+    dtype = linear.dtype or torch.float16
+    device = linear.device
     if scales is not None:
         scales = torch.as_tensor(np.asarray(scales, dtype=np.float32))
         codes = weight_codes(weight, scales)
-        if kernel != "dense" and act_amax is not None:
-            k = "int_mm" if (kernel == "cslt" and not sparse) else kernel
+        if linear.kernel != "dense" and act_amax is not None:
+            k = "int_mm" if (linear.kernel == "cslt" and not sparse) else linear.kernel
+            tuning = linear.tuning if k in ("cslt", "int_mm", "reference") else replace(linear.tuning, quantizer="torch")
             return QuantLinear(codes.to(device), scales.to(device), float(act_amax) / ACT_SCALE_DIV, bias,
-                               kernel=k, dtype=dtype, epilogue=epilogue,
-                               quantizer=quantizer if k in ("cslt", "int_mm", "reference") else "torch",
-                               alg_search=alg_search)
+                               kernel=k, dtype=dtype, tuning=tuning)
         weight = codes.float() * scales.reshape(-1, 1)  # the exact dequantized weight
     return DenseLinear(weight.float().to(device), bias, dtype=dtype)
 
 
-def build_encoder(
-    config: Mapping[str, Any],
-    state: Mapping[str, "torch.Tensor"],
-    *,
-    weight_scales: Mapping[str, Any] | None,
-    act_amax: Mapping[str, float] | None,
-    sparse_layers: Iterable[str] = (),
-    kernel: str = "cslt",
-    dtype=None,
-    device="cpu",
-    epilogue: Epilogue | None = None,
-    fuse_qkv: bool = True,
-    quantizer: str = "torch",
-    alg_search: bool | int = False,
-    gelu_quant: bool = False,
-    ln_quant: bool = False,
-) -> "Encoder":
+def build_encoder(config: Mapping[str, Any], state: Mapping[str, "torch.Tensor"], quant: CheckpointQuant, *,
+                  linear: LinearOptions = LinearOptions(), fusion: Fusion = Fusion()) -> "Encoder":
     """An Encoder for a BERT state dict (transformers names) and the checkpoint's quantization.
 
-    `kernel` is used for every quantized layer (see QuantLinear); layers without INT8 scales and an
+    `linear.kernel` is used for every quantized layer (see QuantLinear); layers without INT8 scales and an
     activation range, and every layer with kernel="dense", run as float Linears.
     """
     torch_or_raise()
-    dtype = dtype or torch.float16
+    linear = replace(linear, dtype=linear.dtype or torch.float16)
     shape = BertShape.from_config(config)
     prefix = "bert." if any(k.startswith("bert.") for k in state) else ""
-    weight_scales = dict(weight_scales or {})
-    act_amax = dict(act_amax or {})
-    sparse = set(sparse_layers)
-    kw = dict(kernel=kernel, dtype=dtype, device=device, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search)
+    weight_scales = dict(quant.weight_scales or {})
+    act_amax = dict(quant.act_amax or {})
+    sparse = set(quant.sparse_layers)
 
     def single(name: str):
         return make_linear(state[f"{name}.weight"], state.get(f"{name}.bias"), scales=weight_scales.get(name),
-                           act_amax=act_amax.get(act_key(name)), sparse=name in sparse, **kw)
+                           act_amax=act_amax.get(act_key(name)), sparse=name in sparse, linear=linear)
 
     linears: dict[str, Any] = {}
     for i in range(shape.layers):
         lp = f"{prefix}encoder.layer.{i}."
         names = [f"{lp}attention.self.{x}" for x in ("query", "key", "value")]
         amaxes = {act_amax.get(act_key(n)) for n in names}
-        quant = {n in weight_scales for n in names}
+        quantized = {n in weight_scales for n in names}
         sp = {n in sparse for n in names}
-        if fuse_qkv and len(amaxes) == 1 and len(quant) == 1 and len(sp) == 1:
+        if fusion.qkv and len(amaxes) == 1 and len(quantized) == 1 and len(sp) == 1:
             # Q, K and V read the same tensor: with one activation scale they are one GEMM.
             w = torch.cat([state[f"{n}.weight"] for n in names])
             b = torch.cat([state[f"{n}.bias"] for n in names])
             scales = np.concatenate([np.asarray(weight_scales[n], dtype=np.float32) for n in names]) \
-                if quant == {True} else None
-            qkv = _FusedQKV([make_linear(w, b, scales=scales, act_amax=amaxes.pop(), sparse=sp == {True}, **kw)])
+                if quantized == {True} else None
+            qkv = _FusedQKV([make_linear(w, b, scales=scales, act_amax=amaxes.pop(), sparse=sp == {True},
+                                         linear=linear)])
         else:
             qkv = _FusedQKV([single(n) for n in names])
         linears[f"{lp}attention.self.qkv"] = qkv
         for n in ("attention.output.dense", "intermediate.dense", "output.dense"):
             linears[lp + n] = single(lp + n)
-    enc = Encoder(shape, state, linears, dtype=dtype, device=device, prefix=prefix).eval()
-    enc.gelu_quant = bool(gelu_quant and quantizer == "triton" and shape.act == "gelu")
-    enc.ln_quant = bool(ln_quant and quantizer == "triton" and enc._fusable())
+    enc = Encoder(shape, state, linears, dtype=linear.dtype, device=linear.device, prefix=prefix).eval()
+    triton = linear.tuning.quantizer == "triton"
+    enc.gelu_quant = bool(fusion.gelu_quant and triton and shape.act == "gelu")
+    enc.ln_quant = bool(fusion.ln_quant and triton and enc._fusable())
     return enc
 
 
@@ -305,13 +318,11 @@ def checkpoint_tensors(art: Artifact) -> tuple[dict[str, Any], dict[str, "torch.
     return config, load_file(str(art.path / "model.safetensors"), device="cpu")
 
 
-def encoder_from_artifact(art: Artifact, *, kernel: str = "cslt", dtype=None, device="cpu",
-                          epilogue: Epilogue | None = None, quantizer: str = "torch",
-                          alg_search: bool | int = False, gelu_quant: bool = False, ln_quant: bool = False) -> "Encoder":
+def encoder_from_artifact(art: Artifact, *, linear: LinearOptions = LinearOptions(),
+                          fusion: Fusion = Fusion()) -> "Encoder":
     """The Encoder of a checkpoint folder: its weights, INT8 weight scales and activation ranges
     (its sparse layers count as 2:4 only when the checkpoint's pattern is 2:4)."""
     config, state = checkpoint_tensors(art)
-    return build_encoder(config, state, weight_scales=art.all_weight_scales(), act_amax=art.activation_amax(),
-                         sparse_layers=art.sparse_layers if art.nm == (2, 4) else (), kernel=kernel,
-                         dtype=dtype, device=device, epilogue=epilogue, quantizer=quantizer, alg_search=alg_search,
-                         gelu_quant=gelu_quant, ln_quant=ln_quant)
+    quant = CheckpointQuant(weight_scales=art.all_weight_scales(), act_amax=art.activation_amax(),
+                            sparse_layers=art.sparse_layers if art.nm == (2, 4) else ())
+    return build_encoder(config, state, quant, linear=linear, fusion=fusion)

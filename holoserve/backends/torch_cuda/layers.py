@@ -47,6 +47,16 @@ EPILOGUES = (
 )
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """How a quantized Linear's GEMM runs on the device; the load-time probes choose these (probe.py)."""
+
+    epilogue: Epilogue | None = None  # None: EPILOGUES[0]
+    quantizer: str = "torch"  # "torch" ops or the fused "triton" kernels
+    # cuSPARSELt's own algorithm search: True for every token count, an int N up to N tokens, False never
+    alg_search: bool | int = False
+
+
 class QuantLinear(Module):  # type: ignore[misc]
     """A Linear whose input is quantized per tensor and whose weight is int8 per output channel.
 
@@ -57,9 +67,9 @@ class QuantLinear(Module):  # type: ignore[misc]
              dense      plain float Linear with the dequantized weight, no activation quantization
     """
 
-    def __init__(self, w_codes, w_scales, act_scale, bias, *, kernel: str, dtype, epilogue: Epilogue | None = None,
-                 quantizer: str = "torch", alg_search: bool | int = False):
+    def __init__(self, w_codes, w_scales, act_scale, bias, *, kernel: str, dtype, tuning: Tuning = Tuning()):
         super().__init__()
+        quantizer = tuning.quantizer
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel {kernel!r}; choose one of {KERNELS}")
         if quantizer not in ("torch", "triton"):
@@ -68,11 +78,11 @@ class QuantLinear(Module):  # type: ignore[misc]
         self.quantizer = quantizer
         # cuSPARSELt algorithm per token count, found by its own search on the first call outside
         # a graph capture (the warm-up before each capture); 0 (the library default) otherwise
-        self.alg_search = alg_search
+        self.alg_search = tuning.alg_search
         self.algs: dict[int, int] = {}
         self.out_features, self.in_features = w_codes.shape
         self.dtype = dtype
-        self.epilogue = epilogue or EPILOGUES[0]
+        self.epilogue = tuning.epilogue or EPILOGUES[0]
         dev = w_codes.device
         self.register_buffer("w_scales", w_scales.float().to(dev))
         self.register_buffer("act_scale", torch.as_tensor(act_scale, dtype=torch.float32, device=dev).reshape(()))

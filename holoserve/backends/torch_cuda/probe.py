@@ -14,7 +14,7 @@ from holoserve.core.numerics import ACT_SCALE_DIV, WEIGHT_QMAX
 
 from ._torch import F, torch, torch_or_raise
 from .kernels import activation_code_table, add_layer_norm_quant, quantize_activation_triton, quantize_by_table
-from .layers import EPILOGUES, Epilogue, QuantLinear
+from .layers import EPILOGUES, Epilogue, QuantLinear, Tuning
 from .numerics import int8_linear_reference, quantize_activation
 
 
@@ -80,7 +80,7 @@ def choose_epilogue(device="cuda", dtype=None) -> tuple[Epilogue, list[dict[str,
     # FP32 output is not on cuSPARSELt's INT8 menu: that precision takes INT32 and dequantizes after
     for e in (EPILOGUES if dtype != torch.float32 else [e for e in EPILOGUES if not e.alpha]):
         try:
-            lin = QuantLinear(codes.to(device), scales.to(device), act, bias, kernel="cslt", dtype=dtype, epilogue=e)
+            lin = QuantLinear(codes.to(device), scales.to(device), act, bias, kernel="cslt", dtype=dtype, tuning=Tuning(epilogue=e))
             got = lin(x.to(device, dtype)).float().cpu()
             torch.cuda.synchronize()
             err = float((got - want).abs().max() / want.abs().max())

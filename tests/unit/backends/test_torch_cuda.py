@@ -80,17 +80,21 @@ ids = torch.randint(5, 300, (3, 16), generator=g)
 batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
 amax = calibrate_amax(model, layers, [batch])
 state = model.state_dict()
-kw = dict(weight_scales=scales, act_amax=amax, sparse_layers=layers, kernel="reference", dtype=torch.float32)
-plain = tc.build_encoder(cfg.to_dict(), state, **kw)
-fused = tc.build_encoder(cfg.to_dict(), state, quantizer="triton", gelu_quant=True, **kw)
+from dataclasses import replace
+quant = tc.CheckpointQuant(weight_scales=scales, act_amax=amax, sparse_layers=layers)
+lin = tc.LinearOptions(kernel="reference", dtype=torch.float32)
+with_triton = lambda lin: replace(lin, tuning=tc.Tuning(quantizer="triton"))  # noqa: E731
+plain = tc.build_encoder(cfg.to_dict(), state, quant, linear=lin)
+fused = tc.build_encoder(cfg.to_dict(), state, quant, linear=with_triton(lin), fusion=tc.Fusion(gelu_quant=True))
 assert fused.gelu_quant and not plain.gelu_quant and not fused.ln_quant
 with torch.no_grad():
     a, b = plain(**batch), fused(**batch)
 assert torch.allclose(a, b, atol=2e-2), (a - b).abs().max()
 # FP16 throughout, as on the GPU: LayerNorm + residual + quantize fused as well
-kw["dtype"] = torch.float16
-plain16 = tc.build_encoder(cfg.to_dict(), state, **kw)
-fused16 = tc.build_encoder(cfg.to_dict(), state, quantizer="triton", gelu_quant=True, ln_quant=True, **kw)
+lin16 = replace(lin, dtype=torch.float16)
+plain16 = tc.build_encoder(cfg.to_dict(), state, quant, linear=lin16)
+fused16 = tc.build_encoder(cfg.to_dict(), state, quant, linear=with_triton(lin16),
+                           fusion=tc.Fusion(gelu_quant=True, ln_quant=True))
 assert fused16.ln_quant and fused16.gelu_quant
 with torch.no_grad():
     c, d = plain16(**batch), fused16(**batch)
@@ -110,7 +114,8 @@ assert torch.equal(tc.quantize_by_table(special, tab),  # torch's GELU, a NaN ac
 assert tc.quantize_by_table(special, relu_tab := tc.activation_code_table(torch.nn.functional.relu, s)
                             ).tolist() == [[0, 127, 0, 0]]
 assert torch.equal(tc.quantize_by_table(fin, relu_tab), tc.quantize_activation(fin.float().clamp_min(0), s))
-tables16 = tc.build_encoder(cfg.to_dict(), state, quantizer="triton", gelu_quant=True, ln_quant=True, **kw)
+tables16 = tc.build_encoder(cfg.to_dict(), state, quant, linear=with_triton(lin16),
+                            fusion=tc.Fusion(gelu_quant=True, ln_quant=True))
 tables16.use_code_tables()
 assert tables16.code_tables and tables16.layers[0]["ffn_out"].code_table.shape == (65536,)
 with torch.no_grad():
@@ -119,7 +124,7 @@ assert torch.allclose(d, e, atol=3e-2), (d - e).abs().max()
 tables16.use_code_tables(False)
 assert tables16.gelu_quant and not tables16.code_tables
 try:
-    tc.build_encoder(cfg.to_dict(), state, **{**kw, "dtype": torch.float32}).use_code_tables()
+    tc.build_encoder(cfg.to_dict(), state, quant, linear=lin).use_code_tables()
     raise AssertionError("an FP32 encoder took code tables")
 except ValueError as err:
     assert "FP16" in str(err)
@@ -230,7 +235,7 @@ def test_dense_encoder_matches_transformers(tiny_checkpoint):
     """The graph-capturable encoder is BERT: float path equals the transformers model."""
     art, vocab = tiny_checkpoint
     ref, _ = load_model(art.path)
-    enc = tc.encoder_from_artifact(art, kernel="dense", dtype=torch.float32)
+    enc = tc.encoder_from_artifact(art, linear=tc.LinearOptions(kernel="dense", dtype=torch.float32))
     for batch in _batches(vocab, n=2, seed=5):
         with torch.no_grad():
             want = ref(**batch).logits
@@ -244,7 +249,7 @@ def test_quantized_encoder_matches_checkpoint_fake_quant(tiny_checkpoint, kernel
     art, vocab = tiny_checkpoint
     ref, _ = load_model(art.path)
     layers = art.sparse_layers
-    enc = tc.encoder_from_artifact(art, kernel=kernel, dtype=torch.float32)
+    enc = tc.encoder_from_artifact(art, linear=tc.LinearOptions(kernel=kernel, dtype=torch.float32))
     n_q = sum(isinstance(m, tc.QuantLinear) for m in enc.modules())
     assert n_q == 2 * 4  # fused QKV + attention out + FFN in + FFN out, per layer
     agree = total = 0
@@ -266,8 +271,9 @@ def test_qkv_not_fused_when_ranges_differ(tiny_checkpoint):
     key = next(k for k in amax if k.endswith("attention.self.key.input"))
     amax[key] *= 2
     q = art.all_weight_scales()
-    enc = tc.build_encoder(config, state, weight_scales=q, act_amax=amax, sparse_layers=art.sparse_layers,
-                           kernel="reference", dtype=torch.float32)
+    enc = tc.build_encoder(config, state, tc.CheckpointQuant(weight_scales=q, act_amax=amax,
+                                                             sparse_layers=art.sparse_layers),
+                           linear=tc.LinearOptions(kernel="reference", dtype=torch.float32))
     assert len(enc.layers[0]["qkv"].parts) == 3 or len(enc.layers[1]["qkv"].parts) == 3
     ids = torch.randint(5, 50, (2, 8))
     out = enc(ids, torch.ones_like(ids), torch.zeros_like(ids))
@@ -336,7 +342,7 @@ def test_algorithm_search_covers_the_token_counts_it_is_given(monkeypatch):
 
     def layer(alg_search):
         lin = QuantLinear(codes, p.scales, torch.tensor(0.01), None, kernel="reference", dtype=torch.float32,
-                          alg_search=alg_search)
+                          tuning=tc.Tuning(alg_search=alg_search))
         lin.packed = codes  # stands in for the compressed weight: the search only passes it on
         return lin
 
@@ -350,10 +356,10 @@ def test_algorithm_search_covers_the_token_counts_it_is_given(monkeypatch):
     assert layer(False)._alg(rows(16)) == 0 and layer(0)._alg(rows(16)) == 0
     searched.clear()
     assert layer(True)._alg(rows(16384)) == 3 and searched == [16384]
-    from holoserve.backends.torch_cuda.backend import ALG_SEARCH_MAX_TOKENS, load
+    from holoserve.backends.torch_cuda.backend import ALG_SEARCH_MAX_TOKENS, TorchCudaOptions
     import inspect
 
-    assert inspect.signature(load).parameters["alg_search"].default == ALG_SEARCH_MAX_TOKENS == 2048
+    assert inspect.signature(TorchCudaOptions).parameters["alg_search"].default == ALG_SEARCH_MAX_TOKENS == 2048
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
