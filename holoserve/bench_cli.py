@@ -11,6 +11,7 @@ Light at import time (argparse only), so the slim server image can offer this co
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from holoserve.core.choices import OPENVINO_KERNELS
@@ -89,14 +90,24 @@ def random_inputs(rng, batch: int, seq: int, vocab: int, pair: bool):
     return ids, mask, tt
 
 
-def time_backend(backend, *, batch: int, seq: int, vocab: int, pair: bool, warmup: int, iters: int, rng,
-                 clock=None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Workload:
+    """The inputs one timing feeds a backend: `batch` sequences of `seq` random ids below `vocab`."""
+
+    batch: int
+    seq: int
+    vocab: int
+    pair: bool  # second segment's token type ids set, as for a sentence-pair task
+
+
+def time_backend(backend, work: Workload, *, warmup: int, iters: int, rng, clock=None) -> dict[str, Any]:
     """Median/p90 wall-clock latency of backend.infer (host arrays in, host logits out)."""
     import time
 
     import numpy as np
 
     clock = clock or time.perf_counter
+    batch, seq, vocab, pair = work.batch, work.seq, work.vocab, work.pair
     for _ in range(warmup):
         backend.infer(*random_inputs(rng, batch, seq, vocab, pair))
     times = []
@@ -203,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         for seq in seqs:
             for batch in args.batch:
                 try:
-                    r = time_backend(backend, batch=batch, seq=seq, vocab=vocab, pair=art.is_pair,
+                    r = time_backend(backend, Workload(batch=batch, seq=seq, vocab=vocab, pair=art.is_pair),
                                      warmup=args.warmup, iters=args.iters, rng=rng)
                 except Exception as e:  # noqa: BLE001 - one failing configuration must not end the run
                     r = {"batch": batch, "seq": seq, "error": f"{type(e).__name__}: {e}"}

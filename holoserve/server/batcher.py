@@ -70,19 +70,30 @@ class _Item:
         self.enc, self.future, self.t_enqueue = enc, future, t
 
 
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How the batcher forms batches (the module docstring says how each limit acts)."""
+
+    max_batch_size: int  # sequences per backend call
+    max_queue_delay_ms: float  # the longest the oldest waiting sequence waits for company
+    max_queue_size: int  # waiting sequences; one more is refused with QueueFull
+    max_padding_waste: float = 0.25  # the padded share above which a merged batch runs in length groups
+    inline_single: bool = False  # a lone sequence with nothing queued runs on the event loop itself
+    max_batch_tokens: int = 0  # padded tokens per batch (sequences x the longest); 0: no token budget
+
+
 class DynamicBatcher:
-    def __init__(self, infer: InferFn, *, max_batch_size: int, max_queue_delay_ms: float, max_queue_size: int,
-                 pad_id: int = 0, max_padding_waste: float = 0.25, metrics: ServerMetrics | None = None,
-                 inline_single: bool = False, max_batch_tokens: int = 0):
+    def __init__(self, infer: InferFn, policy: BatchPolicy, *, pad_id: int = 0, metrics: ServerMetrics | None = None):
         self._infer = infer
-        self.max_batch_tokens = max_batch_tokens
-        self.max_batch_size = max_batch_size
-        self.max_delay = max_queue_delay_ms / 1000.0
-        self.max_queue_size = max_queue_size
+        self.policy = policy
+        self.max_batch_tokens = policy.max_batch_tokens
+        self.max_batch_size = policy.max_batch_size
+        self.max_delay = policy.max_queue_delay_ms / 1000.0
+        self.max_queue_size = policy.max_queue_size
         self.pad_id = pad_id
-        self.max_padding_waste = max_padding_waste
+        self.max_padding_waste = policy.max_padding_waste
         self.metrics = metrics
-        self.inline_single = inline_single
+        self.inline_single = policy.inline_single
         self._queue: deque[_Item] = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None

@@ -18,7 +18,7 @@ from .. import HoloServeError
 from holoserve.core.artifact import MANIFEST, Artifact
 from ..backends.base import Backend, load_backend
 from holoserve.core.tokenizer import Encoded, TextEncoder
-from .batcher import DynamicBatcher, InferenceFailed, QueueFull, Result, ShuttingDown
+from .batcher import BatchPolicy, DynamicBatcher, InferenceFailed, QueueFull, Result, ShuttingDown
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import ApiError, InputLimits, Inputs, ModelInfo, ModelRef, PredictRequest, PredictResponse, Status
@@ -157,12 +157,10 @@ class ClassifierService:
         log.info("serving %s (version %s) with backend %s", self.name, self.version, self.backend.name,
                  extra={"backend": self.backend.info(), "selection": self.decision})
         self.model_ref = ModelRef(name=self.name, version=self.version, backend=self.backend.name)
-        self.batcher = DynamicBatcher(self.backend.infer, max_batch_size=cfg.max_batch_size,
-                                      max_queue_delay_ms=cfg.max_queue_delay_ms,
-                                      max_queue_size=cfg.max_queue_size, pad_id=self.encoder.pad_id,
-                                      max_padding_waste=cfg.padding_waste_for(self.backend),
-                                      metrics=self.metrics, inline_single=cfg.inline_single,
-                                      max_batch_tokens=cfg.max_batch_tokens)
+        policy = BatchPolicy(max_batch_size=cfg.max_batch_size, max_queue_delay_ms=cfg.max_queue_delay_ms,
+                             max_queue_size=cfg.max_queue_size, max_padding_waste=cfg.padding_waste_for(self.backend),
+                             inline_single=cfg.inline_single, max_batch_tokens=cfg.max_batch_tokens)
+        self.batcher = DynamicBatcher(self.backend.infer, policy, pad_id=self.encoder.pad_id, metrics=self.metrics)
         self.batcher.start()
         self.warmup_task = asyncio.get_running_loop().create_task(self._warm())
 

@@ -472,7 +472,7 @@ def _tag_logits(ids: np.ndarray) -> np.ndarray:
 def test_zero_queue_delay_dispatches_at_once_and_still_batches_under_load():
     """--max-queue-delay-ms 0: a lone request runs immediately; requests that arrive while an
     inference runs are merged into the next batch."""
-    from holoserve.server.batcher import DynamicBatcher
+    from holoserve.server.batcher import BatchPolicy, DynamicBatcher
 
     sizes: list[int] = []
     gate = threading.Event()
@@ -484,7 +484,7 @@ def test_zero_queue_delay_dispatches_at_once_and_still_batches_under_load():
         return _tag_logits(ids)
 
     async def main():
-        b = DynamicBatcher(infer, max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64)
+        b = DynamicBatcher(infer, BatchPolicy(max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64))
         b.start()
         first = asyncio.ensure_future(b.submit([_seq(100)]))
         while not sizes:
@@ -504,7 +504,7 @@ def test_zero_queue_delay_dispatches_at_once_and_still_batches_under_load():
 def test_inline_single_runs_a_lone_sequence_on_the_loop_and_batches_in_the_worker():
     """inline_single: a lone sequence with nothing queued runs on the event-loop thread (no hand-off);
     a merged batch still runs in the inference thread; without the option everything does."""
-    from holoserve.server.batcher import DynamicBatcher
+    from holoserve.server.batcher import BatchPolicy, DynamicBatcher
 
     async def main(inline: bool):
         loop_thread = threading.current_thread()
@@ -514,7 +514,8 @@ def test_inline_single_runs_a_lone_sequence_on_the_loop_and_batches_in_the_worke
             seen.append((ids.shape[0], threading.current_thread() is loop_thread))
             return _tag_logits(ids)
 
-        b = DynamicBatcher(infer, max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64, inline_single=inline)
+        b = DynamicBatcher(infer, BatchPolicy(max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64,
+                                              inline_single=inline))
         b.start()
         one = await b.submit([_seq(5)])
         two = await b.submit([_seq(6), _seq(9)])

@@ -10,7 +10,7 @@ import pytest
 
 from holoserve import HoloServeError
 from holoserve.core.tokenizer import Encoded
-from holoserve.server.batcher import DynamicBatcher
+from holoserve.server.batcher import BatchPolicy, DynamicBatcher
 from holoserve.server.config import ServerConfig
 
 
@@ -33,8 +33,9 @@ def run(lengths: list[int], *, max_batch_tokens: int, max_batch_size: int = 32, 
         return ids[:, :1].astype(np.float32)
 
     async def main():
-        b = DynamicBatcher(infer, max_batch_size=max_batch_size, max_queue_delay_ms=delay_ms, max_queue_size=256,
-                           max_padding_waste=-1.0, max_batch_tokens=max_batch_tokens)
+        b = DynamicBatcher(infer, BatchPolicy(max_batch_size=max_batch_size, max_queue_delay_ms=delay_ms,
+                                              max_queue_size=256, max_padding_waste=-1.0,
+                                              max_batch_tokens=max_batch_tokens))
         b.start()
         first = asyncio.ensure_future(b.submit([seq(4, 1)]))
         while not calls:
@@ -78,8 +79,8 @@ def test_budget_counts_as_full_for_the_queue_delay():
         return ids[:, :1].astype(np.float32)
 
     async def main():
-        b = DynamicBatcher(infer, max_batch_size=32, max_queue_delay_ms=3000, max_queue_size=64,
-                           max_padding_waste=-1.0, max_batch_tokens=60)
+        b = DynamicBatcher(infer, BatchPolicy(max_batch_size=32, max_queue_delay_ms=3000, max_queue_size=64,
+                                              max_padding_waste=-1.0, max_batch_tokens=60))
         b.start()
         out = await asyncio.gather(*(b.submit([seq(30, 10 + i)]) for i in range(4)))
         await b.stop(5)
