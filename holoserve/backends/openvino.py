@@ -190,8 +190,8 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = F
 
 def check_gemm_kernels(compiled, path) -> dict[str, int]:
     """The GEMM kernel counts, after one tiny run if the kernels are not chosen yet. Raises
-    BackendUnavailable when any GEMM runs OpenVINO's reference kernel: that is orders of magnitude
-    slower (docs/results/2026-11-24-openvino.md), so a server would time out rather than serve."""
+    BackendUnavailable when any GEMM runs OpenVINO's reference kernel, too slow for a server to answer
+    in time; why: docs/results/2026-11-24-openvino.md"""
     kernels = gemm_kernels(compiled)
     if any(k.startswith("undef") for k in kernels):
         request = compiled.create_infer_request()
@@ -207,8 +207,8 @@ def check_gemm_kernels(compiled, path) -> dict[str, int]:
     if slow:
         raise BackendUnavailable(
             f"OpenVINO would run {slow} of {sum(kernels.values())} GEMMs of {Path(path).name} in its reference "
-            f"kernel at inference precision {inference_precision(compiled)} on this CPU (orders of magnitude "
-            "slower); use --openvino-precision auto, bf16 or f32")
+            f"kernel at inference precision {inference_precision(compiled)} on this CPU (far too slow to "
+            "serve); use --openvino-precision auto, bf16 or f32")
     return kernels
 
 

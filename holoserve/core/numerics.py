@@ -22,9 +22,9 @@ ACT_SCALE_DIV = 127.0
 UINT8_ZERO_POINT = 128
 
 # The TensorRT placement quantizes a residual-Add input only if its per-tensor INT8 Q/DQ keeps at least
-# this signal-to-noise ratio on the calibration rows' real tokens (export "auto", and TensorRT QAT).
-# On MiniLM the FFN-output sides measure 14-23 dB (one scale over outlier channels rounds most values
-# to zero) and every other residual input 20-39 dB (docs/results/2026-11-24-tensorrt-placement.md).
+# this signal-to-noise ratio on the calibration rows' real tokens (export "auto", and TensorRT QAT): it
+# separates the FFN-output sides, where one scale over outlier channels rounds most values to zero, from
+# every other residual input; why: docs/results/2026-11-24-tensorrt-placement.md
 RESIDUAL_MIN_SQNR_DB = 20.0
 SQNR_CAP_DB = 120.0  # what a tensor exactly on its grid (or all zeros) gets
 

@@ -20,23 +20,19 @@ class ServerConfig:
     port: int = 8000
     workers: int = 1
     max_batch_size: int = 32  # 1 turns dynamic batching off
-    # How long a non-full batch waits for company. 0 (Triton's default too): under load, batches form
-    # on their own from requests that arrive while the previous batch runs (SST-2 on a 2-core x86
-    # CPU, 32 clients: mean batch 15.4 at 0 ms vs 15.8 at 1 ms, same throughput), and a lone request
-    # does not wait for company that never comes.
+    # How long a non-full batch waits for company; 0 (Triton's default too), as under load batches form from
+    # requests that arrive while the previous batch runs; why: docs/results/2026-11-21-serving.md
     max_queue_delay_ms: float = 0.0
     # Split a merged batch into length groups when padding would pass this share of its tokens; negative:
     # never. "auto": 0.25 on CPU backends; never on GPU ones (torch-cuda, tensorrt), where one padded
-    # launch costs less than several small ones (H100, MiniLM, batch 32: 27,753 seq/s padded to the
-    # longest vs 5,220 in length groups).
+    # launch costs less than several small ones; why: docs/results/2026-11-25-gpu-h100.md
     max_padding_waste: str = "auto"
     # Close a batch once its padded tokens (sequences x the longest) would pass this budget; 0: count only.
     max_batch_tokens: int = 0
     # A lone sequence with nothing queued behind it runs on the event-loop thread instead of being
-    # handed to the inference thread: the hand-off and the wake-ups it costs go away (HTTP overhead
-    # at batch 1 on a 2-core x86 CPU: 0.91 ms with it, 1.11-1.23 ms without). The loop is busy for that one
-    # run, so a request arriving meanwhile is read when it ends: it would have waited for the single
-    # inference thread anyway.
+    # handed to the inference thread, saving the hand-off and its wake-ups; why: docs/results/2026-11-21-serving.md
+    # The loop is busy for that one run, so a request arriving meanwhile is read when it ends: it would
+    # have waited for the single inference thread anyway.
     inline_single: bool = True
     max_queue_size: int = 256  # sequences waiting for inference; beyond this: 503 + Retry-After
     max_items: int = 64  # texts (or pairs) per request
@@ -44,13 +40,16 @@ class ServerConfig:
     max_body_bytes: int = 1_000_000  # whole request body; beyond this: 413
     max_seq_length: int = 0  # 0: the checkpoint's manifest value
     threads: int = 0  # backend intra-op threads; 0: the library's default
-    # OpenVINO's precision for the float ops around its INT8 GEMMs: "auto" is its CPU default (bf16 where
-    # the CPU has bf16 units: ~2 % of predictions differ from `holoserve eval`), "f32" matches it.
+    # OpenVINO's precision for the float ops around its INT8 GEMMs: "auto" is its CPU default (bf16 where the
+    # CPU has bf16 units: a few predictions differ from `holoserve eval`), "f32" matches `holoserve eval`;
+    # why: docs/results/2026-11-24-openvino.md
     openvino_precision: str = "auto"
-    # OpenVINO models compiled for fixed (batch x seq) shapes beside the dynamic one, e.g. "1x128,32x128":
-    # a batch that fits one with at most 10 % padding runs there, in 13-26 % less time (backends/openvino.py).
+    # OpenVINO models compiled for fixed (batch x seq) shapes beside the dynamic one, e.g. "1x128,32x128": a batch
+    # that fits one with little padding (openvino.STATIC_PAD_SHARE) runs there, where OpenVINO fuses more;
+    # why: docs/results/2026-11-24-openvino.md
     openvino_shapes: str = ""
-    # OpenVINO's sparse INT8 weight decompression (CPUs with AMX only): off, as it measured no consistent gain.
+    # OpenVINO's sparse INT8 weight decompression (CPUs with AMX only): off, as it showed no consistent gain;
+    # why: docs/results/2026-11-24-openvino.md
     openvino_sparse_weights: bool = False
     # HoloServe's 2:4 INT8 kernels for OpenVINO's Linears (holoserve.kernels): auto = where the CPU and a C++
     # compiler (or a prebuilt library) allow them; on = fail without them; off = OpenVINO's GEMMs.

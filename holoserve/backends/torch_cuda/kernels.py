@@ -33,9 +33,8 @@ def _triton_quant_kernel():
         # (a @triton.jit body sees module globals only, so tl.div_rn is named directly: IEEE division)
         # The saturation bounds -128.0 / 127.0 are ACT_QMIN / ACT_QMAX of holoserve.core.numerics,
         # spelled as literals because the kernel bodies need compile-time constants.
-        # _gelu_quant is bound by the instructions it issues (on an H200, 84 of its 97 us at BERT-base
-        # batch 128 by bench/gpu/kernel_instructions.py), so the division below costs as few instructions
-        # as the exact arithmetic allows.
+        # _gelu_quant is bound by the instructions it issues, so the division below costs as few instructions
+        # as the exact arithmetic allows; why: docs/results/2026-11-26-gpu-h200.md
         @triton.jit
         def _codes(v, s, FMA_DIV: tl.constexpr, SCALE_CHECK: tl.constexpr = True):
             # round-half-even(clamp(v / s)) with v / s correctly rounded (IEEE), as the reference.
@@ -218,9 +217,8 @@ def quantize_by_table(x: "torch.Tensor", table: "torch.Tensor", rows: int | None
 
 def ln_blocks(hdim: int) -> dict[str, int]:
     """_add_ln_quant's row layout and launch: three chunks of a power of two where H = 3 * 2**k (384, 768),
-    else one power-of-two block with the lanes past H masked; one warp per row up to 1,024 lanes (the row's
-    reductions then stay within the warp: at H = 768 that is 30 instructions per element for sm90 against
-    55 with four warps and one masked block of 1,024, by bench/gpu/kernel_instructions.py)."""
+    else one power-of-two block with the lanes past H masked; one warp per row up to 1,024 lanes, so the row's
+    reductions stay within the warp; why: docs/results/2026-11-26-gpu-h200.md"""
     third = hdim // 3
     if hdim % 3 == 0 and third >= 16 and third & (third - 1) == 0:
         layout = {"BLOCK": third, "CHUNKS": 3}
