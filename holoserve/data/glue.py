@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from .. import HoloServeError
-from .tabular import Columns, LabelSpace, Source, examples, read_table
+from .tabular import Columns, Example, LabelSpace, Source, examples, read_table
 from .tasks import Task, get_task
 
 DATA_DIR_ENV = "HOLOSERVE_DATA_DIR"
