@@ -101,15 +101,14 @@ def all_targets() -> tuple[list[str], dict[str, str]]:
     return targets, left_out
 
 
-def run(args: argparse.Namespace) -> int:
+def export_options(args: argparse.Namespace, targets: list[str]):
+    """The parsed command line as the one ExportOptions the export and its verification read."""
     from holoserve.data.sources import data_options
 
-    from .onnx_export import MANIFEST_KEYS, export_checkpoint
+    from .options import ExportOptions
 
-    targets, left_out = all_targets() if args.target == "all" else ([args.target], {})
-    res = export_checkpoint(
-        args.checkpoint,
-        targets,
+    return ExportOptions(
+        targets=tuple(targets),
         out_dir=args.out,
         data_dir=args.data_dir,
         data=data_options(args),
@@ -129,6 +128,15 @@ def run(args: argparse.Namespace) -> int:
         fuse_gelu=not args.no_fuse_gelu,
         classifier_row=not args.no_classifier_row,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    from holoserve.data.sources import data_options
+
+    from .onnx_export import MANIFEST_KEYS, export_checkpoint
+
+    targets, left_out = all_targets() if args.target == "all" else ([args.target], {})
+    res = export_checkpoint(args.checkpoint, options=export_options(args, targets))
     triton = None
     if args.triton_repo:
         from .triton import write_triton_repo

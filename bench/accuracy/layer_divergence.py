@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     from holoserve.core.manifest import OPENVINO
     from holoserve.data.glue import read_split
     from holoserve.data.tasks import get_task
-    from holoserve.export.onnx_export import encode_batches, make_tokenizer
+    from holoserve.export.reference import encode_batches, make_tokenizer
 
     t0 = time.time()
     art = load_artifact(args.checkpoint)

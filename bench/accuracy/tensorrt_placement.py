@@ -79,7 +79,7 @@ def main() -> int:
     from holoserve.core.ort import session
     from holoserve.data.glue import read_split
     from holoserve.data.tasks import get_task
-    from holoserve.export.onnx_export import encode_batches, make_tokenizer
+    from holoserve.export.reference import encode_batches, make_tokenizer
 
     art = load_artifact(args.checkpoint)
     path = art.export_path("tensorrt-onnx")

@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     except ImportError as e:
         raise SystemExit(f"OpenVINO is not installed ({e}): pip install 'holoserve[bench]'") from None
     from holoserve.core.artifact import load_artifact
-    from holoserve.export.onnx_export import make_tokenizer
+    from holoserve.export.reference import make_tokenizer
 
     variants = [v for v in args.variants.split(",") if v]
     if unknown := set(variants) - set(VARIANTS):

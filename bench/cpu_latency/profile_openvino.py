@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     from transformers import AutoModelForSequenceClassification
 
     from holoserve.core.artifact import load_artifact
-    from holoserve.export.onnx_export import make_tokenizer, torch_export_fp32
+    from holoserve.export.onnx_export import torch_export_fp32
+    from holoserve.export.reference import make_tokenizer
 
     art = load_artifact(args.checkpoint)
     ours = art.export_path("openvino")

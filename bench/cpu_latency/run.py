@@ -193,7 +193,7 @@ def train_samples(art, tok, data_dir, rows: int):
     the NNCF baseline's calibration set. Raises when the task or its training split is unavailable."""
     from holoserve.data.glue import read_split
     from holoserve.data.tasks import get_task
-    from holoserve.export.onnx_export import encode_batches
+    from holoserve.export.reference import encode_batches
 
     task = get_task(art.task_name)
     found = read_split(task, "train", data_dir, limit=rows)
@@ -254,7 +254,8 @@ def main(argv=None) -> int:
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from transformers import AutoModelForSequenceClassification
 
-    from holoserve.export.onnx_export import encode_batches, make_tokenizer, torch_export_fp32
+    from holoserve.export.onnx_export import torch_export_fp32
+    from holoserve.export.reference import encode_batches, make_tokenizer
     from holoserve.core.artifact import load_artifact
 
     art = load_artifact(args.checkpoint)

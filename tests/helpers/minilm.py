@@ -28,7 +28,7 @@ def minilm_standin(root: Path, data_dir: str) -> Path:
 
     from holoserve.compress.checkpoint import save_checkpoint
     from holoserve.compress.quant import calibrate_amax
-    from holoserve.export.onnx_export import encode_batches
+    from holoserve.export.reference import encode_batches
     from holoserve.data.glue import read_split
     from holoserve.data.tasks import get_task
     from tokenizers import Tokenizer

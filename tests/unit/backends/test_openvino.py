@@ -123,7 +123,7 @@ def test_openvino_export_check_runs_at_the_requested_precision(exported, tmp_pat
 def test_bad_openvino_precision_names_the_choices():
     from holoserve import HoloServeError
     from holoserve.backends.openvino import compile_model
-    from holoserve.export.onnx_export import ExportOptions
+    from holoserve.export.options import ExportOptions
     from holoserve.server.config import ServerConfig
 
     with pytest.raises(HoloServeError, match="unknown OpenVINO precision 'fp64'.*f32"):

@@ -174,7 +174,7 @@ def test_verification_results(exported):
 
 def test_ort_matches_pytorch_fake_quant_closely(exported):
     """Layer-by-layer the exported graph computes the checkpoint's fake-quant numerics."""
-    from holoserve.export.onnx_export import encode_batches, load_torch_model, make_tokenizer, reference_logits
+    from holoserve.export.reference import encode_batches, load_torch_model, make_tokenizer, reference_logits
     from holoserve.export.verify import ort_logits, ort_session
 
     ckpt, _ = exported
@@ -316,7 +316,8 @@ def test_find_linears_reports_missing_weights(tmp_path):
     from holoserve.export.qdq import find_linears
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
-    from holoserve.export.onnx_export import load_torch_model, torch_export_fp32
+    from holoserve.export.onnx_export import torch_export_fp32
+    from holoserve.export.reference import load_torch_model
 
     art = load_artifact(ckpt)
     model = load_torch_model(art)
@@ -554,7 +555,8 @@ def test_tensorrt_qat_numerics_are_what_model_trt_onnx_computes(tmp_path):
     and ONNX Runtime on model.trt.onnx give the same logits, padded rows included, while `holoserve eval`'s
     numerics (Linear inputs only) are far off; "auto" follows what QAT left in float, and the export's
     check reports the comparison."""
-    from holoserve.export.onnx_export import export_checkpoint, load_torch_model, reference_logits
+    from holoserve.export.onnx_export import export_checkpoint
+    from holoserve.export.reference import load_torch_model, reference_logits
     from holoserve.export.verify import ort_logits, ort_session
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=2, tensorrt_qat=True, classifier_gain=300.0)
@@ -1169,7 +1171,7 @@ def test_tensorrt_target_is_float16_outside_qdq(exported, tmp_path):
 
 def test_tensorrt_precision_is_validated():
     from holoserve import HoloServeError
-    from holoserve.export.onnx_export import ExportOptions
+    from holoserve.export.options import ExportOptions
 
     assert ExportOptions().tensorrt_precision == "fp32"
     with pytest.raises(HoloServeError, match="--tensorrt-precision"):
@@ -1181,7 +1183,7 @@ def test_tensorrt_residuals_option():
     the choices."""
     from holoserve import HoloServeError
     from holoserve.cli import build_parser
-    from holoserve.export.onnx_export import ExportOptions
+    from holoserve.export.options import ExportOptions
 
     parse = build_parser().parse_args
     assert ExportOptions().tensorrt_residuals == "auto" == parse(["export", "ck"]).tensorrt_residuals
@@ -1239,7 +1241,7 @@ def test_export_refuses_a_graph_that_changes_dev_predictions(exported, tmp_path,
     explains, nothing is written and the error says what changed and what to do."""
     import shutil
 
-    from holoserve.export import onnx_export
+    from holoserve.export import verify_export
     from holoserve.export.onnx_export import export_checkpoint
     from holoserve.export.verify import ExportVerificationError
 
@@ -1248,8 +1250,8 @@ def test_export_refuses_a_graph_that_changes_dev_predictions(exported, tmp_path,
     before = (ckpt / "manifest.json").read_bytes()
     glue = _tiny_sst2_dir(tmp_path)
     shutil.copy(glue / "SST-2" / "dev.tsv", glue / "SST-2" / "train.tsv")
-    real = onnx_export.reference_logits
-    monkeypatch.setattr(onnx_export, "reference_logits", lambda *a, **k: -real(*a, **k))  # every class order reversed
+    real = verify_export.reference_logits
+    monkeypatch.setattr(verify_export, "reference_logits", lambda *a, **k: -real(*a, **k))  # every class order reversed
     with pytest.raises(ExportVerificationError, match=r"does not reproduce the checkpoint: on dev through ONNX "
                                                       r"Runtime .* 8 of 8 predictions changed \(allowed 1.*--no-verify"):
         export_checkpoint(ckpt, ["onnxruntime"], data_dir=glue, progress=False, polygraphy=False)
