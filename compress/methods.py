@@ -1,12 +1,13 @@
 """One handler per compression method, registered by name (`holoserve compress --method NAME`).
 
-A handler gets the job's shared machinery (compress.pipeline.Runner: data, the dense teacher,
-resumable phases, calibration) and returns an `Outcome`: the compressed model and what the
-checkpoint records about it. Adding a method is one class here with `@register("name")`.
+A handler names the folder its tokenizer comes from (`source`), then gets the run's frozen context
+(compress.context.CompressionContext: the rows, the dense teacher, resumable phases, calibration) and returns
+a `CompressedModel`: the compressed model and what the checkpoint records about it. Adding a method is one
+class here with `@register("name")`.
 
   oneshot    dense teacher -> one-shot projection onto 2:4 ∩ INT8 (kept weights OBS-compensated, preset
-             projection) -> QAT with distillation for the steps ADMM + QAT spend. The default: it measured best
-             (docs/results/2026-11-24-admm-search.md, docs/results/2026-11-25-obs-projection.md)
+             projection) -> QAT with distillation for the steps ADMM + QAT spend. The default; why:
+             docs/results/2026-11-24-admm-search.md, docs/results/2026-11-25-obs-projection.md
   admm       dense teacher -> ADMM toward 2:4 ∩ INT8 (INT8 activations fake-quantized too) with
              distillation -> hard projection -> QAT
   admm_guided  dense teacher -> layer-wise ADMM projection onto 2:4 ∩ INT8 (projection="admm") -> QAT with
@@ -20,9 +21,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from torch import nn
 
@@ -30,28 +31,16 @@ from holoserve import HoloServeError
 from holoserve.core.artifact import MANIFEST
 
 from .admm import Admm, GuidedAdmm
+from .config import Preset
+from .context import (DEFAULT_MODEL_NAME, CompressedModel, CompressionContext, CompressRequest, ModelSource,
+                      default_model_dir)
+from .evaluate import format_metrics
 from .layers import blend_ffn_activations, encoder_linear_names, get_linear, set_ffn_activation
 from .quant import input_quantizers, tensorrt_quantizers
 from .sparsify import attach_masks, finalize, hard_masks, nm_share, quantize_weights
 from .trainer import train_phase
 
-if TYPE_CHECKING:
-    from .pipeline import Runner
-
 log = logging.getLogger("holoserve.compress")
-
-
-@dataclass
-class Outcome:
-    """A compressed model and what its checkpoint records."""
-
-    model: nn.Module
-    layers: list[str]  # the encoder Linears
-    scales: dict[str, Any]  # per-channel INT8 weight scales by layer ({} without INT8)
-    amax: dict[str, float] | None  # calibrated activation ranges (None without INT8)
-    metrics: dict[str, Any]  # the manifest's metrics section
-    sparse_layers: list[str] = field(default_factory=list)  # layers the manifest lists as 2:4
-    distillation: bool = False
 
 
 METHODS: dict[str, type] = {}
@@ -72,15 +61,11 @@ def get_method(name: str):
     return METHODS[name]()
 
 
-def _fmt(metrics) -> str:
-    return " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-
-
-def _result(res, run: "Runner") -> dict[str, Any]:
+def _result(res, ctx: CompressionContext) -> dict[str, Any]:
     """A distilling phase's record; `teacher_only_rows`: the perturbed rows it also read (distill.augment)."""
     out = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
-    if len(run.kd_train) > len(run.train):
-        out["teacher_only_rows"] = len(run.kd_train) - len(run.train)
+    if len(ctx.kd_train) > len(ctx.train):
+        out["teacher_only_rows"] = len(ctx.kd_train) - len(ctx.train)
     return out
 
 
@@ -95,98 +80,107 @@ def _quantizers(model: nn.Module, amax, layers, tensorrt: bool):
         yield model
 
 
-class _FromTeacher:
-    """Methods that start from a base model: fine-tune the dense teacher, then compress a copy of it."""
+class _TeacherStudentMethod:
+    """Methods that start from a base model: fine-tune the dense teacher, then compress a copy of it (the
+    student)."""
 
     name = ""
     distills = False
     qat = False  # ends with QAT (_project_and_finetune), so preset tensorrt_qat can train the TensorRT placement
 
-    def run(self, run: "Runner") -> Outcome:
-        job, p = run.job, run.preset
-        base = Path(job.model) if job.model else run.default_model_dir()
-        run.base_name = run.default_model_name if not job.model else base.name
+    def source(self, request: CompressRequest) -> ModelSource:
+        base = Path(request.model) if request.model else default_model_dir()
         # a reused teacher carries the tokenizer it was trained with; else the base model's
-        teacher_dir = Path(job.teacher) if job.teacher else None
-        run.load_data(teacher_dir if teacher_dir and (teacher_dir / "tokenizer.json").is_file() else base)
-        run.state.mkdir(parents=True, exist_ok=True)
-        run.check_state(run.fingerprint(method=job.method, quant=job.quant, preset=p.to_dict(),
-                                        teacher=str(job.teacher) if job.teacher else None, base=base.name))
-        teacher, dense_metrics, teacher_dir = run.teacher(base)
-        student = run.student(teacher_dir)
+        teacher_dir = Path(request.teacher) if request.teacher else None
+        tokenizer_dir = teacher_dir if teacher_dir and (teacher_dir / "tokenizer.json").is_file() else base
+        return ModelSource(tokenizer_dir, base, base.name if request.model else DEFAULT_MODEL_NAME)
+
+    def compression_preset(self, preset: Preset) -> Preset:
+        """The settings the compression (after the teacher) runs with: the run's own, unless the method fixes some."""
+        return preset
+
+    def run(self, ctx: CompressionContext) -> CompressedModel:
+        request, p = ctx.request, ctx.preset
+        base = ctx.base_model_dir
+        ctx.state_dir.mkdir(parents=True, exist_ok=True)
+        ctx.check_state(ctx.fingerprint(method=request.method, quant=request.quant, preset=p.to_dict(),
+                                        teacher=str(request.teacher) if request.teacher else None, base=base.name))
+        teacher, dense_metrics, teacher_dir = ctx.teacher(base)
+        student = ctx.student(teacher_dir)
         layers = encoder_linear_names(student)
-        scales, amax, extra = self.compress(run, student, teacher, layers)
-        compressed = run.dev_metrics(student, amax, layers if amax else None)
-        log.info("[result] dense %s | compressed %s", _fmt(dense_metrics), _fmt(compressed))
-        metrics = {"primary": run.task.primary_metric, "split": "dev", "dev_rows": len(run.dev),
+        ctx = replace(ctx, preset=self.compression_preset(p))
+        p = ctx.preset
+        scales, amax, extra = self.compress(ctx, student, teacher, layers)
+        compressed = ctx.dev_metrics(student, amax, layers if amax else None)
+        log.info("[result] dense %s | compressed %s", format_metrics(dense_metrics), format_metrics(compressed))
+        metrics = {"primary": ctx.task.primary_metric, "split": "dev", "dev_rows": len(ctx.dev),
                    "dense": dense_metrics, "compressed": compressed, **extra}
         if amax and p.tensorrt_qat:  # what model.trt.onnx computes (the export checks it against these numerics)
-            metrics["compressed_tensorrt"] = run.dev_metrics(student, amax, layers, tensorrt=True)
+            metrics["compressed_tensorrt"] = ctx.dev_metrics(student, amax, layers, tensorrt=True)
             log.info("[result] with the TensorRT placement's extra quantizers: %s",
-                     _fmt(metrics["compressed_tensorrt"]))
-        return Outcome(student, layers, scales, amax, metrics, sparse_layers=layers,
-                       distillation=self.distills and p.distill.enabled)
+                     format_metrics(metrics["compressed_tensorrt"]))
+        return CompressedModel(student, layers, scales, amax, metrics, preset=p, base_model=ctx.base_model,
+                               sparse_layers=layers, distillation=self.distills and p.distill.enabled)
 
-    def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
+    def compress(self, ctx: CompressionContext, student: nn.Module, teacher: nn.Module, layers):
         raise NotImplementedError
 
 
 @register("admm")
-class AdmmMethod(_FromTeacher):
+class AdmmMethod(_TeacherStudentMethod):
     distills = True
     qat = True
 
-    def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
-        job, p = run.job, run.preset
-        reg = run.task.is_regression
+    def compress(self, ctx: CompressionContext, student: nn.Module, teacher: nn.Module, layers):
+        request, p = ctx.request, ctx.preset
 
         def admm_phase():
             start = None
             if p.admm_cfg.init == "projection":  # W starts on the set, from one-shot's compensated projection
-                finalize(student, run.project_masks(student, layers), quant=job.quant)
-                start = run.dev_metrics(student)
-                log.info("[admm] starts from the teacher's hard projection (%s): dev %s", p.projection, _fmt(start))
-            admm = Admm(student, layers, p.admm_cfg, p.admm.steps, quant=job.quant,
-                        importance=run.mask_importance(student, layers))
-            ctx = None
-            if p.admm_cfg.act_quant and job.quant:  # INT8 activations in the same constraint (ranges: teacher's)
-                amax = run.calibrate(student, layers, tensorrt=False)  # the TensorRT ranges come after projection
-                ctx = lambda: input_quantizers(student, amax, layers)  # noqa: E731
-            res = train_phase("admm", student, p.admm, run.kd_train, p, job.seed + 1, run.state, regression=reg,
-                              teacher=teacher, distill=p.distill, admm=admm, context=ctx, progress=job.progress,
-                              procs=run.procs)
+                finalize(student, ctx.project_masks(student, layers), quant=request.quant)
+                start = ctx.dev_metrics(student)
+                log.info("[admm] starts from the teacher's hard projection (%s): dev %s", p.projection,
+                         format_metrics(start))
+            admm = Admm(student, layers, p.admm_cfg, p.admm.steps, quant=request.quant,
+                        importance=ctx.mask_importance(student, layers))
+            quantized_inputs = None
+            if p.admm_cfg.act_quant and request.quant:  # INT8 activations in the same constraint (ranges: teacher's)
+                amax = ctx.calibrate(student, layers, tensorrt=False)  # the TensorRT ranges come after projection
+                quantized_inputs = lambda: input_quantizers(student, amax, layers)  # noqa: E731
+            res = train_phase("admm", student, p.admm, ctx.kd_train, p, request.seed + 1, ctx.state_dir,
+                              ctx.train_options(teacher=teacher, distill=p.distill, admm=admm, context=quantized_inputs))
             resid = admm.residual()
-            pre = run.dev_metrics(student)
+            pre = ctx.dev_metrics(student)
             moves = admm.mask_moves
-            result = {**_result(res, run), "residual": resid, "rho_final": admm.rho, "z_updates": admm.k,
+            result = {**_result(res, ctx), "residual": resid, "rho_final": admm.rho, "z_updates": admm.k,
                       "penalty": p.admm_cfg.penalty, "init": p.admm_cfg.init, "dev_before_projection": pre,
                       **({"dev_at_start": start} if start is not None else {}),
                       # share of the 2:4 mask that changed at each Z-update (first, median, last)
                       "mask_moves": [round(x, 5) for x in (moves[0], sorted(moves)[len(moves) // 2], moves[-1])]
                       if moves else []}
-            run.log_phase("admm", result, pre, student, layers, rho=admm.rho, resid=f"{resid:.4f}")
+            ctx.log_phase("admm", result, pre, student, layers, rho=admm.rho, resid=f"{resid:.4f}")
             return result
 
-        run.run_phase("admm", student, layers, admm_phase)
-        return _project_and_finetune(run, student, teacher, layers, p.qat)
+        ctx.run_phase("admm", student, layers, admm_phase)
+        return _project_and_finetune(ctx, student, teacher, layers, p.qat)
 
 
-def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module, layers, cfg, guided: bool = False):
+def _project_and_finetune(ctx: CompressionContext, student: nn.Module, teacher: nn.Module, layers, cfg,
+                          guided: bool = False):
     """Hard projection onto 2:4 (∩ INT8) — the mask is frozen from here on — then QAT (or a masked
     fine-tune without INT8) with distillation for `cfg`'s steps. With `guided`, QAT keeps ADMM on instead of a
     frozen mask (compress.admm.GuidedAdmm: Z and U from the projection on, the masks at the end are Z's).
     Returns (scales, amax, extra metrics)."""
-    job, p = run.job, run.preset
-    reg = run.task.is_regression
-    masks = run.project_masks(student, layers)
-    finalize(student, masks, quant=job.quant)
-    if job.quant:
-        run.quantize_embeddings(student)
-    projected = run.dev_metrics(student)
-    log.info("[project] hard 2:4%s projection (%s): dev %s | 2:4=%.1f%%", " ∩ INT8" if job.quant else "", p.projection,
-             _fmt(projected), nm_share(student, layers) * 100)
-    amax = run.calibrate(student, layers) if job.quant else None
-    name = "qat" if job.quant else "masked"
+    request, p = ctx.request, ctx.preset
+    masks = ctx.project_masks(student, layers)
+    finalize(student, masks, quant=request.quant)
+    if request.quant:
+        ctx.quantize_embeddings(student)
+    projected = ctx.dev_metrics(student)
+    log.info("[project] hard 2:4%s projection (%s): dev %s | 2:4=%.1f%%", " ∩ INT8" if request.quant else "",
+             p.projection, format_metrics(projected), nm_share(student, layers) * 100)
+    amax = ctx.calibrate(student, layers) if request.quant else None
+    name = "qat" if request.quant else "masked"
     share = p.ramp_share(qat=True)
     ramping = share > 0  # the student still has the teacher's FFN activation
     ramp_steps = max(1, math.ceil(share * cfg.steps)) if ramping and cfg.steps else 0
@@ -196,12 +190,11 @@ def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module,
     def qat_phase():
         nonlocal guide
         if guided:  # Z-steps choose masks by the metric that chose the projection's (the teacher's input norms)
-            c = p.admm_cfg
-            guide = GuidedAdmm(student, layers, masks, rho=c.guide_rho, interval=c.interval, total_steps=cfg.steps,
-                               until=c.guide_until, quant=job.quant, importance=run.mask_importance(teacher, layers))
+            guide = GuidedAdmm(student, layers, masks, p.admm_cfg, cfg.steps, quant=request.quant,
+                               importance=ctx.mask_importance(teacher, layers))
         else:
-            attach_masks(student, masks, quant=job.quant)
-        ctx = (lambda: _quantizers(student, amax, layers, p.tensorrt_qat)) if amax else None
+            attach_masks(student, masks, quant=request.quant)
+        quantized_inputs = (lambda: _quantizers(student, amax, layers, p.tensorrt_qat)) if amax else None
         on_step = None
         if ramp_steps:  # the FFN activation moves from the teacher's to p.activation over the first ramp_steps
             blends = blend_ffn_activations(student, p.activation)
@@ -212,15 +205,15 @@ def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module,
                 for b in blends:
                     b.set_alpha((step + 1) / ramp_steps)
 
-        res = train_phase(name, student, cfg, run.kd_train, p, job.seed + 2, run.state, regression=reg,
-                          teacher=teacher, distill=p.distill, masks=None if guided else masks, context=ctx,
-                          progress=job.progress, procs=run.procs, on_step=on_step, admm=guide)
+        res = train_phase(name, student, cfg, ctx.kd_train, p, request.seed + 2, ctx.state_dir,
+                          ctx.train_options(teacher=teacher, distill=p.distill, masks=None if guided else masks,
+                                            context=quantized_inputs, on_step=on_step, admm=guide))
         if ramping:
             set_ffn_activation(student, p.activation)
         final_masks = guide.masks() if guide is not None else masks
-        finalize(student, final_masks, quant=job.quant)
-        metrics = run.dev_metrics(student, amax, layers if amax else None)
-        result = _result(res, run)
+        finalize(student, final_masks, quant=request.quant)
+        metrics = ctx.dev_metrics(student, amax, layers if amax else None)
+        result = _result(res, ctx)
         if guide is not None:
             moves = guide.mask_moves
             result.update({"admm_guided": True, "rho": guide.rho, "z_updates": guide.k,
@@ -231,11 +224,11 @@ def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module,
                                                                 moves[-1])] if moves else []})
         if ramp_steps:
             result["activation_ramp_steps"] = ramp_steps
-        run.log_phase(name, result, metrics, student, layers)
+        ctx.log_phase(name, result, metrics, student, layers)
         return result
 
-    saved_amax = run.saved(f"{name}-done")
-    meta = run.run_phase(name, student, layers, qat_phase, meta_extra=lambda: {"amax": amax})
+    saved_amax = ctx.saved(f"{name}-done")
+    meta = ctx.run_phase(name, student, layers, qat_phase, meta_extra=lambda: {"amax": amax})
     if ramping:  # also when the phase was done before (its saved weights were trained to the new activation)
         set_ffn_activation(student, p.activation)
     if saved_amax is not None and meta.get("amax"):
@@ -243,78 +236,79 @@ def _project_and_finetune(run: "Runner", student: nn.Module, teacher: nn.Module,
     if guided:  # the masks the phase ended with (Z's): exactly the non-zeros of its saved, finalized weights
         masks = {k: get_linear(student, k).weight.detach() != 0 for k in layers}
     scales = {}
-    if job.quant:  # weights are exact already; this recomputes their scales from the saved values
+    if request.quant:  # weights are exact already; this recomputes their scales from the saved values
         scales = finalize(student, masks, quant=True)
-        run.quantize_embeddings(student)
+        ctx.quantize_embeddings(student)
     return scales, amax, {"after_projection": projected}
 
 
 @register("oneshot")
-class OneShotMethod(_FromTeacher):
-    """The default method (it measured best): the teacher projected once onto 2:4 ∩ INT8, then QAT with
-    distillation for every step ADMM + QAT would spend, so the two compare at the same budget."""
+class OneShotMethod(_TeacherStudentMethod):
+    """The default method (why: docs/results/2026-11-24-admm-search.md): the teacher projected once onto
+    2:4 ∩ INT8, then QAT with distillation for every step ADMM + QAT would spend, so the two compare at the
+    same budget."""
 
     distills = True
     qat = True
 
-    def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
-        p = run.preset
-        run.phases["admm"] = {"steps": 0, "skipped": "one-shot projection instead"}
-        return _project_and_finetune(run, student, teacher, layers, replace(p.qat, steps=p.admm.steps + p.qat.steps))
+    def compress(self, ctx: CompressionContext, student: nn.Module, teacher: nn.Module, layers):
+        p = ctx.preset
+        ctx.record.phases["admm"] = {"steps": 0, "skipped": "one-shot projection instead"}
+        return _project_and_finetune(ctx, student, teacher, layers, replace(p.qat, steps=p.admm.steps + p.qat.steps))
 
 
 @register("admm_guided")
-class AdmmGuidedMethod(_FromTeacher):
-    """ADMM end to end, the candidate default (issue: it becomes `--method admm` once it measures level with
-    oneshot): the teacher projected by the layer-wise ADMM solve (projection="admm", whatever the preset says),
-    then QAT with distillation and the ADMM penalty kept on (compress.admm.GuidedAdmm), one LR schedule over
-    the steps ADMM + QAT spend, as oneshot."""
+class AdmmGuidedMethod(_TeacherStudentMethod):
+    """ADMM end to end: the teacher projected by the layer-wise ADMM solve (projection="admm", whatever the
+    preset says), then QAT with distillation and the ADMM penalty kept on (compress.admm.GuidedAdmm), one LR
+    schedule over the steps ADMM + QAT spend, as oneshot."""
 
     distills = True
     qat = True
 
-    def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
-        p = run.preset
-        run.preset = replace(p, projection="admm")
-        run.phases["admm"] = {"steps": 0, "skipped": "layer-wise ADMM projection, then ADMM-guided QAT"}
-        return _project_and_finetune(run, student, teacher, layers, replace(p.qat, steps=p.admm.steps + p.qat.steps),
+    def compression_preset(self, preset: Preset) -> Preset:
+        return replace(preset, projection="admm")
+
+    def compress(self, ctx: CompressionContext, student: nn.Module, teacher: nn.Module, layers):
+        p = ctx.preset
+        ctx.record.phases["admm"] = {"steps": 0, "skipped": "layer-wise ADMM projection, then ADMM-guided QAT"}
+        return _project_and_finetune(ctx, student, teacher, layers, replace(p.qat, steps=p.admm.steps + p.qat.steps),
                                      guided=True)
 
 
 @register("magnitude")
-class MagnitudeMethod(_FromTeacher):
+class MagnitudeMethod(_TeacherStudentMethod):
     distills = True
 
-    def compress(self, run: "Runner", student: nn.Module, teacher: nn.Module, layers):
+    def compress(self, ctx: CompressionContext, student: nn.Module, teacher: nn.Module, layers):
         """APEX ASP recipe: one-shot magnitude 2:4 of the fine-tuned model, masked fine-tune (with the same
         distillation as the other methods; preset distill.enabled=false for ASP's plain fine-tune), then PTQ INT8."""
-        job, p = run.job, run.preset
+        request, p = ctx.request, ctx.preset
         masks = hard_masks(student, layers)
         finalize(student, masks, quant=False)
-        one_shot = run.dev_metrics(student)
-        log.info("[prune] one-shot magnitude 2:4: dev %s", _fmt(one_shot))
+        one_shot = ctx.dev_metrics(student)
+        log.info("[prune] one-shot magnitude 2:4: dev %s", format_metrics(one_shot))
         steps = p.admm.steps + p.qat.steps  # the same budget the ADMM method spends after the teacher
         cfg = replace(p.dense, steps=steps)
 
         def masked_phase():
             attach_masks(student, masks, quant=False)
-            res = train_phase("masked", student, cfg, run.kd_train, p, job.seed + 1, run.state,
-                              regression=run.task.is_regression, teacher=teacher, distill=p.distill, masks=masks,
-                              progress=job.progress, procs=run.procs)
+            res = train_phase("masked", student, cfg, ctx.kd_train, p, request.seed + 1, ctx.state_dir,
+                              ctx.train_options(teacher=teacher, distill=p.distill, masks=masks))
             finalize(student, masks, quant=False)
-            result = _result(res, run)
-            run.log_phase("masked", result, run.dev_metrics(student), student, layers)
+            result = _result(res, ctx)
+            ctx.log_phase("masked", result, ctx.dev_metrics(student), student, layers)
             return result
 
-        run.run_phase("masked", student, layers, masked_phase)
+        ctx.run_phase("masked", student, layers, masked_phase)
         extra: dict[str, Any] = {"one_shot": one_shot}
-        if not job.quant:
+        if not request.quant:
             return {}, None, extra
-        extra["sparse_fp32"] = run.dev_metrics(student)
+        extra["sparse_fp32"] = ctx.dev_metrics(student)
         scales = quantize_weights(student, layers, masks)
-        run.quantize_embeddings(student)
-        amax = run.calibrate(student, layers)
-        run.phases["ptq"] = {"calib_batches": p.calib_batches}
+        ctx.quantize_embeddings(student)
+        amax = ctx.calibrate(student, layers)
+        ctx.record.phases["ptq"] = {"calib_batches": p.calib_batches}
         return scales, amax, extra
 
 
@@ -325,41 +319,44 @@ class PtqMethod:
     name = "ptq"
     qat = False
 
-    def run(self, run: "Runner") -> Outcome:
-        job = run.job
-        if not job.model:
+    def source(self, request: CompressRequest) -> ModelSource:
+        """The model to quantize; its tokenizer reads the rows, so the task is known before the model loads."""
+        if not request.model:
             raise HoloServeError("--method ptq needs --model: a HoloServe checkpoint or a fine-tuned HF folder")
-        src = Path(job.model)
+        return ModelSource(Path(request.model))
+
+    def run(self, ctx: CompressionContext) -> CompressedModel:
+        src = Path(ctx.request.model)
         source_manifest = None
-        run.load_data(src)  # the task (labels, outputs) is known from the rows before the model loads
         if (src / MANIFEST).is_file():
             from .checkpoint import load_model
 
             model, art = load_model(src)
-            model.to(run.device)
+            model.to(ctx.device)
             source_manifest = art.manifest
-            if art.task_name != run.task.name:
-                raise HoloServeError(f"{src} is a {art.task_name} checkpoint, not {run.task.name}")
+            if art.task_name != ctx.task.name:
+                raise HoloServeError(f"{src} is a {art.task_name} checkpoint, not {ctx.task.name}")
             if art.quantized:
                 raise HoloServeError(f"{src} is already INT8; post-training quantization needs an fp32 model")
-            run.base_name = source_manifest.base_model
+            base_model = source_manifest.base_model
         else:
-            model = run.hf(src)
-            run.base_name = src.name
+            model = ctx.load_classifier(src)
+            base_model = src.name
         model.eval()
         layers = encoder_linear_names(model)
         sparse = list(source_manifest.sparsity.layers) if source_manifest and source_manifest.sparsity else []
-        source_metrics = run.dev_metrics(model)
+        source_metrics = ctx.dev_metrics(model)
         masks = {name: (model.get_submodule(name).weight != 0) for name in sparse} if sparse else None
         if masks:  # keep a pruned model's zeros exactly: the mask is its non-zeros (at most 2 of every 4)
             masks = {k: hard_masks(model, [k])[k] & v for k, v in masks.items()}
         scales = quantize_weights(model, layers, masks)
-        run.quantize_embeddings(model)
-        amax = run.calibrate(model, layers)
-        compressed = run.dev_metrics(model, amax, layers)
+        ctx.quantize_embeddings(model)
+        amax = ctx.calibrate(model, layers)
+        compressed = ctx.dev_metrics(model, amax, layers)
         dense = (source_manifest.metrics.dense if source_manifest else None) or source_metrics
-        log.info("[ptq] source %s | int8 %s", _fmt(source_metrics), _fmt(compressed))
-        metrics = {"primary": run.task.primary_metric, "split": "dev", "dev_rows": len(run.dev),
+        log.info("[ptq] source %s | int8 %s", format_metrics(source_metrics), format_metrics(compressed))
+        metrics = {"primary": ctx.task.primary_metric, "split": "dev", "dev_rows": len(ctx.dev),
                    "dense": dense, "source_fp32": source_metrics, "compressed": compressed}
-        run.phases["ptq"] = {"calib_batches": run.preset.calib_batches, "source": src.name}
-        return Outcome(model, layers, scales, amax, metrics, sparse_layers=sparse)
+        ctx.record.phases["ptq"] = {"calib_batches": ctx.preset.calib_batches, "source": src.name}
+        return CompressedModel(model, layers, scales, amax, metrics, preset=ctx.preset, base_model=base_model,
+                               sparse_layers=sparse)

@@ -7,6 +7,7 @@ quantizer is zero-preserving, the pruned entries stay exactly zero after roundin
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -195,10 +196,23 @@ def masked_least_squares(w: torch.Tensor, hessian: torch.Tensor, mask: torch.Ten
     return x.to(w.device, w.dtype)
 
 
+@dataclass(frozen=True)
+class AdmmSolverOptions:
+    """The layer-wise ADMM solve's settings (admm_prune)."""
+
+    damp: float = 0.01  # added to the scaled Hessian's diagonal, so every solve is well posed
+    rho: float = 0.1  # the proximal weight to start from
+    max_iters: int = 150
+    check: int = 3  # iterations between mask-change checks (and rho increases)
+    settle: float = 0.01  # below this share of changed mask entries, rho grows by growth[1], else growth[0]
+    stop: float = 1e-3  # below this share of changed mask entries, the iterations stop
+    growth: tuple[float, float] = (1.2, 1.5)
+    ls_tol: float = 1e-3  # relative residual of the final least-squares solve
+
+
 def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *, quant: bool = True,
-               mask: torch.Tensor | None = None, importance: torch.Tensor | None = None, damp: float = 0.01,
-               rho: float = 0.1, max_iters: int = 150, check: int = 3, settle: float = 0.01,
-               stop: float = 1e-3, growth: tuple[float, float] = (1.2, 1.5), ls_tol: float = 1e-3) -> AdmmSolve:
+               mask: torch.Tensor | None = None, importance: torch.Tensor | None = None,
+               solver: AdmmSolverOptions = AdmmSolverOptions()) -> AdmmSolve:
     """min_V ||X w^T - X V^T||^2 s.t. V ∈ 2:4 ∩ per-row INT8 grid, by ADMM (scaled form), for one Linear.
 
     H = X^T X (`hessian`, scaled to mean diagonal 1 and damped by `damp`) is factorised once, H = Q diag(λ) Q^T:
@@ -213,8 +227,10 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
     mask (masked_least_squares, to a residual of `ls_tol`); the caller rounds them onto the grid
     (compress.sparsify.finalize). The factorisation and the iterations run in float32 on the CPU. With a given
     `mask` the problem is convex up to the rounding and ADMM converges to that least-squares solution, so it is
-    returned without iterating.
+    returned without iterating. The settings named here are `solver`'s (AdmmSolverOptions).
     """
+    damp, rho, max_iters, check = solver.damp, solver.rho, solver.max_iters, solver.check
+    settle, stop, growth, ls_tol = solver.settle, solver.stop, solver.growth, solver.ls_tol
     out_f, in_f = _nm_shape(w, n, m)
     if hessian.shape != (in_f, in_f):
         raise ValueError(f"hessian has shape {tuple(hessian.shape)}, expected ({in_f}, {in_f})")

@@ -15,7 +15,6 @@ from torch import nn
 from .config import DistillConfig, PhaseConfig, Preset
 from .data import Encoded, to_device, train_batches
 from .distill import combined_loss
-from .admm import Admm
 from .distributed import Processes
 from .sparsify import reapply_masks
 from .state import load_optimizer, load_state, optimizer_tensors, restore_rng, rng_tensors, save_state
@@ -144,6 +143,22 @@ class PhaseResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class TrainOptions:
+    """How a training phase trains, besides its steps and rows: the loss, what constrains the weights, the hooks
+    around each step, and where it reports."""
+
+    regression: bool = False  # MSE on a score instead of cross-entropy on classes
+    teacher: nn.Module | None = None  # the model whose outputs the student distils (with `distill`)
+    distill: DistillConfig | None = None
+    admm: Any = None  # compress.admm.Admm or GuidedAdmm: the penalty steps and Z/U updates
+    masks: Mapping[str, torch.Tensor] | None = None  # fixed 2:4 masks re-applied after every step
+    context: Callable[[], ContextManager] | None = None  # entered around the phase (e.g. activation fake-quant)
+    progress: bool = True
+    procs: Processes | None = None  # several processes (compress/distributed.py); None: this one alone
+    on_step: Callable[[int], None] | None = None  # runs before each step's forward pass
+
+
 def train_phase(
     name: str,
     model: nn.Module,
@@ -152,22 +167,17 @@ def train_phase(
     preset: Preset,
     seed: int,
     state_dir: Path | None,
-    *,
-    regression: bool = False,
-    teacher: nn.Module | None = None,
-    distill: DistillConfig | None = None,
-    admm: Admm | None = None,
-    masks: Mapping[str, torch.Tensor] | None = None,
-    context: Callable[[], ContextManager] | None = None,
-    progress: bool = True,
-    procs: Processes | None = None,
-    on_step: Callable[[int], None] | None = None,
+    options: TrainOptions = TrainOptions(),
 ) -> PhaseResult:
     """Run `cfg.steps` optimizer steps of phase `name`, resuming from `state_dir/<name>-progress` if present.
 
     With several processes (compress/distributed.py) each takes its slice of every batch and DDP
-    averages the gradients; only the main process writes the progress state. `on_step(step)` runs before
-    each step's forward pass (a schedule that depends on the step alone, so a resumed phase follows it too)."""
+    averages the gradients; only the main process writes the progress state. `options.on_step(step)` runs
+    before each step's forward pass (a schedule that depends on the step alone, so a resumed phase follows it
+    too)."""
+    o = options
+    regression, teacher, distill, admm, masks = o.regression, o.teacher, o.distill, o.admm, o.masks
+    context, progress, procs, on_step = o.context, o.progress, o.procs, o.on_step
     from holoserve.core.progress import current as current_progress
 
     procs = procs or Processes(next(model.parameters()).device)

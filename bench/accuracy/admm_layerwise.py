@@ -81,7 +81,7 @@ def layer_mode(run, model, layers, fit, held, names) -> dict:
 def sequential_mode(run, teacher_dir, layers, fit, held) -> dict:
     import torch
 
-    from holoserve.compress.admm import layerwise_projection
+    from holoserve.compress.admm import ProjectionOptions, layerwise_projection
     from holoserve.compress.sparsify import hard_masks
 
     out = {}
@@ -90,7 +90,8 @@ def sequential_mode(run, teacher_dir, layers, fit, held) -> dict:
         importance = run.mask_importance(model, layers)
         masks = hard_masks(model, layers, importance=importance)
         t0, c0 = time.perf_counter(), time.process_time()
-        _, diag = layerwise_projection(model, layers, fit, held, method=method, masks=masks, importance=importance)
+        _, diag = layerwise_projection(model, layers, fit, held, ProjectionOptions(method=method), masks=masks,
+                                       importance=importance)
         secs, cpu = time.perf_counter() - t0, time.process_time() - c0
         out[method] = {"seconds": round(secs, 1), "cpu_seconds": round(cpu, 1), "layers": diag}
         med = statistics.median(d["heldout_vs_nearest"] for d in diag.values())
@@ -195,7 +196,8 @@ def main(argv=None) -> int:
     import torch
 
     from holoserve.compress.layers import encoder_linear_names
-    from holoserve.compress.pipeline import Job, Runner, machine
+    from holoserve.compress.context import CompressRequest, ModelSource
+    from holoserve.compress.pipeline import CompressionPipeline, machine
 
     torch.set_num_threads(args.threads)
     teacher = Path(args.teacher)
@@ -203,9 +205,9 @@ def main(argv=None) -> int:
         print(f"error: {teacher} is not a model folder (no config.json)", file=sys.stderr)
         return 2
     out = Path(args.results)
-    run = Runner(Job(task=args.task, out=out / "unused-checkpoint", data_dir=args.data_dir, preset=args.preset,
-                     seed=args.seed, teacher=teacher, progress=False))
-    run.load_data(teacher)
+    pipeline = CompressionPipeline(CompressRequest(task=args.task, out=out / "unused-checkpoint", data_dir=args.data_dir,
+                                                   preset=args.preset, seed=args.seed, teacher=teacher, progress=False))
+    run = pipeline.load_data(ModelSource(teacher))
     fit, held = run.calibration_batches(), run.calibration_batches(held_out=True)
     model = run.student(teacher).eval()
     layers = encoder_linear_names(model)

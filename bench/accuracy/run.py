@@ -153,9 +153,9 @@ def scored(path: Path, data_dir: str | None, manifest: Manifest) -> tuple[dict, 
     if not rescore or not (manifest.quantization and manifest.quantization.activations):
         return manifest.metrics.compressed, "manifest"
     if path not in _SCORES:
-        from holoserve.compress.evaluate_cli import evaluate_checkpoint
+        from holoserve.compress.evaluate import EvalOptions, evaluate_checkpoint
 
-        _SCORES[path] = evaluate_checkpoint(path, data_dir=data_dir, data=_DATA)["metrics"]
+        _SCORES[path] = evaluate_checkpoint(path, EvalOptions(data_dir=data_dir, data=_DATA))["metrics"]
     return _SCORES[path], "holoserve eval"
 
 

@@ -74,7 +74,7 @@ def main() -> int:
     import onnx
 
     from holoserve.compress.evaluate import score
-    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+    from holoserve.compress.evaluate import EvalOptions, evaluate_checkpoint
     from holoserve.core.artifact import load_artifact
     from holoserve.core.ort import session
     from holoserve.data.glue import read_split
@@ -92,7 +92,7 @@ def main() -> int:
                                   [r.text_pair for r in rows] if task.is_pair else None, batch_size=64))
     labels = np.asarray([r.label for r in rows])
     base = onnx.load(str(path))
-    ref = evaluate_checkpoint(args.checkpoint, data_dir=args.data_dir)["metrics"][task.primary_metric]
+    ref = evaluate_checkpoint(args.checkpoint, EvalOptions(data_dir=args.data_dir))["metrics"][task.primary_metric]
     counts: dict[str, int] = {}
     for kind, *_ in extra_pairs(base).values():
         counts[kind] = counts.get(kind, 0) + 1

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     name = args.model.name if args.model else None
     if args.model is None:
-        from holoserve.compress.pipeline import DEFAULT_MODEL_NAME, default_model_dir
+        from holoserve.compress.context import DEFAULT_MODEL_NAME, default_model_dir
 
         args.model, name = default_model_dir(), DEFAULT_MODEL_NAME
     if args.out.exists():

@@ -495,7 +495,7 @@ def _tiny_checkpoint(tmp: Path) -> Path:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.checkpoint import CheckpointContents, save_checkpoint
     from holoserve.compress.layers import encoder_linear_names
     from holoserve.compress.sparsify import project_layers
     from holoserve.compress.quant import calibrate_amax
@@ -509,8 +509,9 @@ def _tiny_checkpoint(tmp: Path) -> Path:
     vocab = model.config.vocab_size
     batches = [_token_batch(torch, 4, 16, vocab, "cpu", seed=s) for s in range(2)]
     amax = calibrate_amax(model, layers, batches)
-    save_checkpoint(model, src, tmp / "tiny", task=get_task("sst2"), base_model="tiny-random-bert", max_seq_length=64,
-                    sparse_layers=layers, weight_scales=scales, act_amax=amax)
+    save_checkpoint(model, src, tmp / "tiny", CheckpointContents(
+        task=get_task("sst2"), base_model="tiny-random-bert", max_seq_length=64, sparse_layers=layers,
+        weight_scales=scales, act_amax=amax))
     return tmp / "tiny"
 
 

@@ -23,7 +23,7 @@ def build(out: Path, max_seq_length: int = 128) -> Path:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.checkpoint import CheckpointContents, save_checkpoint
     from holoserve.compress.layers import encoder_linear_names
     from holoserve.compress.sparsify import project_layers
     from holoserve.compress.quant import calibrate_amax
@@ -38,9 +38,10 @@ def build(out: Path, max_seq_length: int = 128) -> Path:
     tok = AutoTokenizer.from_pretrained(str(src))
     batch = dict(tok(SENTENCES, padding=True, return_tensors="pt"))
     amax = calibrate_amax(model, names, [batch])
-    save_checkpoint(model, src, out, task=task, base_model="sentence-transformers/all-MiniLM-L6-v2 (stand-in head)",
-                    max_seq_length=max_seq_length, sparse_layers=names, weight_scales=scales, act_amax=amax,
-                    training={"method": "stand-in: projected, untrained head"}, overwrite=True)
+    save_checkpoint(model, src, out, CheckpointContents(
+        task=task, base_model="sentence-transformers/all-MiniLM-L6-v2 (stand-in head)", max_seq_length=max_seq_length,
+        sparse_layers=names, weight_scales=scales, act_amax=amax,
+        training={"method": "stand-in: projected, untrained head"}), overwrite=True)
     from holoserve.export.onnx_export import export_checkpoint
 
     export_checkpoint(out, ("onnxruntime",), polygraphy=False, check_predictions=False)

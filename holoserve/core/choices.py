@@ -11,3 +11,6 @@ OPENVINO_PRECISIONS = ("auto", "f32", "bf16", "f16")
 OPENVINO_KERNELS = ("auto", "on", "off")  # HoloServe's 2:4 INT8 kernels (holoserve.kernels)
 # auto: on where the CPU has AVX-512 VNNI + VBMI and no AMX, and the library builds (or is built)
 OPENVINO_KERNELS_DEFAULT = "auto"
+# What `holoserve eval` scores through: the PyTorch fake-quant model (the checkpoint's own numerics), or an
+# export through the server's own CPU backend of that name.
+EVAL_BACKENDS = ("pytorch", "onnxruntime", "openvino")

@@ -26,7 +26,7 @@ def minilm_standin(root: Path, data_dir: str) -> Path:
     """Real MiniLM weights projected to 2:4 + INT8 and calibrated on real SST-2 rows (no fine-tuning)."""
     import torch
 
-    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.checkpoint import CheckpointContents, save_checkpoint
     from holoserve.compress.quant import calibrate_amax
     from holoserve.export.reference import encode_batches
     from holoserve.data.glue import read_split
@@ -40,6 +40,7 @@ def minilm_standin(root: Path, data_dir: str) -> Path:
     rows = read_split("sst2", "train", data_dir, limit=64)
     batches = [{k: torch.from_numpy(v) for k, v in b.items()} for _, b in encode_batches(tok, [r.text for r in rows])]
     amax = calibrate_amax(model, names, batches)
-    save_checkpoint(model, src, root / "minilm", task=get_task("sst2"), base_model="all-MiniLM-L6-v2",
-                    max_seq_length=128, sparse_layers=names, weight_scales=scales, act_amax=amax)
+    save_checkpoint(model, src, root / "minilm", CheckpointContents(task=get_task("sst2"),
+        base_model="all-MiniLM-L6-v2", max_seq_length=128, sparse_layers=names, weight_scales=scales,
+        act_amax=amax))
     return root / "minilm"

@@ -51,7 +51,7 @@ def export_onnx(model, out: Path, opset: int = 17) -> Path:
 def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: int = 32, onnx: bool = True) -> Path:
     """A tiny random BERT, projected to 2:4 + INT8 grid and calibrated, saved as a checkpoint and exported to ONNX."""
     import torch
-    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.checkpoint import CheckpointContents, save_checkpoint
     from holoserve.compress.layers import encoder_linear_names
     from holoserve.compress.sparsify import project_layers
     from holoserve.core.artifact import add_files
@@ -74,9 +74,9 @@ def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: in
              "token_type_ids": torch.tensor([e.type_ids for e in encs])}
     amax = calibrate_amax(model, names, [batch])
     out = root / f"ckpt-{task_name}"
-    art = save_checkpoint(model, src, out, task=task, base_model="tiny-random-bert", max_seq_length=max_seq_length,
-                          sparse_layers=names, weight_scales=scales, act_amax=amax,
-                          metrics={"primary": task.primary_metric, "dense": {}, "compressed": {}})
+    art = save_checkpoint(model, src, out, CheckpointContents(task=task, base_model="tiny-random-bert",
+        max_seq_length=max_seq_length, sparse_layers=names, weight_scales=scales, act_amax=amax,
+        metrics={"primary": task.primary_metric, "dense": {}, "compressed": {}}))
     if onnx:
         try:  # the product's exporter (QDQ, int8 weights) when the export package is installed
             from holoserve.export.onnx_export import export_checkpoint

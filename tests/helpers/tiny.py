@@ -66,7 +66,7 @@ def calibrated_tiny_checkpoint(root: Path, *, hidden: int, intermediate: int, ma
     Returns (model, encoder Linear names, activation ranges, artifact)."""
     from transformers import AutoModelForSequenceClassification
 
-    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.checkpoint import CheckpointContents, save_checkpoint
     from holoserve.compress.layers import encoder_linear_names
     from holoserve.compress.quant import calibrate_amax
     from holoserve.compress.sparsify import project_layers
@@ -78,6 +78,6 @@ def calibrated_tiny_checkpoint(root: Path, *, hidden: int, intermediate: int, ma
     layers = encoder_linear_names(model)
     scales = project_layers(model, layers)
     amax = calibrate_amax(model, layers, random_batches(model.config.vocab_size, seed=1))
-    art = save_checkpoint(model, src, root / "ckpt", task=get_task("sst2"), base_model="tiny",
-                          max_seq_length=max_seq_length, sparse_layers=layers, weight_scales=scales, act_amax=amax)
+    art = save_checkpoint(model, src, root / "ckpt", CheckpointContents(task=get_task("sst2"), base_model="tiny",
+        max_seq_length=max_seq_length, sparse_layers=layers, weight_scales=scales, act_amax=amax))
     return model, layers, amax, art

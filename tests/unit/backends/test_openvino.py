@@ -262,14 +262,15 @@ def test_eval_scores_the_openvino_export_and_compares_it_with_the_checkpoint(wit
     predictions differ from the checkpoint's own numerics on the same rows."""
     import json
 
-    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+    from holoserve.compress.evaluate import EvalOptions, evaluate_checkpoint
     from tests.unit.export.test_export import _tiny_sst2_dir
 
     ckpt, _ = with_openvino
     data_dir = _tiny_sst2_dir(tmp_path)
-    got = evaluate_checkpoint(ckpt, data_dir=data_dir, backend="openvino", openvino_precision="f32", threads=1,
-                              batch_size=3, compare=True, predictions=tmp_path / "ov.jsonl")
-    ref = evaluate_checkpoint(ckpt, data_dir=data_dir, batch_size=3, predictions=tmp_path / "torch.jsonl")
+    got = evaluate_checkpoint(ckpt, EvalOptions(data_dir=data_dir, backend="openvino", openvino_precision="f32",
+        threads=1, batch_size=3, compare=True, predictions=tmp_path / "ov.jsonl"))
+    ref = evaluate_checkpoint(ckpt, EvalOptions(data_dir=data_dir, batch_size=3,
+        predictions=tmp_path / "torch.jsonl"))
     assert got["numerics"].startswith("OpenVINO (model.ov.onnx, float ops in f32") and got["rows"] == 8
     cmp = got["compare"]
     assert cmp["reference_metrics"] == ref["metrics"] and "checkpoint's numerics" in cmp["reference"]

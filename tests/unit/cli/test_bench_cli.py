@@ -54,7 +54,7 @@ def checkpoint(tmp_path_factory):
     pytest.importorskip("transformers")
     from transformers import AutoModelForSequenceClassification
 
-    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.checkpoint import CheckpointContents, save_checkpoint
     from holoserve.compress.sparsify import project_layers
     from holoserve.data.tasks import get_task
     from tests.helpers.tiny import make_tiny_bert
@@ -63,8 +63,8 @@ def checkpoint(tmp_path_factory):
     src = make_tiny_bert(root / "base")
     model = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()
     scales = project_layers(model)
-    art = save_checkpoint(model, src, root / "ckpt", task=get_task("sst2"), base_model="tiny", max_seq_length=64,
-                          sparse_layers=list(scales), weight_scales=scales)
+    art = save_checkpoint(model, src, root / "ckpt", CheckpointContents(task=get_task("sst2"), base_model="tiny",
+        max_seq_length=64, sparse_layers=list(scales), weight_scales=scales))
     return art.path
 
 

@@ -11,7 +11,7 @@ from holoserve.core.tokenizer import load_tokenizer
 from holoserve.compress.layers import encoder_linear_names
 from holoserve.compress.project import project
 from holoserve.compress.admm import Admm
-from holoserve.compress.trainer import train_phase
+from holoserve.compress.trainer import TrainOptions, train_phase
 from holoserve.data.glue import read_split
 from holoserve.core.numerics import grid_codes, is_nm_sparse
 
@@ -45,7 +45,8 @@ def test_admm_drives_w_onto_the_constraint_set(setup):
     admm = Admm(model, layers, cfg, total_steps=80)
     r0 = admm.residual()
     rho0 = admm.rho
-    train_phase("admm", model, PhaseConfig(steps=80, lr=1e-3), data, preset, 0, None, admm=admm, progress=False)
+    train_phase("admm", model, PhaseConfig(steps=80, lr=1e-3), data, preset, 0, None,
+                TrainOptions(admm=admm, progress=False))
     r1 = admm.residual()
     assert r0 > 0.2  # a dense random weight is far from 2:4
     assert r1 < r0 / 5
@@ -66,7 +67,7 @@ def test_without_penalty_w_stays_far(setup):
     layers = encoder_linear_names(model)
     admm = Admm(model, layers, AdmmConfig(interval=5, rho_start=1e-9, rho_end=1e-9), total_steps=40)
     train_phase("admm", model, PhaseConfig(steps=40, lr=1e-3), data, Preset(name="t", batch_size=16), 0, None,
-                admm=admm, progress=False)
+                TrainOptions(admm=admm, progress=False))
     assert admm.residual() > 0.2
 
 
@@ -101,7 +102,7 @@ def test_phase_resumes_exactly_from_mid_phase_state(setup, tmp_path):
         torch.manual_seed(1)
         model = _model(model_dir)
         admm = Admm(model, encoder_linear_names(model), AdmmConfig(interval=5), total_steps=20)
-        train_phase("admm", model, cfg, data, preset, 3, state, admm=admm, progress=False)
+        train_phase("admm", model, cfg, data, preset, 3, state, TrainOptions(admm=admm, progress=False))
         return model, admm
 
     full, admm_full = run(tmp_path / "a")  # leaves its step-10 save behind
@@ -129,7 +130,7 @@ def test_penalty_in_the_loss_also_drives_w_onto_the_constraint_set(setup):
     assert all(torch.equal(before[k], w) for k, w in admm.weights.items())
     r0 = admm.residual()
     train_phase("admm", model, PhaseConfig(steps=80, lr=1e-3), data, Preset(name="t", batch_size=16), 0, None,
-                admm=admm, progress=False)
+                TrainOptions(admm=admm, progress=False))
     assert admm.residual() < r0 / 2  # Adam moves each weight by ~lr per step; the control stays above 0.2
     assert len(admm.mask_moves) == 8 and all(0 <= m <= 0.5 for m in admm.mask_moves)
     assert sum(m > 0 for m in admm.mask_moves) >= 4  # the mask keeps moving while W is trained
@@ -166,7 +167,8 @@ def test_guided_admm_z_minimises_the_weighted_penalty_and_moves_the_forward_mask
     imp = torch.rand(16) + 0.1
     start = nm_mask(net.lin.weight.detach(), importance=imp)
     start_copy = start.clone()
-    guide = GuidedAdmm(net, ["lin"], {"lin": start}, rho=0.5, interval=1, total_steps=10, importance={"lin": imp})
+    guide = GuidedAdmm(net, ["lin"], {"lin": start}, AdmmConfig(guide_rho=0.5, interval=1), total_steps=10,
+                       importance={"lin": imp})
     torch.testing.assert_close(guide.d["lin"].flatten(), imp ** 2 / (imp ** 2).mean())
     w = guide.weights["lin"]
     with torch.no_grad():

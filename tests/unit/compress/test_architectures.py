@@ -179,12 +179,12 @@ def test_activation_swap_reaches_every_family_ffn(family, tmp_path):
     from transformers.activations import GELUActivation
 
     from holoserve.compress.layers import encoder_layer_stack
-    from holoserve.compress.pipeline import _load_hf
+    from holoserve.compress.context import load_hf_classifier
     from holoserve.data.tasks import Task
 
     folder = make_tiny_family(family, tmp_path / family)
     task = Task("t", ("a", "b"))
-    gelu, relu = _load_hf(folder, task), _load_hf(folder, task, "relu")
+    gelu, relu = load_hf_classifier(folder, task), load_hf_classifier(folder, task, "relu")
     key = "activation" if family == "distilbert" else "hidden_act"
     assert getattr(gelu.config, key) == "gelu" and getattr(relu.config, key) == "relu"
 
@@ -213,12 +213,12 @@ def test_activation_ramp_blends_every_family_ffn(family, tmp_path):
 
     from holoserve.compress.layers import (BlendedActivation, blend_ffn_activations, ffn_activation_slots,
                                            set_ffn_activation)
-    from holoserve.compress.pipeline import _load_hf
+    from holoserve.compress.context import load_hf_classifier
     from holoserve.data.tasks import Task
 
     folder = make_tiny_family(family, tmp_path / family)
     task = Task("t", ("a", "b"))
-    model, relu = _load_hf(folder, task).eval(), _load_hf(folder, task, "relu").eval()
+    model, relu = load_hf_classifier(folder, task).eval(), load_hf_classifier(folder, task, "relu").eval()
     ids = torch.randint(4, 20, (2, 7))
     with torch.no_grad():
         gelu_logits, relu_logits = model(input_ids=ids).logits, relu(input_ids=ids).logits

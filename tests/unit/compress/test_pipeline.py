@@ -196,7 +196,7 @@ def test_fp16_carried_base_model_loads_as_float32(env, tmp_path):
     """bench/gpu/prepare_train.py ships the base model's weights as FP16; compress trains in float32."""
     from safetensors import safe_open
 
-    from holoserve.compress.pipeline import _load_hf
+    from holoserve.compress.context import load_hf_classifier
     from holoserve.data.tasks import get_task
 
     from tests.helpers.bench import gpu_module
@@ -209,7 +209,7 @@ def test_fp16_carried_base_model_loads_as_float32(env, tmp_path):
     with safe_open(str(out / "base" / "model.safetensors"), "np") as f:
         dtypes = {str(f.get_tensor(k).dtype) for k in f.keys()}
     assert "float16" in dtypes and "float32" not in dtypes
-    model = _load_hf(out / "base", get_task("sst2"))
+    model = load_hf_classifier(out / "base", get_task("sst2"))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 

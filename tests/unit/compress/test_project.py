@@ -199,12 +199,12 @@ def test_admm_prune_with_a_fixed_mask_keeps_it(w):
 
 
 def test_admm_prune_refuses_bad_input(w):
-    from holoserve.compress.project import admm_prune
+    from holoserve.compress.project import AdmmSolverOptions, admm_prune
 
     with pytest.raises(ValueError, match="expected \\(64, 64\\)"):
         admm_prune(w, torch.eye(32))
     with pytest.raises(ValueError, match="rho > 0"):
-        admm_prune(w, torch.eye(64), rho=0.0)
+        admm_prune(w, torch.eye(64), solver=AdmmSolverOptions(rho=0.0))
     with pytest.raises(ValueError, match="multiple of 4"):
         admm_prune(torch.randn(4, 6), torch.eye(6))
 

@@ -11,7 +11,7 @@ from holoserve.compress.layers import encoder_linear_names, get_linear
 from holoserve.compress.project import project
 from holoserve.compress.quant import calibrate_amax, input_quantizers
 from holoserve.compress.sparsify import MaskedWeight, attach_masks, finalize, hard_masks, nm_share
-from holoserve.compress.trainer import train_phase
+from holoserve.compress.trainer import TrainOptions, train_phase
 from holoserve.data.glue import read_split
 from holoserve.core.numerics import grid_codes, is_nm_sparse
 
@@ -56,7 +56,7 @@ def test_mask_survives_qat(setup):
     preset = Preset(name="t", batch_size=16)
     # a large learning rate: gradients and AdamW moments push hard on every entry
     train_phase("qat", model, PhaseConfig(steps=25, lr=5e-3, weight_decay=0.1), data, preset, 0, None,
-                masks=masks, context=lambda: input_quantizers(model, amax, layers), progress=False)
+                TrainOptions(masks=masks, context=lambda: input_quantizers(model, amax, layers), progress=False))
     for n in layers:  # the trained (original) weights keep exact zeros where the mask is off
         orig = get_linear(model, n).parametrizations.weight.original
         assert (orig[~masks[n]] == 0).all(), n
@@ -79,7 +79,7 @@ def test_plain_training_breaks_the_mask(setup):
     model_dir, data = setup
     model, layers, _ = _projected(model_dir)
     train_phase("plain", model, PhaseConfig(steps=5, lr=5e-3), data, Preset(name="t", batch_size=16), 0, None,
-                progress=False)
+                TrainOptions(progress=False))
     assert nm_share(model, layers) < 0.5
 
 
@@ -395,8 +395,9 @@ def test_step_profile_says_where_a_qat_step_goes(setup, tmp_path, monkeypatch):
     amax = calibrate_amax(model, layers, batches)
     attach_masks(model, masks, quant=True)
     teacher = AutoModelForSequenceClassification.from_pretrained(str(model_dir), local_files_only=True)
-    run = dict(preset=Preset(name="t", batch_size=16), seed=0, state_dir=None, masks=masks, teacher=teacher,
-               distill=trainer.DistillConfig(), context=lambda: input_quantizers(model, amax, layers), progress=False)
+    run = dict(preset=Preset(name="t", batch_size=16), seed=0, state_dir=None,
+               options=TrainOptions(masks=masks, teacher=teacher, distill=trainer.DistillConfig(),
+                                    context=lambda: input_quantizers(model, amax, layers), progress=False))
     monkeypatch.chdir(tmp_path)
     trainer.train_phase("qat", model, PhaseConfig(steps=8, lr=1e-4), data, **run)
     assert not list(tmp_path.glob("*.json"))  # off by default
@@ -433,9 +434,10 @@ def test_compiled_qat_trains_as_eager(setup):
         attach_masks(model, masks, quant=True)
         teacher = AutoModelForSequenceClassification.from_pretrained(str(model_dir), local_files_only=True)
         res = trainer.train_phase("qat", model, PhaseConfig(steps=4, lr=1e-3), data,
-                                  Preset(name="t", batch_size=16, compile=compile_), 0, None, masks=masks,
-                                  teacher=teacher, distill=trainer.DistillConfig(),
-                                  context=lambda m=model, a=amax: input_quantizers(m, a, layers), progress=False)
+                                  Preset(name="t", batch_size=16, compile=compile_), 0, None,
+                                  TrainOptions(masks=masks, teacher=teacher, distill=trainer.DistillConfig(),
+                                               context=lambda m=model, a=amax: input_quantizers(m, a, layers),
+                                               progress=False))
         assert res.loss is not None and res.loss == res.loss  # finite, not NaN
         runs.append({n: get_linear(model, n).parametrizations.weight.original.detach().clone() for n in layers})
         for n in layers:

@@ -99,7 +99,7 @@ def test_glue_sst2_keeps_the_quick_presets_64_tokens():
     glue = os.environ.get("HOLOSERVE_DATA_DIR")
     if not glue or not (Path(glue) / "SST-2" / "train.tsv").is_file():
         pytest.skip("HOLOSERVE_DATA_DIR is not set to a GLUE folder with SST-2 (CI sets it)")
-    from holoserve.compress.pipeline import default_model_dir
+    from holoserve.compress.context import default_model_dir
     from holoserve.compress.seqlen import UNBOUNDED, token_lengths
     from holoserve.core.tokenizer import load_tokenizer
     from holoserve.data.glue import read_split

@@ -8,7 +8,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForSequenceClassification
 
-from holoserve.compress.checkpoint import load_model, save_checkpoint
+from holoserve.compress.checkpoint import CheckpointContents, load_model, save_checkpoint
 from holoserve.compress.layers import encoder_linear_names
 from holoserve.compress.sparsify import finalize, hard_masks
 from holoserve.core.artifact import ArtifactError, load_artifact
@@ -32,9 +32,9 @@ def good(tmp_path_factory):
     scales = finalize(model, hard_masks(model, layers), quant=True)
     amax = {f"{n}.input": 3.0 for n in layers}
     out = root / "ckpt"
-    save_checkpoint(model, src, out, task=get_task("sst2"), base_model="tiny", max_seq_length=32,
-                    sparse_layers=layers, weight_scales=scales, act_amax=amax,
-                    metrics={"primary": "accuracy", "dense": {"accuracy": 0.9}, "compressed": {"accuracy": 0.89}})
+    save_checkpoint(model, src, out, CheckpointContents(task=get_task("sst2"), base_model="tiny",
+        max_seq_length=32, sparse_layers=layers, weight_scales=scales, act_amax=amax,
+        metrics={"primary": "accuracy", "dense": {"accuracy": 0.9}, "compressed": {"accuracy": 0.89}}))
     return out, model, src
 
 
@@ -248,8 +248,8 @@ def test_writer_refuses_unprojected_weights(good, tmp_path):
     model = AutoModelForSequenceClassification.from_pretrained(str(src), local_files_only=True)
     layers = encoder_linear_names(model)
     with pytest.raises(ArtifactError, match="is listed as 2:4 sparse"):
-        save_checkpoint(model, src, tmp_path / "bad", task=get_task("sst2"), base_model="tiny", max_seq_length=32,
-                        sparse_layers=layers)
+        save_checkpoint(model, src, tmp_path / "bad", CheckpointContents(task=get_task("sst2"), base_model="tiny",
+            max_seq_length=32, sparse_layers=layers))
     assert not (tmp_path / "bad").exists()
 
 

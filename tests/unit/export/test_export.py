@@ -21,7 +21,7 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
     """Tiny random BERT: encoder Linears projected to 2:4 + INT8 grid, input ranges calibrated, saved."""
     from transformers import AutoModelForSequenceClassification
 
-    from holoserve.compress.checkpoint import save_checkpoint
+    from holoserve.compress.checkpoint import CheckpointContents, save_checkpoint
     from holoserve.compress.layers import encoder_linear_names
     from holoserve.compress.sparsify import project_layers
     from holoserve.compress.quant import calibrate_amax
@@ -53,8 +53,8 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
     if classifier_gain != 1.0:  # a random tiny model's logits are ~0.01: scale them so numerics show
         with torch.no_grad():
             model.classifier.weight.mul_(classifier_gain)
-    save_checkpoint(model, src, root / name, task=task, base_model="tiny-random-bert", max_seq_length=32,
-                    sparse_layers=names, weight_scales=scales, act_amax=amax)
+    save_checkpoint(model, src, root / name, CheckpointContents(task=task, base_model="tiny-random-bert",
+        max_seq_length=32, sparse_layers=names, weight_scales=scales, act_amax=amax))
     return root / name
 
 
@@ -381,7 +381,7 @@ def test_eval_onnx_scores_the_export_on_eval_batches(exported, tmp_path):
     from holoserve.compress.data import encode, eval_batches
     from holoserve.core.tokenizer import load_tokenizer
     from holoserve.compress.evaluate import predict
-    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+    from holoserve.compress.evaluate import EvalOptions, evaluate_checkpoint
     from holoserve.compress.quant import input_quantizers
     from holoserve.backends.onnxruntime import OrtBackend
     from holoserve.data.glue import read_split
@@ -389,9 +389,10 @@ def test_eval_onnx_scores_the_export_on_eval_batches(exported, tmp_path):
 
     ckpt, _ = exported
     data_dir = _tiny_sst2_dir(tmp_path)
-    got = evaluate_checkpoint(ckpt, data_dir=data_dir, onnx=True, batch_size=3,
-                              predictions=tmp_path / "p" / "onnx.jsonl")
-    ref = evaluate_checkpoint(ckpt, data_dir=data_dir, batch_size=3, predictions=tmp_path / "torch.jsonl")
+    got = evaluate_checkpoint(ckpt, EvalOptions(data_dir=data_dir, onnx=True, batch_size=3,
+        predictions=tmp_path / "p" / "onnx.jsonl"))
+    ref = evaluate_checkpoint(ckpt, EvalOptions(data_dir=data_dir, batch_size=3,
+        predictions=tmp_path / "torch.jsonl"))
     assert got["numerics"].startswith("ONNX Runtime") and got["rows"] == ref["rows"] == 8
     assert set(got["metrics"]) == set(ref["metrics"])
     rows = read_split("sst2", "dev", data_dir)
@@ -404,10 +405,10 @@ def test_eval_onnx_scores_the_export_on_eval_batches(exported, tmp_path):
         right = sum(x["prediction"] == x["label"] for x in lines) / 8
         assert right == pytest.approx(result["metrics"]["accuracy"])
     with pytest.raises(HoloServeError, match="is a folder"):
-        evaluate_checkpoint(ckpt, data_dir=data_dir, predictions=tmp_path)
+        evaluate_checkpoint(ckpt, EvalOptions(data_dir=data_dir, predictions=tmp_path))
     (tmp_path / "a-file").write_text("")
     with pytest.raises(HoloServeError, match="cannot make its folder"):  # before any scoring
-        evaluate_checkpoint(ckpt, data_dir=data_dir, predictions=tmp_path / "a-file" / "p.jsonl")
+        evaluate_checkpoint(ckpt, EvalOptions(data_dir=data_dir, predictions=tmp_path / "a-file" / "p.jsonl"))
 
     model, art = load_model(ckpt)
     data = encode(load_tokenizer(art.path, art.max_seq_length), read_split("sst2", "dev", data_dir))
@@ -428,11 +429,11 @@ def test_eval_onnx_scores_the_export_on_eval_batches(exported, tmp_path):
 def test_eval_compare_through_onnxruntime(exported, tmp_path):
     """`--compare`: the export's predictions against the checkpoint's numerics, on the same rows; ONNX
     Runtime reproduces them, so nothing differs."""
-    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+    from holoserve.compress.evaluate import EvalOptions, evaluate_checkpoint
 
     ckpt, _ = exported
-    got = evaluate_checkpoint(ckpt, data_dir=_tiny_sst2_dir(tmp_path), backend="onnxruntime", compare=True,
-                              batch_size=3)
+    got = evaluate_checkpoint(ckpt, EvalOptions(data_dir=_tiny_sst2_dir(tmp_path), backend="onnxruntime",
+        compare=True, batch_size=3))
     cmp = got["compare"]
     assert got["numerics"].startswith("ONNX Runtime") and cmp["reference_metrics"] == got["metrics"]
     assert cmp["identical_predictions"] == 1.0 and cmp["different_predictions"] == 0
@@ -444,12 +445,12 @@ def test_eval_compare_through_onnxruntime(exported, tmp_path):
 def test_eval_compare_says_when_a_backend_differs_beyond_rounding(exported, tmp_path, monkeypatch):
     """`--compare` applies the export's rule: a backend that changes every prediction is beyond rounding."""
     from holoserve.backends.onnxruntime import OrtBackend
-    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+    from holoserve.compress.evaluate import EvalOptions, evaluate_checkpoint
 
     real = OrtBackend.infer
     monkeypatch.setattr(OrtBackend, "infer", lambda self, *a: -real(self, *a))
-    cmp = evaluate_checkpoint(exported[0], data_dir=_tiny_sst2_dir(tmp_path), backend="onnxruntime", compare=True,
-                              batch_size=3)["compare"]
+    cmp = evaluate_checkpoint(exported[0], EvalOptions(data_dir=_tiny_sst2_dir(tmp_path), backend="onnxruntime",
+        compare=True, batch_size=3))["compare"]
     assert cmp["within_rounding"] is False and cmp["beyond_rounding"].startswith("8 of 8 predictions changed")
 
 
@@ -462,10 +463,10 @@ def test_eval_compare_says_when_a_backend_differs_beyond_rounding(exported, tmp_
 ])
 def test_eval_options_that_do_not_go_together(tmp_path, options, message):
     from holoserve import HoloServeError
-    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+    from holoserve.compress.evaluate import EvalOptions, evaluate_checkpoint
 
     with pytest.raises(HoloServeError, match=message):  # before anything is loaded: the path need not exist
-        evaluate_checkpoint(tmp_path / "no-checkpoint", data_dir=tmp_path, **options)
+        evaluate_checkpoint(tmp_path / "no-checkpoint", EvalOptions(data_dir=tmp_path, **options))
 
 
 def test_compare_predictions_counts_and_mcnemar():
@@ -489,7 +490,7 @@ def test_compare_predictions_counts_and_mcnemar():
 
 
 def test_eval_predictions_of_a_pair_regression(tmp_path):
-    from holoserve.compress.evaluate_cli import write_predictions
+    from holoserve.compress.evaluate import write_predictions
     from holoserve.data.tabular import Example
 
     rows = [Example("a man plays", "a man is playing", 4.2), Example("cats", "the market fell", 0.0)]
@@ -500,12 +501,12 @@ def test_eval_predictions_of_a_pair_regression(tmp_path):
 
 
 def test_eval_onnx_without_export_says_how_to_make_one(tmp_path):
-    from holoserve.compress.evaluate_cli import evaluate_checkpoint
+    from holoserve.compress.evaluate import EvalOptions, evaluate_checkpoint
     from holoserve import HoloServeError
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=1)
     with pytest.raises(HoloServeError, match="holoserve export"):
-        evaluate_checkpoint(ckpt, data_dir=_tiny_sst2_dir(tmp_path), onnx=True)
+        evaluate_checkpoint(ckpt, EvalOptions(data_dir=_tiny_sst2_dir(tmp_path), onnx=True))
 
 
 def test_tensorrt_placement_uses_the_ranges_trained_in_qat(tmp_path):
