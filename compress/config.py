@@ -1,9 +1,9 @@
 """Compression settings as dataclasses, with named presets (`quick`, `full`).
 
 A preset fixes everything that changes accuracy or run time; the CLI may override a few knobs
-(--max-steps, --train-limit, --seed, --max-seq-length). `quick` is sized for minutes on a CPU, `full` is the
-best-accuracy recipe (hours on a CPU, minutes on a GPU). Why each default is what it is: the result pages
-linked beside it (docs/results/).
+(--max-steps, --train-limit, --seed, --max-seq-length). `quick` is the short recipe, sized for a CPU; `full`
+is the best-accuracy recipe, sized for a GPU (why: docs/results/2026-11-24-quick-preset.md). Why each
+default is what it is: the result pages linked beside it (docs/results/).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from holoserve.core.settings import field_types, parse_setting
 @dataclass(frozen=True)
 class PhaseConfig:
     lr: float
-    # The budget is in epochs of the training set, so a preset fits a 3,700-row task and a 67,000-row one
-    # alike: steps = ceil(epochs * train_rows / batch_size), at most `max_steps` (None: no cap).
+    # The budget is in epochs of the training set, so a preset fits a small task and a large one alike:
+    # steps = ceil(epochs * train_rows / batch_size), at most `max_steps` (None: no cap).
     epochs: float = 1.0
     max_steps: int | None = None
     steps: int | None = None  # an exact optimizer-step count instead (0 skips the phase)
@@ -92,7 +92,7 @@ class Preset:
     #   "magnitude"   the 2 largest |w_ij|
     #   "activation"  the 2 largest |w_ij| * ||x_j|| ** mask_activation_power, x_j the layer's input channel j
     #                 over the calibration batches (power 1: Wanda's score, the mask closest to w in the
-    #                 layer's output error; 0.5: RIA's exponent, Zhang et al. 2024; 0: magnitude)
+    #                 layer's output error; 0.5: RIA's exponent; 0: magnitude)
     #   "saliency"    SparseGPT's w_ij^2 / [H^-1]_jj^2, chosen inside the OBS projection (projection="obs" only)
     # (`--method magnitude` is the APEX ASP baseline and always uses magnitude.)
     # Why activation with power 0.5: docs/results/2026-11-24-activation-aware-masks.md
@@ -110,11 +110,12 @@ class Preset:
     projection: str = "obs"
     calib_batches: int = 16  # training batches used to calibrate activation ranges
     calib_percentile: float | None = 99.99  # None = plain max
-    # The word-embedding table (30k x hidden) dominates the optimizer's memory traffic on CPU and is
-    # neither pruned nor quantized; freezing it speeds each step with little accuracy cost.
+    # The word-embedding table is the largest tensor the optimizer would update, and it is neither pruned
+    # nor quantized: frozen, each step skips its update.
     freeze_word_embeddings: bool = True
     # Store the word-embedding table on a per-row INT8 grid when quantizing (applied at the hard
-    # projection, so QAT adapts to it): the exported model is then ~4x smaller at no parity cost.
+    # projection, so QAT adapts to it), so the exported table takes one byte per weight.
+    # Why on: docs/results/2026-11-22-export.md
     quantize_embeddings: bool = True
     # QAT also fake-quantizes the tensors only the TensorRT placement quantizes: the Q/K/V projections,
     # the softmax output and each residual-Add input whose INT8 SQNR clears RESIDUAL_MIN_SQNR_DB (ranges
@@ -123,9 +124,8 @@ class Preset:
     tensorrt_qat: bool = False
     # The student's FFN activation: None keeps the teacher's; "relu" replaces the (erf) GELU by ReLU, during
     # QAT (activation_ramp below) or before the projection, and the checkpoint's config.json says hidden_act
-    # "relu" (still a plain Hugging Face model). ReLU is a GEMM post-op almost for free where GELU is a
-    # polynomial per element. Why off (the speed it gains against the accuracy it costs):
-    # docs/results/2026-11-27-relu-ramp.md
+    # "relu" (still a plain Hugging Face model). ReLU can run as a GEMM post-op where GELU is a
+    # polynomial per element. Why off: docs/results/2026-11-27-relu-ramp.md
     activation: str | None = None
     # With `activation` set: the share of the QAT steps over which the student's FFN moves from the teacher's
     # activation to `activation`, as (1 - a) * old(x) + a * new(x) with a rising linearly from 0 to 1. The
@@ -135,8 +135,7 @@ class Preset:
     activation_ramp: float | None = None
     # torch.compile the student's and the teacher's forward for training (dynamic shapes, so the length
     # groups' many sequence lengths share one compiled graph). The same losses and gradients as eager up to
-    # float rounding (dropout draws its own random numbers). Why off: slower on a CPU, where a step is bound
-    # by arithmetic; not yet timed on a GPU (docs/usage.md, "compile=true").
+    # float rounding (dropout draws its own random numbers). Why off: docs/usage.md, "compile=true".
     compile: bool = False
     group_size: int = 50  # batches per length-sorted mega-batch (length grouping)
     save_every: int = 200  # steps between mid-phase state saves
@@ -183,8 +182,8 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "quick": Preset(
         name="quick",
-        notes="minutes on a 2-core CPU: 3 epochs of dense fine-tune, 2 of ADMM and 2 of QAT, capped at 500, "
-              "300 and 200 steps (the caps bind on SST-2-sized sets)",
+        notes="the short recipe, sized for a CPU: 3 epochs of dense fine-tune, 2 of ADMM and 2 of QAT, capped at "
+              "500, 300 and 200 steps",
     ),
     "full": Preset(
         name="full",
@@ -196,7 +195,7 @@ PRESETS: dict[str, Preset] = {
         admm_cfg=AdmmConfig(interval=50, rho_start=1e-3, rho_end=0.2),
         calib_batches=64,
         save_every=500,
-        notes="best accuracy: 3 epochs per phase (2 for QAT), at most 6,000 steps each; hours on CPU, minutes on a GPU",
+        notes="best accuracy, sized for a GPU: 3 epochs per phase (2 for QAT), at most 6,000 steps each",
     ),
 }
 

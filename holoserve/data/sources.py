@@ -121,7 +121,8 @@ def rows_for(task: Any, split: str, opts: DataOptions, limit: int | None = None,
         LabelSpace(regression=False, raw=list(task.labels), names=list(task.labels))
     try:
         glue = get_task(task.name)  # a GLUE-format file for a shortcut's checkpoint spells labels its own way
-        if not task.is_regression and glue.raw_labels and set(map(label_key, table.rows[cols.label])) <= set(glue.raw_labels):
+        spelled = set(map(label_key, table.rows[cols.label]))
+        if not task.is_regression and glue.raw_labels and spelled <= set(glue.raw_labels):
             labels = LabelSpace(regression=False, raw=list(glue.raw_labels), names=list(task.labels))
     except HoloServeError:
         pass
