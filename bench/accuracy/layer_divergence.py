@@ -10,7 +10,7 @@ difference of about 1e-6 in the first LayerNorm turns into whole-step code chang
 run is ONNX Runtime again, on the same graph with the position-embedding table × (1 + EPS · N(0, 1)) (as
 rounding_noise.py does): the same cascade from one rounding-sized change, for scale. Writes a table and a plot.
 
-    python -m bench.accuracy.layer_divergence runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/layer-divergence-sst2-s0
+    python -m bench.accuracy.layer_divergence runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/<today>-layer-divergence-sst2-s0
 """
 from __future__ import annotations
 

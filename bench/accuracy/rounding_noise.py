@@ -16,7 +16,7 @@ metric's difference (mean, sd, largest, and how many draws move it by more than 
 how many draws `holoserve export`'s own check (holoserve.data.metrics.prediction_check) would accept.
 The plot puts every draw and every runtime on one axis, mean |Δlogit| against Δ metric.
 
-    python -m bench.accuracy.rounding_noise runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/rounding-noise-sst2
+    python -m bench.accuracy.rounding_noise runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/<today>-rounding-noise-sst2
 """
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from bench import dated_results  # noqa: E402
 from holoserve.core.artifact import read_manifest  # noqa: E402
 from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
 from holoserve.core.manifest import Manifest  # noqa: E402
@@ -448,7 +449,7 @@ def main() -> int:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), help="passed to holoserve compress")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="preset override passed to every run")
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "bench-accuracy")
-    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--results", type=Path, help="output folder (default bench/results/<today>-accuracy)")
     ap.add_argument("--only", help=f"comma-separated rows to run (with --report-only: to report), of "
                                    f"{', '.join([*METHODS, PEER])} (default: all)")
     ap.add_argument("--calibration-rows", type=int, default=256, help="NNCF row: training rows to calibrate on")
@@ -461,6 +462,7 @@ def main() -> int:
                          "machine whose runs are gone) into --results, without any run; repeat it to join "
                          "files of the same preset (a seed a later file holds replaces that seed whole)")
     args = ap.parse_args()
+    args.results = args.results or dated_results("accuracy")
     if args.from_json:
         return rebuild(args.from_json, args.results)
     global _DATA

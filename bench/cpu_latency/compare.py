@@ -12,7 +12,7 @@ bench/cpu_latency/run.py, which interleaves a dozen engines, spreads by more tha
 Every model gets the same full-length rows of random token ids (after the first 1000 ids of the
 vocabulary); runs alternate model by model, so background load hits all alike; each round is a
 fresh interleaving. Prints and writes the median per model and its ratio to the first one, per
-round and over all runs, to bench/results/NAME.{json,md}, with the machine named and its load.
+round and over all runs, to bench/results/<today>-NAME/NAME.{json,md} (--out), with the machine named and its load.
 """
 from __future__ import annotations
 
@@ -24,10 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 
 # bench.cpu_latency.run's session options and helpers are shared
+from bench import dated_results  # noqa: E402
 from bench.cpu_latency.run import load_avg, ort_session, percentile, random_rows, uptime_text  # noqa: E402
 from holoserve.core.machine import describe_cpu  # noqa: E402
 
@@ -96,9 +95,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--runtime", choices=("onnxruntime", "openvino"), default="onnxruntime")
     ap.add_argument("--vocab", type=int, default=30522, help="token ids are drawn from [1000, vocab)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--out", type=Path, help="output folder (default bench/results/<today>-<name>)")
     ap.add_argument("--name", default="compare")
     args = ap.parse_args(argv)
+    args.out = args.out or dated_results(args.name)
     models = parse_models(args.models)
     if min(args.batch, args.seq, args.threads, args.runs, args.rounds) < 1:
         raise SystemExit("--batch, --seq, --threads, --runs and --rounds must be at least 1")

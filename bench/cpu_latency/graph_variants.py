@@ -21,7 +21,7 @@ Each variant and the unchanged export are compiled by OpenVINO for the one [batc
 LATENCY hint and the CPU's default inference precision (as `holoserve serve` runs it), then timed
 interleaved, one run of each per round. Reported per cell: both medians, unchanged / variant (above 1:
 the variant is faster), and the variant's largest logit difference from the unchanged export on the
-timed inputs. Writes bench/results/NAME.{json,md}.
+timed inputs. Writes bench/results/<today>-NAME/NAME.{json,md} (--out).
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
 
+from bench import dated_results  # noqa: E402
 from bench.cpu_latency.run import load_avg, random_rows  # noqa: E402
 from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402
 from holoserve.core.machine import describe_cpu  # noqa: E402
@@ -283,9 +283,10 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=0, help="timed runs per engine (default: 300 at batch 1, 30 above)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--calibration-batches", type=int, default=4)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--out", type=Path, help="output folder (default bench/results/<today>-<name>)")
     ap.add_argument("--name", default="cpu_graph_variants")
     args = ap.parse_args(argv)
+    args.out = args.out or dated_results(args.name)
     try:
         import openvino as ov
     except ImportError as e:

@@ -9,7 +9,7 @@ them), compiles it for its static shape with the LATENCY hint, records the preci
 and times one inference: multiply-adds per second per shape, MiniLM's shapes at seq 128 (batch 1 and
 32) beside large ones. The wall time includes an inference's fixed cost (tens of microseconds), so the
 small shapes are understated; the large ones give the best rate the kernel reaches on this CPU, to set
-beside the whole model's GEMM time from `profile_openvino.py`. Writes bench/results/NAME.{json,md}.
+beside the whole model's GEMM time from `profile_openvino.py`. Writes bench/results/<today>-NAME/NAME.{json,md} (--out).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
 
+from bench import dated_results  # noqa: E402
 from holoserve.backends.openvino import gemm_precisions  # noqa: E402
 from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402
 from holoserve.core.machine import describe_cpu  # noqa: E402
@@ -70,9 +70,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=2.0, help="timing per shape (after a warm-up)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--out", type=Path, help="output folder (default bench/results/<today>-<name>)")
     ap.add_argument("--name", default="cpu_int8_gemm_rate")
     args = ap.parse_args(argv)
+    args.out = args.out or dated_results(args.name)
     try:
         import openvino as ov
     except ImportError as e:

@@ -9,7 +9,7 @@ of the dense model's plain fp32 ONNX export) and compiled with PERF_COUNT on; wi
 compiled for the one [batch, seq] shape, as `--openvino-shapes` and run.py's static rows do. The two run
 interleaved, one run of each per round; each timed run reads OpenVINO's per-node profiling counters; the report sums them per operation class (quantized GEMMs,
 fused attention, everything else) and per (node type, kernel), beside the wall-clock median of the
-same runs. Writes bench/results/NAME.{json,md}.
+same runs. Writes bench/results/<today>-NAME/NAME.{json,md} (--out).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
 
+from bench import dated_results  # noqa: E402
 from bench.cpu_latency.run import (load_avg, nncf_int8, openvino_modules, random_rows,  # noqa: E402
                                    train_samples)
 from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402
@@ -122,11 +122,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--calibration-rows", type=int, default=64)
     ap.add_argument("--static", action="store_true", help="compile both models for the one [batch, seq] shape")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--out", type=Path, help="output folder (default bench/results/<today>-<name>)")
     ap.add_argument("--kernels", action="store_true",
                     help="also profile ours with HoloServe's 2:4 kernels (--openvino-kernels on)")
     ap.add_argument("--name", default="cpu_profile_openvino")
     args = ap.parse_args(argv)
+    args.out = args.out or dated_results(args.name)
     try:
         ov, nncf, why = openvino_modules()
     except ImportError as e:

@@ -33,7 +33,7 @@
   token ids; median and p90 over --runs timed runs after --warmup runs, the engines interleaved
   per shape so that background load hits them alike. Also SST-2 (or the checkpoint's task) dev
   accuracy of every engine but PyTorch eager (whose weights the ORT fp32 export holds).
-Writes bench/results/cpu_latency.{json,md,png}. The machine is shared: `uptime` load averages
+Writes bench/results/<today>-NAME/NAME.{json,md,png} (--name, default cpu_latency; --out). The machine is shared: `uptime` load averages
 before and after are recorded.
 """
 from __future__ import annotations
@@ -51,8 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
 
+from bench import dated_results  # noqa: E402
 from holoserve.backends.openvino import inference_precision as openvino_inference_precision  # noqa: E402
 from holoserve.core.files import atomic_savefig  # noqa: E402
 from holoserve.core.machine import describe_cpu  # noqa: E402
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dense", type=Path, default=None,
                     help="dense fine-tuned HF folder for the baselines (default: the checkpoint's own fp32 weights)")
     ap.add_argument("--data-dir", default=None, help="GLUE data dir for dev accuracy and the NNCF calibration rows (or $HOLOSERVE_DATA_DIR)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--out", type=Path, help="output folder (default bench/results/<today>-<name>)")
     ap.add_argument("--name", default="cpu_latency")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
@@ -242,6 +242,7 @@ def main(argv=None) -> int:
                          "for the [CLS] row only; before dynamic quantization). Without --fuse-baseline-attention "
                          "it stops at the attention output, as attention is then not one node")
     args = ap.parse_args(argv)
+    args.out = args.out or dated_results(args.name)
     skipped = {}  # engine -> why it was not run
     for k in filter(None, (x.strip() for x in args.skip.split(","))):
         if k not in ENGINES[1:]:

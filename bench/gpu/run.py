@@ -45,6 +45,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from bench import dated_results
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
@@ -70,8 +72,8 @@ def log(msg: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results" / "gpu"),
-                    help="output folder (default $OUT, else bench/results/gpu)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(dated_results("gpu")),
+                    help="output folder (default $OUT, else bench/results/<today>-gpu)")
     ap.add_argument("--carry", default=str(ROOT / ".carry"), help="folder written by prepare.py (default .carry)")
     ap.add_argument("--sections", default="env,peak,gemm,encoder,parity",
                     help="comma-separated subset of env,peak,gemm,encoder,parity,profile (profile: where "

@@ -32,7 +32,7 @@ Phases, each against a real server process on loopback:
 
 The server runs with a low open-file limit (--server-nofile, 1024 by default: a common soft limit) and
 short header/body timeouts (--header-timeout, --body-timeout) so that a run takes about a minute.
-Results go to bench/results/hostile.json and .md.
+Results go to bench/results/<today>-hostile/hostile.json and .md (--out).
 
     python -m bench.hostile.run                      # a tiny random checkpoint (needs the dev install)
     python -m bench.hostile.run --checkpoint runs/minilm-sst2-quick
@@ -58,6 +58,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
+from bench import dated_results  # noqa: E402
 from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402
 from holoserve.core.machine import cpu_name  # noqa: E402
 
@@ -1020,7 +1021,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None, help="exported checkpoint folder; default: build a tiny random one")
     ap.add_argument("--server-root", default=str(REPO), help="checkout whose server to run (to compare versions)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "hostile"), help="output path without suffix")
+    ap.add_argument("--out", help="output path without suffix (default bench/results/<today>-hostile/hostile)")
     ap.add_argument("--good", type=int, default=1200)
     ap.add_argument("--bad", type=int, default=80)
     ap.add_argument("--clients", type=int, default=32)
@@ -1123,7 +1124,7 @@ def main() -> int:
             res["workers"] = {"error": f"{type(e).__name__}: {e}"}
         print(f"workers: {res['workers']}", flush=True)
     res["summary"] = summarize(res)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else dated_results("hostile") / "hostile"
     atomic_write_json(out.with_suffix(".json"), res)
     write_markdown(res, out.with_suffix(".md"))
     print(json.dumps(res["summary"], indent=1))

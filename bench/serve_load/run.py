@@ -39,6 +39,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 
+from bench import dated_results  # noqa: E402
 from holoserve import HoloServeError  # noqa: E402
 from holoserve.core.artifact import load_artifact, read_manifest  # noqa: E402
 
@@ -638,7 +639,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=32, help="--max-batch-size with batching on")
     ap.add_argument("--queue-delay-ms", type=float, default=0.0, help="--max-queue-delay-ms with batching on")
     ap.add_argument("--bare-n", type=int, default=1000)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out", help="output folder (default bench/results/<today>-<name>)")
     ap.add_argument("--name", default="serve_load")
     ap.add_argument("--docker", metavar="IMAGE", default=None,
                     help="compare two containers of IMAGE instead: its defaults (no backend flags) and "
@@ -664,7 +665,7 @@ def main() -> int:
     art = load_artifact(ckpt)
     texts, text_source = sst2_sentences(args.data_dir)
     levels = [int(x) for x in args.clients.split(",")]
-    out_dir = Path(args.out)
+    out_dir = Path(args.out) if args.out else dated_results(args.name)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.token_budgets:
         return token_budget_main(args, ckpt, texts, text_source, out_dir)
