@@ -170,7 +170,7 @@ def compare(obs_dir: Path, admm_dir: Path) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.accuracy.admm_layerwise", description=__doc__.split("\n")[0])
     ap.add_argument("--compare", nargs=2, metavar=("OBS_CHECKPOINT", "ADMM_CHECKPOINT"))
     ap.add_argument("--task")
     ap.add_argument("--data-dir")

@@ -101,7 +101,7 @@ def plot(r: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.accuracy.layer_divergence", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--data-dir", required=True, help="the GLUE folder")
     ap.add_argument("--rows", type=int, default=64, help="dev rows, one batch (default 64)")

@@ -137,7 +137,7 @@ def plot(r: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.accuracy.rounding_noise", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--data-dir", required=True, help="the GLUE folder")
     ap.add_argument("--eps", default=EPS, help=f"relative changes of the position-embedding table (default {EPS})")

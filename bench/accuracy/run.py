@@ -429,7 +429,7 @@ def rebuild(sources: list[Path], results: Path) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.accuracy.run", description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"))
     ap.add_argument("--tasks", default="mrpc,stsb,cola,sst2", help="GLUE shortcuts (ignored with --train)")
     ap.add_argument("--train", type=Path, help="your own labelled rows (CSV, TSV, JSONL, Parquet, saved folder)")

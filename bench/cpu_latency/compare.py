@@ -85,7 +85,7 @@ def runtime_version(name: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.compare", description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="+", help="LABEL=PATH to an ONNX model (inputs input_ids, attention_mask, token_type_ids)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)

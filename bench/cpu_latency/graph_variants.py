@@ -274,7 +274,7 @@ def build(src: Path, variant: str, out: Path, num_heads: int, feeds: list[dict])
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.graph_variants", description=__doc__.split("\n")[0])
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--batches", default="1,32")

@@ -67,7 +67,7 @@ def gemm_model(path: Path, m: int, k: int, n: int, seed: int = 0) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.int8_gemm_rate", description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=2.0, help="timing per shape (after a warm-up)")
     ap.add_argument("--out", type=Path, help="output folder (default bench/results/<today>-<name>)")

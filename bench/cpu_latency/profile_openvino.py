@@ -111,7 +111,7 @@ def markdown(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.profile_openvino", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--dense", type=Path, required=True, help="the dense fine-tuned HF folder NNCF quantizes")
     ap.add_argument("--data-dir", default=None, help="GLUE data dir for the NNCF calibration rows")

@@ -213,7 +213,7 @@ def int8_gemms(compiled) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.run", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--also", type=Path, default=None,
                     help="a second compressed checkpoint of the same task whose OpenVINO export is timed beside ours")

@@ -18,7 +18,7 @@ from holoserve.core.machine import describe_cpu
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.shape_churn", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint")
     ap.add_argument("--rows", default="8,32")
     ap.add_argument("--runs", type=int, default=12)

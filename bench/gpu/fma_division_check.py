@@ -49,7 +49,7 @@ def all_ones(s: F32) -> bool:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.fma_division_check", description=__doc__.splitlines()[0])
     ap.add_argument("--scales", type=int, default=200, help="random scales in [1e-4, 2]")
     ap.add_argument("--per-scale", type=int, default=300_000, help="random values per scale (twice: normal, bits)")
     ap.add_argument("--seed", type=int, default=1)

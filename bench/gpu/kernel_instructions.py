@@ -93,7 +93,7 @@ def count(fn, signature: dict, constexprs: dict, arch: int, num_warps: int = 4) 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.kernel_instructions", description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--clock-ghz", type=float, default=1.98)

@@ -117,7 +117,7 @@ def folder_bytes(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.prepare", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", help="compressed checkpoint folder (e.g. runs/minilm-sst2-quick)")
     ap.add_argument("--carry", default=str(ROOT / ".carry"), help="output folder (default .carry, git-ignored)")
     ap.add_argument("--wheels", default=str(ROOT / ".whl"), help="wheel folder (default .whl, git-ignored)")

@@ -58,7 +58,7 @@ def pack_base(src: Path, dest: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.prepare_train", description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"), help="GLUE folder")
     ap.add_argument("--tasks", default="sst2,mrpc,cola")
     ap.add_argument("--model", type=Path, help="base model folder (default: all-MiniLM-L6-v2 from its package)")

@@ -71,7 +71,7 @@ def log(msg: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.run", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(dated_results("gpu")),
                     help="output folder (default $OUT, else bench/results/<today>-gpu)")
     ap.add_argument("--carry", default=str(ROOT / ".carry"), help="folder written by prepare.py (default .carry)")

@@ -1018,7 +1018,7 @@ def position_table(ckpt: Path) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.hostile.run", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None, help="exported checkpoint folder; default: build a tiny random one")
     ap.add_argument("--server-root", default=str(REPO), help="checkout whose server to run (to compare versions)")
     ap.add_argument("--out", help="output path without suffix (default bench/results/<today>-hostile/hostile)")

@@ -625,7 +625,7 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.serve_load.run", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None,
                     help="default: runs/minilm-sst2-quick if present, else runs/minilm-sst2-standin")
     ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"))

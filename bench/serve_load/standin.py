@@ -49,6 +49,6 @@ def build(out: Path, max_seq_length: int = 128) -> Path:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.serve_load.standin", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/minilm-sst2-standin")
     sys.exit(print(build(Path(ap.parse_args().out))) or 0)
