@@ -26,20 +26,16 @@ so a Triton polling DIR never sees a partial model) and renamed into place whole
 export of the same name that this export no longer writes is removed (only folders this module wrote,
 recognised by the first line of their config.pbtxt).
 
-`local_tritonserver` builds the command line for the tritonserver that the `nvidia-pytriton` wheel ships
-(Triton 2.51, with the Python backend and no onnxruntime or TensorRT backend), for running the Python
-model on one machine. Its Python backend is built with a pybind11 that predates NumPy 2, so the Python
-that runs model.py must import numpy<2 (see `stub_environment`).
+Running such a repository on one machine, with the tritonserver of the `nvidia-pytriton` wheel:
+export/triton_local.py.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shutil
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -93,30 +89,42 @@ def _params(params: Mapping[str, str]) -> str:
                    for k, v in params.items())
 
 
-def model_config(
-    *,
-    name: str,
-    comment: list[str],
-    backend: str | None = None,
-    platform: str | None = None,
-    max_batch_size: int,
-    max_queue_delay_us: int,
-    inputs: list[str],
-    outputs: list[str],
-    kind: str,
-    count: int,
-    parameters: Mapping[str, str] | None = None,
-    tail: str = "",
-) -> str:
-    """A config.pbtxt in Triton's model-configuration schema (protobuf text format)."""
-    head = "\n".join([HEADER, *(f"# {c}" for c in comment)])
-    which = f"backend: {_q(backend)}" if backend else f"platform: {_q(platform)}"
-    sep = ",\n"
-    text = (f"{head}\nname: {_q(name)}\n{which}\nmax_batch_size: {max_batch_size}\n"
-            f"dynamic_batching {{\n  max_queue_delay_microseconds: {max_queue_delay_us}\n}}\n"
-            f"input [\n{sep.join(inputs)}\n]\noutput [\n{sep.join(outputs)}\n]\n"
-            f"instance_group [\n  {{\n    count: {count}\n    kind: {kind}\n  }}\n]\n")
-    return text + _params(parameters or {}) + tail
+@dataclass(frozen=True)
+class Batching:
+    """How Triton batches and replicates a model: max_batch_size, the dynamic batcher's queue delay, and
+    the instance_group count."""
+
+    max_batch_size: int = DEFAULT_MAX_BATCH
+    max_queue_delay_us: int = 0
+    instances: int = 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A config.pbtxt in Triton's model-configuration schema (protobuf text format): a `backend` or a
+    `platform`, the batching, the input and output tensors (`_tensor`), the instance kind."""
+
+    name: str
+    comment: list[str]
+    batching: Batching
+    inputs: list[str]
+    outputs: list[str]
+    kind: str
+    backend: str | None = None
+    platform: str | None = None
+    parameters: Mapping[str, str] | None = None
+    tail: str = ""
+
+    def text(self) -> str:
+        head = "\n".join([HEADER, *(f"# {c}" for c in self.comment)])
+        which = f"backend: {_q(self.backend)}" if self.backend else f"platform: {_q(self.platform)}"
+        sep = ",\n"
+        b = self.batching
+        text = (f"{head}\nname: {_q(self.name)}\n{which}\nmax_batch_size: {b.max_batch_size}\n"
+                f"dynamic_batching {{\n  max_queue_delay_microseconds: {b.max_queue_delay_us}\n}}\n"
+                f"input [\n{sep.join(self.inputs)}\n]\noutput [\n{sep.join(self.outputs)}\n]\n"
+                f"instance_group [\n  {{\n    count: {b.instances}\n    kind: {self.kind}\n  }}\n]\n")
+        return text + _params(self.parameters or {}) + self.tail
 
 
 # --------------------------------------------------------------------------- the Python model
@@ -328,8 +336,8 @@ def _bundle_manifest(art: Artifact, onnx: tuple[Path, dict[str, Any]]) -> dict[s
     return data
 
 
-def _write_python_model(folder: Path, art: Artifact, name: str, onnx: tuple[Path, dict[str, Any]], *,
-                        max_batch_size: int, max_queue_delay_us: int, instances: int) -> dict[str, Any]:
+def _write_python_model(folder: Path, art: Artifact, name: str, onnx: tuple[Path, dict[str, Any]],
+                        batching: Batching) -> dict[str, Any]:
     version = folder / VERSION
     bundle = version / BUNDLE
     manifest = _bundle_manifest(art, onnx)
@@ -348,10 +356,11 @@ def _write_python_model(folder: Path, art: Artifact, name: str, onnx: tuple[Path
     comment = [f"HoloServe model {art.path.name} (task {art.task_name}, labels {art.labels or ['score']}), text in:",
                "tokenized by the checkpoint's tokenizer.json and run by HoloServe's ONNX Runtime backend",
                "(Triton's Python backend; its Python needs `pip install holoserve`)."]
-    atomic_write_text(folder / "config.pbtxt", model_config(
-        name=name, comment=comment, backend="python", max_batch_size=max_batch_size,
-        max_queue_delay_us=max_queue_delay_us, inputs=inputs, outputs=outputs, kind="KIND_CPU", count=instances,
-        parameters={"threads": "0", "max_seq_length": "0", "max_text_bytes": "10000", "max_padding_waste": "0.25"}))
+    atomic_write_text(folder / "config.pbtxt", ModelConfig(
+        name=name, comment=comment, backend="python", batching=batching, inputs=inputs, outputs=outputs,
+        kind="KIND_CPU",
+        parameters={"threads": "0", "max_seq_length": "0", "max_text_bytes": "10000", "max_padding_waste": "0.25"},
+    ).text())
     return {"backend": "python", "kind": "KIND_CPU", "inputs": ["TEXT", "TEXT_PAIR"] if art.is_pair else ["TEXT"],
             "outputs": ["LOGITS", "LABEL"], "onnx": onnx[1]["file"]}
 
@@ -376,15 +385,15 @@ def _labels_file(folder: Path, art: Artifact) -> str | None:
     return "labels.txt"
 
 
-def _write_onnx_model(folder: Path, art: Artifact, name: str, onnx: tuple[Path, dict[str, Any]], *,
-                      max_batch_size: int, max_queue_delay_us: int, instances: int) -> dict[str, Any]:
+def _write_onnx_model(folder: Path, art: Artifact, name: str, onnx: tuple[Path, dict[str, Any]],
+                      batching: Batching) -> dict[str, Any]:
     atomic_copy(onnx[0], folder / VERSION / "model.onnx")
     inputs, outputs = _id_tensors(onnx[1], art.num_labels, _labels_file(folder, art))
-    atomic_write_text(folder / "config.pbtxt", model_config(
+    atomic_write_text(folder / "config.pbtxt", ModelConfig(
         name=name, comment=_id_comment(art, "the ONNX Runtime export on Triton's onnxruntime backend (CPU)"),
-        platform="onnxruntime_onnx", max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us,
-        inputs=inputs, outputs=outputs, kind="KIND_CPU", count=instances,
-        parameters={"intra_op_thread_count": "0", "execution_mode": "0", "inter_op_thread_count": "1"}))
+        platform="onnxruntime_onnx", batching=batching, inputs=inputs, outputs=outputs, kind="KIND_CPU",
+        parameters={"intra_op_thread_count": "0", "execution_mode": "0", "inter_op_thread_count": "1"},
+    ).text())
     return {"platform": "onnxruntime_onnx", "kind": "KIND_CPU", "inputs": _io_names(onnx[1]),
             "outputs": [_output(onnx[1])], "onnx": onnx[1]["file"]}
 
@@ -393,8 +402,9 @@ def _profile(names: list[str], batch: int, seq: int) -> str:
     return ",".join(f"{n}:{batch}x{seq}" for n in names)
 
 
-def _write_trt_onnx_model(folder: Path, art: Artifact, name: str, onnx: tuple[Path, dict[str, Any]], *,
-                          max_batch_size: int, max_queue_delay_us: int, instances: int) -> dict[str, Any]:
+def _write_trt_onnx_model(folder: Path, art: Artifact, name: str, onnx: tuple[Path, dict[str, Any]],
+                          batching: Batching) -> dict[str, Any]:
+    max_batch_size = batching.max_batch_size
     atomic_copy(onnx[0], folder / VERSION / "model.onnx")
     inputs, outputs = _id_tensors(onnx[1], art.num_labels, _labels_file(folder, art))
     names = _io_names(onnx[1])
@@ -412,11 +422,11 @@ def _write_trt_onnx_model(folder: Path, art: Artifact, name: str, onnx: tuple[Pa
     params = "".join(f"      parameters {{ key: {_q(k)} value: {_q(v)} }}\n" for k, v in trt.items())
     tail = ("optimization {\n  execution_accelerators {\n    gpu_execution_accelerator: [\n      {\n"
             f"      name: \"tensorrt\"\n{params}      }}\n    ]\n  }}\n}}\n")
-    atomic_write_text(folder / "config.pbtxt", model_config(
+    atomic_write_text(folder / "config.pbtxt", ModelConfig(
         name=name, comment=_id_comment(art, "the TensorRT-placement ONNX on Triton's onnxruntime backend with the "
                                             "TensorRT accelerator (the engine is built by the serving GPU at load)"),
-        platform="onnxruntime_onnx", max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us,
-        inputs=inputs, outputs=outputs, kind="KIND_GPU", count=instances, tail=tail))
+        platform="onnxruntime_onnx", batching=batching, inputs=inputs, outputs=outputs, kind="KIND_GPU", tail=tail,
+    ).text())
     return {"platform": "onnxruntime_onnx", "kind": "KIND_GPU", "accelerator": "tensorrt", "inputs": names,
             "outputs": [_output(onnx[1])], "onnx": onnx[1]["file"]}
 
@@ -437,8 +447,9 @@ def _engine_plan(found: Mapping[str, tuple[Path, dict[str, Any]]]) -> tuple[Path
     return plan, side, None
 
 
-def _write_trt_model(folder: Path, art: Artifact, name: str, plan: Path, side: Mapping[str, Any], *,
-                     max_batch_size: int, max_queue_delay_us: int, instances: int) -> dict[str, Any]:
+def _write_trt_model(folder: Path, art: Artifact, name: str, plan: Path, side: Mapping[str, Any],
+                     batching: Batching) -> dict[str, Any]:
+    max_batch_size = batching.max_batch_size
     profile = (side.get("profiles") or [{}])[0]
     side_inputs = side.get("inputs") or []
     names = [i["name"] for i in side_inputs if isinstance(i, dict) and "name" in i] or list(profile) or list(ID_INPUTS)
@@ -453,11 +464,12 @@ def _write_trt_model(folder: Path, art: Artifact, name: str, plan: Path, side: M
     trt = side.get("tensorrt") or {}
     target = side.get("target") or {}
     built = f"TensorRT {trt.get('version')} for {target.get('gpu') or target.get('compute_capability') or 'its GPU'}"
-    atomic_write_text(folder / "config.pbtxt", model_config(
+    atomic_write_text(folder / "config.pbtxt", ModelConfig(
         name=name, comment=_id_comment(art, f"the TensorRT plan ({built}): it loads only in a Triton release "
                                             "with that TensorRT version, on that GPU architecture"),
-        platform="tensorrt_plan", max_batch_size=batch, max_queue_delay_us=max_queue_delay_us,
-        inputs=inputs, outputs=outputs, kind="KIND_GPU", count=instances))
+        platform="tensorrt_plan", batching=replace(batching, max_batch_size=batch), inputs=inputs,
+        outputs=outputs, kind="KIND_GPU",
+    ).text())
     return {"platform": "tensorrt_plan", "kind": "KIND_GPU", "tensorrt": trt.get("version"),
             "max_batch_size": batch, "inputs": names}
 
@@ -503,7 +515,7 @@ def write_triton_repo(
     if repo.exists() and not repo.is_dir():
         raise TritonRepoError(f"{repo} exists and is not a folder; a Triton model repository is a folder")
     out = TritonRepo(repo)
-    opts = dict(max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us, instances=instances)
+    batching = Batching(max_batch_size, max_queue_delay_us, instances)
 
     sweep_stale(repo)
     tmp = temp_sibling(repo, "tmp")  # beside the repository, never inside it
@@ -514,13 +526,13 @@ def write_triton_repo(
             models[model] = tmp / model
             return models[model]
 
-        out.models[name] = _write_python_model(folder(name), art, name, found[ONNXRUNTIME], **opts)
+        out.models[name] = _write_python_model(folder(name), art, name, found[ONNXRUNTIME], batching)
         n_onnx = name + SUFFIXES["onnx"]
-        out.models[n_onnx] = _write_onnx_model(folder(n_onnx), art, n_onnx, found[ONNXRUNTIME], **opts)
+        out.models[n_onnx] = _write_onnx_model(folder(n_onnx), art, n_onnx, found[ONNXRUNTIME], batching)
         n_trt_onnx = name + SUFFIXES["trt_onnx"]
         if TENSORRT_ONNX in found:
             out.models[n_trt_onnx] = _write_trt_onnx_model(folder(n_trt_onnx), art, n_trt_onnx,
-                                                           found[TENSORRT_ONNX], **opts)
+                                                           found[TENSORRT_ONNX], batching)
         else:
             out.skipped[n_trt_onnx] = "no tensorrt-onnx export (holoserve export --target tensorrt or all)"
         n_trt = name + SUFFIXES["trt"]
@@ -529,7 +541,7 @@ def write_triton_repo(
             if why:
                 out.skipped[n_trt] = why
             else:
-                out.models[n_trt] = _write_trt_model(folder(n_trt), art, n_trt, plan, side, **opts)
+                out.models[n_trt] = _write_trt_model(folder(n_trt), art, n_trt, plan, side, batching)
         else:
             out.skipped[n_trt] = "no TensorRT engine in the checkpoint (holoserve build-engine)"
 
@@ -544,157 +556,3 @@ def write_triton_repo(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-# --------------------------------------------------------------------------- a local tritonserver
-
-
-@dataclass
-class LocalTriton:
-    """What it takes to run the tritonserver of the nvidia-pytriton wheel on a model repository."""
-
-    argv: list[str]
-    env: dict[str, str]
-    backends: Path  # the --backend-directory assembled for this Python
-
-
-def pytriton_dist() -> Path:
-    """The folder of pytriton's bundled Triton (bin/tritonserver, backends/python, python_backend_stubs)."""
-    spec = importlib.util.find_spec("pytriton")  # located, not imported
-    if spec is None or not spec.submodule_search_locations:
-        raise TritonRepoError("no tritonserver here: install the wheel that bundles one, "
-                              "`pip install nvidia-pytriton` (Linux x86-64/aarch64, glibc 2.35 or newer)")
-    dist = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
-    if not (dist / "bin" / "tritonserver").is_file():
-        raise TritonRepoError(f"{dist} holds no bin/tritonserver; reinstall nvidia-pytriton")
-    return dist
-
-
-# What model.py needs from the Python backend's environment, and where that Python's libpython is (the
-# stub links it) and its site-packages.
-_PROBE = """import json, site, sys, sysconfig, numpy, holoserve, onnxruntime, tokenizers
-print(json.dumps({"version": "%d.%d" % sys.version_info[:2], "numpy": numpy.__version__,
-                  "site": site.getsitepackages(), "prefix": sys.prefix,
-                  "libdir": sysconfig.get_config_var("LIBDIR"), "ldlibrary": sysconfig.get_config_var("LDLIBRARY")}))"""
-
-
-def probe_python(python: str | os.PathLike) -> dict[str, Any]:
-    """Run `python` and report what the Python backend would see: its version, numpy, site-packages and
-    libpython; TritonRepoError if holoserve, onnxruntime, tokenizers or numpy cannot be imported."""
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    try:
-        res = subprocess.run([str(python), "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise TritonRepoError(f"cannot run {python} to check the Python backend's environment: {e}") from None
-    if res.returncode != 0:
-        raise TritonRepoError(f"the Python backend's environment ({python}) cannot import what model.py needs "
-                              f"(holoserve, onnxruntime, tokenizers, numpy): {res.stderr.strip()[-400:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-def stub_environment(python: str | os.PathLike, folder: str | os.PathLike,
-                     first: list[str | os.PathLike] | None = None) -> tuple[Path, dict[str, Any]]:
-    """A Python environment for the Python backend stub: a venv (no packages of its own) whose site-packages
-    pulls in those of `python`'s environment, with the folders `first` ahead of everything on sys.path.
-
-    The stub embeds Python, finds its environment through `python3` on PATH and ignores PYTHONPATH, so
-    this is how a folder holding numpy<2 gets ahead of an environment's NumPy 2: the Python backend of
-    Triton 2.51 (nvidia-pytriton 0.7) is built with a pybind11 that predates NumPy 2 and reads NumPy 2
-    arrays wrong (inputs come back empty or garbled). Returns (the venv's bin/python3, its probe).
-    """
-    import subprocess
-
-    base = probe_python(python)
-    folder = Path(folder)
-    try:
-        subprocess.run([str(python), "-m", "venv", "--without-pip", "--clear", str(folder)], check=True,
-                       capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.CalledProcessError, subprocess.SubprocessError) as e:
-        raise TritonRepoError(f"cannot create the Python backend's environment in {folder}: "
-                              f"{getattr(e, 'stderr', '') or e}") from None
-    site_dir = folder / "lib" / f"python{base['version']}" / "site-packages"
-    lines = []
-    if first:
-        dirs = [str(Path(f).resolve()) for f in first]
-        lines.append(f"import sys; sys.path[:0] = [d for d in {dirs!r} if d not in sys.path]")
-    lines += [f"import site; site.addsitedir({d!r})" for d in base["site"]]
-    atomic_write_text(site_dir / "00-holoserve-triton.pth", "\n".join(lines) + "\n")
-    stub_python = folder / "bin" / "python3"
-    info = probe_python(stub_python)
-    if int(info["numpy"].split(".")[0]) >= 2:
-        raise TritonRepoError(
-            f"the Python backend would import numpy {info['numpy']}, but the stub of this tritonserver (Triton "
-            "2.51) is built with a pybind11 that predates NumPy 2 and reads its arrays wrong; put numpy<2 ahead "
-            "of it: `pip install --target DIR \"numpy<2\"` and pythonpath=[DIR]")
-    return stub_python, info
-
-
-def local_tritonserver(
-    repo: str | os.PathLike,
-    workdir: str | os.PathLike,
-    *,
-    http_port: int,
-    host: str = "127.0.0.1",
-    grpc_port: int | None = None,
-    metrics_port: int | None = None,
-    models: list[str] | None = None,
-    python: str | os.PathLike | None = None,
-    pythonpath: list[str | os.PathLike] | None = None,
-    exit_timeout_s: int = 30,
-) -> LocalTriton:
-    """The command and environment that run pytriton's tritonserver on `repo`, its Python backend running
-    model.py with the packages of `python`'s environment (default: the running interpreter's), which must
-    have holoserve.
-
-    `workdir` receives the backend folder (the Python backend with the stub built for that Python version)
-    and the stub's environment (stub_environment). `pythonpath`: folders ahead of everything on the Python
-    backend's sys.path; where the environment has NumPy 2, one holding numpy<2 (`pip install --target DIR
-    "numpy<2"`). gRPC and metrics stay off unless given a port; `models` loads only those (explicit model
-    control).
-    """
-    dist = pytriton_dist()
-    workdir = Path(workdir)
-    stub_python, info = stub_environment(python or sys.executable, workdir / "python-env", pythonpath)
-    stubs = dist / "python_backend_stubs"
-    stub = stubs / info["version"] / "triton_python_backend_stub"
-    if not stub.is_file():
-        have = sorted(p.name for p in stubs.iterdir()) if stubs.is_dir() else []
-        raise TritonRepoError(f"nvidia-pytriton has no Python backend stub for Python {info['version']} "
-                              f"(it ships {', '.join(have) or 'none'}); use an environment with one of those")
-    backends = workdir / "backends"
-    py = backends / "python"
-    py.mkdir(parents=True, exist_ok=True)
-    for src in (dist / "backends" / "python").iterdir():
-        if src.is_file():
-            shutil.copy2(src, py / src.name)
-    shutil.copy2(stub, py / "triton_python_backend_stub")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env["PATH"] = os.pathsep.join([str(stub_python.parent), env.get("PATH", "")])
-    # The environment's own libpython first (the stub would otherwise load the system's), then the
-    # libraries the wheel ships for tritonserver.
-    lib = Path(info["libdir"] or "") / (info["ldlibrary"] or "")
-    libpython = info["libdir"] if ".so" in (info["ldlibrary"] or "") and lib.exists() else None
-    if libpython is None:
-        import ctypes.util
-
-        if ctypes.util.find_library(f"python{info['version']}") is None:
-            raise TritonRepoError(
-                f"the Python backend stub links libpython{info['version']}.so.1.0, which {python or sys.executable} "
-                "does not ship (a statically linked build) and the system lacks: use an interpreter built with "
-                f"--enable-shared, or install the system's libpython{info['version']}")
-    libs = dist.parent.parent / "nvidia_pytriton.libs"
-    paths = [p for p in (libpython, str(libs) if libs.is_dir() else None) if p]
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([*paths, *filter(None, [env.get("LD_LIBRARY_PATH")])])
-    argv = [str(dist / "bin" / "tritonserver"), "--model-repository", str(Path(repo).resolve()),
-            "--backend-directory", str(backends.resolve()), "--http-address", host, "--http-port", str(http_port),
-            "--disable-auto-complete-config", "--strict-readiness", "true", "--exit-on-error", "true",
-            "--exit-timeout-secs", str(exit_timeout_s)]
-    argv += ["--allow-grpc", "true", "--grpc-address", host, "--grpc-port", str(grpc_port)] if grpc_port \
-        else ["--allow-grpc", "false"]
-    argv += ["--allow-metrics", "true", "--metrics-address", host, "--metrics-port", str(metrics_port)] \
-        if metrics_port else ["--allow-metrics", "false"]
-    if models:
-        argv += ["--model-control-mode", "explicit", *(f"--load-model={m}" for m in models)]
-    return LocalTriton(argv, env, backends)

@@ -21,8 +21,8 @@ import pytest
 from holoserve.backends.onnxruntime import OrtBackend
 from holoserve.core.artifact import add_files, load_artifact, read_manifest
 from holoserve.core.tokenizer import TextEncoder, pad_batch
-from holoserve.export.triton import (HEADER, TritonRepoError, default_model_name, local_tritonserver,
-                                     write_triton_repo)
+from holoserve.export.triton import HEADER, TritonRepoError, default_model_name, write_triton_repo
+from holoserve.export.triton_local import Listen, local_tritonserver
 from tests.helpers.serving import stop, ThreadServer, free_port, tiny_checkpoint
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -375,7 +375,7 @@ def triton(sst2, mrpc, stsb, tmp_path_factory):
     # Token-id models for GPU fleets: not loaded at start (this tritonserver has neither GPU backend).
     write_triton_repo(gpu_checkpoint(sst2, root / "gpu"), repo, model_name="gpu")
     port = free_port()
-    lt = local_tritonserver(repo, root / "work", http_port=port, exit_timeout_s=2, pythonpath=stub_pythonpath(),
+    lt = local_tritonserver(repo, root / "work", Listen(http_port=port), exit_timeout_s=2, pythonpath=stub_pythonpath(),
                             models=["ckpt-sst2", "ckpt-mrpc", "ckpt-stsb"])
     env = dict(lt.env, OMP_NUM_THREADS="1")
     log = open(root / "tritonserver.log", "wb")
