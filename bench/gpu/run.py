@@ -630,12 +630,14 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
              tables=False):
         def build(dt=dtype or dt):
             dense = kernel == "dense"  # the FP16 baseline keeps the state's own (dense) weights
-            enc = tc.build_encoder(config, state, weight_scales=None if dense else quant["scales"],
-                                   act_amax=None if dense else quant["amax"],
-                                   sparse_layers=quant["layers"] if sparse else (), kernel=kernel, dtype=dt,
-                                   device=dev, epilogue=epilogue32 if dt == torch.float32 and not run.smoke else epilogue,
-                                   quantizer=quantizer, alg_search=alg_search,
-                                   gelu_quant=gelu_fused and fuse, ln_quant=ln_fused and fuse)
+            cq = tc.CheckpointQuant(weight_scales=None if dense else quant["scales"],
+                                    act_amax=None if dense else quant["amax"],
+                                    sparse_layers=quant["layers"] if sparse else ())
+            tuning = tc.Tuning(epilogue=epilogue32 if dt == torch.float32 and not run.smoke else epilogue,
+                               quantizer=quantizer, alg_search=alg_search)
+            enc = tc.build_encoder(config, state, cq,
+                                   linear=tc.LinearOptions(kernel=kernel, dtype=dt, device=dev, tuning=tuning),
+                                   fusion=tc.Fusion(gelu_quant=gelu_fused and fuse, ln_quant=ln_fused and fuse))
             if tables:
                 enc.use_code_tables()
             return lambda inp: enc(**inp)
@@ -961,7 +963,8 @@ def section_parity(run: Run) -> dict[str, Any]:
     candidates: list[tuple[str, Any]] = []
     if run.smoke:
         candidates.append(("INT8 reference kernel (CPU), FP32",
-                           encoder_infer(tc.encoder_from_artifact(art, kernel="reference", dtype=torch.float32))))
+                           encoder_infer(tc.encoder_from_artifact(
+                               art, linear=tc.LinearOptions(kernel="reference", dtype=torch.float32)))))
     else:
         from holoserve.backends import load_backend
 
@@ -974,8 +977,8 @@ def section_parity(run: Run) -> dict[str, Any]:
                 log(f"parity: backend precision={precision} failed to load: {e}")
         # how sensitive the checkpoint is: exact integer GEMMs, FP32 elsewhere, a different summation order
         candidates.append(("exact INT8 reference (float64 accumulation), FP32, on the GPU",
-                           encoder_infer(tc.encoder_from_artifact(art, kernel="reference", dtype=torch.float32,
-                                                                  device=run.device))))
+                           encoder_infer(tc.encoder_from_artifact(art, linear=tc.LinearOptions(
+                               kernel="reference", dtype=torch.float32, device=run.device)))))
     got: dict[str, list] = {name: [] for name, _ in candidates}
     want, labels = [], []
     bs = 64
