@@ -5,8 +5,9 @@ MatMuls are explicit nodes) -> locate the encoder Linears' weights by value -> r
 onnx library (export/qdq.py): int8 weight initializers + per-channel DequantizeLinear, Q/DQ on
 activations with the manifest's calibrated ranges -> for the onnxruntime target, rewrite into
 ONNX Runtime contrib ops (export/fusion.py): each QDQ Linear into MatMulIntegerToFloat with its
-bias, a tanh GELU into FastGelu, each attention block into MultiHeadAttention, and the last layer
-cut down to the [CLS] row the classifier reads -> verify (export/verify_export.py).
+bias, a tanh GELU into FastGelu, each attention block into MultiHeadAttention; and the last layer
+cut down to the [CLS] row the classifier reads (export/standard_rewrites.py) -> verify
+(export/verify_export.py).
 
 Ranges of the tensors only the TensorRT placement quantizes (attention MatMul inputs, residual
 Add inputs) are not in the manifest: they are calibrated here by running the ONNX Runtime
@@ -35,7 +36,7 @@ from holoserve.core.numerics import SQNR_CAP_DB, sqnr_db
 from holoserve.core.ort import session as ort_session
 from holoserve.core.progress import Progress, StepBar
 
-from . import fusion, qdq, verify
+from . import float16, fusion, qdq, standard_rewrites, verify
 from .options import ExportOptions
 from .reference import BUILTIN_SENTENCES, encode_batches, load_torch_model, make_tokenizer, quantized_layers, task_rows
 from .verify_export import BuiltExport, verify_exports
@@ -324,16 +325,16 @@ class _Export:
         if target == "tensorrt" and self.trt_fp16:
             if self.trt_fp32_path is not None:  # what the float16 graph is checked against
                 onnx.save(m, str(self.trt_fp32_path))
-            fused_ops = {"float16": qdq.to_float16(m)}
+            fused_ops = {"float16": float16.to_float16(m)}
         if target == "onnxruntime":
             if "tensorrt" in self.opts.targets:
                 onnx.save(m, str(self.calib_model))
             attention, fused_ops = self.rewrite_for_onnxruntime(m, len(rep.linears))
         elif target == "openvino":  # standard ops only; the exact [CLS]-row rewrite still applies
             attention = "standard ONNX ops (MatMul, Softmax)"
-            fused_ops = {"classifier_row": fusion.keep_classifier_row(m, fusion.tensor_ranks(m))} \
+            fused_ops = {"classifier_row": standard_rewrites.keep_classifier_row(m, fusion.tensor_ranks(m))} \
                 if self.opts.classifier_row else {}
-            fused_ops["key_transposes_split"] = fusion.split_key_transposes(m)  # for OpenVINO's MatMul
+            fused_ops["key_transposes_split"] = standard_rewrites.split_key_transposes(m)  # for OpenVINO's MatMul
         onnx.save(m, str(path))
         self.built[target] = path
         if target in self.opts.targets:
@@ -366,7 +367,7 @@ class _Export:
         else:
             attention = "standard ONNX ops (MatMul, Softmax)"
         if opts.classifier_row:
-            fused_ops["classifier_row"] = fusion.keep_classifier_row(m, ranks)
+            fused_ops["classifier_row"] = standard_rewrites.keep_classifier_row(m, ranks)
         return attention, fused_ops
 
     def entry(self, target: str, path: Path, m, rep, emb, attention, fused_ops, extra) -> dict[str, Any]:
@@ -374,7 +375,7 @@ class _Export:
         entry = {
             "file": TARGET_FILES[target],
             "format": "onnx",
-            "opset": qdq.FP16_OPSET if target == "tensorrt" and self.trt_fp16 else OPSET,
+            "opset": float16.FP16_OPSET if target == "tensorrt" and self.trt_fp16 else OPSET,
             "placement": PLACEMENT[target],
             "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in verify.INPUT_NAMES},
             "outputs": {verify.OUTPUT_NAME: {"dtype": "float32", "shape": ["batch", self.art.num_labels]}},

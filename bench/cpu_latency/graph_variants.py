@@ -107,6 +107,8 @@ def fold_row_keys_values(model, num_heads: int) -> int:
     """The last layer's K and V projections folded into its one query row (see the module doc)."""
     from onnx import helper, numpy_helper
 
+    from holoserve.export.standard_rewrites import CLS_SUFFIX
+
     fusion, producers_of, _ = _graph_helpers()
     g = model.graph
     producers = producers_of(g)
@@ -115,7 +117,7 @@ def fold_row_keys_values(model, num_heads: int) -> int:
     for b in fusion.find_attention(model):
         reshape, qk, av = b.query_path[0], b.query_path[2], b.query_path[-3]
         mk, mv = producers.get(b.k), producers.get(b.v)
-        if not reshape.input[1].endswith(fusion.CLS_SUFFIX) or b.bias is None or mk is None or mv is None \
+        if not reshape.input[1].endswith(CLS_SUFFIX) or b.bias is None or mk is None or mv is None \
                 or mk.op_type != "MatMul" or mv.op_type != "MatMul" or mk.input[0] != mv.input[0]:
             continue
         wk, wv = (_weight(inits, producers, m.input[1]) for m in (mk, mv))
@@ -255,7 +257,8 @@ def join_key_transposes(model) -> int:
 def build(src: Path, variant: str, out: Path, num_heads: int, feeds: list[dict]) -> dict:
     import onnx
 
-    fusion, _, _ = _graph_helpers()
+    from holoserve.export.standard_rewrites import split_key_transposes
+
     m = onnx.load(str(src))
     joined = join_key_transposes(m)
     if variant == "qkv_fused":
@@ -267,7 +270,7 @@ def build(src: Path, variant: str, out: Path, num_heads: int, feeds: list[dict])
     if not n:
         raise SystemExit(f"{src}: the {variant} rewrite found nothing to rewrite")
     if joined:
-        fusion.split_key_transposes(m)
+        split_key_transposes(m)
     onnx.checker.check_model(m)
     onnx.save(m, str(out))
     return {"rewritten": n}

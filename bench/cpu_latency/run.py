@@ -309,7 +309,8 @@ def main(argv=None) -> int:
     if args.fuse_baseline_attention or args.baseline_classifier_row:
         import onnx
 
-        from holoserve.export.fusion import CONTRIB, FUSED_OP, fuse_attention, keep_classifier_row, tensor_ranks
+        from holoserve.export.fusion import CONTRIB, FUSED_OP, fuse_attention, tensor_ranks
+        from holoserve.export.standard_rewrites import keep_classifier_row
 
         m = onnx.load(str(fp32_onnx))
         ranks = tensor_ranks(m) if args.baseline_classifier_row else {}  # before contrib ops hide shapes

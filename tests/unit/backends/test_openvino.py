@@ -233,7 +233,7 @@ def test_key_transpose_split_is_exact(tmp_path):
     from onnx import TensorProto, helper
 
     from holoserve.core.ort import session
-    from holoserve.export.fusion import split_key_transposes
+    from holoserve.export.standard_rewrites import split_key_transposes
 
     g = helper.make_graph(
         [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1], name="kt"),

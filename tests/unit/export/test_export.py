@@ -1034,7 +1034,7 @@ def test_export_refuses_when_the_integer_matmul_rewrite_misses_a_linear(exported
 def test_last_layer_computes_only_the_classifier_row(exported, tmp_path):
     """The last layer runs its Q projection, attention query, output projection, LayerNorms and
     feed-forward on the [CLS] row only, keys and values on every token; logits are unchanged."""
-    from holoserve.export.fusion import CLS_SUFFIX
+    from holoserve.export.standard_rewrites import CLS_SUFFIX
     from holoserve.export.onnx_export import export_checkpoint
     from holoserve.export.verify import ort_session
 
@@ -1091,7 +1091,8 @@ def _row_graph(index: int = 0, axis: int = 1):
 def test_classifier_row_walk_stops_where_a_tensor_is_needed_whole():
     """Row-wise nodes behind the Gather run on one row; a node that mixes rows (here a mean over the
     sequence) keeps its full input, and the rows-only part reads a Slice of it."""
-    from holoserve.export.fusion import keep_classifier_row, tensor_ranks
+    from holoserve.export.fusion import tensor_ranks
+    from holoserve.export.standard_rewrites import keep_classifier_row
 
     x = np.random.default_rng(1).standard_normal((3, 5, 4)).astype(np.float32)
 
