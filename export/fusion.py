@@ -345,9 +345,9 @@ def fuse_attention(model, num_heads: int) -> int:
     The Q, K and V projection biases move into the fused op's bias input (three Adds fewer). Every
     block gets the [batch, seq] key padding mask, padded or not, so a row scores exactly the same
     alone or padded in any batch. (Without a mask ONNX Runtime's CPU kernel takes a flash-attention
-    path that is a few percent faster on unpadded batches, but it rounds differently from the masked
-    kernel; the INT8 quantizers downstream turn that into flipped codes, and a request's answer
-    would depend on which requests it was batched with.)
+    path on unpadded batches that rounds differently from the masked kernel; the INT8 quantizers
+    downstream turn that into flipped codes, and a request's answer would depend on which requests it
+    was batched with. Why: docs/results/2026-11-24-batch-invariance.md.)
 
     Raises ValueError when the graph has Softmax nodes but none matches (an exporter change would
     otherwise silently leave the slow path in place).

@@ -342,7 +342,8 @@ class _Export:
                                                                     extra)
 
     def rewrite_for_onnxruntime(self, m, quantized_linears: int) -> tuple[Any, dict[str, Any]]:
-        """The onnxruntime placement's contrib-op rewrites (export/fusion.py), as the options ask."""
+        """The onnxruntime placement's rewrites, as the options ask: contrib ops (export/fusion.py), then
+        the [CLS] row only (export/standard_rewrites.py)."""
         opts, path = self.opts, self.art.path
         fused_ops: dict[str, Any] = {}
         ranks = fusion.tensor_ranks(m) if opts.classifier_row else {}  # before contrib ops hide shapes

@@ -17,7 +17,7 @@ EMBEDDINGS = ("auto", "int8", "fp32")
 class ExportOptions:
     """How `export_checkpoint` exports; the defaults are what `holoserve export` does.
 
-    targets:         "onnxruntime" (model.onnx) and/or "tensorrt" (model.trt.onnx)
+    targets:         any of "onnxruntime" (model.onnx), "tensorrt" (model.trt.onnx), "openvino" (model.ov.onnx)
     out_dir:         write the files (plus export_report.json) there and leave the checkpoint untouched
     data / data_dir: the rows (holoserve.data.sources.DataOptions: the user's --train/--dev files, or a GLUE
                      shortcut's folder): training rows calibrate the TensorRT placement's extra ranges, dev
@@ -31,7 +31,8 @@ class ExportOptions:
                      does not have: verification then compares against the PyTorch model with the same
                      table and reports the effect against the checkpoint's own numerics separately);
                      "auto" uses int8 only when that is lossless (the table already sits on a per-row grid)
-    The onnxruntime target's graph rewrites (export/fusion.py), each on by default:
+    The graph rewrites, each on by default: the onnxruntime target's contrib ops (export/fusion.py), and
+    the [CLS] row (export/standard_rewrites.py), which the openvino target gets too:
     fuse_attention:  each eager attention block -> ONNX Runtime's MultiHeadAttention contrib op
     fuse_matmul:     each QDQ MatMul -> MatMulIntegerToFloat with the Linear's bias folded in
     fuse_gelu:       a tanh-approximated GELU (gelu_new, gelu_pytorch_tanh) -> FastGelu
@@ -77,7 +78,7 @@ class ExportOptions:
     def validate(self) -> "ExportOptions":
         for t in self.targets:
             if t not in TARGETS:
-                raise HoloServeError(f"unknown export target {t!r}: choose onnxruntime, tensorrt or all")
+                raise HoloServeError(f"unknown export target {t!r}: choose onnxruntime, tensorrt or openvino")
         from .qdq import RESIDUAL_MODES
 
         if self.tensorrt_residuals not in RESIDUAL_MODES:

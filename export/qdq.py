@@ -407,8 +407,8 @@ def quantize_embedding(model, table: np.ndarray, name: str = "word_embeddings", 
     """Store an embedding table (found by value) as int8 codes + per-row scales.
 
     The table is the largest tensor of a BERT model (vocab x hidden) and stays fp32 in the
-    checkpoint; keeping it fp32 here would cap the file at ~1.5x smaller than fp32. Lookup
-    becomes Gather(int8) -> Cast -> Mul(Gather(row scale)): weight-only, symmetric, so the error
+    checkpoint; keeping it fp32 here would cap what the export saves (docs/results/2026-11-22-export.md).
+    Lookup becomes Gather(int8) -> Cast -> Mul(Gather(row scale)): weight-only, symmetric, so the error
     per element is at most half a step (amax_row / 254). Returns what was done, for the manifest.
 
     lookup_first=False instead dequantizes the table with DequantizeLinear(axis=0) and gathers

@@ -10,7 +10,7 @@ from holoserve import HoloServeError
 from holoserve.core.artifact import Artifact, ArtifactError
 from holoserve.core.tokenizer import load_tokenizer
 
-# Used for TensorRT-placement calibration when no GLUE data dir is available (documented fallback).
+# The rows for calibration and for the parity check when no data is given (the documented fallback).
 BUILTIN_SENTENCES = (
     "the movie was a delight from start to finish .",
     "a dull , lifeless and overlong film that never finds its footing .",

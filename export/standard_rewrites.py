@@ -135,11 +135,11 @@ def keep_classifier_row(model, ranks: dict[str, int]) -> dict[str, int]:
     (the keys and values of the last attention, the previous layer's output) and reads a Slice of
     it there. The last attention keeps all keys and values and computes one query row, whether it
     is the fused op or the standard-op block (along its query path; the head split and merge
-    Reshapes get target shapes with 1 for the sequence). In a
-    BERT-base-shaped layer that removes about 10/12 of the last layer's GEMM work and nearly all of
-    its attention, LayerNorm and GELU work. Exact: every kept row is computed from the same inputs
-    by the same kernels. A graph that already has the rewrite is left as it is. Returns
-    {"row_nodes": nodes now run on one row, "slices": Slices added}.
+    Reshapes get target shapes with 1 for the sequence). That removes most of the last layer's GEMM
+    work (only the keys' and values' projections stay whole) and nearly all of its attention, LayerNorm
+    and GELU work (what it saves: docs/results/2026-11-24-openvino.md). Exact: every kept row is
+    computed from the same inputs by the same kernels. A graph that already has the rewrite is left as
+    it is. Returns {"row_nodes": nodes now run on one row, "slices": Slices added}.
     """
     from onnx import helper, numpy_helper
 

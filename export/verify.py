@@ -1,7 +1,8 @@
 """Checks of an exported model with tools nobody here wrote: onnx.checker, ONNX Runtime, Polygraphy.
 
-Everything here works on files and numpy arrays; the PyTorch fake-quant reference lives in
-export/onnx_export.py (it needs torch).
+Everything here works on files and numpy arrays; the PyTorch fake-quant reference is in
+export/reference.py (it needs torch), and the export's verification step that runs these checks in
+export/verify_export.py.
 """
 from __future__ import annotations
 
