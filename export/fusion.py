@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .qdq import _consumers, _producers
+from .qdq import consumer_map, producer_map
 
 CONTRIB = "com.microsoft"
 FUSED_OP = "MultiHeadAttention"
@@ -75,7 +75,7 @@ def tensor_ranks(model) -> dict[str, int]:
     return out
 
 
-def _const_value(inits, name: str, producers) -> np.ndarray | None:
+def const_value(inits, name: str, producers) -> np.ndarray | None:
     """The value of `name` if it is a constant (initializer, Constant node, Identity of one); else None."""
     from onnx import numpy_helper
 
@@ -83,7 +83,7 @@ def _const_value(inits, name: str, producers) -> np.ndarray | None:
         return numpy_helper.to_array(inits[name])
     n = producers.get(name)
     if n is not None and n.op_type == "Identity":  # the exporter shares equal initializers this way
-        return _const_value(inits, n.input[0], producers)
+        return const_value(inits, n.input[0], producers)
     if n is not None and n.op_type == "Constant":
         for a in n.attribute:
             if a.name == "value":
@@ -100,14 +100,14 @@ def _attr(node, name: str, default=None):
     return default
 
 
-def _perm(node) -> list[int]:
+def transpose_perm(node) -> list[int]:
     return list(_attr(node, "perm", []))
 
 
 def _heads(producers, tensor: str, perm: list[int]):
     """tensor = Transpose(perm)(Reshape(x)) -> (x, [transpose, reshape]) or None."""
     t = producers.get(tensor)
-    if t is None or t.op_type != "Transpose" or _perm(t) != perm:
+    if t is None or t.op_type != "Transpose" or transpose_perm(t) != perm:
         return None
     r = producers.get(t.input[0])
     if r is None or r.op_type != "Reshape":
@@ -120,7 +120,7 @@ def _bias_add(inits, producers, consumers, tensor: str):
     add = producers.get(tensor)
     if add is None or add.op_type != "Add" or len(consumers.get(tensor, [])) != 1:
         return None
-    consts = [(i, _const_value(inits, i, producers)) for i in add.input]
+    consts = [(i, const_value(inits, i, producers)) for i in add.input]
     bias = [v for _, v in consts if v is not None]
     x = [i for i, v in consts if v is None]
     if len(bias) != 1 or len(x) != 1 or bias[0].ndim != 1:
@@ -152,7 +152,7 @@ def _is_padding_mask(inits, tensor: str, producers) -> bool:
         if n is None:
             return False  # another graph input
         if n.op_type == "Constant":
-            v = _const_value(inits, t, producers)
+            v = const_value(inits, t, producers)
             if v is None or v.size > 4:
                 return False
             continue
@@ -194,7 +194,7 @@ def _additive_terms(add, inits, producers, consumers, graph_outputs):
         if len(masks) != 1:
             continue
         bias = next(i for i in terms if i not in masks)
-        if _const_value(inits, bias, producers) is not None:
+        if const_value(inits, bias, producers) is not None:
             continue  # a constant term: not an attention bias this matcher knows
         return scaled, bias, [inner]
     return None
@@ -236,7 +236,7 @@ def _merge_reshape(tensor: str, consumers, graph_outputs, limit: int = 32):
 def find_attention(model) -> list[AttentionBlock]:
     """Every Softmax that sits in the eager-attention pattern above, as an AttentionBlock."""
     g = model.graph
-    producers, consumers = _producers(g), _consumers(g)
+    producers, consumers = producer_map(g), consumer_map(g)
     inits = {t.name: t for t in g.initializer}
     graph_outputs = {o.name for o in g.output}
 
@@ -263,7 +263,7 @@ def find_attention(model) -> list[AttentionBlock]:
                 ranks = tensor_ranks(model)
             if ranks.get(attention_bias) != 4:
                 continue  # ONNX Runtime takes a [batch or 1, heads or 1, seq, seq] attention bias only
-        values = [_const_value(inits, i, producers) for i in scaled.input]
+        values = [const_value(inits, i, producers) for i in scaled.input]
         factor = next((v for v in values if v is not None), None)
         operand = next((i for i, v in zip(scaled.input, values) if v is None), None)
         if factor is None or np.size(factor) != 1 or operand is None:
@@ -280,7 +280,7 @@ def find_attention(model) -> list[AttentionBlock]:
             continue
         v = _heads(producers, av.input[1], [0, 2, 1, 3])
         back = only_consumer(av.output[0], "Transpose")
-        if v is None or back is None or _perm(back) != [0, 2, 1, 3]:
+        if v is None or back is None or transpose_perm(back) != [0, 2, 1, 3]:
             continue
         merge = _merge_reshape(back.output[0], consumers, graph_outputs)
         if merge is None:
@@ -395,7 +395,7 @@ INT_MATMUL_OP = "MatMulIntegerToFloat"
 
 
 def _scalar_const(inits, name: str, producers) -> np.ndarray | None:
-    v = _const_value(inits, name, producers) if name else None
+    v = const_value(inits, name, producers) if name else None
     return v if v is not None and v.size == 1 else None
 
 
@@ -415,7 +415,7 @@ def fuse_integer_matmuls(model) -> dict[str, int]:
     from onnx import TensorProto, helper, numpy_helper
 
     g = model.graph
-    producers, consumers = _producers(g), _consumers(g)
+    producers, consumers = producer_map(g), consumer_map(g)
     inits = {t.name: t for t in g.initializer}
     graph_outputs = {o.name for o in g.output}
     replace: dict[int, object] = {}  # id(MatMul) -> new node
@@ -436,8 +436,8 @@ def fuse_integer_matmuls(model) -> dict[str, int]:
         if w is None or w.data_type != TensorProto.INT8 or len(w.dims) != 2:
             continue
         n_out = int(w.dims[1])
-        sw = _const_value(inits, b_in[1], producers)
-        zw = _const_value(inits, b_in[2], producers) if b_in[2] else np.zeros(1, np.int8)
+        sw = const_value(inits, b_in[1], producers)
+        zw = const_value(inits, b_in[2], producers) if b_in[2] else np.zeros(1, np.int8)
         axis = next((x.i for x in b.attribute if x.name == "axis"), 1)
         if sw is None or zw is None or np.any(zw):
             continue
@@ -449,7 +449,7 @@ def fuse_integer_matmuls(model) -> dict[str, int]:
         if out not in graph_outputs and len(users) == 1 and users[0].op_type == "Add":
             add = users[0]
             other = [i for i in add.input if i != out]
-            bias = _const_value(inits, other[0], producers) if len(other) == 1 else None
+            bias = const_value(inits, other[0], producers) if len(other) == 1 else None
             if bias is not None and bias.shape == (n_out,) and bias.dtype == np.float32:
                 name = other[0]
                 if name not in inits:
@@ -506,12 +506,12 @@ def _gelu_region(g, tanh, producers, consumers, inits, graph_outputs):
     from onnx.reference import ReferenceEvaluator
 
     def is_const(t: str) -> bool:  # scalar constants only: a bias vector is not part of the formula
-        v = _const_value(inits, t, producers)
+        v = const_value(inits, t, producers)
         return v is not None and v.size == 1
 
     def scalar_op(n) -> bool:
         return n is not None and n.op_type in _ELEMENTWISE and all(
-            is_const(i) or _const_value(inits, i, producers) is None for i in n.input)
+            is_const(i) or const_value(inits, i, producers) is None for i in n.input)
 
     leaves, stack, seen = set(), [tanh.input[0]], set()
     while stack:
@@ -547,7 +547,7 @@ def _gelu_region(g, tanh, producers, consumers, inits, graph_outputs):
         [helper.make_node(n.op_type, list(n.input), list(n.output)) for n in region], "probe",
         [helper.make_tensor_value_info(x, TensorProto.FLOAT, [None])],
         [helper.make_tensor_value_info(y, TensorProto.FLOAT, [None])],
-        [numpy_helper.from_array(np.asarray(_const_value(inits, c, producers)), c) for c in consts])
+        [numpy_helper.from_array(np.asarray(const_value(inits, c, producers)), c) for c in consts])
     sweep = np.linspace(-8.0, 8.0, 2001, dtype=np.float32)
     try:
         got = ReferenceEvaluator(helper.make_model(probe)).run(None, {x: sweep})[0]
@@ -569,7 +569,7 @@ def fuse_gelu_tanh(model) -> int:
     from onnx import helper
 
     g = model.graph
-    producers, consumers = _producers(g), _consumers(g)
+    producers, consumers = producer_map(g), consumer_map(g)
     inits = {t.name: t for t in g.initializer}
     graph_outputs = {o.name for o in g.output}
     fused: dict[int, object] = {}

@@ -66,11 +66,11 @@ def _digest(a: np.ndarray) -> str:
     return hashlib.sha1(a.tobytes() + str(a.shape).encode()).hexdigest()
 
 
-def _producers(graph) -> dict[str, object]:
+def producer_map(graph) -> dict[str, object]:
     return {o: n for n in graph.node for o in n.output}
 
 
-def _consumers(graph) -> dict[str, list]:
+def consumer_map(graph) -> dict[str, list]:
     out: dict[str, list] = {}
     for n in graph.node:
         for i in n.input:
@@ -102,7 +102,7 @@ def find_linears(model, weights: Mapping[str, np.ndarray], *, rename: bool = Tru
         w = np.asarray(w, dtype=np.float32)
         by_digest[_digest(w.T)] = layer + "|T"
         by_digest.setdefault(_digest(w), layer + "|N")
-    consumers = _consumers(g)
+    consumers = consumer_map(g)
     sites: dict[str, LinearSite] = {}
     renames: dict[str, str] = {}
     for n in g.node:
@@ -264,7 +264,7 @@ def residual_adds(model, sites: list[LinearSite]) -> list:
     """Adds of two activations where one side is a Linear's bias-add output (the residual connections)."""
     g = model.graph
     inits = {i.name for i in g.initializer}
-    prod = _producers(g)
+    prod = producer_map(g)
     bias_outputs = _bias_outputs(g, sites)
     out = []
     for n in g.node:
@@ -285,7 +285,7 @@ def trained_ranges(model, sites: list[LinearSite], act_amax: Mapping[str, float]
     without TensorRT QAT; what is missing here is calibrated at export.
     """
     g = model.graph
-    prod = _producers(g)
+    prod = producer_map(g)
     bias_out = _bias_outputs(g, sites)
     out: dict[str, float] = {}
     for n in residual_adds(model, sites):

@@ -16,13 +16,13 @@ from .fusion import (
     INT_MATMUL_OP,
     AttentionBlock,
     _attr,
-    _const_value,
+    const_value,
     _install,
-    _perm,
+    transpose_perm,
     _reads,
     find_attention,
 )
-from .qdq import _consumers, _producers
+from .qdq import consumer_map, producer_map
 
 # ------------------------------------------------------------------ the classifier's row only
 
@@ -44,7 +44,7 @@ def _row_inputs(node, inits, producers, ranks) -> list[str] | None:
     """The inputs of `node` that carry one row per token, if the node computes each token's output
     from that token's row alone (so the [B, 1, ...] slice in gives the [B, 1, ...] slice out); else None."""
     def const(t: str) -> np.ndarray | None:
-        return _const_value(inits, t, producers) if t else None
+        return const_value(inits, t, producers) if t else None
 
     def act(t: str) -> bool:  # a per-token activation: [batch, seq, features]
         return bool(t) and const(t) is None and ranks.get(t) == 3
@@ -118,7 +118,7 @@ def _classifier_rows(g, inits, producers, ranks) -> list:
     seeds = []
     for n in g.node:
         if n.op_type == "Gather" and _attr(n, "axis", 0) == 1 and ranks.get(n.input[0]) == 3:
-            idx = _const_value(inits, n.input[1], producers)
+            idx = const_value(inits, n.input[1], producers)
             if idx is not None and idx.shape == () and int(idx) == 0:
                 seeds.append(n)
     return seeds
@@ -145,7 +145,7 @@ def keep_classifier_row(model, ranks: dict[str, int]) -> dict[str, int]:
 
     g = model.graph
     nodes = list(g.node)
-    producers = _producers(g)
+    producers = producer_map(g)
     inits = {t.name: t for t in g.initializer}
     seeds = {id(n) for n in _classifier_rows(g, inits, producers, ranks)}
     if not seeds or any(o.endswith(CLS_SUFFIX) for n in nodes for o in n.output):  # none, or done already
@@ -221,11 +221,11 @@ def split_key_transposes(model) -> int:
     from onnx import helper
 
     g = model.graph
-    consumers = _consumers(g)
+    consumers = consumer_map(g)
     nodes, count = [], 0
     for n in g.node:
         users = consumers.get(n.output[0], []) if n.op_type == "Transpose" else []
-        if _perm(n) == [0, 2, 3, 1] and len(users) == 1 and users[0].op_type == "MatMul" \
+        if transpose_perm(n) == [0, 2, 3, 1] and len(users) == 1 and users[0].op_type == "MatMul" \
                 and list(users[0].input).index(n.output[0]) == 1:
             heads = n.output[0] + ".heads"
             nodes.append(helper.make_node("Transpose", [n.input[0]], [heads], perm=[0, 2, 1, 3],

@@ -38,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per configuration (default 5)")
     p.add_argument("--iters", type=int, default=30, help="timed calls per configuration (default 30)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results", help="folder for the JSON/Markdown/PNG results (default bench/results)")
+    p.add_argument("--out", default=None,
+                   help="folder for the JSON/Markdown/PNG results (default bench/results/YYYY-MM-DD-holoserve-bench, "
+                        "one dated folder per run)")
     p.add_argument("--name", default=None, help="file name stem for the results (default holoserve-bench-<checkpoint>)")
     p.add_argument("--no-save", action="store_true", help="print only; write no files")
     p.add_argument("--openvino-kernels", choices=OPENVINO_KERNELS, default=None,
@@ -252,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(md)
     if not args.no_save:
-        out = Path(args.out)
+        out = Path(args.out) if args.out else Path("bench/results") / f"{datetime.now(timezone.utc):%Y-%m-%d}-holoserve-bench"
         stem = args.name or f"holoserve-bench-{art.path.name}"
         atomic_write_json(out / f"{stem}.json", report)
         atomic_write_text(out / f"{stem}.md", md + "\n")

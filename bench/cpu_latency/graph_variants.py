@@ -45,9 +45,9 @@ VARIANTS = ("qkv_fused", "kv_folded", "int8_attention")
 
 def _graph_helpers():
     from holoserve.export import fusion
-    from holoserve.export.qdq import _consumers, _producers
+    from holoserve.export.qdq import consumer_map, producer_map
 
-    return fusion, _producers, _consumers
+    return fusion, producer_map, consumer_map
 
 
 def _weight(inits, producers, tensor):
@@ -56,7 +56,7 @@ def _weight(inits, producers, tensor):
     dq = producers.get(tensor)
     if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 3:
         return None
-    parts = [fusion._const_value(inits, t, producers) for t in dq.input[:3]]
+    parts = [fusion.const_value(inits, t, producers) for t in dq.input[:3]]
     return None if any(p is None for p in parts) or parts[0].ndim != 2 else parts
 
 
@@ -245,8 +245,8 @@ def join_key_transposes(model) -> int:
     plan = {}
     for n in g.node:
         first = producers.get(n.input[0]) if n.op_type == "Transpose" else None
-        if fusion._perm(n) == [0, 1, 3, 2] and first is not None and first.op_type == "Transpose" \
-                and fusion._perm(first) == [0, 2, 1, 3] and len(consumers.get(first.output[0], [])) == 1:
+        if fusion.transpose_perm(n) == [0, 1, 3, 2] and first is not None and first.op_type == "Transpose" \
+                and fusion.transpose_perm(first) == [0, 2, 1, 3] and len(consumers.get(first.output[0], [])) == 1:
             plan[id(first)] = []
             plan[id(n)] = [helper.make_node("Transpose", [first.input[0]], [n.output[0]], perm=[0, 2, 3, 1],
                                             name=n.name + "/joined")]

@@ -105,22 +105,28 @@ def main() -> int:
     args = ap.parse_args()
     K = load_kernels(args.kernels)
 
-    if K._triton_quant_kernel() is None:
-        sys.exit(f"triton is unavailable: {K._TRITON.get('error')}")
+    try:
+        T = K.triton_kernels()
+    except AttributeError:  # a kernels.py from before triton_kernels(): its kernels sit in _TRITON
+        if K._triton_quant_kernel() is None:
+            sys.exit(f"triton is unavailable: {K._TRITON.get('error')}")
+        T = K._TRITON
+    except RuntimeError as e:
+        sys.exit(str(e))
     threads = 4 * 32  # num_warps=4, Triton's default, as the wrappers launch
     per_thread = K.QUANT_BLOCK / threads
-    ln = K.ln_blocks(args.hidden) if hasattr(K, "ln_blocks") else {"BLOCK": K._TRITON["next_pow2"](args.hidden)}
+    ln = K.ln_blocks(args.hidden) if hasattr(K, "ln_blocks") else {"BLOCK": T["next_pow2"](args.hidden)}
     ln_warps = ln.pop("num_warps", 4)
     ln_lanes = ln["BLOCK"] * ln.get("CHUNKS", 1)  # lanes per row
     rate = args.sms * 4 * 32 * args.clock_ghz * 1e9  # thread-instructions per second
     rows = []
     # (name, kernel, signature, constexprs, warps, lanes per call, lanes per thread, bytes moved per call)
     for name, fn, sig, extra, warps, elements, per, nbytes in (
-            ("_quant", K._TRITON["kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK}, 4, args.tokens * args.hidden,
+            ("_quant", T["kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK}, 4, args.tokens * args.hidden,
              per_thread, 3 * args.tokens * args.hidden),  # FP16 in, int8 out
-            ("_gelu_quant", K._TRITON["gelu_kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK}, 4,
+            ("_gelu_quant", T["gelu_kernel"], QUANT_SIG, {"BLOCK": K.QUANT_BLOCK}, 4,
              args.tokens * args.intermediate, per_thread, 3 * args.tokens * args.intermediate),
-            ("_add_ln_quant", K._TRITON["ln_kernel"], LN_SIG, {"HAS_RES": True, "HAS_Q": True, **ln}, ln_warps,
+            ("_add_ln_quant", T["ln_kernel"], LN_SIG, {"HAS_RES": True, "HAS_Q": True, **ln}, ln_warps,
              args.tokens * ln_lanes, ln_lanes / (32 * ln_warps), 7 * args.tokens * args.hidden)):  # x, r, h; codes
         row = {"kernel": name, "elements_per_thread": per, "num_warps": warps,
                "memory_floor_us": round(nbytes / (args.bandwidth_tbs * 1e12) * 1e6, 1)}
@@ -130,8 +136,8 @@ def main() -> int:
             row[label] = {"instructions": n, "per_element": round(n / per, 1),
                           "predicted_us_per_call": round(elements * n / per / rate * 1e6, 1)}
         rows.append(row)
-    if "table_kernel" in K._TRITON:  # the FFN activation by code table: no division, one gather per element
-        n = count(K._TRITON["table_kernel"], TABLE_SIG, {"BLOCK": K.QUANT_BLOCK}, args.arch)
+    if "table_kernel" in T:  # the FFN activation by code table: no division, one gather per element
+        n = count(T["table_kernel"], TABLE_SIG, {"BLOCK": K.QUANT_BLOCK}, args.arch)
         elements = args.tokens * args.intermediate
         same = {"instructions": n, "per_element": round(n / per_thread, 1),
                 "predicted_us_per_call": round(elements * n / per_thread / rate * 1e6, 1)}

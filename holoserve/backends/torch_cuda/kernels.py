@@ -162,6 +162,14 @@ def _triton_quant_kernel():
     return _TRITON.get("kernel")
 
 
+def triton_kernels() -> dict[str, Any]:
+    """The Triton kernels and launch helpers by name (kernel, gelu_kernel, table_kernel, ln_kernel, next_pow2,
+    cdiv), compiled on first use; RuntimeError saying why when Triton is unavailable."""
+    if _triton_quant_kernel() is None:
+        raise RuntimeError(f"triton is unavailable: {_TRITON.get('error')}")
+    return dict(_TRITON)
+
+
 FMA_DIVISION = True  # bench/gpu/run.py turns it off for one encoder variant, to time the plain division beside it
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # Triton reads it at start-up too
 
