@@ -254,6 +254,29 @@ def overall(rows: list[dict]) -> dict:
     return out
 
 
+PAIRED_BASE = "oneshot_act05_obs"  # the default recipe: every other 2:4 ∩ INT8 row is paired with it by seed
+
+
+def paired(rows: list[dict], base: str = PAIRED_BASE) -> dict:
+    """Each trained row minus `base`, seed by seed (same teacher, same dev rows): per task the mean, std and
+    seeds of the differences, and their mean over the tasks where the row has a pair on every task."""
+    out: dict = {"base": base, "rows": {}}
+    for key in COLUMNS:
+        if key in ("dense", PEER, base):
+            continue
+        per_task = {}
+        for r in rows:
+            diffs = {int(seed): runs[key]["value"] - runs[base]["value"] for seed, runs in r["per_seed"].items()
+                     if key in runs and base in runs}
+            if diffs:
+                per_task[r["task"]] = {**_stats(list(diffs.values())), "seeds": sorted(diffs)}
+        if per_task:
+            tasks_mean = statistics.fmean(st["mean"] for st in per_task.values()) \
+                if len(per_task) == len(rows) and len(rows) > 1 else None
+            out["rows"][key] = {"tasks": per_task, "mean_over_tasks": tasks_mean}
+    return out
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     rows = [r for r in rows if r["columns"]]
     seeds = sorted({s for r in rows for s in r["seeds"]})
@@ -289,6 +312,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      if "admm_margin_over_best_baseline" in ov else "")
                   + ("".join(f" Compared on the seeds every column ran ({r['task']}: {', '.join(map(str, r['common_seeds']))})."
                              for r in rows if r.get("common_seeds") is not None and r["common_seeds"] != r["seeds"]))]
+    pair = paired(rows)
+    if pair.get("rows"):
+        tasks = [r["task"] for r in rows]
+        lines += ["", f"Paired by seed against **{LABELS[pair['base']]}** (the row minus it on the same seed, teacher "
+                  "and dev rows; ×100, mean ± std [seeds]):", "",
+                  "| row | " + " | ".join(tasks) + " | mean over tasks |", "|" + " --- |" * (len(tasks) + 2)]
+        for key, p in pair["rows"].items():
+            cells = [(f"{100 * st['mean']:+.2f}" + (f" ± {100 * st['std']:.2f}" if st["n"] > 1 else "")
+                      + f" [{','.join(map(str, st['seeds']))}]") if (st := p["tasks"].get(t)) else "—" for t in tasks]
+            m = p.get("mean_over_tasks")
+            lines.append(f"| {LABELS[key]} | " + " | ".join(cells) + f" | {'—' if m is None else f'{100 * m:+.2f}'} |")
     lines += ["", "Steps per phase after the teacher and mean wall time per run (s; the dense teacher, "
               "trained once per task and seed, is in the first method's time and listed apart):", "",
               "| task | teacher steps / s | " + " | ".join(LABELS[k] for k in trained) + " |",
@@ -384,6 +418,7 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
 
 def write_report(rows: list[dict], meta: dict, results: Path) -> None:
     meta["overall"] = overall([r for r in rows if r["columns"]])
+    meta["paired"] = paired([r for r in rows if r["columns"]])
     results.mkdir(parents=True, exist_ok=True)
     atomic_write_json(results / "accuracy.json", {"meta": meta, "rows": rows})
     atomic_write_text(results / "accuracy.md", markdown(rows, meta))

@@ -108,6 +108,10 @@ def test_a_column_missing_a_seed_is_paired_with_its_own_teachers(bench, tmp_path
     meta = {"model": "m", "preset": "full", "date": "d", "machine": "x", "notes": "", "overall": ov}
     md = mod.markdown([row], meta)
     assert "[2 of 3 seeds]" in md.split("\n")[6] and "Compared on the seeds every column ran (stsb: 0, 1)" in md
+    # each row minus the default recipe on the same seed: seed 2 has no default run, so it is left out
+    pair = mod.paired([row])["rows"]["magnitude_ptq"]
+    assert pair["tasks"]["stsb"]["seeds"] == [0, 1] and pair["tasks"]["stsb"]["mean"] == pytest.approx(-0.04)
+    assert "| magnitude 2:4 + fine-tune + PTQ | -4.00 ± 0.00 [0,1] |" in md
     # the same tables rebuilt from the accuracy.json, as for runs made on another machine
     src = tmp_path / "accuracy.json"
     src.write_text(json.dumps({"meta": meta, "rows": [row]}))
