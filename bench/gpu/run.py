@@ -3,6 +3,8 @@
 
 One run on an H100/H200 (< 10 minutes) writes to --out:
   results.json  everything measured, with the GPU, driver, torch / CUDA / cuSPARSELt versions
+  latest.json   the encoder timings as flat rows (model, engine, kind dense/ours/peer-2:4, batch, seq,
+                median ms, ratio to the best dense peer): every ratio can be recomputed from it
   results.md    the tables (per-GEMM, whole encoder, parity, targets) and the TensorRT check
   gemm.png      2:4 speed-ups per GEMM shape over M
   encoder.png   whole-encoder throughput per variant over batch size
@@ -16,7 +18,10 @@ Sections
   encoder  MiniLM (the carried real checkpoint) and a BERT-base-shaped model with RANDOM weights:
            FP16 eager (transformers), FP16 + CUDA graphs, dense INT8 + graphs, ours (2:4 INT8 eager
            and + graphs), torchao int8_dynamic_activation_int8_semi_sparse_weight (eager, + graphs),
-           and the torch-cuda backend end to end (host arrays in, logits out); batch 1/8/32/128, seq 128
+           the torch-cuda backend end to end (host arrays in, logits out), and two compiled dense peers
+           (bench/gpu/peers.py): FP16 transformers (SDPA) and dense INT8 (_int_mm) through torch.compile
+           (--compile-mode, default max-autotune); batch 1/8/32/128, seq 128. Each variant is also
+           given against the best dense peer at its batch (the fastest dense variant)
   parity   ours vs the checkpoint's fake-quant model (fp32) on the carried dev split: logit
            differences, argmax agreement, accuracy
 
@@ -26,7 +31,8 @@ Every measurement is guarded: a failure is recorded with its message and the run
 JSON is rewritten after each section, so a run cut short still leaves its results.
 
 `--cpu-smoke` runs the same pipeline on tiny shapes on the CPU with no CUDA call at all (reference
-INT8 math instead of the GPU kernels), to test the argument handling and the report writers.
+INT8 math instead of the GPU kernels; the compiled peers through Inductor's C++ backend, on the
+BERT-base stand-in only), to test the argument handling and the report writers.
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench import dated_results
+from bench.gpu import peers
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -53,6 +60,7 @@ ROOT = HERE.parents[1]
 KN_DEFAULT = [384, 768, 1536, 3072]
 M_DEFAULT = [128, 512, 1024, 2048, 4096, 8192, 16384]
 BATCHES_DEFAULT = [1, 8, 32, 128]
+ENCODER_MODELS = ("checkpoint", "bert-base")
 GEMM_KERNELS = ("dense_fp16", "dense_int8", "sparse_fp16", "sparse_int8")
 KERNEL_TITLES = {
     "dense_fp16": "dense FP16 (cuBLAS)", "dense_int8": "dense INT8 (_int_mm)",
@@ -87,12 +95,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gemm-inner", type=int, default=8, help="distinct input buffers per GEMM timing (graph of N calls)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining work after this many seconds")
     ap.add_argument("--no-torchao", action="store_true", help="leave out the torchao variants")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
+    ap.add_argument("--compile-mode", choices=peers.COMPILE_MODES, default=peers.DEFAULT_COMPILE_MODE,
+                    help=f"torch.compile mode of the compiled peers (default {peers.DEFAULT_COMPILE_MODE}; "
+                         "cpu-smoke: default)")
+    ap.add_argument("--models", default=",".join(ENCODER_MODELS),
+                    help="encoder models: checkpoint (the carried one, MiniLM), bert-base (random weights)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no CUDA calls (tests the pipeline)")
     args = ap.parse_args(argv)
     args.kn_list = [int(x) for x in args.kn.split(",") if x]
     args.m_list = [int(x) for x in args.m.split(",") if x]
     args.batch_list = [int(x) for x in args.batches.split(",") if x]
     args.section_list = [s.strip() for s in args.sections.split(",") if s.strip()]
+    args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
+    if set(args.model_list) - set(ENCODER_MODELS):
+        ap.error(f"unknown models: {', '.join(sorted(set(args.model_list) - set(ENCODER_MODELS)))}")
     bad = set(args.section_list) - (set(SECTIONS) - {"encoder_3p"})  # encoder_3p follows encoder on its own
     if bad:
         ap.error(f"unknown sections: {', '.join(sorted(bad))}")
@@ -106,6 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.seq = min(args.seq, 16)
         args.warmup, args.iters = min(args.warmup, 1), min(args.iters, 3)
         args.gemm_inner = min(args.gemm_inner, 2)
+        if args.compile_mode == peers.DEFAULT_COMPILE_MODE:  # autotuning and CUDA graphs are GPU features
+            args.compile_mode = "default"
     return args
 
 
@@ -597,8 +616,10 @@ def plain_division(build):
     return wrapped
 
 
-def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: dict, quant: dict):
-    """(name, builder) pairs; each builder returns (call(inputs) -> logits, graphable: bool)."""
+def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: dict, quant: dict,
+                      compile_peers: bool = True):
+    """(name, builder, graphs, risky) tuples; each builder returns call(inputs) -> logits. compile_peers=False
+    lists the torch.compile peers as skipped."""
     import torch
 
     from holoserve.backends import torch_cuda as tc
@@ -625,6 +646,9 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
     def hf_dense():
         m = _hf_model(config, dense_state, dt, dev)
         return lambda inp: m(**inp).logits
+
+    def hf_int8_dense():  # the 2:4 model's weights in dense INT8, with our activation scales
+        return peers.int8_dense(_hf_model(config, sparse_state, dt, dev), quant["layers"], quant["amax"])
 
     def ours(kernel, state, sparse=True, quantizer=quantizer, alg_search=False, fuse=True, dtype=None,
              tables=False):
@@ -688,6 +712,13 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
             v += [("torchao 2:4 INT8 eager", torchao_semi_sparse, False, False),
                   ("torchao 2:4 INT8 + CUDA graphs", torchao_semi_sparse, True, True)]
     v.append((f"{prefix} + CUDA graphs (transformers)", hf_dense, True, True))
+    if not run.args.no_compile:  # Inductor's CUDA-graph trees: third-party captures, after our own
+        mode = run.args.compile_mode
+        skip = None if compile_peers else "cpu-smoke: compiled on the BERT-base stand-in only, to save time"
+        v += [(f"{prefix} torch.compile {mode} (transformers, SDPA)",
+               peers.compiled(lambda: _hf_model(config, dense_state, dt, dev), mode, skip), False, True),
+              (f"dense INT8 torch.compile {mode} (transformers, _int_mm, per-channel weights)",
+               peers.compiled(hf_int8_dense, mode, skip), False, True)]
     return v
 
 
@@ -696,8 +727,12 @@ def _bench_variant(run: Run, build, graphs: bool, vocab: int) -> dict[str, Any]:
 
     if graphs and run.smoke:
         return {"skipped": "cpu-smoke: CUDA graphs need a GPU"}
+    if getattr(build, "skipped", None):
+        return {"skipped": build.skipped}
     call = build()
-    out: dict[str, Any] = {}
+    compile_mode = getattr(call, "compile_mode", None)
+    sync = (lambda: None) if run.smoke else torch.cuda.synchronize
+    out: dict[str, Any] = {"compile_mode": compile_mode} if compile_mode else {}
     pool_n = 4
     for b in run.args.batch_list:
         if run.over_budget():
@@ -719,12 +754,20 @@ def _bench_variant(run: Run, build, graphs: bool, vocab: int) -> dict[str, Any]:
                 def fn(i):
                     with torch.inference_mode():
                         call(pool[i % pool_n])
+            first = peers.first_calls(fn, sync) if compile_mode else {}  # compiling, apart from the timed calls
+            before = peers.dynamo_counts()
             r = measure(run, fn)
             r["seq_per_s"] = b / (r["median_ms"] * 1e-3)
+            if compile_mode:
+                r.update(first, recompiled_while_timed=peers.dynamo_counts()["graphs"] - before["graphs"])
+                log(f"    batch {b}: compiled in {first['compile_s']:.1f} s, {first['graphs']} graphs, "
+                    f"{first['graph_breaks']} graph breaks, {first['cudagraph_skips']} CUDA-graph skips")
             return r
 
         out[str(b)] = guarded(f"batch {b}", one)
     del call
+    if compile_mode:
+        peers.reset()
     if not run.smoke:
         torch.cuda.empty_cache()
     return out
@@ -758,35 +801,39 @@ def _bench_backend_end_to_end(run: Run, art, vocab: int) -> dict[str, Any]:
 
 def section_encoder(run: Run) -> dict[str, Any]:
     res: dict[str, Any] = {"seq": run.args.seq, "batches": run.args.batch_list, "models": {}}
+    models = []
     # 1) the carried real checkpoint (MiniLM SST-2)
-    try:
-        art, packed = _load_carried_checkpoint(run)
-        from holoserve.backends.torch_cuda import checkpoint_tensors
+    if "checkpoint" in run.args.model_list:
+        try:
+            art, packed = _load_carried_checkpoint(run)
+            from holoserve.backends.torch_cuda import checkpoint_tensors
 
-        config, state = checkpoint_tensors(art)
-        quant = {"scales": art.all_weight_scales(), "amax": art.activation_amax(), "layers": art.sparse_layers}
-        label = f"{art.base_model} · {art.task_name} checkpoint (carried, " + (
-            "tiny random stand-in)" if run.smoke else "real weights)")
-        models = [(label, config, state, state, quant, art)]
-    except Exception as e:  # noqa: BLE001
-        log(f"carried checkpoint unavailable: {e}")
-        res["models"]["checkpoint"] = {"error": str(e)}
-        models = []
+            config, state = checkpoint_tensors(art)
+            quant = {"scales": art.all_weight_scales(), "amax": art.activation_amax(), "layers": art.sparse_layers}
+            label = f"{art.base_model} · {art.task_name} checkpoint (carried, " + (
+                "tiny random stand-in)" if run.smoke else "real weights)")
+            models.append((label, config, state, state, quant, art))
+        except Exception as e:  # noqa: BLE001
+            log(f"carried checkpoint unavailable: {e}")
+            res["models"]["checkpoint"] = {"error": str(e)}
     # 2) BERT-base shapes, random weights
-    try:
-        cfg, dense, sparse, quant_b = _bert_base_random(run)
-        models.append(("BERT-base shapes (RANDOM weights, 2:4-projected for the sparse variants)", cfg, dense, sparse,
-                       quant_b, None))
-    except Exception as e:  # noqa: BLE001
-        log(f"BERT-base model failed: {e}")
-        res["models"]["bert-base"] = {"error": str(e)}
+    if "bert-base" in run.args.model_list:
+        try:
+            cfg, dense, sparse, quant_b = _bert_base_random(run)
+            models.append(("BERT-base shapes (RANDOM weights, 2:4-projected for the sparse variants)", cfg, dense,
+                           sparse, quant_b, None))
+        except Exception as e:  # noqa: BLE001
+            log(f"BERT-base model failed: {e}")
+            res["models"]["bert-base"] = {"error": str(e)}
     plan = []
     for label, config, dense_state, sparse_state, quant, art in models:
         entry: dict[str, Any] = {"config": {k: config.get(k) for k in ("hidden_size", "num_hidden_layers",
                                                                        "intermediate_size", "num_attention_heads")},
                                  "variants": {}}
         res["models"][label] = entry
-        variants = _encoder_variants(run, config, dense_state, sparse_state, quant)
+        # cpu-smoke compiles (Inductor, C++) for one model only: the second would add as much again
+        variants = _encoder_variants(run, config, dense_state, sparse_state, quant,
+                                     compile_peers=not run.smoke or art is None)
         plan.append((label, entry, int(config["vocab_size"]), art, variants))
     run.encoder_plan = plan
     _encoder_pass(run, plan, risky_pass=False)
@@ -878,7 +925,7 @@ def section_encoder_3p(run: Run) -> dict[str, Any]:
         return {"skipped": "no encoder models were built"}
     _encoder_pass(run, plan, risky_pass=True)
     for _, entry, _, _, _ in plan:
-        _encoder_ratios(run, entry)
+        _encoder_ratios(entry, run.args.batch_list, run.args.seq)
     return {"variants_added_to": [label for label, *_ in plan]}
 
 
@@ -904,18 +951,36 @@ def _encoder_pass(run: Run, plan, *, risky_pass: bool) -> None:
                 entry["variants"][name] = guarded(
                     "backend", lambda art=art, vocab=vocab: _bench_backend_end_to_end(run, art, vocab))
         for _, entry, _, _, _ in plan:
-            _encoder_ratios(run, entry)
+            _encoder_ratios(entry, run.args.batch_list, run.args.seq)
 
 
-def _encoder_ratios(run: Run, entry: dict[str, Any]) -> None:
+def _cell_ms(r: Any, b: str) -> float | None:
+    c = r.get(b) if isinstance(r, dict) else None
+    return c["median_ms"] if isinstance(c, dict) and "median_ms" in c else None
+
+
+def _encoder_ratios(entry: dict[str, Any], batches, seq: int) -> None:
+    """Per cell: speedup_vs_eager (over FP eager, transformers) and vs_best_dense (the fastest dense peer at
+    that batch, over this variant: above 1 is faster); entry["best_dense"] names that peer per batch.
+    Only cells at the section's seq are compared (the backend end to end may run at a shorter one)."""
     variants = entry["variants"]
     base_name = next((n for n in variants if "eager (transformers)" in n), None)
-    for name, r in variants.items():
-        for b in map(str, run.args.batch_list):
-            cell = r.get(b) if isinstance(r, dict) else None
-            base = variants.get(base_name, {}).get(b) if base_name else None
-            if isinstance(cell, dict) and "median_ms" in cell and isinstance(base, dict) and "median_ms" in base:
-                cell["speedup_vs_eager"] = base["median_ms"] / cell["median_ms"]
+    same_seq = {n: r for n, r in variants.items() if isinstance(r, dict) and r.get("seq", seq) == seq}
+    entry["best_dense"] = {}
+    for b in map(str, batches):
+        dense = [(ms, n) for n, r in same_seq.items() if peers.engine_kind(n) == "dense" and (ms := _cell_ms(r, b))]
+        best = min(dense) if dense else None
+        if best:
+            entry["best_dense"][b] = {"engine": best[1], "median_ms": best[0]}
+        base = _cell_ms(variants.get(base_name), b) if base_name else None
+        for name, r in variants.items():
+            ms = _cell_ms(r, b)
+            if ms is None:
+                continue
+            if base:
+                r[b]["speedup_vs_eager"] = base / ms
+            if best and name in same_seq:
+                r[b]["vs_best_dense"] = best[0] / ms
 
 
 # --------------------------------------------------------------------------- parity
@@ -1126,6 +1191,37 @@ def _last_line(text) -> str:
     return lines[-1].strip() if lines else ""
 
 
+def _encoder_cells(r: Any, b: str) -> str:
+    """The two cells of one variant at one batch: latency / throughput / speed-up over eager, and vs best dense."""
+    c = r.get(b, {}) if isinstance(r, dict) else {}
+    if isinstance(c, dict) and "median_ms" in c:
+        best = c.get("vs_best_dense")
+        return (f"{c['median_ms']:.3f} ms / {c['seq_per_s']:.0f} / {fmt(c.get('speedup_vs_eager'))}× | "
+                + (f"{best:.2f}×" if best is not None else "—"))
+    err = (c or {}).get("error") if isinstance(c, dict) else None
+    err = err or (r.get("error") if isinstance(r, dict) else None)
+    skipped = r.get("skipped") if isinstance(r, dict) else None
+    return (f"err: {str(err)[:60]}" if err else (f"skipped ({skipped})" if skipped else "—")) + " | —"
+
+
+def _encoder_notes(m: dict[str, Any], bs: list[str]) -> list[str]:
+    """Below an encoder table: the best dense peer per batch, and each compiled peer's compile times."""
+    best = m.get("best_dense") or {}
+    out = []
+    if best:
+        out.append("Best dense: " + "; ".join(f"batch {b}: {best[b]['engine']} ({best[b]['median_ms']:.3f} ms)"
+                                               for b in bs if b in best) + ".")
+    for name, r in m["variants"].items():
+        cells = {b: r[b] for b in bs if isinstance(r, dict) and isinstance(r.get(b), dict) and "compile_s" in r[b]}
+        if cells:
+            out.append(f"{name}: compiled (first call, not timed) in " + ", ".join(
+                f"{c['compile_s']:.1f} s at batch {b} ({c['graphs']} graphs, {c['graph_breaks']} graph breaks"
+                + (f", {c['cudagraph_skips']} left out of CUDA graphs" if c.get("cudagraph_skips") else "")
+                + (f", {c['recompiled_while_timed']} recompiled while timed" if c.get("recompiled_while_timed") else "")
+                + ")" for b, c in cells.items()) + ".")
+    return [x + "\n" for x in out[:-1]] + out[-1:]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["sections"]
     env = s.get("env", {})
@@ -1199,21 +1295,14 @@ def render_markdown(report: dict[str, Any]) -> str:
             continue
         bs = [str(b) for b in en.get("batches", [])]
         L += [f"## Whole encoder: {label}, seq {en.get('seq')}", "",
-              f"Shape: {m['config']}. Cells: median latency ms / sequences per s / speed-up over FP eager (transformers).",
-              "", "| variant | " + " | ".join(f"batch {b}" for b in bs) + " |", "| --- |" + " --- |" * len(bs)]
+              f"Shape: {m['config']}. Cells: median latency ms / sequences per s / speed-up over FP eager (transformers); "
+              "vs best dense: the fastest dense peer's median at that batch over this one's (above 1: faster than "
+              "every dense peer).",
+              "", "| variant | kind | " + " | ".join(f"batch {b} | vs best dense" for b in bs) + " |",
+              "| --- | --- |" + " --- | --- |" * len(bs)]
         for name, r in m["variants"].items():
-            cells = []
-            for b in bs:
-                c = r.get(b, {}) if isinstance(r, dict) else {}
-                if isinstance(c, dict) and "median_ms" in c:
-                    cells.append(f"{c['median_ms']:.3f} ms / {c['seq_per_s']:.0f} / {fmt(c.get('speedup_vs_eager'))}×")
-                else:
-                    err = (c or {}).get("error") if isinstance(c, dict) else None
-                    err = err or (r.get("error") if isinstance(r, dict) else None)
-                    skipped = r.get("skipped") if isinstance(r, dict) else None
-                    cells.append(f"err: {str(err)[:60]}" if err else (f"skipped ({skipped})" if skipped else "—"))
-            L.append(f"| {name} | " + " | ".join(cells) + " |")
-        L.append("")
+            L.append(f"| {name} | {peers.engine_kind(name)} | " + " | ".join(_encoder_cells(r, b) for b in bs) + " |")
+        L += [""] + _encoder_notes(m, bs) + [""]
     prof = s.get("profile")
     if prof and prof.get("variants"):
         L += [f"## Where the encoder's time goes: {prof['model']}, batch {prof['batch']}, seq {prof['seq']}", "",
@@ -1328,16 +1417,43 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     return written
 
 
+def latest_record(report: dict[str, Any]) -> dict[str, Any]:
+    """latest.json: the encoder timings as flat rows, one per model × engine × batch × seq, with the engine's
+    kind (dense, ours, peer-2:4), so that every ratio can be recomputed from this file alone."""
+    env = report["sections"].get("env", {})
+    en = report["sections"].get("encoder", {})
+    rows = []
+    for label, m in (en.get("models") or {}).items():
+        for name, r in (m.get("variants") or {}).items() if isinstance(m, dict) else ():
+            if not isinstance(r, dict):
+                continue
+            for b, c in r.items():
+                if b.isdigit() and isinstance(c, dict) and "median_ms" in c:
+                    rows.append({"model": label, "engine": name, "kind": peers.engine_kind(name), "batch": int(b),
+                                 "seq": r.get("seq", en.get("seq")), "median_ms": c["median_ms"],
+                                 **{k: c[k] for k in ("vs_best_dense", "compile_s") if k in c}})
+    return {"kind": "holoserve-gpu-bench-latest", "gpu": env.get("gpu"), "machine": env.get("machine"),
+            "date": report.get("date"), "mode": report.get("mode"), "torch": env.get("torch"),
+            "timer": report.get("method", {}).get("timer"), "merged_from": report.get("merged_from"),
+            "vs_best_dense": "min(median_ms over the rows of kind 'dense' with the same model, batch and seq) "
+                             "/ this row's median_ms: above 1 is faster than every dense peer",
+            "rows": rows}
+
+
 def finish(run: Run) -> None:
+    from holoserve.core.files import atomic_write_json
+
     run.report["targets"] = targets(run.report)
     run.save()
+    atomic_write_json(run.out / "latest.json", latest_record(run.report))
     tmp_md = run.out / ".results.md.tmp"
     tmp_md.write_text(render_markdown(run.report))
     os.replace(tmp_md, run.out / "results.md")
     plots = guarded("plots", lambda: {"files": write_plots(run.report, run.out)})
     run.report["plots"] = plots
     run.save()
-    log(f"wrote {run.out}/results.json, results.md, {', '.join(plots.get('files', []))} in {run.elapsed():.0f} s")
+    log(f"wrote {run.out}/results.json, latest.json, results.md, {', '.join(plots.get('files', []))} "
+        f"in {run.elapsed():.0f} s")
 
 
 def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1376,6 +1492,11 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     for r in reports:
         out["errors"] += [e for e in r.get("errors", []) if e.split(":")[0] not in out["sections"]
                           or "error" in out["sections"][e.split(":")[0]]]
+    enc = out["sections"].get("encoder", {})
+    for entry in (enc.get("models") or {}).values():  # best dense over the merged variants (older runs: added)
+        if isinstance(entry, dict) and "variants" in entry:
+            batches = sorted({int(b) for r in entry["variants"].values() if isinstance(r, dict) for b in r if b.isdigit()})
+            _encoder_ratios(entry, batches, enc.get("seq"))
     rows = out["sections"].get("gemm", {}).get("rows", [])
     rows.sort(key=lambda x: (_shape_rank((x["K"], x["N"])), x["K"], x["N"], x["M"]))
     out["targets"] = targets(out)
@@ -1390,8 +1511,10 @@ def merge_main(paths: list[str], out: Path) -> int:
     from holoserve.core.files import atomic_write_json, atomic_write_text
 
     atomic_write_json(out / "results.json", report)
+    atomic_write_json(out / "latest.json", latest_record(report))
     atomic_write_text(out / "results.md", render_markdown(report))
-    print(f"merged {len(paths)} runs into {out}/results.json, results.md, {', '.join(report['plots']['files'])}")
+    print(f"merged {len(paths)} runs into {out}/results.json, latest.json, results.md, "
+          f"{', '.join(report['plots']['files'])}")
     return 0
 
 

@@ -53,13 +53,99 @@ def test_cpu_smoke_run_writes_every_report(tmp_path):
     md = (out / "results.md").read_text()
     for heading in ("## Targets", "## Per-GEMM", "## Whole encoder", "## Parity", "## TensorRT on this machine"):
         assert heading in md
+    assert "| vs best dense |" in md and "Best dense: batch 1:" in md and "compiled (first call, not timed)" in md
     assert (out / "gemm.png").stat().st_size > 1000 and (out / "encoder.png").stat().st_size > 1000
+    # the compiled peers: on the BERT-base stand-in (Inductor on the CPU), skipped for the checkpoint
+    bert = next(m for label, m in models.items() if label.startswith("BERT-base"))
+    ckpt = next(m for label, m in models.items() if not label.startswith("BERT-base"))
+    compiled = [n for n in bert["variants"] if "torch.compile default" in n]
+    assert len(compiled) == 2 and any(n.startswith("dense INT8") for n in compiled)
+    for name in compiled:
+        for b in ("1", "2"):
+            cell = bert["variants"][name][b]
+            assert cell["median_ms"] > 0 and cell["compile_s"] > 0 and cell["graphs"] >= 1
+            assert cell["graph_breaks"] == 0 and cell["recompiled_while_timed"] == 0 and cell["cudagraph_skips"] == 0
+        assert "skipped" in ckpt["variants"][name]
+    _check_latest(json.loads((out / "latest.json").read_text()), report)
+
+
+def _check_latest(latest, report):
+    """latest.json: one row per model x engine x batch x seq, and every ratio recomputable from its rows."""
+    assert latest["kind"] == "holoserve-gpu-bench-latest" and latest["date"] == report["date"]
+    assert "gpu" in latest and latest["machine"]
+    rows = latest["rows"]
+    keys = [(r["model"], r["engine"], r["batch"], r["seq"]) for r in rows]
+    assert len(keys) == len(set(keys))
+    assert {r["kind"] for r in rows} == {"dense", "ours"}  # no torchao on the CPU
+    models = report["sections"]["encoder"]["models"]
+    for label, m in models.items():  # every measured cell is a row
+        n = sum(1 for r in m["variants"].values() for b, c in r.items() if b.isdigit() and "median_ms" in c)
+        assert n == sum(1 for r in rows if r["model"] == label) > 0
+    for r in rows:
+        best = min(x["median_ms"] for x in rows if x["kind"] == "dense" and
+                   (x["model"], x["batch"], x["seq"]) == (r["model"], r["batch"], r["seq"]))
+        assert r["vs_best_dense"] == pytest.approx(best / r["median_ms"])
+        assert r["median_ms"] == models[r["model"]]["variants"][r["engine"]][str(r["batch"])]["median_ms"]
 
 
 def test_unknown_section_is_rejected():
     run = gpu_module("run")
     with pytest.raises(SystemExit):
         run.parse_args(["--sections", "gemm,bogus"])
+    with pytest.raises(SystemExit):
+        run.parse_args(["--models", "bert-base,bogus"])
+    with pytest.raises(SystemExit):
+        run.parse_args(["--compile-mode", "fast"])
+    assert run.parse_args([]).compile_mode == "max-autotune"
+    assert run.parse_args(["--cpu-smoke"]).compile_mode == "default"  # no autotuning or CUDA graphs on the CPU
+    assert run.parse_args(["--cpu-smoke", "--compile-mode", "reduce-overhead"]).compile_mode == "reduce-overhead"
+
+
+def test_int8_peer_linear_is_the_fake_quant_linear():
+    """The dense INT8 peer's Linear (per-channel weight codes, the calibrated activation scale, _int_mm)
+    computes the fake-quant Linear: same codes, integer accumulation, one rescale."""
+    peers = gpu_module("peers")
+    from compress.quant import fake_quant_act, fake_quant_weight
+    from holoserve.core.numerics import ACT_SCALE_DIV, WEIGHT_QMAX
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(2, 24, 64)
+    model = torch.nn.Sequential()
+    model.add_module("fc", lin)
+    ref_w = fake_quant_weight(lin.weight.detach(), lin.weight.detach().abs().amax(1) / WEIGHT_QMAX)
+    ref = torch.nn.functional.linear(fake_quant_act(x, torch.tensor(3.0 / ACT_SCALE_DIV)), ref_w, lin.bias.detach())
+    peers.int8_dense(model, ["fc"], {"fc.input": 3.0})
+    assert type(model.fc).__name__ == "_Int8Linear" and model.fc.codes.dtype == torch.int8
+    with torch.no_grad():
+        got = model(x)
+    assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_kinds_and_best_dense_ratio():
+    run, peers = gpu_module("run"), gpu_module("peers")
+    kinds = {"FP16 eager (transformers)": "dense", "FP16 + CUDA graphs (holoserve encoder)": "dense",
+             "dense INT8 + CUDA graphs (_int_mm)": "dense", "FP16 torch.compile max-autotune (transformers, SDPA)": "dense",
+             "dense INT8 torch.compile max-autotune (transformers, _int_mm, per-channel weights)": "dense",
+             "2:4 INT8 + CUDA graphs (ours)": "ours", "2:4 INT8 eager (ours) (run of 09:58 UTC)": "ours",
+             "torch-cuda backend end to end (host arrays, perf_counter)": "ours",
+             "torchao 2:4 INT8 + CUDA graphs": "peer-2:4"}
+    assert {n: peers.engine_kind(n) for n in kinds} == kinds
+    entry = {"variants": {
+        "FP16 eager (transformers)": {"1": {"median_ms": 4.0}, "8": {"median_ms": 6.0}},
+        "FP16 torch.compile max-autotune (transformers, SDPA)": {"1": {"median_ms": 2.0}, "8": {"error": "x"}},
+        "2:4 INT8 + CUDA graphs (ours)": {"1": {"median_ms": 1.0}, "8": {"median_ms": 3.0}},
+        "torchao 2:4 INT8 eager": {"1": {"median_ms": 0.5}},  # not dense: never the baseline
+        "torch-cuda backend end to end (host arrays, perf_counter, seq 64)": {"seq": 64, "1": {"median_ms": 0.1}}}}
+    run._encoder_ratios(entry, [1, 8], 128)
+    v = entry["variants"]
+    assert entry["best_dense"] == {"1": {"engine": "FP16 torch.compile max-autotune (transformers, SDPA)", "median_ms": 2.0},
+                                   "8": {"engine": "FP16 eager (transformers)", "median_ms": 6.0}}
+    assert v["2:4 INT8 + CUDA graphs (ours)"]["1"]["vs_best_dense"] == pytest.approx(2.0)
+    assert v["2:4 INT8 + CUDA graphs (ours)"]["8"]["vs_best_dense"] == pytest.approx(2.0)
+    assert v["torchao 2:4 INT8 eager"]["1"]["vs_best_dense"] == pytest.approx(4.0)
+    assert "vs_best_dense" not in v["torch-cuda backend end to end (host arrays, perf_counter, seq 64)"]["1"]
+    assert v["FP16 eager (transformers)"]["1"]["speedup_vs_eager"] == 1.0
 
 
 def test_pack_round_trip_is_exact_and_smaller(tiny_ckpt, tmp_path):
@@ -153,7 +239,7 @@ def test_setup_script_lays_out_the_package_as_installed(tmp_path):
     for name in ("holoserve", "compress", "export"):
         shutil.copytree(root / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "bench" / "gpu").mkdir(parents=True)
-    for name in ("__init__.py", "gpu/__init__.py", "gpu/setup.sh", "gpu/run.py"):
+    for name in ("__init__.py", "gpu/__init__.py", "gpu/setup.sh", "gpu/run.py", "gpu/peers.py"):
         shutil.copy2(GPU_DIR.parent / name, copy / "bench" / name)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("PYTHONPATH", None)
@@ -189,6 +275,8 @@ def test_merge_combines_split_runs_and_marks_borrowed_variants(tmp_path):
     variants = m["sections"]["encoder"]["models"]["BERT-base shapes (RANDOM weights)"]["variants"]
     assert variants["2:4 INT8 + CUDA graphs (ours)"]["128"]["median_ms"] == 4.0
     assert "torchao 2:4 INT8 + CUDA graphs (run of 09:58 UTC)" in variants
+    # the ratios against the best dense peer cover the borrowed variants too
+    assert variants["torchao 2:4 INT8 + CUDA graphs (run of 09:58 UTC)"]["128"]["vs_best_dense"] == pytest.approx(10 / 4.5)
     assert m["targets"][0]["value"] == pytest.approx(2.5) and m["targets"][2]["value"] == pytest.approx(1.8)
     assert a["sections"]["parity"] == {"error": "ModuleNotFoundError: x"}  # the inputs are left as they were
     for i, r in enumerate((a, b)):  # the command line (its encoder and parity tables need fields these lack)
@@ -196,6 +284,8 @@ def test_merge_combines_split_runs_and_marks_borrowed_variants(tmp_path):
                                                                            if k not in ("encoder", "parity")}}))
     assert run.main(["--merge", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--out", str(tmp_path / "m")]) == 0
     assert "Merged from 2 runs" in (tmp_path / "m" / "results.md").read_text()
+    latest = json.loads((tmp_path / "m" / "latest.json").read_text())
+    assert latest["merged_from"] == [a["date"], b["date"]] and latest["rows"] == []
     assert run.main(["--merge", str(tmp_path / "0.json")]) == 2  # no --out: usage, not a traceback
     assert run.main(["--merge", str(tmp_path / "0.json"), "--out", str(tmp_path / "one")]) == 0  # re-render
     one = json.loads((tmp_path / "one" / "results.json").read_text())
