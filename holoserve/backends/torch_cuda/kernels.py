@@ -162,11 +162,15 @@ def _triton_quant_kernel():
     return _TRITON.get("kernel")
 
 
+def _require_triton() -> None:
+    if _triton_quant_kernel() is None:
+        raise RuntimeError(f"triton is unavailable: {_TRITON.get('error')}")
+
+
 def triton_kernels() -> dict[str, Any]:
     """The Triton kernels and launch helpers by name (kernel, gelu_kernel, table_kernel, ln_kernel, next_pow2,
     cdiv), compiled on first use; RuntimeError saying why when Triton is unavailable."""
-    if _triton_quant_kernel() is None:
-        raise RuntimeError(f"triton is unavailable: {_TRITON.get('error')}")
+    _require_triton()
     return dict(_TRITON)
 
 
@@ -182,8 +186,7 @@ def fma_div() -> bool:
 
 def _codes_out(x: "torch.Tensor", rows: int | None) -> tuple["torch.Tensor", "torch.Tensor", int]:
     """(x contiguous, an int8 [rows, k] output whose rows past x's are zero, x's element count)."""
-    if _triton_quant_kernel() is None:
-        raise RuntimeError(f"triton is unavailable: {_TRITON.get('error')}")
+    _require_triton()
     x = x.contiguous()
     m, k = x.shape
     rows = rows or m
@@ -238,8 +241,7 @@ def ln_blocks(hdim: int) -> dict[str, int]:
 
 def add_layer_norm_quant(x, res, weight, bias, eps: float, scale=None, rows: int | None = None):
     """(LayerNorm(x + res) as FP16 [T, H], its int8 codes [rows, H] or None) in one Triton kernel."""
-    if _triton_quant_kernel() is None:
-        raise RuntimeError(f"triton is unavailable: {_TRITON.get('error')}")
+    _require_triton()
     hdim = x.shape[-1]
     x2 = x.reshape(-1, hdim).contiguous()
     r2 = res.reshape(-1, hdim).contiguous() if res is not None else x2
