@@ -65,6 +65,11 @@ class BertShape:
         )
 
 
+# activations that cuSPARSELt's GELU epilogue stands in for (exact or tanh GELU; the difference is measured by
+# tests/gpu/test_cslt_epilogue.py)
+GEMM_GELU_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
+
+
 def _act(name: str):
     if name == "relu":
         return F.relu
@@ -158,8 +163,11 @@ class Encoder(Module):  # type: ignore[misc]
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             ctx = ctx.transpose(1, 2).reshape(b, n, s.hidden)
             h = F.layer_norm(block["out"](ctx) + h, (s.hidden,), *ln1, s.eps)
-            ffn_out = block["ffn_out"]
-            if self.gelu_quant and isinstance(ffn_out, QuantLinear) and ffn_out.quantizer == "triton":
+            ffn_in, ffn_out = block["ffn_in"], block["ffn_out"]
+            if getattr(ffn_in, "emits_codes", False):  # GELU and the quantizer in the first GEMM's epilogue
+                xq = ffn_in.codes_from_codes(ffn_in.input_codes(h.reshape(b * n, -1)))
+                out = ffn_out.from_codes(xq, b * n).reshape(b, n, -1)
+            elif self.gelu_quant and isinstance(ffn_out, QuantLinear) and ffn_out.quantizer == "triton":
                 y = block["ffn_in"](h).reshape(b * n, -1)
                 xq = self._ffn_codes(ffn_out, y, ffn_out.padded_rows(b * n))
                 out = ffn_out.from_codes(xq, b * n).reshape(b, n, -1)
@@ -190,10 +198,13 @@ class Encoder(Module):  # type: ignore[misc]
             y = block["out"](ctx.transpose(1, 2).reshape(t, s.hidden))
             ffn_in, ffn_out = block["ffn_in"], block["ffn_out"]
             h, hq = add_layer_norm_quant(y, h, *ln1, s.eps, scale=ffn_in.act_scale, rows=ffn_in.padded_rows(t))
-            inter = ffn_in.from_codes(hq, t)
-            if self.gelu_quant:
+            if getattr(ffn_in, "emits_codes", False):  # GELU and the quantizer in the first GEMM's epilogue
+                xq = ffn_in.codes_from_codes(hq)
+            elif self.gelu_quant:
+                inter = ffn_in.from_codes(hq, t)
                 xq = self._ffn_codes(ffn_out, inter, ffn_out.padded_rows(t))
             else:
+                inter = ffn_in.from_codes(hq, t)
                 xq = quantize_activation_triton(self.act(inter), ffn_out.act_scale, rows=ffn_out.padded_rows(t))
             y = ffn_out.from_codes(xq, t)
             nxt = self.layers[i + 1]["qkv"].parts[0] if i + 1 < len(self.layers) else None
@@ -244,6 +255,8 @@ class Fusion:
     qkv: bool = True  # Q, K and V as one GEMM where their activation ranges agree
     gelu_quant: bool = False  # exact GELU + the FFN output's quantizer in one kernel
     ln_quant: bool = False  # residual add + LayerNorm + the next quantizer in one kernel
+    # kernel "cslt_fused": the FFN's first GEMM applies GELU and the second GEMM's quantizer in its epilogue
+    gemm_codes: bool = True
 
 
 def make_linear(weight, bias, *, scales=None, act_amax: float | None = None, sparse: bool = False,
@@ -256,8 +269,9 @@ def make_linear(weight, bias, *, scales=None, act_amax: float | None = None, spa
         scales = torch.as_tensor(np.asarray(scales, dtype=np.float32))
         codes = weight_codes(weight, scales)
         if linear.kernel != "dense" and act_amax is not None:
-            k = "int_mm" if (linear.kernel == "cslt" and not sparse) else linear.kernel
-            tuning = linear.tuning if k in ("cslt", "int_mm", "reference") else replace(linear.tuning, quantizer="torch")
+            k = "int_mm" if (linear.kernel in ("cslt", "cslt_fused") and not sparse) else linear.kernel
+            tuning = linear.tuning if k in ("cslt", "cslt_fused", "int_mm", "reference") \
+                else replace(linear.tuning, quantizer="torch")
             return QuantLinear(codes.to(device), scales.to(device), float(act_amax) / ACT_SCALE_DIV, bias,
                                kernel=k, dtype=dtype, tuning=tuning)
         weight = codes.float() * scales.reshape(-1, 1)  # the exact dequantized weight
@@ -307,6 +321,11 @@ def build_encoder(config: Mapping[str, Any], state: Mapping[str, "torch.Tensor"]
     triton = linear.tuning.quantizer == "triton"
     enc.gelu_quant = bool(fusion.gelu_quant and triton and shape.act == "gelu")
     enc.ln_quant = bool(fusion.ln_quant and triton and enc._fusable())
+    if linear.kernel == "cslt_fused" and fusion.gemm_codes and shape.act in GEMM_GELU_ACTS:
+        for blk in enc.layers:
+            fi, fo = blk["ffn_in"], blk["ffn_out"]
+            if all(isinstance(x, QuantLinear) and x.kernel == "cslt_fused" for x in (fi, fo)):
+                fi.emit_codes(fo.act_scale, gelu=True)
     return enc
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._torch import F, Module, torch
+from .cslt_epilogue import FusedGemm, spec_for
 from .kernels import quantize_activation_triton
 from .numerics import dequantize, int8_linear_codes, quantize_activation
 
@@ -17,7 +18,7 @@ from .numerics import dequantize, int8_linear_codes, quantize_activation
 # operand needs rows and columns that are multiples of 32; the dense operand multiples of 16.
 CSLT_SPARSE_MULTIPLE = 32
 CSLT_DENSE_MULTIPLE = 16
-KERNELS = ("cslt", "int_mm", "reference", "fakequant", "dense")
+KERNELS = ("cslt", "int_mm", "reference", "fakequant", "dense", "cslt_fused")
 
 
 def pad_rows(x: "torch.Tensor", multiple: int) -> "torch.Tensor":
@@ -61,6 +62,9 @@ class QuantLinear(Module):  # type: ignore[misc]
     """A Linear whose input is quantized per tensor and whose weight is int8 per output channel.
 
     kernel:  cslt       2:4 INT8 cuSPARSELt GEMM, dequant in the epilogue (CUDA)
+             cslt_fused the same GEMM called through cuSPARSELt directly (cslt_epilogue.FusedGemm): dequant and
+                        bias in its epilogue and, after `emit_codes`, GELU and the next layer's quantizer too,
+                        writing INT8 codes (CUDA + nvmath-python; opt-in, checked by tests/gpu/test_cslt_epilogue.py)
              int_mm     dense INT8 torch._int_mm, dequant after (CUDA)
              reference  exact int math in float64 (any device; slow, for tests)
              fakequant  quantize-dequantize the input, float GEMM with the dequantized weight
@@ -94,7 +98,13 @@ class QuantLinear(Module):  # type: ignore[misc]
         self.register_buffer("bias_gemm", None if bias is None else
                              torch.cat([self.bias, torch.zeros_like(self.bias)]))
         self.register_buffer("bias32", None if bias is None else bias.to(dev, torch.float32))
-        if kernel == "cslt":
+        self.emits_codes = False  # cslt_fused after emit_codes: the output is the next GEMM's INT8 codes
+        self._fused_args = None
+        if kernel == "cslt_fused":
+            self._fused_args = (w_codes.contiguous(), tuning.alg_search is True)
+            self.fused = FusedGemm(w_codes, self.alpha, self.bias32, spec_for("qkv", dtype=_spec_dtype(dtype)),
+                                   alg_search=self._fused_args[1])
+        elif kernel == "cslt":
             self.register_buffer("packed", torch._cslt_compress(w_codes.contiguous()))
         elif kernel == "int_mm":
             self.register_buffer("w_nk", w_codes.contiguous())  # [N, K]; passed as a column-major [K, N] view
@@ -111,17 +121,18 @@ class QuantLinear(Module):  # type: ignore[misc]
         if self.kernel == "fakequant":
             xq = quantize_activation(x2, self.act_scale).to(self.dtype) * self.act_scale.to(self.dtype)
             return F.linear(xq, self.weight, self.bias).reshape(*shape[:-1], -1)
-        m = x2.shape[0]
+        return self.from_codes(self.input_codes(x2), x2.shape[0]).reshape(*shape[:-1], -1)
+
+    def input_codes(self, x2):
+        """This layer's input codes of x2 [m, K], zero rows appended up to the GEMM's row multiple."""
         if self.quantizer == "triton":
-            xq = quantize_activation_triton(x2, self.act_scale, rows=self.padded_rows(m))
-        else:
-            xq = pad_rows(quantize_activation(x2, self.act_scale), self.row_multiple)
-        return self.from_codes(xq, m).reshape(*shape[:-1], -1)
+            return quantize_activation_triton(x2, self.act_scale, rows=self.padded_rows(x2.shape[0]))
+        return pad_rows(quantize_activation(x2, self.act_scale), self.row_multiple)
 
     @property
     def row_multiple(self) -> int:
         # cuSPARSELt wants the dense operand's rows in multiples of 16; _int_mm wants more than 16 rows
-        return {"cslt": CSLT_DENSE_MULTIPLE, "int_mm": 32}.get(self.kernel, 1)
+        return {"cslt": CSLT_DENSE_MULTIPLE, "cslt_fused": CSLT_DENSE_MULTIPLE, "int_mm": 32}.get(self.kernel, 1)
 
     def padded_rows(self, m: int) -> int:
         return m + (-m) % self.row_multiple
@@ -130,12 +141,33 @@ class QuantLinear(Module):  # type: ignore[misc]
         """The GEMM and dequantization for int8 codes [padded rows, K]; returns [m, N] in self.dtype."""
         if self.kernel == "reference":  # exact integer accumulation, as int8_linear_reference
             return int8_linear_codes(xq[:m], self.w_codes, self.alpha, self.bias32).to(self.dtype)
+        if self.kernel == "cslt_fused":
+            if self.emits_codes:
+                raise RuntimeError("this Linear writes the next layer's codes: call codes_from_codes")
+            return self.fused(xq)[:m]
         if self.kernel == "int_mm":
             acc = torch._int_mm(xq, self.w_nk.t())[:m]
             y = dequantize(acc, self.alpha, self.bias32).to(self.dtype)
         else:
             y = self._cslt(xq)[:m]
         return y
+
+    def emit_codes(self, next_scale, gelu: bool = True) -> None:
+        """cslt_fused only: from now on the GEMM's epilogue applies GELU (gelu=True) and the quantizer of the
+        next layer (activation scale next_scale) and writes its INT8 codes (codes_from_codes)."""
+        if self.kernel != "cslt_fused":
+            raise ValueError(f"emit_codes needs kernel 'cslt_fused', not {self.kernel!r}")
+        spec = spec_for("ffn_in", next_scale=float(next_scale), gelu=gelu)
+        w_codes, search = self._fused_args
+        self.fused = FusedGemm(w_codes, self.alpha, self.bias32, spec, alg_search=search)
+        self.emits_codes = True
+
+    def codes_from_codes(self, xq):
+        """The next layer's INT8 codes [padded rows, N] from this layer's input codes (after emit_codes); the
+        rows past the real tokens hold the codes of act(bias), which only reach padded output rows."""
+        if not self.emits_codes:
+            raise RuntimeError("codes_from_codes needs emit_codes first")
+        return self.fused(xq)
 
     def _alg(self, xq, **kw) -> int:
         """cuSPARSELt's algorithm for this many token rows: its own search's pick where alg_search covers
@@ -163,6 +195,14 @@ class QuantLinear(Module):  # type: ignore[misc]
         acc = torch._cslt_sparse_mm(self.packed, xq.t(), alg_id=self._alg(xq, **kw), **kw)
         acc = acc if e.transpose else acc.t()
         return dequantize(acc, self.alpha, self.bias32).to(self.dtype)
+
+
+def _spec_dtype(dtype) -> str:
+    """cslt_epilogue's name of a float output dtype (cuSPARSELt's INT8 GEMM writes FP16 or BF16, not FP32)."""
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+    if dtype not in names:
+        raise ValueError(f"kernel 'cslt_fused' writes float16 or bfloat16, not {dtype}")
+    return names[dtype]
 
 
 class DenseLinear(Module):  # type: ignore[misc]
