@@ -11,6 +11,8 @@ writes
                          int8_dynamic_activation_int8_semi_sparse_weight; pure Python, no deps;
                          `datasets` and the few of its needs the image lacks, to read GLUE;
                          with --serve also the HTTP stack for bench/serve_load)
+    .whl-cslt/           with --cslt: nvmath-python and the cuda-python packages it imports (about 20 MiB),
+                         for the kernel "cslt_fused" (cuSPARSELt called directly); carried on its own
 
 and checks that the packed checkpoint unpacks to the same INT8 weights, and that the tree plus
 these folders fit the 64 MiB a GPU call can carry.
@@ -60,6 +62,15 @@ def serve_wheels() -> list[str]:
 
 def data_wheels() -> list[str]:
     return pinned(DATA_PACKAGES, "GLUE reading on the GPU machine")
+
+
+# kernel "cslt_fused" (cuSPARSELt's own API through nvmath-python): the bindings and what importing them needs;
+# the library itself is the libcusparseLt torch's CUDA build installs
+CSLT_PACKAGES = ["nvmath-python", "cuda-bindings", "cuda-core", "cuda-pathfinder"]
+
+
+def cslt_wheels() -> list[str]:
+    return pinned(CSLT_PACKAGES, "--cslt")
 
 
 CARRY_LIMIT = 64 * 2**20
@@ -128,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve", action="store_true",
                     help="also fetch the HTTP stack (FastAPI, uvicorn, ...; ~6 MiB) for bench/serve_load with "
                          "--backend torch-cuda on the GPU")
+    ap.add_argument("--cslt", action="store_true",
+                    help="also fetch nvmath-python and its cuda-python packages (~20 MiB) into .whl-cslt/, for "
+                         "kernel 'cslt_fused' and tests/gpu/test_cslt_epilogue.py (pip install 'holoserve[gpu]' here first)")
+    ap.add_argument("--cslt-wheels", default=str(ROOT / ".whl-cslt"), help="its folder (default .whl-cslt, git-ignored)")
     ap.add_argument("--exact-embeddings", action="store_true",
                     help="carry the embedding tables in FP32 too (bit-exact checkpoint, ~60 MiB for MiniLM: "
                          "close to the 64 MiB limit)")
@@ -178,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
                               Path(args.wheels), args.wheel_script)
         print(f"wheels: {', '.join(wheels)}")
 
+    if args.cslt and not args.no_wheels:
+        wheels += fetch_wheels(cslt_wheels(), Path(args.cslt_wheels), args.wheel_script)
     sizes = {"carry": folder_bytes(out), "wheels": folder_bytes(Path(args.wheels)), "tree": tree_bytes()}
+    if args.cslt:
+        sizes["cslt_wheels"] = folder_bytes(Path(args.cslt_wheels))
     atomic_write_json(out / "carry.json", {"checkpoint": art.path.name, "task": task.name, "dev": dev_copied,
                                            "wheels": wheels, "bytes": sizes, "pack": {k: v for k, v in info.items()
                                                                                      if k != "kinds"}})

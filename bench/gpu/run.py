@@ -399,6 +399,9 @@ def section_gemm(run: Run) -> dict[str, Any]:
             else:
                 kern["sparse_int8"] = ("int8", lambda x, p=p8, e=epilogue: torch._cslt_sparse_mm(
                     p, x.t(), out_dtype=torch.int32, transpose_result=e.transpose))
+        if not run.smoke:  # cuSPARSELt called directly, epilogue fused (built guarded: nvmath-python may be missing)
+            res.setdefault("fused_build", {})[f"K={K} N={N}"] = guarded(
+                f"cslt_fused build K={K} N={N}", lambda: _fused_kernels(kern, codes, scales * 0.01))
         for M in args.m_list:
             row: dict[str, Any] = {"K": K, "N": N, "M": M}
             xs = {
@@ -428,6 +431,21 @@ def section_gemm(run: Run) -> dict[str, Any]:
             torch.cuda.empty_cache()
         run.save()
     return res
+
+
+def _fused_kernels(kern: dict[str, Any], codes, alpha) -> dict[str, Any]:
+    """Add the directly called cuSPARSELt GEMMs to kern: FP16 out with alpha + bias in the epilogue (as `cslt`),
+    and INT8 out with GELU and the next quantizer (the FFN's first GEMM of kernel `cslt_fused`)."""
+    import torch
+
+    from holoserve.backends.torch_cuda import cslt_epilogue as ce
+
+    bias = torch.randn(codes.shape[0], device="cuda") * 0.1
+    fp16 = ce.FusedGemm(codes.cuda(), alpha.cuda(), bias, ce.spec_for("attn_out"))
+    gelu = ce.FusedGemm(codes.cuda(), alpha.cuda(), bias, ce.spec_for("ffn_in", next_scale=0.02))
+    kern["sparse_int8_fused_fp16"] = ("int8", fp16)
+    kern["sparse_int8_fused_gelu_int8"] = ("int8", gelu)
+    return {"ok": True}
 
 
 def _time_gemm(run: Run, op, xs, inner: int, M: int, N: int, K: int) -> dict[str, Any]:
@@ -691,6 +709,10 @@ def _encoder_variants(run: Run, config: dict, dense_state: dict, sparse_state: d
         v += [("dense INT8 + CUDA graphs (_int_mm)", ours("cslt", sparse_state, sparse=False), True, False),
               ("2:4 INT8 eager (ours)", ours("cslt", sparse_state), False, False),
               ("2:4 INT8 + CUDA graphs (ours)", ours("cslt", sparse_state), True, False)]
+        # cuSPARSELt called directly (nvmath-python): the FFN's first GEMM writes the second's codes (GELU and
+        # quantizer in its epilogue), the other GEMMs as `cslt`
+        v += [(f"2:4 INT8{mode} (ours, cslt_fused epilogues)", ours("cslt_fused", sparse_state), graphs, False)
+              for mode, graphs in ((" eager", False), (" + CUDA graphs", True))]
         v.append(("2:4 INT8 + CUDA graphs (ours, cuSPARSELt alg search)",
                   ours("cslt", sparse_state, alg_search=True), True, False))
         v.append(("2:4 INT8 + CUDA graphs (ours, precision=fp32: INT32 GEMM out, FP32 elsewhere)",
@@ -1040,6 +1062,14 @@ def section_parity(run: Run) -> dict[str, Any]:
                                    backend.infer))
             except Exception as e:  # noqa: BLE001
                 log(f"parity: backend precision={precision} failed to load: {e}")
+        try:  # cuSPARSELt called directly: dequant, bias, GELU and the FFN's second quantizer in the GEMM epilogues
+            fused = tc.encoder_from_artifact(art, linear=tc.LinearOptions(
+                kernel="cslt_fused", device=run.device, tuning=tc.Tuning(quantizer=tc.choose_quantizer("cuda")[0])),
+                fusion=tc.Fusion(gelu_quant=True, ln_quant=True))
+            candidates.append(("2:4 INT8 cslt_fused (cuSPARSELt epilogues: INT8 GELU codes from the FFN's first GEMM), "
+                               "FP16, eager", encoder_infer(fused)))
+        except Exception as e:  # noqa: BLE001 - nvmath-python missing, or the library refused the epilogue
+            log(f"parity: cslt_fused failed to build: {e}")
         # how sensitive the checkpoint is: exact integer GEMMs, FP32 elsewhere, a different summation order
         candidates.append(("exact INT8 reference (float64 accumulation), FP32, on the GPU",
                            encoder_infer(tc.encoder_from_artifact(art, linear=tc.LinearOptions(
