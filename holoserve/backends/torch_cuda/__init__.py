@@ -25,6 +25,7 @@ Modules, each importable on its own:
   encoder   the graph-capturable BERT encoder, built from a state dict or a checkpoint folder
   probe     device checks and the load-time epilogue / quantizer probes
   graphs    per-bucket CUDA graph capture and replay
+  routing   per-bucket choice between the 2:4 and the dense INT8 GEMMs of the same weights (`route`)
   backend   `load(artifact)`: the adapter the backend registry imports (holoserve.backends.base)
 """
 from __future__ import annotations
@@ -65,13 +66,25 @@ from .layers import (
 )
 from .numerics import dequantize, int8_linear_codes, int8_linear_reference, quantize_activation, weight_codes
 from .probe import choose_epilogue, choose_quantizer, cuda_report, require_cuda
+from .routing import (
+    ROUTES,
+    RouteTiming,
+    build_variants,
+    check_route,
+    choose_kernel,
+    measure_routes,
+    route_table,
+    share_float_params,
+    timing_plan,
+)
 
 __all__ = [
     "CSLT_DENSE_MULTIPLE", "CSLT_SPARSE_MULTIPLE", "DEFAULT_BATCH_BUCKETS", "DEFAULT_SEQ_BUCKETS", "EPILOGUES",
-    "KERNELS", "NAME", "PRECISIONS", "QUANT_BLOCK", "SUPPORTED_ACTS",
+    "KERNELS", "NAME", "PRECISIONS", "QUANT_BLOCK", "ROUTES", "SUPPORTED_ACTS",
     "BertShape", "CheckpointQuant", "DenseLinear", "Encoder", "Epilogue", "Fusion", "GraphRunner", "LinearOptions",
-    "QuantLinear", "TorchCudaBackend", "TorchCudaOptions", "Tuning",
-    "add_layer_norm_quant", "build_encoder", "checkpoint_tensors", "choose_epilogue", "choose_quantizer",
+    "QuantLinear", "RouteTiming", "TorchCudaBackend", "TorchCudaOptions", "Tuning",
+    "add_layer_norm_quant", "build_encoder", "build_variants", "check_route", "checkpoint_tensors", "choose_epilogue",
+    "choose_kernel", "choose_quantizer", "measure_routes", "route_table", "share_float_params", "timing_plan",
     "cuda_report", "dequantize", "encoder_from_artifact", "int8_linear_codes", "int8_linear_reference", "load",
     "make_linear", "pad_rows", "quantize_activation", "quantize_activation_triton", "quantize_by_table", "require_cuda",
     "weight_codes", "activation_code_table",
