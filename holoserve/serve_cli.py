@@ -9,11 +9,12 @@ import os
 from dataclasses import fields
 
 from . import HoloServeError
-from .core.choices import OPENVINO_KERNELS, OPENVINO_PRECISIONS
+from .core.choices import OPENVINO_KERNELS, OPENVINO_PRECISIONS, TORCH_CUDA_ROUTES, TORCH_PRECISIONS
 from .server.config import TOKEN_ENV, ServerConfig, env_name
 
 BACKENDS = ("auto", "onnxruntime", "openvino", "tensorrt", "torch-cuda", "torch")
-CHOICES = {"backend": BACKENDS, "openvino_precision": OPENVINO_PRECISIONS, "openvino_kernels": OPENVINO_KERNELS}  # fields with a fixed set of values
+CHOICES = {"backend": BACKENDS, "openvino_precision": OPENVINO_PRECISIONS, "openvino_kernels": OPENVINO_KERNELS,
+           "torch_precision": TORCH_PRECISIONS, "torch_cuda_route": TORCH_CUDA_ROUTES}  # fields with a fixed set of values
 
 HELP = {
     "backend": "inference backend; auto = tensorrt > torch-cuda > the faster of openvino and onnxruntime (timed "
@@ -53,6 +54,13 @@ HELP = {
                         "they cannot run, off = OpenVINO's GEMMs",
     "openvino_sparse_weights": "openvino backend: let OpenVINO decompress the 2:4 INT8 weights (CPUs with AMX "
                                "only; see docs/results/2026-11-24-openvino.md)",
+    "torch_precision": "torch backend: float dtype; fp32 = the checkpoint's numerics, fp16 = how a GPU serves a "
+                       "dense model (CUDA only; a few predictions can differ from fp32)",
+    "torch_compile": "torch backend: run the model through torch.compile (dynamic shapes; the first requests of "
+                     "each kind compile, the warm-up pays for the first)",
+    "torch_cuda_route": "torch-cuda backend: which INT8 GEMMs serve each batch bucket; auto = the faster of the "
+                        "2:4 and the dense INT8 GEMMs of the same weights, timed at start-up (the table is in "
+                        "/v1/models); sparse or dense-int8 = that kind for every bucket",
     "model_name": "name reported by the API and metrics; default: the checkpoint folder's name",
     "warmup": "run the model once before reporting ready",
     "verify": "check the sha256 of every checkpoint file at start-up",

@@ -14,3 +14,9 @@ OPENVINO_KERNELS_DEFAULT = "auto"
 # What `holoserve eval` scores through: the PyTorch fake-quant model (the checkpoint's own numerics), or an
 # export through the server's own CPU backend of that name.
 EVAL_BACKENDS = ("pytorch", "onnxruntime", "openvino")
+# The `torch` backend's float dtype: fp32 is the checkpoint's own numerics (the parity reference); fp16 is how
+# a GPU serves a dense model (CUDA only).
+TORCH_PRECISIONS = ("fp32", "fp16")
+# Which INT8 GEMMs the `torch-cuda` backend serves each batch bucket on: auto = the faster of the 2:4 and the
+# dense INT8 GEMMs of the same weights, timed at load; sparse / dense-int8 = that kind for every bucket.
+TORCH_CUDA_ROUTES = ("auto", "sparse", "dense-int8")

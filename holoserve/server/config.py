@@ -6,7 +6,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import HoloServeError
-from ..core.choices import OPENVINO_KERNELS, OPENVINO_KERNELS_DEFAULT, OPENVINO_PRECISIONS
+from ..core.choices import (OPENVINO_KERNELS, OPENVINO_KERNELS_DEFAULT, OPENVINO_PRECISIONS, TORCH_CUDA_ROUTES,
+                            TORCH_PRECISIONS)
 from ..core.settings import field_types, parse_setting
 
 TOKEN_ENV = "HOLOSERVE_API_TOKEN"
@@ -54,6 +55,13 @@ class ServerConfig:
     # HoloServe's 2:4 INT8 kernels for OpenVINO's Linears (holoserve.kernels): auto = where the CPU and a C++
     # compiler (or a prebuilt library) allow them; on = fail without them; off = OpenVINO's GEMMs.
     openvino_kernels: str = OPENVINO_KERNELS_DEFAULT
+    # The torch backend's float dtype: fp32 is the checkpoint's numerics; fp16 (CUDA only) is how a GPU
+    # serves a dense model, the GPU baseline bench/serve_load compares torch-cuda with.
+    torch_precision: str = "fp32"
+    torch_compile: bool = False  # the torch backend through torch.compile; its first calls compile (warm-up)
+    # torch-cuda: which INT8 GEMMs serve each batch bucket; auto = whichever of the 2:4 and the dense INT8
+    # GEMMs of the same weights ran faster at load (the table is in /v1/models)
+    torch_cuda_route: str = "auto"
     model_name: str = ""  # default: the checkpoint folder's name
     warmup: bool = True
     verify: bool = True  # check sha256 of every checkpoint file at start-up
@@ -116,6 +124,10 @@ class ServerConfig:
                             + ", ".join(OPENVINO_PRECISIONS))
         if self.openvino_kernels not in OPENVINO_KERNELS:
             problems.append(f"openvino kernels {self.openvino_kernels!r} is not one of " + ", ".join(OPENVINO_KERNELS))
+        if self.torch_precision not in TORCH_PRECISIONS:
+            problems.append(f"torch precision {self.torch_precision!r} is not one of " + ", ".join(TORCH_PRECISIONS))
+        if self.torch_cuda_route not in TORCH_CUDA_ROUTES:
+            problems.append(f"torch-cuda route {self.torch_cuda_route!r} is not one of " + ", ".join(TORCH_CUDA_ROUTES))
         if self.openvino_shapes:
             from ..backends.openvino import parse_shapes  # imports no OpenVINO
 

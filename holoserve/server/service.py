@@ -47,6 +47,10 @@ def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dic
     if config.openvino_sparse_weights:
         opts["openvino_sparse_weights"] = True
     opts["openvino_kernels"] = config.openvino_kernels
+    opts["torch_precision"] = config.torch_precision
+    if config.torch_compile:
+        opts["torch_compile"] = True
+    opts["route"] = config.torch_cuda_route  # torch-cuda's TorchCudaOptions.route
     if config.backend == "auto":
         from ..backends.auto import select_backend
 

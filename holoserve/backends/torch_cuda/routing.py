@@ -28,11 +28,12 @@ from typing import Any, Callable, Iterable, Mapping
 
 from holoserve import HoloServeError
 from holoserve.core.artifact import Artifact
+from holoserve.core.choices import TORCH_CUDA_ROUTES
 
 from .encoder import CheckpointQuant, Encoder, Fusion, LinearOptions, build_encoder, checkpoint_tensors
 from .layers import QuantLinear
 
-ROUTES = ("auto", "sparse", "dense-int8")
+ROUTES = TORCH_CUDA_ROUTES  # ("auto", "sparse", "dense-int8")
 SPARSE, DENSE = "cslt", "int_mm"  # the kernels behind "sparse" and "dense-int8" (layers.KERNELS)
 # the dense GEMM must be faster than the 2:4 one by more than this share of the 2:4 time to take a
 # bucket: timing noise between two near-equal kernels must not flip routes from one load to the next
