@@ -2,17 +2,21 @@
 
 A 2:4 GEMM can lose to a dense one at small token counts (few rows: the sparse kernel's tiles are
 under-used and its fixed costs dominate). With `route="auto"` the backend builds both from the same
-INT8 codes ("cslt": cuSPARSELt, "int_mm": torch._int_mm), times both on the device for each batch
-bucket at load, and serves every (batch, seq) bucket on the faster one. Both are exact integer GEMMs of
-the same codes: only the epilogue (dequantization and bias, then the rounding to the float dtype) may
-round differently, so the two agree to the last FP16 bit or nearly (and bit for bit with
-`precision="fp32"`, where both dequantize the INT32 result with the same torch ops).
+INT8 codes ("cslt": cuSPARSELt, "int_mm": torch._int_mm), times both on the device per token count
+at load, and serves every (batch, seq) bucket on the faster one. Both are exact integer GEMMs of
+the same codes, so only the epilogue can differ. With `precision="fp32"` both hand the INT32 result to
+the same torch ops (numerics.dequantize): bit-identical logits. With FP16, cuSPARSELt scales (and adds
+the bias) inside its epilogue and rounds once to FP16, while the dense path computes the same FP32
+product and sum with separate torch ops before that rounding (and a "bias after" epilogue adds the bias
+in FP16): an output can differ by one FP16 unit in the last place where the value sits on a rounding
+boundary, which a later quantizer can turn into one code step. tests/gpu/test_torch_cuda_routing.py
+measures both cases.
 
 The key is the token count (batch x padded length): the variants share everything outside the
 encoder Linears (embeddings, LayerNorm, attention, the activation quantizers), and a Linear's GEMM has
 batch x length rows whatever the split, so buckets with the same token count route alike and are timed
-once. Token counts above `max_tokens` are not timed and stay on the 2:4 GEMMs, where they win; this
-bounds the load time, and so does a budget in seconds.
+once. Token counts above `max_tokens` are not timed and stay on the 2:4 GEMMs, whose lead grows with the
+row count; this bounds the load time, and so does a budget in seconds.
 
 `build_variants` builds both from one read of the checkpoint, the float tensors (embeddings, LayerNorm,
 pooler, classifier) held once. The decision (`choose_kernel`, `route_table`) is pure; `measure_routes`
