@@ -34,6 +34,7 @@ from bench.serve_load.run import (backend_desc, free_port, machine, run_load, sc
                                   start_server, stop_server, summarize)
 from holoserve.core.choices import TORCH_CUDA_ROUTES, TORCH_PRECISIONS
 from holoserve.core.files import atomic_write_json, atomic_write_text
+from holoserve.server.config import ServerConfig
 
 OURS_BACKENDS = ("torch-cuda", "tensorrt", "onnxruntime")  # onnxruntime: the CPU check of this benchmark
 TARGET_RATIO_32 = 1.5  # ours' served throughput at 32 clients over the dense model's, on the same server and GPU
@@ -44,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint", required=True, help="our compressed checkpoint folder")
     ap.add_argument("--backend", default="torch-cuda", choices=OURS_BACKENDS,
                     help="our server's backend (torch-cuda on a GPU; onnxruntime needs an export)")
-    ap.add_argument("--route", default="auto", choices=TORCH_CUDA_ROUTES,
-                    help="torch-cuda's --torch-cuda-route for our server (auto: the faster of the 2:4 and the dense "
-                         "INT8 GEMMs per batch bucket, timed at start-up)")
+    ap.add_argument("--route", default=ServerConfig.torch_cuda_route, choices=TORCH_CUDA_ROUTES,
+                    help="torch-cuda's --torch-cuda-route for our server (default: the server's; auto: the faster of "
+                         "the 2:4 and the dense INT8 GEMMs per batch bucket, timed at start-up)")
     ap.add_argument("--dense-checkpoint", default=None,
                     help="the dense model's folder (e.g. the teacher); default: our checkpoint's weights served dense")
     ap.add_argument("--dense-precision", default="fp16", choices=TORCH_PRECISIONS,
@@ -88,8 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"{flag} must be >= 1, not {value}")
     if args.max_requests < args.rounds:
         ap.error(f"--max-requests ({args.max_requests}) must be >= --rounds ({args.rounds}): each round needs one")
-    if args.route != "auto" and args.backend != "torch-cuda":
-        ap.error(f"--route chooses torch-cuda's GEMMs; with --backend {args.backend} leave it at auto")
+    if args.route != ServerConfig.torch_cuda_route and args.backend != "torch-cuda":
+        ap.error(f"--route chooses torch-cuda's GEMMs; with --backend {args.backend} leave it out")
     for flag, path in (("--checkpoint", args.checkpoint), ("--dense-checkpoint", args.dense_checkpoint)):
         if path is not None and not (Path(path) / "config.json").is_file():
             ap.error(f"{flag} {path}: no checkpoint there (config.json missing); pass a checkpoint folder "

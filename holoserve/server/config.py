@@ -60,8 +60,8 @@ class ServerConfig:
     torch_precision: str = "fp32"
     torch_compile: bool = False  # the torch backend through torch.compile; its first calls compile (warm-up)
     # torch-cuda: which INT8 GEMMs serve each batch bucket; auto = whichever of the 2:4 and the dense INT8
-    # GEMMs of the same weights ran faster at load (the table is in /v1/models)
-    torch_cuda_route: str = "auto"
+    # GEMMs of the same weights ran faster at load (the table is in /v1/models); sparse until auto has run on a GPU
+    torch_cuda_route: str = "sparse"
     model_name: str = ""  # default: the checkpoint folder's name
     warmup: bool = True
     verify: bool = True  # check sha256 of every checkpoint file at start-up

@@ -107,8 +107,9 @@ class TorchCudaOptions:
     # which INT8 GEMMs serve each (batch, seq) bucket (routing.py): "sparse" the 2:4 ones (cuSPARSELt);
     # "dense-int8" dense ones of the same INT8 codes (torch._int_mm); "auto" times both per token count at
     # load (holding both weight copies while it does; the dense ones are freed if no bucket takes them) and
-    # serves each bucket on the faster, where the 2:4 GEMMs can lose at small token counts
-    route: str = "auto"
+    # serves each bucket on the faster, where the 2:4 GEMMs can lose at small token counts (opt-in until its GPU
+    # test, tests/gpu/test_torch_cuda_routing.py, has passed on a GPU)
+    route: str = "sparse"
     route_max_tokens: int = ROUTE_MAX_TOKENS  # "auto" times token counts up to this; above, 2:4 untimed
 
     @classmethod

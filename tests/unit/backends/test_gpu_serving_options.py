@@ -87,7 +87,7 @@ def test_server_flags_reach_the_loaders(art, monkeypatch):
                                                                                          "dense-int8")
     got.clear()
     service.open_backend(ServerConfig(artifact_dir=str(art.path), backend="torch-cuda").validate(), art)
-    assert got["route"] == "auto" and got["torch_precision"] == "fp32" and "torch_compile" not in got
+    assert got["route"] == "sparse" and got["torch_precision"] == "fp32" and "torch_compile" not in got
 
 
 def test_serve_cli_parses_the_new_flags():

@@ -83,7 +83,7 @@ def test_bad_route_is_refused_before_the_device_check(tiny):
         load_backend("torch-cuda", load_artifact(art.path), route="sparse", kernel="reference")
     opts = tc.TorchCudaOptions.from_options({"route": "dense-int8", "route_max_tokens": 512, "threads": 2})
     assert (opts.route, opts.route_max_tokens) == ("dense-int8", 512)
-    assert tc.TorchCudaOptions().route == "auto"
+    assert tc.TorchCudaOptions().route == "sparse"  # auto is opt-in until its GPU test has passed on a GPU
 
 
 def _variants(art):
@@ -199,5 +199,5 @@ def test_backend_routing_step_reports_the_table_it_serves(tiny, monkeypatch):
     assert "up to 32" in info["route_note"] and runner.routes == {(1, 16): D, (1, 32): D, (2, 16): D}
     forced = tcb._route(runner, tc.TorchCudaOptions(route="dense-int8"), "int_mm", None)
     assert set(forced["routes"].values()) == {"int_mm"} and "as requested" in forced["route_note"]
-    off = tcb._route(runner, tc.TorchCudaOptions(route_max_tokens=0), "cslt", None)
+    off = tcb._route(runner, tc.TorchCudaOptions(route="auto", route_max_tokens=0), "cslt", None)
     assert off["route_note"] == "off: route_max_tokens=0 times nothing" and set(off["routes"].values()) == {S}

@@ -19,7 +19,7 @@ def ckpt(tmp_path):
 
 def test_defaults_are_the_gpu_comparison(ckpt):
     args = versus.parse_args(["--checkpoint", str(ckpt)])
-    assert (args.backend, args.route, args.dense_precision, args.dense_compile) == ("torch-cuda", "auto", "fp16", False)
+    assert (args.backend, args.route, args.dense_precision, args.dense_compile) == ("torch-cuda", "sparse", "fp16", False)
     assert args.levels == [1, 32, 128] and args.batch_size == 32
 
 
@@ -29,7 +29,7 @@ def test_defaults_are_the_gpu_comparison(ckpt):
     (["--duration", "0"], "--duration must be > 0 seconds"),
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--max-requests", "1", "--rounds", "2"], "must be >= --rounds"),
-    (["--backend", "onnxruntime", "--route", "sparse"], "with --backend onnxruntime leave it at auto"),
+    (["--backend", "onnxruntime", "--route", "auto"], "with --backend onnxruntime leave it out"),
     (["--dense-checkpoint", "/nonexistent/teacher"], "--dense-checkpoint /nonexistent/teacher: no checkpoint there"),
     (["--dense-precision", "bf16"], "invalid choice: 'bf16'"),
 ])
