@@ -153,6 +153,28 @@ async def run_load(port: int, texts: list[str], clients: int, duration: float, m
             "wall": time.perf_counter() - t_start}
 
 
+def alternate_rounds(ports: dict[str, int], texts: list[str], clients: int, args) -> dict[str, dict]:
+    """One client level on several servers taking turns round by round (args.rounds rounds of
+    args.duration / rounds seconds each), so drifting machine load hits them alike; per server the
+    level's summary with the mean executed batch size read from its metrics."""
+    parts: dict[str, list[dict]] = {n: [] for n in ports}
+    seqs = {n: [0.0, 0.0] for n in ports}
+    for _ in range(args.rounds):
+        for name, port in ports.items():
+            before = scrape_batch_sizes(port)
+            parts[name].append(asyncio.run(run_load(port, texts, clients, args.duration / args.rounds,
+                                                    args.max_requests // args.rounds)))
+            after = scrape_batch_sizes(port)
+            for k, key in enumerate(("sequences", "executions")):
+                seqs[name][k] += after.get(key, 0) - before.get(key, 0)
+    out = {}
+    for name in ports:
+        lv = summarize(clients, parts[name])
+        lv["mean_batch"] = round(seqs[name][0] / seqs[name][1], 2) if seqs[name][1] else 0
+        out[name] = lv
+    return out
+
+
 def summarize(clients: int, parts: list[dict]) -> dict:
     """One level's numbers from its (interleaved) rounds."""
     lat = np.asarray([x for p in parts for x in p["lat"]])
@@ -482,20 +504,9 @@ def token_budget_main(args, ckpt: Path, texts: list[str], text_source: str, out_
             servers[mode] = (start_server(ckpt, port, args.threads, [*extra, "--no-access-log"], log, args.backend), port)
             asyncio.run(run_load(port, texts, 8, 1.0, 200))  # warm-up, not recorded
         for c in levels:
-            parts: dict[str, list[dict]] = {m: [] for m in modes}
-            mb = {m: [0.0, 0.0] for m in modes}
-            for _ in range(args.rounds):
-                for mode in modes:
-                    port = servers[mode][1]
-                    before = scrape_batch_sizes(port)
-                    parts[mode].append(asyncio.run(run_load(port, texts, c, args.duration / args.rounds,
-                                                            args.max_requests // args.rounds)))
-                    after = scrape_batch_sizes(port)
-                    for k, key in enumerate(("sequences", "executions")):
-                        mb[mode][k] += after.get(key, 0) - before.get(key, 0)
+            levels_now = alternate_rounds({m: servers[m][1] for m in modes}, texts, c, args)
             for mode in modes:
-                lv = summarize(c, parts[mode])
-                lv["mean_batch"] = round(mb[mode][0] / mb[mode][1], 2) if mb[mode][1] else 0
+                lv = levels_now[mode]
                 res["modes"][mode]["levels"].append(lv)
                 print(f"{mode:12s} clients {c:4d}: {lv['throughput_rps']:8.1f} req/s  p50 {lv.get('p50_ms')} "
                       f"p99 {lv.get('p99_ms')} ms  mean batch {lv['mean_batch']}  {lv['status_counts']}", flush=True)
@@ -626,7 +637,7 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
     return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.serve_load.run", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None,
                     help="default: runs/minilm-sst2-quick if present, else runs/minilm-sst2-standin")
@@ -651,7 +662,7 @@ def main() -> int:
                          "(clients default to 32) instead of the full benchmark")
     ap.add_argument("--max-padding-waste", type=float, default=0.25,
                     help="the servers' --max-padding-waste in the token-budget comparison (-1: pad to the longest)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     def exported(p: Path) -> bool:
         try:

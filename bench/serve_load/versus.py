@@ -30,8 +30,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import dated_results
-from bench.serve_load.run import (backend_desc, free_port, machine, run_load, scrape_batch_sizes, sst2_sentences,
-                                  start_server, stop_server, summarize)
+from bench.serve_load.run import (alternate_rounds, backend_desc, free_port, machine, run_load, sst2_sentences,
+                                  start_server, stop_server)
 from holoserve.core.choices import TORCH_CUDA_ROUTES, TORCH_PRECISIONS
 from holoserve.core.files import atomic_write_json, atomic_write_text
 from holoserve.server.config import ServerConfig
@@ -140,22 +140,7 @@ def measure(args: argparse.Namespace, texts: list[str], out_dir: Path) -> dict:
             for c in sorted({1, max(args.levels)}):  # warm-up, not recorded: batch 1 and the largest batches
                 asyncio.run(run_load(port, texts, c, 1.5, 2000))
         for c in args.levels:
-            parts: dict[str, list[dict]] = {n: [] for n in plans}
-            batches = {n: [0.0, 0.0] for n in plans}
-            for _ in range(args.rounds):
-                for name in plans:
-                    port = running[name][1]
-                    before = scrape_batch_sizes(port)
-                    parts[name].append(asyncio.run(run_load(port, texts, c, args.duration / args.rounds,
-                                                            args.max_requests // args.rounds)))
-                    after = scrape_batch_sizes(port)
-                    for i, key in enumerate(("sequences", "executions")):
-                        batches[name][i] += after.get(key, 0) - before.get(key, 0)
-            level = {"clients": c}
-            for name in plans:
-                lv = summarize(c, parts[name])
-                lv["mean_batch"] = round(batches[name][0] / batches[name][1], 2) if batches[name][1] else 0
-                level[name] = lv
+            level = {"clients": c, **alternate_rounds({n: running[n][1] for n in plans}, texts, c, args)}
             dense_rps = level["dense"]["throughput_rps"]
             level["throughput_ratio"] = round(level["ours"]["throughput_rps"] / dense_rps, 3) if dense_rps else None
             res["levels"].append(level)

@@ -99,3 +99,17 @@ def test_whole_run_on_the_cpu(sst2, tmp_path):
     md = (out / "serve_versus.md").read_text()
     assert "| 2 |" in md and "dense fp32" in md
     assert sorted(p.name for p in out.iterdir()) == ["serve_versus.json", "serve_versus.md"]
+
+
+def test_token_budget_run_on_the_cpu(sst2, tmp_path):
+    """serve_load.run's --token-budgets mode takes its alternating rounds from the same helper as versus."""
+    pytest.importorskip("onnxruntime")
+    from bench.serve_load import run as serve_load
+
+    out = tmp_path / "out"
+    assert serve_load.main(["--checkpoint", str(sst2), "--clients", "2", "--duration", "0.6", "--rounds", "1",
+                            "--token-budgets", "256", "--out", str(out)]) == 0
+    res = json.loads((out / "serve_load_tokens.json").read_text())
+    for mode in ("count", "tokens_256"):
+        (level,) = res["modes"][mode]["levels"]
+        assert level["clients"] == 2 and level["ok"] > 0 and level["mean_batch"] > 0
