@@ -25,9 +25,22 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever sys.stderr is when each record is written: a stream swapped in after set-up
+    (an embedding application, a test runner's capture) gets the records, and a closed earlier one is never used."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(level: str = "info") -> None:
     """Route holoserve's and uvicorn's loggers through one JSON handler on stderr."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter())
     lvl = getattr(logging, level.upper(), logging.INFO)
     for name in ("holoserve", "uvicorn", "uvicorn.error"):
