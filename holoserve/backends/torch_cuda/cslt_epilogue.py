@@ -32,6 +32,7 @@ documented attribute types, in a valid order, without a GPU.
 from __future__ import annotations
 
 import contextlib
+import copy
 import enum
 import math
 import weakref
@@ -264,7 +265,6 @@ class FusedGemm:
     def __init__(self, w_codes, alpha, bias, spec: EpilogueSpec = EpilogueSpec(), *, api=None,
                  alg_search: bool = False, stream: Callable[[Any], int] | None = None):
         self.api = api if api is not None else default_api()
-        self.spec = spec
         self.alg_search = alg_search
         self.stream = stream or _current_stream
         self.n, self.k = (int(d) for d in w_codes.shape)
@@ -272,12 +272,7 @@ class FusedGemm:
         if w_codes.dtype != torch.int8:
             raise ValueError(f"weight codes must be int8, got {w_codes.dtype}")
         self.handle = _handle(self.api, self.device)
-        self.alpha, bias_t, self.post = epilogue_vectors(spec, alpha.to(self.device), None if bias is None
-                                                         else bias.to(self.device))
-        # the bias lives in a buffer twice as long as read, zero-padded: a library reading a wider type than
-        # documented gets wrong numbers (which the GPU test sees) rather than reading past an allocation
-        self.bias = None if bias_t is None else torch.cat([bias_t, torch.zeros_like(bias_t)])
-        self.out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}[spec.out]
+        self._set_epilogue(spec, alpha, bias)
         self.beta = _host(0.0, np.float32)  # host scalar: no C operand (C is D, beta 0)
         api_ = self.api
         self.sparse = int(api_.structured_descriptor_init(self.handle, self.n, self.k, self.k, ALIGNMENT, CUDA_R_8I,
@@ -289,7 +284,24 @@ class FusedGemm:
         api_.sp_mma_compress2(self.handle, self.sparse, 1, OP_NON_TRANSPOSE, dense.data_ptr(),
                               self.packed.data_ptr(), scratch.data_ptr(), self.stream(self.device))
         self._keep = (dense, scratch)  # alive until the compression has run on the stream
+
+    def _set_epilogue(self, spec: EpilogueSpec, alpha, bias) -> None:
+        """The epilogue's vectors and output type for `spec`; the plans built for another spec are dropped."""
+        self.spec = spec
+        self.alpha, bias_t, self.post = epilogue_vectors(spec, alpha.to(self.device), None if bias is None
+                                                         else bias.to(self.device))
+        # the bias lives in a buffer twice as long as read, zero-padded: a library reading a wider type than
+        # documented gets wrong numbers (which the GPU test sees) rather than reading past an allocation
+        self.bias = None if bias_t is None else torch.cat([bias_t, torch.zeros_like(bias_t)])
+        self.out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}[spec.out]
         self.plans: dict[int, _Plan] = {}
+
+    def with_spec(self, spec: EpilogueSpec, alpha, bias) -> "FusedGemm":
+        """The same compressed weight with another epilogue (alpha and bias as given to the constructor):
+        the weight is not compressed again, and no dense copy of it is needed."""
+        other = copy.copy(self)
+        other._set_epilogue(spec, alpha, bias)
+        return other
 
     def _plan(self, t: int, xq, out) -> _Plan:
         api, h = self.api, self.handle

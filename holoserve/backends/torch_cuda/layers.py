@@ -99,11 +99,9 @@ class QuantLinear(Module):  # type: ignore[misc]
                              torch.cat([self.bias, torch.zeros_like(self.bias)]))
         self.register_buffer("bias32", None if bias is None else bias.to(dev, torch.float32))
         self.emits_codes = False  # cslt_fused after emit_codes: the output is the next GEMM's INT8 codes
-        self._fused_args = None
         if kernel == "cslt_fused":
-            self._fused_args = (w_codes.contiguous(), tuning.alg_search is True)
             self.fused = FusedGemm(w_codes, self.alpha, self.bias32, spec_for("qkv", dtype=_spec_dtype(dtype)),
-                                   alg_search=self._fused_args[1])
+                                   alg_search=tuning.alg_search is True)
         elif kernel == "cslt":
             self.register_buffer("packed", torch._cslt_compress(w_codes.contiguous()))
         elif kernel == "int_mm":
@@ -158,8 +156,7 @@ class QuantLinear(Module):  # type: ignore[misc]
         if self.kernel != "cslt_fused":
             raise ValueError(f"emit_codes needs kernel 'cslt_fused', not {self.kernel!r}")
         spec = spec_for("ffn_in", next_scale=float(next_scale), gelu=gelu)
-        w_codes, search = self._fused_args
-        self.fused = FusedGemm(w_codes, self.alpha, self.bias32, spec, alg_search=search)
+        self.fused = self.fused.with_spec(spec, self.alpha, self.bias32)
         self.emits_codes = True
 
     def codes_from_codes(self, xq):
