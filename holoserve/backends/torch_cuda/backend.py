@@ -108,8 +108,8 @@ class TorchCudaOptions:
     # "dense-int8" dense ones of the same INT8 codes (torch._int_mm); "auto" times both per token count at
     # load (holding both weight copies while it does; the dense ones are freed if no bucket takes them) and
     # serves each bucket on the faster, where the 2:4 GEMMs can lose at small token counts (opt-in until its GPU
-    # test, tests/gpu/test_torch_cuda_routing.py, has passed on a GPU)
-    route: str = "sparse"
+    # test, tests/gpu/test_torch_cuda_routing.py, has passed on a GPU); None (not set): `kernel` for every bucket
+    route: str | None = None
     route_max_tokens: int = ROUTE_MAX_TOKENS  # "auto" times token counts up to this; above, 2:4 untimed
 
     @classmethod
@@ -153,7 +153,7 @@ def _route(runner: GraphRunner, opts: TorchCudaOptions, kernel: str, dense: Enco
     bb, seqs = runner.batch_buckets, runner.seq_buckets
     if dense is None:
         why = {"sparse": "the 2:4 GEMMs for every bucket, as requested", "dense-int8":
-               "dense INT8 GEMMs for every bucket, as requested"}.get(opts.route, "")
+               "dense INT8 GEMMs for every bucket, as requested"}.get(opts.route, f"kernel={kernel!r} for every bucket")
         if opts.route == "auto":
             why = (f"off: kernel={kernel!r} has no alternative to route to" if kernel != SPARSE else
                    "off: no 2:4 layer in this checkpoint" if opts.route_max_tokens else
@@ -183,7 +183,8 @@ def load(artifact: Artifact, **options: Any) -> TorchCudaBackend:
         raise HoloServeError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     if activation_table not in ACTIVATION_TABLE:
         raise HoloServeError(f"activation_table must be one of {ACTIVATION_TABLE}, not {activation_table!r}")
-    check_route(opts.route, opts.kernel, opts.route_max_tokens)
+    if opts.route is not None:
+        check_route(opts.route, opts.kernel, opts.route_max_tokens)
     kernel = DENSE if opts.route == "dense-int8" else opts.kernel
     rep = require_cuda()
     if not artifact.quantized or not artifact.activation_amax():

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from holoserve import HoloServeError  # noqa: E402
 from holoserve.backends import load_backend  # noqa: E402
+from holoserve.backends.base import BackendUnavailable  # noqa: E402
 from holoserve.backends import torch_cuda as tc  # noqa: E402
 from holoserve.backends.torch_cuda import routing  # noqa: E402
 from holoserve.core.artifact import load_artifact  # noqa: E402
@@ -83,7 +84,11 @@ def test_bad_route_is_refused_before_the_device_check(tiny):
         load_backend("torch-cuda", load_artifact(art.path), route="sparse", kernel="reference")
     opts = tc.TorchCudaOptions.from_options({"route": "dense-int8", "route_max_tokens": 512, "threads": 2})
     assert (opts.route, opts.route_max_tokens) == ("dense-int8", 512)
-    assert tc.TorchCudaOptions().route == "sparse"  # auto is opt-in until its GPU test has passed on a GPU
+    # not set: the kernel given serves every bucket (auto is opt-in until its GPU test has passed on a GPU), and
+    # a kernel other than cslt is not refused for it
+    assert tc.TorchCudaOptions().route is None
+    with pytest.raises(BackendUnavailable, match="needs an NVIDIA GPU"):
+        load_backend("torch-cuda", load_artifact(art.path), kernel="reference")
 
 
 def _variants(art):
