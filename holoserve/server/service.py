@@ -30,8 +30,8 @@ _INLINE_TOKENIZE_BYTES = 4096
 _READY = Status(status="ready")
 
 
-def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dict[str, Any]]:
-    """Load the configured backend; 'auto' picks the best this machine can run and says why."""
+def backend_options(config: ServerConfig, artifact: Artifact) -> dict[str, Any]:
+    """The options a backend's loader gets from the server's settings (`holoserve tune` loads with the same)."""
     # Loaders ignore options they do not use; torch-cuda sizes its CUDA graphs by max_batch.
     opts: dict[str, Any] = {"max_batch": config.max_batch_size}
     if config.threads:
@@ -51,6 +51,12 @@ def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dic
     if config.torch_compile:
         opts["torch_compile"] = True
     opts["route"] = config.torch_cuda_route  # torch-cuda's TorchCudaOptions.route
+    return opts
+
+
+def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dict[str, Any]]:
+    """Load the configured backend; 'auto' picks the best this machine can run and says why."""
+    opts = backend_options(config, artifact)
     if config.backend == "auto":
         from ..backends.auto import select_backend
 
