@@ -1,11 +1,13 @@
 """`--backend auto`: the fastest backend this machine can run, and why it was picked.
 
-Order: TensorRT (an engine built for this GPU and TensorRT version) > torch-cuda (2:4
-semi-structured kernels on a CUDA GPU) > the fastest CPU backend: where both OpenVINO and ONNX
-Runtime can serve the checkpoint, each runs a short warm-up here at batches from a lone request to a
-full one, and the faster one is picked, with the timings in the reason (which runtime wins depends on the
-CPU, the batch and the model). Where one wins the small batches and the other the large ones, both are
-loaded and each batch runs on the one that was faster for its size (RoutedCpuBackend).
+Order: TensorRT (an engine built for this GPU and TensorRT version) > torch-cuda (2:4 semi-structured
+kernels on a CUDA GPU) > the fastest CPU backend. Where both OpenVINO and ONNX Runtime can serve the
+checkpoint, the checkpoint's serving profile decides (written by `holoserve tune` on this machine; see
+holoserve.backends.profile): nothing is timed at start-up, so every start serves the same way. Without
+one, or with one written for another machine, runtime or export, both are timed here briefly on the
+checkpoint's dev texts at the batch sizes the server forms, by the same rule: ONNX Runtime unless
+OpenVINO is faster by a margin. Where one wins the small batches and the other the large ones by that
+margin, both are loaded and each batch runs on the one that was faster for its size (RoutedCpuBackend).
 Cheap checks come first so that a CPU-only machine never imports torch or TensorRT.
 
 An engine on disk (in the checkpoint or the engine cache) that is not used is never a quiet
@@ -21,8 +23,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from holoserve import HoloServeError
 from holoserve.core.artifact import Artifact
 from holoserve.core.manifest import ONNXRUNTIME, OPENVINO, TENSORRT_ENGINE
+from . import profile
 from .base import Backend, BackendUnavailable, load_backend
 
 log = logging.getLogger("holoserve.backends")
@@ -69,29 +73,16 @@ def _precheck(name: str, artifact: Artifact, gpu: bool, options: dict[str, Any] 
     return None
 
 
-# Warm-up batch sizes the CPU backends are timed at, each with (batch, seq) up to these: a lone request up
-# to a full batch (the server's default --max-batch-size). Which runtime wins can change with the batch.
-# Each timed run has a sequence length of its own, as served traffic does: a runtime that pays for every
-# new input shape (OpenVINO's dynamic-shape models do) pays for it here too.
-PROBE_SHAPES = ((1, 64), (4, 64), (8, 64), (16, 64), (32, 64))
 ROUTE_ENV = "HOLOSERVE_CPU_ROUTE"  # a routing decided before `--workers N` start (server/backend_choice.py)
-
-
-def _warmup_feed(artifact: Artifact, batch: int = 8, seq: int = 64) -> tuple:
-    """Fixed random token ids inside the model's vocabulary (read from config.json), no padding."""
-    import json
-
-    import numpy as np
-
-    vocab = int(json.loads((artifact.path / "config.json").read_text(encoding="utf-8")).get("vocab_size", 1000))
-    seq = max(2, min(seq, artifact.max_seq_length))
-    ids = np.random.default_rng(0).integers(min(1000, vocab // 2), vocab, (batch, seq)).astype(np.int64)
-    return ids, np.ones_like(ids), np.zeros_like(ids)
+# Timing at start-up (no usable serving profile): short, as the server is not ready until it ends; a few
+# rounds already tell a clear winner, and `holoserve tune` measures longer where the margin is thin.
+STARTUP_PLAN = dict(min_rounds=3, max_rounds=15, seconds=2.0, per_round=16)
 
 
 class RoutedCpuBackend:
     """Two CPU backends loaded side by side, each batch run by the one that was faster for batches of its
-    size at start-up: `small` up to `max_small_tokens` tokens (rows x sequence), `large` above."""
+    size (in the serving profile, or timed at start-up): `small` up to `max_small_tokens` tokens (rows x
+    sequence), `large` above."""
 
     whole_batches = False
 
@@ -113,8 +104,9 @@ class RoutedCpuBackend:
         out: dict[str, Any] = {"backend": self.name, "routing": {**self.route(), "runs": dict(self.runs)},
                                "backends": parts}
         for part in parts.values():
-            if "kernels" in part:
-                out["kernels"] = part["kernels"]
+            for key in ("kernels", "static_shapes"):  # OpenVINO's, where the server reports them for one backend
+                if key in part:
+                    out[key] = part[key]
         return out
 
 
@@ -134,63 +126,127 @@ def _route_from_env(loaded: dict[str, Backend]) -> tuple[Backend, str] | None:
 
 
 def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped: dict[str, str],
-                runs: int = 7) -> tuple[Backend | None, str]:
-    """The fastest of the CPU backends that load here, timed alternately at each of PROBE_SHAPES; where
-    one wins the small batches and another the large ones, both serve, routed by batch size."""
-    import time
-
-    loaded: dict[str, Backend] = {}
+                notes: dict[str, Any] | None = None) -> tuple[Backend | None, str]:
+    """The CPU backend(s) to serve with: as the checkpoint's serving profile says where it matches this
+    machine (nothing is timed), else timed here on the checkpoint's dev texts (profile.decide's rule);
+    where one wins the small batches and the other the large ones by the margin, both serve, routed by
+    batch size. `notes` gets {"profile": what became of the serving profile}."""
+    notes = {} if notes is None else notes
+    usable = []
     for name in CPU_BACKENDS:
         reason = _precheck(name, artifact, gpu, options)
         if reason is None:
-            try:
-                loaded[name] = load_backend(name, artifact, **options)
-            except (BackendUnavailable, ImportError) as e:
-                reason = str(e)
-        if reason is not None:
+            usable.append(name)
+        else:
             skipped[name] = reason
+    if not usable:
+        return None, "no CPU backend loads"
+    loaded = None
+    if os.environ.get(ROUTE_ENV):  # a worker of `--workers N`: the parent decided
+        loaded = _load_cpu(artifact, usable, options, skipped)
+        pinned = _route_from_env(loaded)
+        if pinned is not None:
+            return pinned[0], pinned[1] + _notes(loaded)
+    if loaded is None:
+        from_profile = _from_profile(artifact, usable, options, notes)
+        if from_profile is not None:
+            return from_profile
+        loaded = _load_cpu(artifact, usable, options, skipped)
     if not loaded:
         return None, "no CPU backend loads"
-    notes = "".join(f"; {n}{note}" for n, b in loaded.items() if (note := _kernels_note(b)))
     if len(loaded) == 1:
         (name, backend), = loaded.items()
-        return backend, f"{name}, the only CPU backend that loads here{notes}"
-    pinned = _route_from_env(loaded)
-    if pinned is not None:
-        return pinned[0], pinned[1] + notes
-    winners, table = [], []
-    top = max(2, min(max(s for _, s in PROBE_SHAPES), artifact.max_seq_length))
-    # distinct lengths from a quarter of the longest up to it, none repeated: every timed run a new shape
-    lengths = sorted({max(2, round(top * (0.25 + 0.75 * i / max(1, runs - 1)))) for i in range(runs)})
-    for batch, _ in PROBE_SHAPES:
-        warm = _warmup_feed(artifact, batch, top)
-        for backend in loaded.values():  # untimed: first-run allocations
-            backend.infer(*warm)
-        times: dict[str, list[float]] = {n: [] for n in loaded}
-        for seq in lengths:
-            feed = _warmup_feed(artifact, batch, seq)
-            for name, backend in loaded.items():
-                t0 = time.perf_counter()
-                backend.infer(*feed)
-                times[name].append(time.perf_counter() - t0)
-        # the total over the same shapes, taken in turns, so background load hits both alike
-        total = {n: sum(v) * 1000 for n, v in times.items()}
-        mean_tokens = batch * sum(lengths) // len(lengths)
-        winners.append((mean_tokens, min(total, key=total.get)))
-        table.append(f"{batch} rows: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in
-                                                   sorted(total.items(), key=lambda kv: kv[1])))
-    timing = f"{len(lengths)} runs each, lengths {lengths[0]} to {lengths[-1]}: {'; '.join(table)}{notes}"
-    names = [w for _, w in winners]
-    first, last = names[0], names[-1]
-    if first == last:  # one runtime at both ends: the one that won most sizes serves everything
-        best = max(dict.fromkeys(names), key=names.count)
-        return loaded[best], f"{best}, the fastest CPU backend on warm-up batches here ({timing})"
-    # small batches to `first` up to the geometric middle between its last win and `last`'s first
-    cut = next(i for i, w in enumerate(names) if w != first)
-    limit = int((winners[cut - 1][0] * winners[cut][0]) ** 0.5)
-    routed = RoutedCpuBackend(loaded[first], loaded[last], limit)
-    return routed, (f"{first} for batches of up to {limit} tokens and {last} above, the fastest CPU backend for "
-                    f"each size on warm-up batches here ({timing})")
+        return backend, f"{name}, the only CPU backend that loads here{_notes(loaded)}"
+    return _timed_at_startup(artifact, loaded, options)
+
+
+def _load_cpu(artifact: Artifact, names: list[str], options: dict[str, Any], skipped: dict[str, str]
+              ) -> dict[str, Backend]:
+    loaded: dict[str, Backend] = {}
+    for name in names:
+        try:
+            loaded[name] = load_backend(name, artifact, **options)
+        except (BackendUnavailable, ImportError) as e:
+            skipped[name] = str(e)
+    return loaded
+
+
+def _notes(loaded: dict[str, Backend]) -> str:
+    return "".join(f"; {n}{note}" for n, b in loaded.items() if (note := _kernels_note(b)))
+
+
+def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any], notes: dict[str, Any]
+                  ) -> tuple[Backend, str] | None:
+    """The backend(s) the serving profile names, loaded as it says, where it matches this machine; else
+    None, with the reason logged (a profile that is damaged or written elsewhere is never used)."""
+    found, problem = profile.read_profile(artifact)
+    if found is None:
+        notes["profile"] = problem or "none"
+        if problem:
+            log.warning("backend auto: ignoring the serving profile: %s", problem)
+        return None
+    decision, path = found["decision"], profile.profile_path(artifact)
+    retime = f"timing the CPU backends at start-up instead (run `holoserve tune {artifact.path}` on this machine)"
+    current = profile.machine_key(artifact, options, kernels_on=found["key"].get("kernels_build") is not None)
+    differs = profile.key_differences(found["key"], current)
+    differs += [f"it picks {n}, which cannot serve here" for n in profile.needed(decision) if n not in usable]
+    if differs:
+        notes["profile"] = "written for another setup: " + "; ".join(differs)
+        log.warning("backend auto: the serving profile %s does not match this machine: %s; %s", path,
+                    "; ".join(differs), retime)
+        return None
+    opts = dict(options)
+    if decision.get("openvino_shapes") and "openvino_shapes" not in options:  # a --openvino-shapes given wins
+        opts["openvino_shapes"] = ",".join(decision["openvino_shapes"])
+    try:
+        loaded = {n: load_backend(n, artifact, **opts) for n in profile.needed(decision)}
+    except (HoloServeError, ImportError) as e:  # BackendUnavailable, or static shapes it cannot compile
+        notes["profile"] = f"its backend did not load: {e}"
+        log.warning("backend auto: the serving profile %s names a backend that did not load (%s); %s", path, e,
+                    retime)
+        return None
+    if "openvino" in loaded and decision.get("openvino_kernels"):
+        status = str(loaded["openvino"].info().get("kernels", {}).get("status", ""))
+        if ("on" if status.startswith("on") else "off") != decision["openvino_kernels"]:
+            notes["profile"] = f"the 2:4 kernels are {status or 'off'} here, {decision['openvino_kernels']} in it"
+            log.warning("backend auto: the serving profile %s timed OpenVINO with the 2:4 kernels %s, but here "
+                        "they are %s; %s", path, decision["openvino_kernels"], status or "off", retime)
+            return None
+    notes["profile"] = "used"
+    if decision["backend"] == "routed":
+        backend: Backend = RoutedCpuBackend(loaded[decision["small"]], loaded[decision["large"]],
+                                            decision["max_small_tokens"])
+    else:
+        backend = loaded[decision["backend"]]
+    return backend, (f"{profile.describe(decision)}, from the serving profile written by `holoserve tune` on "
+                     f"{found.get('created', 'an unknown date')} ({decision.get('reason', 'no reason recorded')})"
+                     f"{_notes(loaded)}")
+
+
+def _timed_at_startup(artifact: Artifact, loaded: dict[str, Backend], options: dict[str, Any]
+                      ) -> tuple[Backend, str]:
+    """Time the loaded CPU backends here, briefly, on the checkpoint's dev texts (else random token ids at
+    sentence-like lengths) at the batch sizes the server forms, and decide by profile.decide."""
+    texts = None
+    try:
+        texts = profile.dev_texts(artifact)
+    except (HoloServeError, OSError, UnicodeDecodeError) as e:
+        log.warning("backend auto: the checkpoint's dev texts cannot be read (%s); timing on random token ids", e)
+    items = profile.encode_texts(artifact, texts.rows) if texts else profile.synthetic_items(artifact)
+    sizes = profile.batch_sizes(int(options.get("max_batch") or profile.BATCH_SIZES[-1]))
+    timings = profile.time_backends(loaded, items, sizes, profile.Plan(**STARTUP_PLAN), profile.pad_id(artifact))
+    medians = timings.medians()
+    decision = profile.decide(medians, timings.tokens)
+    if decision["backend"] == "routed":
+        backend: Backend = RoutedCpuBackend(loaded[decision["small"]], loaded[decision["large"]],
+                                            decision["max_small_tokens"])
+    else:
+        backend = loaded[decision["backend"]]
+    on = texts.source if texts else "random token ids at sentence-like lengths (no dev texts found)"
+    return backend, (f"{profile.describe(decision)}, the fastest CPU backend by the median of {timings.rounds} "
+                     f"rounds timed at start-up on {on} ({decision['reason']}; {profile.medians_table(medians)})"
+                     f"{_notes(loaded)}; `holoserve tune {artifact.path}` measures once, longer, and lets the "
+                     "server start without timing")
 
 
 def _kernels_note(backend: Backend) -> str:
@@ -206,7 +262,8 @@ def select_backend(artifact: Artifact, *, order: tuple[str, ...] = ORDER, **opti
     skipped: dict[str, str] = {}
     for name in order:
         if name == "cpu":
-            backend, why = fastest_cpu(artifact, gpu, options, skipped)
+            notes: dict[str, Any] = {}
+            backend, why = fastest_cpu(artifact, gpu, options, skipped, notes)
             if backend is None:
                 continue
             name = backend.name
@@ -218,7 +275,8 @@ def select_backend(artifact: Artifact, *, order: tuple[str, ...] = ORDER, **opti
             if warnings:
                 why = "WARNING: " + " ".join(warnings) + " Picked " + why
             log.info("backend auto: picked %s", why)
-            return backend, {"picked": name, "reason": why, "skipped": skipped, "warnings": warnings}
+            return backend, {"picked": name, "reason": why, "skipped": skipped, "warnings": warnings,
+                             "serving_profile": notes.get("profile", "none")}
         reason = _precheck(name, artifact, gpu, options)
         if reason is None:
             try:

@@ -21,7 +21,8 @@ ALLOWED = {
     "holoserve.compress": {"holoserve.core", "holoserve.data", "holoserve.cli_options", "holoserve.backends"},
     "holoserve.export": {"holoserve.core", "holoserve.data", "holoserve.cli_options", "holoserve.compress",
                          "holoserve.backends"},
-    "holoserve.backends": {"holoserve.core", "holoserve.kernels"},
+    # data: the checkpoint's dev texts, which `auto` and `holoserve tune` time the CPU backends on
+    "holoserve.backends": {"holoserve.core", "holoserve.data", "holoserve.kernels"},
     "holoserve.server": {"holoserve.core", "holoserve.backends"},
 }
 

@@ -503,6 +503,7 @@ def _fake_cpu_backends(monkeypatch, backends):
 
     monkeypatch.setattr(auto, "_precheck", lambda name, art, gpu, options=None: None)
     monkeypatch.setattr(auto, "load_backend", lambda name, art, **o: backends[name])
+    monkeypatch.setattr(auto, "STARTUP_PLAN", dict(min_rounds=3, max_rounds=3, seconds=0.0, per_round=16))
     monkeypatch.delenv(auto.ROUTE_ENV, raising=False)
     return auto
 
@@ -513,15 +514,14 @@ def test_auto_routes_batches_by_size_when_each_cpu_backend_wins_some(sst2, monke
     fast_small = _Timed("onnxruntime", 0.0002, 3e-5)
     fast_large = _Timed("openvino", 0.003, 1e-6)
     auto = _fake_cpu_backends(monkeypatch, {"onnxruntime": fast_small, "openvino": fast_large})
-    backend, why = auto.fastest_cpu(load_artifact(sst2), False, {}, {}, runs=3)
-    seq = min(64, load_artifact(sst2).max_seq_length)
-    # runs of 8, 20 and 32 tokens a row (mean 20): up to 4 rows -> onnxruntime; 8 rows and more -> openvino;
-    # the line between 4 and 8 rows of the mean length
-    assert [s[0] for s in auto.PROBE_SHAPES] == [1, 4, 8, 16, 32] and seq == 32
-    assert "3 runs each, lengths 8 to 32: " in why
+    backend, why = auto.fastest_cpu(load_artifact(sst2), False, {}, {})
+    seq = load_artifact(sst2).max_seq_length
+    # timed on the SST-2 dev texts in batches of 1 to 32 rows; the fixed cost loses below ~100 tokens a batch
+    assert "the median of 3 rounds timed at start-up on GLUE SST-2 dev set" in why
     assert isinstance(backend, auto.RoutedCpuBackend) and backend.name == "onnxruntime+openvino"
-    assert backend.max_small_tokens == int((4 * 20 * 8 * 20) ** 0.5)
+    assert seq <= backend.max_small_tokens < 4 * seq
     assert why.startswith(f"onnxruntime for batches of up to {backend.max_small_tokens} tokens and openvino above")
+    assert "holoserve tune" in why
     ids = np.ones((1, seq), np.int64)
     fast_small.calls.clear(), fast_large.calls.clear()
     assert backend.infer(ids, ids, ids)[0, 0] == len("onnxruntime")
@@ -532,7 +532,7 @@ def test_auto_routes_batches_by_size_when_each_cpu_backend_wins_some(sst2, monke
     # a worker whose parent pinned the routing loads both and routes the same way, without timing
     monkeypatch.setenv(auto.ROUTE_ENV, json.dumps(backend.route()))
     fast_small.calls.clear(), fast_large.calls.clear()
-    pinned, why = auto.fastest_cpu(load_artifact(sst2), False, {}, {}, runs=3)
+    pinned, why = auto.fastest_cpu(load_artifact(sst2), False, {}, {})
     assert pinned.route() == backend.route() and why.startswith("the routing chosen before the workers started")
     assert fast_small.calls == fast_large.calls == []
 
@@ -540,5 +540,5 @@ def test_auto_routes_batches_by_size_when_each_cpu_backend_wins_some(sst2, monke
 def test_auto_keeps_one_cpu_backend_when_it_wins_every_size(sst2, monkeypatch):
     a, b = _Timed("onnxruntime", 0.003, 2e-6), _Timed("openvino", 0.0005, 1e-6)
     auto = _fake_cpu_backends(monkeypatch, {"onnxruntime": a, "openvino": b})
-    backend, why = auto.fastest_cpu(load_artifact(sst2), False, {}, {}, runs=3)
-    assert backend is b and why.startswith("openvino, the fastest CPU backend on warm-up batches here")
+    backend, why = auto.fastest_cpu(load_artifact(sst2), False, {}, {})
+    assert backend is b and why.startswith("openvino, the fastest CPU backend by the median of 3 rounds timed at ")

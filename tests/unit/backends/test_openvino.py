@@ -6,7 +6,8 @@ import pytest
 pytest.importorskip("openvino")
 
 from holoserve.backends import load_backend  # noqa: E402
-from holoserve.backends.auto import PROBE_SHAPES, select_backend  # noqa: E402
+from holoserve.backends.auto import select_backend  # noqa: E402
+from holoserve.backends.profile import batch_sizes  # noqa: E402
 from holoserve.core.artifact import load_artifact  # noqa: E402
 from holoserve.core.tokenizer import TextEncoder, pad_batch  # noqa: E402
 from tests.unit.export.test_export import exported  # noqa: E402,F401  (the fixture: a calibrated tiny checkpoint)
@@ -56,8 +57,9 @@ def test_auto_times_both_cpu_backends_and_says_which_won(with_openvino, monkeypa
     assert decision["picked"] in ("openvino", "onnxruntime", "onnxruntime+openvino", "openvino+onnxruntime")
     assert backend.name == decision["picked"]
     reason = decision["reason"]
-    assert "the fastest CPU backend" in reason and "on warm-up batches here (7 runs each, lengths " in reason
-    assert reason.count(" ms") == 2 * len(PROBE_SHAPES)  # both backends at each warm-up shape
+    assert "the fastest CPU backend by the median of" in reason and "rounds timed at start-up on " in reason
+    assert reason.count(" ms") == 2 * len(batch_sizes(32))  # both backends at each batch size
+    assert decision["serving_profile"] == "none" and "holoserve tune" in reason
 
 
 def test_openvino_precision_f32_is_set_reported_and_served(with_openvino):
