@@ -1,4 +1,4 @@
-"""The one CLI: `holoserve compress | eval | export | build-engine | serve | bench`.
+"""The one CLI: `holoserve compress | eval | export | build-engine | tune | serve | bench`.
 
 Each stage defines its own arguments in a light module (`<pkg>/cli.py`, no heavy imports at
 module level) so that `holoserve serve` works without torch installed.
@@ -17,6 +17,8 @@ COMMANDS = {
     "eval": ("holoserve.compress.evaluate_cli", "score a checkpoint on labelled dev rows (its own, --dev FILE or a GLUE split) with the export's numerics"),
     "export": ("holoserve.export.cli", "export a checkpoint to ONNX with QDQ nodes"),
     "build-engine": ("holoserve.export.engine_cli", "build a TensorRT engine (INT8 + sparse weights) from ONNX or a checkpoint"),
+    "tune": ("holoserve.tune_cli", "time this machine's CPU backends on the checkpoint's dev texts and write the "
+                                   "serving profile that `serve --backend auto` follows without timing at start-up"),
     "serve": ("holoserve.serve_cli", "serve a checkpoint over HTTP (POST /predict)"),
     "bench": ("holoserve.bench_cli", "benchmark a checkpoint's backends on this machine"),
 }
