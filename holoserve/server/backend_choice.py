@@ -6,8 +6,9 @@ off in others). So the parent process decides in a short-lived child process (sp
 thread pool or CUDA context stays in the parent that supervises the workers), then pins the choice in
 the environment the workers inherit: HOLOSERVE_BACKEND names the backend (or stays auto, with
 HOLOSERVE_CPU_ROUTE fixing how two CPU backends share the batches), HOLOSERVE_OPENVINO_KERNELS says on or
-off, and HOLOSERVE_BACKEND_DECISION carries the decision (JSON) that each worker reports in GET /v1/models
-and its start-up log.
+off, HOLOSERVE_OPENVINO_SHAPES lists OpenVINO's static shapes (those of the serving profile, where it
+chose some), and HOLOSERVE_BACKEND_DECISION carries the decision (JSON) that each worker reports in
+GET /v1/models and its start-up log.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _decide(env: dict[str, str]) -> dict[str, Any]:
     info = backend.info()
     kernels = info.get("kernels", {}).get("status", "") if isinstance(info.get("kernels"), dict) else ""
     route = backend.route() if hasattr(backend, "route") else None  # auto's RoutedCpuBackend
-    return {"decision": decision, "backend": backend.name, "kernels": kernels, "route": route}
+    shapes = info.get("static_shapes") or []  # OpenVINO's, alone or routed: the profile's or --openvino-shapes
+    return {"decision": decision, "backend": backend.name, "kernels": kernels, "route": route, "shapes": shapes}
 
 
 def decide_for_workers(cfg: ServerConfig) -> dict[str, Any]:
@@ -61,8 +63,10 @@ def decide_for_workers(cfg: ServerConfig) -> dict[str, Any]:
         cfg.backend = got["backend"]
     if "openvino" in got["backend"].split("+"):
         cfg.openvino_kernels = "on" if got["kernels"].startswith("on") else "off"
+        cfg.openvino_shapes = ",".join(got.get("shapes") or []) or cfg.openvino_shapes
     os.environ[env_name("backend")] = cfg.backend
     os.environ[env_name("openvino_kernels")] = cfg.openvino_kernels
+    os.environ[env_name("openvino_shapes")] = cfg.openvino_shapes
     os.environ[DECISION_ENV] = json.dumps(decision)
     return decision
 
