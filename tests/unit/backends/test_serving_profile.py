@@ -1,0 +1,350 @@
+"""`holoserve tune` and the serving profile: what it writes, when `serve --backend auto` follows it without
+timing, when it is ignored (another machine's key, a damaged file) and the margin rule behind the decision."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from holoserve import HoloServeError
+from holoserve.backends import profile
+from holoserve.backends.auto import RoutedCpuBackend, select_backend
+from holoserve.core.artifact import add_files, load_artifact
+
+pytest.importorskip("openvino")
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+QUICK = dict(duration=0.0, min_rounds=2, threads=1)
+
+
+# --------------------------------------------------------------------------- the decision rule (no models)
+
+
+def _times(ort, ov, sizes=(1, 2, 4, 8, 16, 32)):
+    return {"onnxruntime": dict(zip(sizes, ort)), "openvino": dict(zip(sizes, ov))}
+
+
+TOKENS = {1: 30.0, 2: 64.0, 4: 128.0, 8: 256.0, 16: 512.0, 32: 1024.0}
+
+
+def test_margin_keeps_onnxruntime_on_a_tie_and_within_the_margin():
+    same = [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]
+    assert profile.decide(_times(same, same), TOKENS)["backend"] == "onnxruntime"
+    close = [t * 0.96 for t in same]  # 4 % faster: within the margin
+    d = profile.decide(_times(same, close), TOKENS)
+    assert d["backend"] == "onnxruntime" and "less than the 5% margin" in d["reason"]
+    clear = [t * 0.90 for t in same]
+    d = profile.decide(_times(same, clear), TOKENS)
+    assert d["backend"] == "openvino" and "faster by more than the 5% margin" in d["reason"]
+    # the same timings always give the same decision
+    assert profile.decide(_times(same, clear), TOKENS) == d
+
+
+def test_routes_by_batch_size_only_where_the_mix_gains_the_margin():
+    ort = [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]
+    # openvino much slower alone, much faster at full batches: routed at the cut between 8 and 16 rows
+    ov = [3.0, 3.0, 3.0, 4.4, 4.0, 6.0]
+    d = profile.decide(_times(ort, ov), TOKENS)
+    assert (d["backend"], d["small"], d["large"]) == ("routed", "onnxruntime", "openvino")
+    assert d["max_small_tokens"] == int((256 * 512) ** 0.5)
+    assert profile.needed(d) == ["onnxruntime", "openvino"]
+    assert profile.describe(d) == f"onnxruntime for batches of up to {d['max_small_tokens']} tokens and openvino above"
+    # openvino a little faster at 32 rows only: the mix gains under the margin, one backend serves
+    ov = [3.0, 3.0, 3.0, 5.0, 9.0, 15.0]
+    assert profile.decide(_times(ort, ov), TOKENS)["backend"] == "onnxruntime"
+
+
+def test_static_shapes_are_kept_only_where_they_win_by_the_margin():
+    dynamic = {1: 1.0, 8: 4.0, 32: 10.0}
+    static = {1: 0.9, 8: 3.9, 32: 9.0}  # 10 % faster at 1 and 32 rows, 2.5 % at 8
+    grid = [(1, 16), (1, 32), (8, 32), (32, 48)]
+    kept, times = profile.keep_static(dynamic, static, grid)
+    assert kept == [(1, 16), (1, 32), (32, 48)] and times == {1: 0.9, 8: 4.0, 32: 9.0}
+
+
+def test_batch_sizes_follow_the_servers_largest_batch():
+    assert profile.batch_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert profile.batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert profile.batch_sizes(1) == [1]
+    assert profile.batch_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+
+
+# --------------------------------------------------------------------------- a checkpoint exported for both
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    from tests.unit.docker.test_docker_image import both_cpu_exports
+
+    return both_cpu_exports(tmp_path_factory.mktemp("profile"))
+
+
+@pytest.fixture(scope="module")
+def tuned(both):
+    """The checkpoint after a short `holoserve tune` (its profile and the path)."""
+    from holoserve.tune import TuneOptions, tune
+
+    prof, path = tune(both, TuneOptions(**QUICK), out=open(os.devnull, "w"))
+    return prof, path
+
+
+@pytest.fixture
+def no_timing(monkeypatch):
+    """Timing at start-up fails the test: a server following a profile must not time."""
+    def refuse(*a, **k):
+        raise AssertionError("the CPU backends were timed at start-up")
+
+    monkeypatch.setattr(profile, "time_backends", refuse)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+def _write(path, prof):
+    path.write_text(json.dumps(prof), encoding="utf-8")
+
+
+def test_tune_writes_the_profile_with_its_key_timings_and_texts(both, tuned):
+    prof, path = tuned
+    assert path == both / profile.PROFILE_FILE and json.loads(path.read_text()) == prof
+    assert [p.name for p in both.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+    assert prof["format"] == profile.FORMAT and prof["version"] == profile.VERSION and prof["created"]
+    d = prof["decision"]
+    assert d["backend"] in ("onnxruntime", "openvino", "routed") and d["reason"]
+    assert d["openvino_kernels"] in ("on", "off") and isinstance(d["openvino_shapes"], list)
+    key = prof["key"]
+    assert set(key) == {"cpu_model", "cpu_flags", "cpus", "threads", "onnxruntime", "openvino", "openvino_options",
+                        "kernels_build", "exports"}
+    manifest = json.loads((both / "manifest.json").read_text())
+    assert key["exports"] == {k: {"file": manifest["exports"][k]["file"],
+                                  "sha256": manifest["files"][manifest["exports"][k]["file"]]["sha256"]}
+                              for k in ("onnxruntime", "openvino")}
+    assert key["threads"] == 1 and (key["kernels_build"] is not None) == (d["openvino_kernels"] == "on")
+    t = prof["timings"]
+    assert t["rounds"] >= 2 and t["batch_sizes"] == [1, 2, 4, 8, 16, 32] and t["margin"] == profile.MARGIN
+    assert set(t["median_ms"]) == {"onnxruntime", "openvino", profile.STATIC}
+    assert all(set(by) == {str(b) for b in t["batch_sizes"]} for by in t["median_ms"].values())
+    assert t["static_grid"] and all(int(s.split("x")[1]) % 16 == 0 or int(s.split("x")[1]) == 32
+                                    for s in t["static_grid"])
+    assert prof["texts"]["rows"] == 872 and "SST-2 dev" in prof["texts"]["source"]
+    assert prof["settings"]["max_batch_size"] == 32
+
+
+def test_profile_is_not_part_of_the_manifest_and_survives_export_checks(both, tuned):
+    art = load_artifact(both, verify=True)  # an unlisted file breaks no checksum check
+    assert profile.PROFILE_FILE not in art.manifest.files
+
+
+def test_write_is_atomic_and_a_failed_write_keeps_the_old_profile(both, tuned, monkeypatch):
+    import holoserve.core.files as files
+
+    prof, path = tuned
+    before = path.read_bytes()
+
+    def fail(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files.os, "replace", fail)
+    with pytest.raises(HoloServeError, match="cannot write .*serving-profile.json .*No space left on device"):
+        profile.write_profile(load_artifact(both, verify=False), {**prof, "created": "later"})
+    assert path.read_bytes() == before and [p.name for p in both.iterdir() if p.name.startswith(".")] == []
+
+
+def test_serve_follows_a_matching_profile_without_timing(both, tuned, no_timing):
+    from holoserve.server.config import ServerConfig
+    from holoserve.server.service import open_backend
+
+    prof, _ = tuned
+    cfg = ServerConfig(artifact_dir=str(both), threads=1)
+    art = load_artifact(both)
+    first, d1 = open_backend(cfg, art)
+    again, d2 = open_backend(cfg, art)
+    assert d1 == d2 and first.name == again.name  # the same profile, the same decision every start
+    assert d1["serving_profile"] == "used"
+    assert "from the serving profile written by `holoserve tune` on " + prof["created"] in d1["reason"]
+    assert d1["picked"] == {"routed": "+".join(profile.needed(prof["decision"]))}.get(
+        prof["decision"]["backend"], prof["decision"]["backend"])
+
+
+def _with_decision(prof, **decision):
+    return {**prof, "decision": {**prof["decision"], **decision}}
+
+
+def test_profile_static_shapes_and_routing_are_served_and_reported(both, tuned, no_timing):
+    """A profile choosing OpenVINO with static shapes, or a routed pair: /v1/models shows the shapes."""
+    from holoserve.server.config import ServerConfig
+    from holoserve.server.service import ClassifierService
+
+    prof, path = tuned
+    original = path.read_text()
+    art = load_artifact(both)
+    cfg = ServerConfig(artifact_dir=str(both), threads=1)
+    try:
+        _write(path, _with_decision(prof, backend="openvino", openvino_shapes=["1x32", "8x32"]))
+        backend, decision = select_backend(art, threads=1, openvino_kernels="auto", max_batch=32)
+        info = ClassifierService(cfg, art, backend, decision).model_info().backend
+        assert info["backend"] == "openvino" and info["static_shapes"] == ["1x32", "8x32"]
+        assert "openvino (static shapes 1x32, 8x32), from the serving profile" in info["selection"]
+        _write(path, _with_decision(prof, backend="routed", small="onnxruntime", large="openvino",
+                                    max_small_tokens=100, openvino_shapes=["32x32"]))
+        backend, decision = select_backend(art, threads=1, openvino_kernels="auto", max_batch=32)
+        assert isinstance(backend, RoutedCpuBackend) and backend.route() == {
+            "small": "onnxruntime", "large": "openvino", "max_small_tokens": 100}
+        info = ClassifierService(cfg, art, backend, decision).model_info().backend
+        assert info["static_shapes"] == ["32x32"] and info["backends"]["openvino"]["runs"] == {"static": 0,
+                                                                                               "dynamic": 0}
+        # a --openvino-shapes given to the server wins over the profile's
+        backend, _ = select_backend(art, threads=1, openvino_kernels="auto", openvino_shapes="4x16")
+        assert backend.info()["static_shapes"] == ["4x16"]
+    finally:
+        path.write_text(original)
+
+
+def test_a_profile_for_another_machine_is_ignored_with_the_reason_logged(both, tuned, monkeypatch, caplog):
+    import holoserve.backends.auto as auto
+
+    prof, path = tuned
+    original = path.read_text()
+    monkeypatch.setattr(auto, "STARTUP_PLAN", dict(min_rounds=1, max_rounds=1, seconds=0.0, per_round=4))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    other = {**prof["key"], "cpu_model": "Another CPU", "exports": {}}
+    try:
+        _write(path, {**prof, "key": other})
+        with caplog.at_level(logging.WARNING, logger="holoserve.backends"):
+            _, decision = select_backend(load_artifact(both), threads=1, max_batch=4)
+        logged = " ".join(r.getMessage() for r in caplog.records)
+        assert "does not match this machine" in logged and "cpu_model: 'Another CPU' in the profile" in logged
+        assert "the export files differ" in logged and f"holoserve tune {both}" in logged
+        assert decision["serving_profile"].startswith("written for another setup: ")
+        assert "timed at start-up on GLUE SST-2 dev set" in decision["reason"] and "holoserve tune" in decision["reason"]
+        # another thread count is another setup too
+        caplog.clear()
+        _write(path, prof)
+        with caplog.at_level(logging.WARNING, logger="holoserve.backends"):
+            select_backend(load_artifact(both), threads=2, max_batch=4)
+        assert "threads: 1 in the profile, 2 here" in caplog.text
+    finally:
+        path.write_text(original)
+
+
+@pytest.mark.parametrize("content,expected", [
+    ("{not json", "is not valid JSON"),
+    ('["a list"]', "it is not a holoserve-serving-profile file"),
+    (None, "its decision names no CPU backend ('tensorrt')"),
+    ("", "is not valid JSON"),
+])
+def test_a_damaged_profile_is_ignored_with_a_clear_warning(both, tuned, monkeypatch, caplog, content, expected):
+    import holoserve.backends.auto as auto
+
+    prof, path = tuned
+    original = path.read_text()
+    monkeypatch.setattr(auto, "STARTUP_PLAN", dict(min_rounds=1, max_rounds=1, seconds=0.0, per_round=4))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    try:
+        if content is None:
+            _write(path, _with_decision(prof, backend="tensorrt"))
+        else:
+            path.write_text(content)
+        with caplog.at_level(logging.WARNING, logger="holoserve.backends"):
+            backend, decision = select_backend(load_artifact(both), threads=1, max_batch=4)
+        warning = next(r.getMessage() for r in caplog.records if "serving profile" in r.getMessage())
+        assert expected in warning and f"run `holoserve tune {both}`" in warning and not caplog.records[0].exc_info
+        assert "timed at start-up" in decision["reason"] and backend is not None
+    finally:
+        path.write_text(original)
+
+
+def test_workers_pin_the_profiles_decision_and_shapes(both, tuned, monkeypatch):
+    """`--workers N`: the parent follows the profile once and pins backend, kernels and shapes for all."""
+    from holoserve.server.backend_choice import decide_for_workers
+    from holoserve.server.config import ServerConfig, env_name
+
+    prof, path = tuned
+    original = path.read_text()
+    for name in ("backend", "openvino_kernels", "openvino_shapes"):
+        monkeypatch.delenv(env_name(name), raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    try:
+        _write(path, _with_decision(prof, backend="openvino", openvino_shapes=["2x32"]))
+        cfg = ServerConfig(artifact_dir=str(both), threads=1, workers=2)
+        decision = decide_for_workers(cfg)
+        assert cfg.backend == "openvino" and cfg.openvino_shapes == "2x32"
+        assert os.environ[env_name("openvino_shapes")] == "2x32"
+        assert decision["reason"].startswith("chosen once for all 2 workers before they started: openvino (static "
+                                             "shapes 2x32), from the serving profile")
+    finally:
+        path.write_text(original)
+
+
+# --------------------------------------------------------------------------- tune's inputs and CLI
+
+
+def test_tune_without_dev_texts_asks_for_a_file(both, monkeypatch, tmp_path):
+    from holoserve.tune import TuneOptions, texts_for
+
+    art = load_artifact(both)
+    monkeypatch.setattr(profile, "dev_texts", lambda artifact: None)
+    with pytest.raises(HoloServeError, match="no dev texts known .*pass --texts FILE"):
+        texts_for(art, TuneOptions())
+    (tmp_path / "t.txt").write_text("a fine film\n\nthe worst\n")
+    assert texts_for(art, TuneOptions(texts=tmp_path / "t.txt")).rows == ["a fine film", "the worst"]
+
+
+def test_texts_files(tmp_path):
+    from holoserve.tune import read_texts
+
+    (tmp_path / "a.csv").write_text('id,sentence\n1,"good, fun"\n2,bad\n')
+    assert read_texts(tmp_path / "a.csv", False).rows == ["good, fun", "bad"]
+    (tmp_path / "a.tsv").write_text("sentence1\tsentence2\nA\tB\nC\tD\n")
+    assert read_texts(tmp_path / "a.tsv", True).rows == [("A", "B"), ("C", "D")]
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n\n{"text": "y"}\n')
+    assert read_texts(tmp_path / "a.jsonl", False).rows == ["x", "y"]
+    with pytest.raises(HoloServeError, match="no text column among 'id', 'body'; name it with --text-column"):
+        (tmp_path / "b.csv").write_text("id,body\n1,x\n")
+        read_texts(tmp_path / "b.csv", False)
+    assert read_texts(tmp_path / "b.csv", False, text_column="body").rows == ["x"]
+    with pytest.raises(HoloServeError, match="reads text pairs; give a CSV, TSV or JSON Lines file"):
+        (tmp_path / "c.txt").write_text("x\n")
+        read_texts(tmp_path / "c.txt", True)
+    with pytest.raises(HoloServeError, match="line 1: not a JSON object"):
+        (tmp_path / "d.jsonl").write_text("[1]\n")
+        read_texts(tmp_path / "d.jsonl", False)
+    with pytest.raises(HoloServeError, match="no such file"):
+        read_texts(tmp_path / "missing.txt", False)
+
+
+def test_tune_help_says_what_it_does(capsys):
+    from holoserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Time the CPU backends the checkpoint has exports for" in text
+    assert "serving-profile.json" in text and "without timing at start-up" in text and "--texts FILE" in text
+
+
+def test_tune_cli_reports_bad_arguments_without_a_traceback(capsys):
+    from holoserve.cli import main
+
+    assert main(["tune", "/nonexistent", "--max-batch-size", "0", "--duration", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--duration -1: give 0 or more seconds" in err and "--max-batch-size 0: give 1 or more" in err
+    assert main(["tune", "/nonexistent"]) == 2
+    assert "checkpoint folder /nonexistent does not exist" in capsys.readouterr().err
+
+
+def test_a_re_export_keeps_the_file_but_invalidates_the_profile(both, tuned, tmp_path):
+    """Writing an export rebuilds the checkpoint folder: the profile stays in it, and its key no longer matches."""
+    import shutil
+
+    prof, _ = tuned
+    ckpt = tmp_path / "copy"
+    shutil.copytree(both, ckpt)
+    assert profile.key_differences(prof["key"], profile.machine_key(load_artifact(ckpt), {"threads": 1})) == []
+    onnx = load_artifact(ckpt).export("onnxruntime").file
+    new = tmp_path / "new.onnx"
+    new.write_bytes((ckpt / onnx).read_bytes() + b" ")  # another file in its place
+    add_files(ckpt, {onnx: new}, move=False)
+    assert (ckpt / profile.PROFILE_FILE).read_text() == (both / profile.PROFILE_FILE).read_text()
+    differs = profile.key_differences(prof["key"], profile.machine_key(load_artifact(ckpt), {"threads": 1}))
+    assert differs == ["the export files differ from those timed (re-exported since, or another export added)"]
