@@ -348,3 +348,32 @@ def test_a_re_export_keeps_the_file_but_invalidates_the_profile(both, tuned, tmp
     assert (ckpt / profile.PROFILE_FILE).read_text() == (both / profile.PROFILE_FILE).read_text()
     differs = profile.key_differences(prof["key"], profile.machine_key(load_artifact(ckpt), {"threads": 1}))
     assert differs == ["the export files differ from those timed (re-exported since, or another export added)"]
+
+
+def test_dev_texts_come_from_the_sample_or_a_glue_folder(tmp_path, monkeypatch):
+    """sst2: GLUE SST-2's dev set (the embedded sample's); another GLUE task: its dev split in the GLUE folder,
+    read without the data extras; anything else: none (tune then asks for --texts, serve uses random ids)."""
+    from types import SimpleNamespace
+
+    def art(task, pair):
+        return SimpleNamespace(task_name=task, is_pair=pair)
+
+    monkeypatch.delenv("HOLOSERVE_DATA_DIR", raising=False)
+    sst2 = profile.dev_texts(art("sst2", False))
+    assert len(sst2.rows) == 872 and sst2.rows[0].startswith("it 's a charming") and "SST-2" in sst2.source
+    assert profile.dev_texts(art("mrpc", True)) is None and profile.dev_texts(art("my-task", False)) is None
+    (tmp_path / "MRPC").mkdir()
+    (tmp_path / "MRPC" / "dev.tsv").write_text("\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+                                               '1\t1\t2\tHe said "yes" .\tHe agreed .\n', encoding="utf-8")
+    (tmp_path / "CoLA").mkdir()
+    (tmp_path / "CoLA" / "dev.tsv").write_text("src\t1\t\tThe book was read .\n", encoding="utf-8")
+    monkeypatch.setenv("HOLOSERVE_DATA_DIR", str(tmp_path))
+    assert profile.dev_texts(art("mrpc", True)).rows == [('He said "yes" .', "He agreed .")]
+    assert profile.dev_texts(art("cola", False)).rows == ["The book was read ."]
+
+
+def test_random_ids_at_sentence_like_lengths_without_dev_texts(both):
+    items = profile.synthetic_items(load_artifact(both), n=64)
+    lengths = [it.length for it in items]
+    assert len(items) == 64 and min(lengths) >= 4 and max(lengths) <= 32 and len(set(lengths)) > 5
+    assert [it.length for it in profile.synthetic_items(load_artifact(both), n=64)] == lengths  # fixed seed
