@@ -130,7 +130,9 @@ class Container:
         for k, v in (env or {}).items():
             args += ["-e", f"{k}={v}"]
         docker(*args, IMAGE)
-        self.url = "http://" + docker("port", self.name, "8000/tcp").stdout.split()[0]
+        # None where the container has already exited (a server that refuses to start)
+        port = docker("port", self.name, "8000/tcp", check=False).stdout.split()
+        self.url = "http://" + port[0] if port else None
 
     def inspect(self) -> dict:
         return json.loads(self.docker("inspect", self.name).stdout)[0]
@@ -143,7 +145,7 @@ class Container:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                if self.url and httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
                     return time.monotonic() - t0
             except httpx.HTTPError:
                 pass
@@ -152,6 +154,16 @@ class Container:
                 raise AssertionError(f"the container exited ({state['ExitCode']}) before /readyz:\n{self.logs()[-3000:]}")
             time.sleep(0.2)
         raise AssertionError(f"/readyz not 200 after {timeout} s:\n{self.logs()[-3000:]}")
+
+    def wait_exit(self, timeout: float = 90) -> dict:
+        """The container's State once it has stopped; fails if it still runs after `timeout` s."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            state = self.inspect()["State"]
+            if not state["Running"]:
+                return state
+            time.sleep(0.2)
+        raise AssertionError(f"the container still runs after {timeout} s:\n{self.logs()[-3000:]}")
 
     def remove(self) -> None:
         self.docker("rm", "-f", self.name, check=False)
@@ -183,20 +195,33 @@ def expected_kernels() -> str:
     return "on (HoloServe's 2:4 INT8 kernels"
 
 
+# The server's settings that force the 2:4 kernels on (holoserve.server.config: `serve --backend openvino
+# --openvino-kernels on`), with the float ops in f32, the checkpoint's numerics, so that the predictions can
+# be held against ONNX Runtime's.
+KERNELS_ON = {"HOLOSERVE_BACKEND": "openvino", "HOLOSERVE_OPENVINO_KERNELS": "on", "HOLOSERVE_OPENVINO_PRECISION": "f32"}
+
+
 @pytest.fixture(scope="module")
-def containers(docker: Docker, image: dict, tmp_path_factory):
-    """Two containers started together: an SST-2 model (single texts, exported for both CPU backends) with the
-    image's defaults, and an MRPC model (text pairs, ONNX Runtime only) whose long queue delay keeps a
-    request in flight long enough to stop it under load."""
-    sst2, mrpc = both_cpu_exports(tmp_path_factory.mktemp("image-sst2")), tiny_checkpoint("mrpc")
+def sst2_checkpoint(tmp_path_factory):
+    return both_cpu_exports(tmp_path_factory.mktemp("image-sst2"))
+
+
+@pytest.fixture(scope="module")
+def containers(docker: Docker, image: dict, sst2_checkpoint):
+    """Three containers started together: an SST-2 model (single texts, exported for both CPU backends) with
+    the image's defaults; an MRPC model (text pairs, ONNX Runtime only) whose long queue delay keeps a
+    request in flight long enough to stop it under load; and the SST-2 model with the 2:4 kernels forced on
+    (KERNELS_ON), which serves only on a CPU that runs them and refuses to start elsewhere, so it is left to
+    its test to wait for."""
     started = []
     try:
-        started.append(Container(docker, sst2))
-        started.append(Container(docker, mrpc, {"HOLOSERVE_MAX_BATCH_SIZE": "8",
-                                                 "HOLOSERVE_MAX_QUEUE_DELAY_MS": "2000"}))
-        for c in started:
+        started.append(Container(docker, sst2_checkpoint))
+        started.append(Container(docker, tiny_checkpoint("mrpc"), {"HOLOSERVE_MAX_BATCH_SIZE": "8",
+                                                                    "HOLOSERVE_MAX_QUEUE_DELAY_MS": "2000"}))
+        started.append(Container(docker, sst2_checkpoint, KERNELS_ON))
+        for c in started[:2]:
             c.wait_ready()
-        yield {"sst2": started[0], "mrpc": started[1]}
+        yield {"sst2": started[0], "mrpc": started[1], "kernels_on": started[2]}
     finally:
         for c in started:
             c.remove()
@@ -238,6 +263,109 @@ def test_auto_serves_the_fastest_cpu_backend_with_the_prebuilt_kernels(container
     assert "building the 2:4 kernels" not in c.logs()
     r = c.docker("exec", c.name, "sh", "-c", "command -v g++ cc gcc || echo none", check=False)
     assert r.stdout.split() == ["none"], r.stdout
+
+
+# Run inside the image as the server's user, on the checkpoint mounted at /model: each step of the kernels'
+# path that this CPU can take, as JSON. The library is compiled for x86-64-v4, its extension entry point
+# too, so only a CPU with AVX-512 (LOADER_FLAGS) can have OpenVINO load it; on any CPU the dynamic loader
+# links it against the image's OpenVINO and finds that entry point. Compiling waits for a CPU that runs the
+# kernels.
+KERNELS_PATH = """
+import ctypes, json, sys
+import onnx, openvino as ov
+from holoserve import kernels
+from holoserve.backends.openvino import read_model
+from holoserve.core.artifact import load_artifact
+from holoserve.core.machine import cpu_flags
+from holoserve.core.manifest import OPENVINO
+from holoserve.kernels.rewrite import rewrite
+
+library = kernels.library_path()
+if library is None:
+    sys.exit(f"no prebuilt library of the 2:4 kernels in {kernels.cache_dir()} matches this image")
+out = {"library": str(library)}
+ctypes.CDLL(out["library"]).create_extensions
+out["links"] = True
+art = load_artifact("/model")
+path = art.path / art.export(OPENVINO).file
+out["counts"] = rewrite(onnx.load(str(path)))[1]
+if set(sys.argv[1].split(",")) <= cpu_flags():
+    core = ov.Core()
+    core.add_extension(out["library"])
+    out["loaded"] = True
+    if not kernels.cpu_missing():
+        model, _ = read_model(core, path, library)
+        ops = [op.get_type_name() for op in model.get_ordered_ops()]
+        out["ops"] = {name: ops.count(name) for name in ("Sparse24Gemm", "Sparse24Ffn")}
+        core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        out["compiled"] = True
+print(json.dumps(out))
+"""
+# x86-64-v4's AVX-512 subsets: what the kernels' library, compiled with -march=x86-64-v4, may use anywhere
+LOADER_FLAGS = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+
+
+def test_the_kernels_path_works_in_the_image_on_this_cpu(containers):
+    """What the server does to put the 2:4 Linears on the kernels, step by step inside the image: the prebuilt
+    library found through HOLOSERVE_KERNEL_CACHE (no compiler), the export rewritten (onnx, which the
+    rewrite needs, is in the base install), the library added to an OpenVINO Core where the CPU has AVX-512,
+    and the rewritten model read and compiled where the CPU runs the kernels. The same on every CPU up to
+    where the CPU stops it, so a missing module fails here even on a CPU that never runs the kernels."""
+    from holoserve.core.machine import cpu_flags
+    from holoserve.kernels import cpu_missing
+
+    c = containers["sst2"]
+    r = c.docker("exec", c.name, "python", "-c", KERNELS_PATH, ",".join(LOADER_FLAGS), timeout=300, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["library"].startswith("/opt/holoserve/kernels/") and got["links"], got
+    counts = got["counts"]
+    assert counts.get("Sparse24Gemm", 0) > 0 and counts.get("Sparse24Ffn", 0) > 0, counts
+    assert got.get("loaded", False) == (set(LOADER_FLAGS) <= cpu_flags()), got
+    if not cpu_missing():
+        assert got.get("compiled") and got["ops"]["Sparse24Gemm"] > 0 and got["ops"]["Sparse24Ffn"] > 0, got
+    else:
+        assert "compiled" not in got, got
+
+
+def test_kernels_forced_on_serve_where_the_cpu_runs_them_and_refuse_to_start_elsewhere(containers,
+                                                                                          sst2_checkpoint):
+    """`--backend openvino --openvino-kernels on`: on a CPU with AVX-512 VNNI and VBMI (AMX or not) the server
+    runs the 2:4 Linears on the prebuilt kernels and predicts as ONNX Runtime does; on any other CPU it
+    refuses to start, naming the flags this CPU lacks and how to serve without them."""
+    from holoserve.backends import load_backend
+    from holoserve.core.artifact import load_artifact
+    from holoserve.kernels import cpu_missing
+    from tests.helpers.serving import running
+
+    c, missing = containers["kernels_on"], cpu_missing()
+    if missing:
+        state = c.wait_exit()
+        logs = c.logs()
+        assert state["ExitCode"] != 0 and not state["OOMKilled"], (state, logs[-3000:])
+        error = next((line for line in logs.splitlines() if line.startswith("error: ")), None)
+        assert error is not None and "Traceback" not in logs, logs[-3000:]
+        assert all(flag in error for flag in missing) and "--openvino-kernels off" in error, error
+        return
+    c.wait_ready()
+    backend = httpx.get(c.url + "/v1/models").json()["models"][0]["backend"]
+    assert backend["backend"] == "openvino", backend
+    kernels = backend["kernels"]
+    assert kernels["status"].startswith("on (HoloServe's 2:4 INT8 kernels, f32 in and out)"), kernels
+    assert kernels["Sparse24Ffn"] == 2 and kernels["Sparse24Gemm"] > 0, kernels
+    assert "building the 2:4 kernels" not in c.logs()
+    texts = ["loved it", "a dull mess", "the movie was good", "i hated it", "not bad at all, really"]
+    r = httpx.post(c.url + "/predict", json={"texts": texts}, timeout=30)
+    assert r.status_code == 200, r.text
+    ours = r.json()["predictions"]
+    ort = load_backend("onnxruntime", load_artifact(sst2_checkpoint), threads=1)
+    with running(sst2_checkpoint, backend=ort) as srv:
+        theirs = httpx.post(srv.url + "/predict", json={"texts": texts}, timeout=30).json()["predictions"]
+    # The tiny model's scores sit close to 0.5 and move little even when a Linear's weights are scrambled,
+    # so the bound is tight: the kernels compute the Linears' integer products exactly, as ONNX Runtime
+    # does, and quantize and apply GELU as ONNX does, so only float rounding is left between them.
+    for text, a, b in zip(texts, ours, theirs, strict=True):
+        assert a["label"] == b["label"] and a["scores"] == pytest.approx(b["scores"], abs=2e-5), (text, a, b)
 
 
 def test_predict_single_and_batch(containers):
