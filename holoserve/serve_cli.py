@@ -37,6 +37,8 @@ HELP = {
     "max_items": "texts or pairs per request",
     "max_text_bytes": "UTF-8 bytes per text",
     "max_body_bytes": "request body bytes (413 beyond)",
+    "max_buffered_body_bytes": "request body bytes held by all requests in progress together (503 + Retry-After "
+                               "beyond), which bounds the memory many large bodies at once can take",
     "max_seq_length": "tokens per sequence after truncation; 0 = the checkpoint's manifest value, which is also "
                       "the most it accepts (the model was calibrated and exported for it; its position table "
                       "bounds it too)",
@@ -78,7 +80,8 @@ HELP = {
                        "for its client (idle, or a request still arriving) is closed, and when all are busy "
                        "the new one gets 503; the open-file limit is raised to fit it where allowed",
     "log_level": "log level (debug, info, warning, error)",
-    "access_log": "write one JSON access-log line per request",
+    "access_log": "write one JSON access-log line per request (off by default: a record per request costs "
+                  "the server's event loop time under load)",
 }
 
 
@@ -171,7 +174,22 @@ def run(args: argparse.Namespace) -> int:
     holder: dict[str, uvicorn.Server] = {}
     app = create_app(cfg, artifact=artifact, backend=backend, decision=decision,
                      shutdown_flag=lambda: bool(holder and holder["server"].should_exit))
-    server = uvicorn.Server(uvicorn.Config(app, **common, **server_options(cfg)))
+    server = _server_class(uvicorn)(uvicorn.Config(app, **common, **server_options(cfg)))
     holder["server"] = server
     server.run()
     return 0
+
+
+def _server_class(uvicorn) -> type:
+    """uvicorn's Server, except that a SIGTERM, once drained, ends the process with status 0 (as `--workers N`
+    does) instead of being raised again, which would make the exit status 143."""
+    import signal
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if sig == signal.SIGTERM and isinstance(captured, list) and sig in captured:
+                captured.remove(sig)
+
+    return Server

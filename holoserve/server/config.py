@@ -39,6 +39,9 @@ class ServerConfig:
     max_items: int = 64  # texts (or pairs) per request
     max_text_bytes: int = 10_000  # UTF-8 bytes per text
     max_body_bytes: int = 1_000_000  # whole request body; beyond this: 413
+    # Request bodies being received or held by requests in progress, all together; beyond this: 503 + Retry-After,
+    # so that many clients sending large bodies at once cannot take more memory than this (middleware.py).
+    max_buffered_body_bytes: int = 64_000_000
     max_seq_length: int = 0  # 0: the checkpoint's manifest value
     threads: int = 0  # backend intra-op threads; 0: the library's default
     # OpenVINO's precision for the float ops around its INT8 GEMMs: "auto" is its CPU default (bf16 where the
@@ -77,7 +80,8 @@ class ServerConfig:
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int = 1024  # open connections per process; beyond it the longest-stalled one is dropped
     log_level: str = "info"
-    access_log: bool = True
+    # One JSON line per request costs the event loop a record per request; off unless asked for.
+    access_log: bool = False
     api_token: str = ""  # bearer token; from HOLOSERVE_API_TOKEN only (never a flag: flags show in `ps`)
 
     def padding_waste_for(self, backend) -> float:
@@ -100,6 +104,9 @@ class ServerConfig:
             problems.append(f"max queue size ({self.max_queue_size}) must be >= max items per request ({self.max_items})")
         if self.max_text_bytes < 1 or self.max_body_bytes < 64:
             problems.append("byte limits must be positive (body limit >= 64)")
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            problems.append(f"max buffered body bytes ({self.max_buffered_body_bytes}) must be >= max body bytes "
+                            f"({self.max_body_bytes}), or no request of the largest size could be read")
         if self.workers < 1:
             problems.append("workers must be >= 1")
         if not (0 <= self.port < 65536):

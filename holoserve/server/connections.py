@@ -28,6 +28,10 @@ several reads, which a well-behaved client's small request never does.
 
 Errors on a /v2 path carry the Open Inference Protocol's body, {"error": "..."}, as the app's do.
 
+Shutdown (SIGTERM): a connection whose request is on its way (a head or a body arriving) is read and
+answered, then closed; an idle one is closed after DRAIN_GRACE_S, so that a request already sent when the
+signal came is answered too, with `Connection: close`. uvicorn waits for these (up to the graceful timeout).
+
 A client that closes its connection while the app answers one request and a pipelined one waits:
 uvicorn marks only the newest request disconnected, and the running one would write to the closed
 transport and log an error; here every request of the connection is told the client is gone.
@@ -62,6 +66,9 @@ except (ImportError, AttributeError):  # pragma: no cover - not on this system
 # Answers waiting in the buffers of connections whose clients do not read, all together, in request
 # bodies' worth (--max-body-bytes): legitimate answers are a few kB and never wait there.
 SEND_BUDGET_BODIES = 32
+
+# How long an idle connection stays open once shutdown begins: a request already on the wire is answered.
+DRAIN_GRACE_S = 0.5
 
 # File descriptors kept free for everything but client connections (model files, logs, pipes).
 FD_HEADROOM = 128
@@ -138,6 +145,9 @@ if HttpToolsProtocol is not None:
             self._head_started = False  # bytes of a request head have arrived, the head is not complete
             self._in_body = False  # the head is complete, the body is not
             self._head_bytes = 0  # bytes of earlier reads of the head in progress
+            self._heads = 0  # request heads begun on this connection
+            self._closed = False  # _close has run: one closure, counted once
+            self._draining = False  # the server is shutting down: answer what is on its way, then close
             self._chunk = 0  # size of the read being parsed
             self._refused: tuple[int, str, str] | None = None
             self._v2_head = False  # the request whose body is arriving is on a /v2 path
@@ -177,6 +187,7 @@ if HttpToolsProtocol is not None:
 
         def data_received(self, data: bytes) -> None:
             self._chunk = len(data)
+            continuing, heads = self._head_started, self._heads
             super().data_received(data)
             if self._refused is not None:
                 code, type_, message = self._refused
@@ -184,7 +195,10 @@ if HttpToolsProtocol is not None:
             if self.transport.is_closing():
                 return
             if self._head_started:  # a head spans reads: bound its size and its time
-                self._head_bytes += self._chunk
+                if continuing and heads == self._heads:  # the whole read belongs to the head in progress
+                    self._head_bytes += self._chunk
+                else:  # the head began in this read, after earlier (pipelined) requests: its parsed part
+                    self._head_bytes = self._parsed_head_bytes()
                 if self._head_bytes > self._max_head:
                     msg = f"the request line and headers exceed {self._max_head} bytes"
                     return self._close("header_too_large", msg,
@@ -194,9 +208,14 @@ if HttpToolsProtocol is not None:
             elif self._in_body and self._timer is None:
                 self._timer = self.loop.call_later(self._body_timeout, self._on_body_timeout)
 
+        def _parsed_head_bytes(self) -> int:
+            """About the size of the request head parsed so far (request line and the complete headers)."""
+            return len(getattr(self, "url", b"") or b"") + sum(len(k) + len(v) + 4 for k, v in self.headers) + 16
+
         # ---- httptools parser callbacks
         def on_message_begin(self) -> None:
             self._head_started = True
+            self._heads += 1
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
@@ -208,13 +227,15 @@ if HttpToolsProtocol is not None:
             size = self._head_bytes + self._chunk
             self._head_bytes = 0
             if size > self._max_head:  # the reads were larger than the limit: measure the head itself
-                size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers) + 16
+                size = self._parsed_head_bytes()
                 if size > self._max_head:
                     self._refused = (431, "header_too_large",
                                      f"the request line and headers are {size} bytes; the limit is {self._max_head}")
                     return
             self._in_body = True
             super().on_headers_complete()
+            if self._draining and self.cycle is not None:  # answered, then the connection closes
+                self.cycle.keep_alive = False
 
         def on_body(self, body: bytes) -> None:
             if self._refused is None:
@@ -243,10 +264,29 @@ if HttpToolsProtocol is not None:
             super()._start_asgi_task(cycle, app)
 
         def shutdown(self) -> None:
+            self._draining = True
             if self._deferred is not None:  # a client that does not read: nothing more will be answered
                 self._close("send_timeout", "the server is shutting down and the client reads nothing", abort=True)
                 return
+            if self._head_started or self._in_body:  # a request on its way: read and answer it, then close
+                if self.cycle is not None and not self.cycle.response_complete:
+                    self.cycle.keep_alive = False
+                return
+            if self.cycle is None or self.cycle.response_complete:  # idle: a request may already be on the wire
+                self._cancel_timer()
+                self._timer = self.loop.call_later(DRAIN_GRACE_S, self._on_drain_grace)
+                return
             super().shutdown()
+
+        def _on_drain_grace(self) -> None:
+            self._timer = None
+            if self._head_started:  # a head is arriving: its own time limit applies again
+                self._timer = self.loop.call_later(self._head_timeout, self._on_head_timeout)
+                return
+            if self._in_body or (self.cycle is not None and not self.cycle.response_complete):
+                return  # a request arrived: its answer closes the connection
+            if not self.transport.is_closing():
+                self.transport.close()
 
         # ---- asyncio write flow control: a client that does not read its response
         def pause_writing(self) -> None:
@@ -332,6 +372,12 @@ if HttpToolsProtocol is not None:
         def _close(self, reason: str, message: str, response: bytes = b"", abort: bool = False) -> None:
             self._cancel_timer()
             self._idle_since = None  # not a candidate for eviction any more
+            if self._closed:  # closed already (and counted): a later limit can only make it an abort
+                if abort:
+                    self._cancel_send_timer()
+                    self.transport.abort()
+                return
+            self._closed = True
             if abort or (not response and self.transport.get_write_buffer_size()):
                 # close() would wait for the client to take what is buffered, which it may never do.
                 self._cancel_send_timer()

@@ -11,6 +11,14 @@ body must not inflate to gigabytes); any other encoding gets 415 naming the ones
 One plain ASGI middleware: Starlette's BaseHTTPMiddleware would cost more than the whole request's
 server overhead budget.
 
+Bodies are bounded before any work: only the inference routes (POST /predict and the v2 infer routes) take
+one, so any other request is answered without reading its body (with `Connection: close`, as the unread
+rest would otherwise be read and thrown away); a protected route refuses a request without valid
+credentials before reading its body; and the bodies being received or held by requests in progress, all
+together, are bounded by `max_buffered_body_bytes` (503 + Retry-After beyond it, so many clients sending
+large bodies at once cannot add up to more memory than that). What large bodies freed is handed back to
+the system once no large body is held (memory.py).
+
 Errors: an exception that escapes the app is answered here with a JSON 500 and not raised further.
 Starlette's outermost error middleware would re-raise it after answering, and uvicorn then closes the
 connection, so every other request a client had queued on that keep-alive connection would fail too.
@@ -29,6 +37,7 @@ import uuid
 import zlib
 
 from .config import ServerConfig
+from .memory import MemoryReleaser
 from .metrics import ServerMetrics
 from .protocol import error_body, is_v2_path, v2_error_body
 
@@ -101,13 +110,21 @@ def is_inference(path: str) -> bool:
     return path == "/predict" or (path.endswith("/infer") and path.startswith("/v2/models/"))
 
 
+def declares_body(headers: dict[bytes, bytes]) -> bool:
+    """The request head announces a body (a non-zero Content-Length, or Transfer-Encoding)."""
+    cl = headers.get(b"content-length")
+    return b"transfer-encoding" in headers or (cl is not None and cl.strip() not in (b"", b"0"))
+
+
 class EdgeMiddleware:
-    """Request id, bearer auth, body-size limit, HTTP metrics and the JSON access log."""
+    """Request id, bearer auth, body-size limits, HTTP metrics and the JSON access log."""
 
     def __init__(self, app, config: ServerConfig, metrics: ServerMetrics):
         self.app, self.config, self.metrics = app, config, metrics
         token = config.api_token
         self.token = token.encode() if token else None
+        self.buffered = 0  # body bytes held by requests in progress, all together
+        self.memory = MemoryReleaser()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -128,15 +145,20 @@ class EdgeMiddleware:
                 message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
             await send(message)
 
+        unread = declares_body(headers)  # until the body has been read whole
+
         async def reject(code: int, type_: str, msg: str, extra: list[tuple[bytes, bytes]] = ()):
-            # The Open Inference Protocol's routes answer errors as {"error": "..."}.
+            # The Open Inference Protocol's routes answer errors as {"error": "..."}. A body left unread would
+            # still be read (and thrown away) on a kept-alive connection: close it instead.
             body = v2_error_body(msg) if is_v2_path(path) else error_body(code, type_, msg, rid)
+            close = [(b"connection", b"close")] if unread and all(k != b"connection" for k, _ in extra) else []
             await send_wrapped({"type": "http.response.start", "status": code, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]})
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra,
+                *close]})
             await send_wrapped({"type": "http.response.body", "body": body})
 
         m.in_flight.inc()
-        bytes_in = 0
+        bytes_in = held = 0
         try:
             if self.token is not None and path not in PUBLIC:
                 auth = headers.get(b"authorization", b"")
@@ -151,55 +173,66 @@ class EdgeMiddleware:
                         m.fail("unauthorized")
                     return await reject(401, "unauthorized", "missing or wrong bearer token: send "
                                         "'Authorization: Bearer <token>'", [(b"www-authenticate", b"Bearer")])
-            if method in ("POST", "PUT", "PATCH"):
-                limit = self.config.max_body_bytes
-                cl = headers.get(b"content-length")
-                if cl is not None:
-                    if not cl.strip().isdigit():
-                        return await reject(400, "bad_request", "Content-Length is not a number")
-                    if int(cl) > limit:
-                        if is_inference(path):
-                            m.fail("body_too_large")
-                        return await reject(413, "body_too_large",
-                                            f"request body is {int(cl)} bytes; the limit is {limit} bytes")
-                chunks = []
-                while True:
-                    msg = await receive()
-                    if msg["type"] == "http.disconnect":
-                        return
-                    chunk = msg.get("body", b"")
-                    bytes_in += len(chunk)
-                    if bytes_in > limit:
-                        if is_inference(path):
-                            m.fail("body_too_large")
-                        return await reject(413, "body_too_large", f"request body exceeds the limit of {limit} bytes")
-                    chunks.append(chunk)
-                    if not msg.get("more_body", False):
-                        break
-                body = b"".join(chunks)
-                encoding = headers.get(b"content-encoding")
-                if encoding is not None and encoding.strip().lower() != b"identity":
-                    try:
-                        body = inflate(body, encoding.decode("latin-1"), limit)
-                    except BodyError as e:
-                        if is_inference(path):
-                            m.fail(e.type)
-                        return await reject(e.code, e.type, e.message)
-                    # The app sees the body as if it had been sent uncompressed.
-                    scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
-                                                  if k not in (b"content-encoding", b"content-length")]
-                             + [(b"content-length", str(len(body)).encode())]}
-                replayed = False
+            if method != "POST" or not is_inference(path):
+                if unread:  # this route takes no body: answer without reading it
+                    return await self.app(scope, receive, closing(send_wrapped))
+                return await self.app(scope, receive, send_wrapped)
+            limit = self.config.max_body_bytes
+            cl = headers.get(b"content-length")
+            if cl is not None:
+                if not cl.strip().isdigit():
+                    return await reject(400, "bad_request", "Content-Length is not a number")
+                if int(cl) > limit:
+                    m.fail("body_too_large")
+                    return await reject(413, "body_too_large",
+                                        f"request body is {int(cl)} bytes; the limit is {limit} bytes")
+            chunks = []
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+                chunk = msg.get("body", b"")
+                bytes_in += len(chunk)
+                if bytes_in > limit:
+                    m.fail("body_too_large")
+                    return await reject(413, "body_too_large", f"request body exceeds the limit of {limit} bytes")
+                if not self._hold(len(chunk)):
+                    m.fail("overloaded")
+                    return await reject(503, "overloaded", self._budget_message(), [(b"retry-after", b"1")])
+                held += len(chunk)
+                chunks.append(chunk)
+                if not msg.get("more_body", False):
+                    unread = False
+                    break
+            body = b"".join(chunks)
+            chunks.clear()
+            encoding = headers.get(b"content-encoding")
+            if encoding is not None and encoding.strip().lower() != b"identity":
+                try:
+                    body = inflate(body, encoding.decode("latin-1"), limit)
+                except BodyError as e:
+                    m.fail(e.type)
+                    return await reject(e.code, e.type, e.message)
+                if len(body) > held and not self._hold(len(body) - held):
+                    m.fail("overloaded")
+                    return await reject(503, "overloaded", self._budget_message(), [(b"retry-after", b"1")])
+                held = max(held, len(body))
+                # The app sees the body as if it had been sent uncompressed.
+                scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
+                                              if k not in (b"content-encoding", b"content-length")]
+                         + [(b"content-length", str(len(body)).encode())]}
+            replayed = False
 
-                async def replay():
-                    nonlocal replayed
-                    if not replayed:
-                        replayed = True
-                        return {"type": "http.request", "body": body, "more_body": False}
-                    return await receive()
+            async def replay():
+                nonlocal replayed, body
+                if not replayed:
+                    replayed = True
+                    message = {"type": "http.request", "body": body, "more_body": False}
+                    body = b""
+                    return message
+                return await receive()
 
-                return await self.app(scope, replay, send_wrapped)
-            return await self.app(scope, receive, send_wrapped)
+            return await self.app(scope, replay, send_wrapped)
         except asyncio.CancelledError:
             # uvicorn cancels the requests still running when the graceful-shutdown drain times out.
             if status[0]:
@@ -215,6 +248,9 @@ class EdgeMiddleware:
             log.error("unhandled error", exc_info=exc, extra={"request_id": rid})
             await reject(500, "internal", "internal server error; see the server log for this request id")
         finally:
+            if held:
+                self.buffered -= held
+                self.memory.freed(held, idle=self.buffered < self.memory.min_freed_bytes)
             m.in_flight.dec()
             dt = time.perf_counter() - t0
             code = status[0] or 499
@@ -229,3 +265,25 @@ class EdgeMiddleware:
                 if timing is not None:
                     extra["timing_ms"] = timing.model_dump()
                 access_log.info("%s %s %d", method, route, code, extra=extra)
+
+    def _hold(self, nbytes: int) -> bool:
+        """Count `nbytes` more of body held, or False (and count nothing) where that passes the budget."""
+        if self.buffered + nbytes > self.config.max_buffered_body_bytes:
+            return False
+        self.buffered += nbytes
+        return True
+
+    def _budget_message(self) -> str:
+        return (f"the server holds {self.buffered} bytes of request bodies in progress, near its limit of "
+                f"{self.config.max_buffered_body_bytes} (--max-buffered-body-bytes); retry shortly")
+
+
+def closing(send):
+    """`send` with `Connection: close` added to the response head."""
+
+    async def send_closing(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+        await send(message)
+
+    return send_closing

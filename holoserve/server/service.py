@@ -21,12 +21,14 @@ from holoserve.core.tokenizer import Encoded, TextEncoder
 from .batcher import BatchPolicy, DynamicBatcher, InferenceFailed, QueueFull, Result, ShuttingDown
 from .config import ServerConfig
 from .metrics import ServerMetrics
+from .tokenize import TokenizeQueue, TokenizeQueueFull
 from .protocol import ApiError, InputLimits, Inputs, ModelInfo, ModelRef, PredictRequest, PredictResponse, Status
 
 log = logging.getLogger("holoserve.server")
 
-# Tokenize in a worker thread only when a request is big enough for it to matter.
-_INLINE_TOKENIZE_BYTES = 4096
+# A request with at most this many bytes of text is tokenized on the event loop when the tokenizer's worker is
+# idle: handing it to the thread would cost more than encoding it (tokenize.py).
+_INLINE_TOKENIZE_BYTES = 1024
 _READY = Status(status="ready")
 
 
@@ -139,6 +141,8 @@ class ClassifierService:
         self.version = hashlib.sha256((artifact.path / MANIFEST).read_bytes()).hexdigest()[:12]
         self.max_seq = effective_max_seq_length(config, artifact)
         self.encoder = TextEncoder(artifact.path / "tokenizer.json", self.max_seq, pair=artifact.is_pair)
+        # texts waiting to be tokenized are bounded as the batcher's queue is
+        self.tokenizer = TokenizeQueue(self.encoder.encode, config.max_queue_size, _INLINE_TOKENIZE_BYTES)
         self.labels = artifact.labels or ["score"]
         self.regression = not artifact.labels
         self.limits = InputLimits(max_items=config.max_items, max_text_bytes=config.max_text_bytes,
@@ -206,6 +210,7 @@ class ClassifierService:
             await self.warmup_task
         if self.batcher is not None:
             await self.batcher.stop(self.config.graceful_timeout_s)
+        self.tokenizer.close()
         self.metrics.close()
         log.info("stopped")
 
@@ -243,13 +248,18 @@ class ClassifierService:
         """Tokenize checked texts (or pairs) and run them through the batcher: their encodings, their
         results and when tokenization ended. The path every inference protocol shares (/predict, /v2);
         ApiError for a server that is not ready, overloaded, shutting down or whose model failed."""
-        if not self.ready:
+        # While the shutdown drain runs, the status is still "ready" and the batcher still runs: a request
+        # already on its way (its body still arriving at the signal) is answered.
+        if self.status != "ready":
+            if self.status == "shutting_down":
+                raise ApiError(503, "shutting_down", "the server is shutting down; retry on another instance",
+                               {"Retry-After": "1"})
             raise ApiError(503, "not_ready", f"the model is {self.status.replace('_', ' ')}; retry shortly",
                            {"Retry-After": "1"})
-        if total_bytes > _INLINE_TOKENIZE_BYTES:
-            encs = await asyncio.to_thread(self.encoder.encode, items)
-        else:
-            encs = self.encoder.encode(items)
+        try:
+            encs = await self.tokenizer.encode(items, total_bytes)
+        except TokenizeQueueFull as e:
+            raise ApiError(503, "overloaded", str(e), {"Retry-After": "1"}) from None
         t1 = time.perf_counter()
         self.metrics.input_duration_l.observe(t1 - t0)
         try:
