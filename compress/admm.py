@@ -10,8 +10,9 @@ rho rises geometrically; when it changes, the scaled dual U is rescaled by rho_o
 unscaled multiplier rho·U is continuous.
 
 `layerwise_projection` is the one-time projection of the teacher onto the set, layer by layer on calibration
-inputs (preset projection="obs": SparseGPT's OBS updates; "admm": compress.project.admm_prune), with each
-Linear's reconstruction error on held-out calibration rows for the manifest.
+inputs (preset projection="obs": SparseGPT's OBS updates; "admm": compress.project.admm_prune, the mask free;
+"admm_fixed_mask": the same ADMM on the mask metric's mask), with each Linear's reconstruction error on
+held-out calibration rows for the manifest.
 """
 from __future__ import annotations
 
@@ -145,7 +146,7 @@ class ProjectionOptions:
     quant: bool = True  # onto 2:4 ∩ INT8; False: 2:4 alone
     n: int = 2
     m: int = 4
-    fixed_mask: bool = False  # admm: keep the given masks (least squares on them) instead of letting them move
+    fixed_mask: bool = False  # admm: keep the given masks (ADMM on the values only) instead of letting them move
     solver: AdmmSolverOptions = AdmmSolverOptions()  # its damp is OBS's too; the rest is the ADMM solve's
 
 
@@ -164,8 +165,10 @@ def layerwise_projection(model: nn.Module, layers: list[str], batches: list[Mapp
       method="obs"   optimal-brain-surgeon updates (compress.project.obs_prune) on the given `masks`; the model
                      keeps the updated weights off the grid, as compress.sparsify.obs_masks does
       method="admm"  layer-wise ADMM (compress.project.admm_prune), the masks free to move from `masks` (mask
-                     choice by |w| x importance[layer]) unless options.fixed_mask; the model gets the
-                     least-squares weights rounded onto the grid (with `quant`), what the later layers will see
+                     choice by |w| x importance[layer]); the model gets the least-squares weights on the final
+                     mask rounded onto the grid (with `quant`), what the later layers will see. With
+                     options.fixed_mask the given `masks` stay and ADMM solves the values on them
+                     (compress.project.admm_on_mask); the model gets its grid point
     Returns (masks, per-layer diagnostics): for each Linear the squared output error of its final weights (on
     the grid with `quant`) relative to that of the nearest projection (the same mask metric, the weights kept
     as they are), on the fit batches ("fit_vs_nearest") and on `heldout` ("heldout_vs_nearest"), and relative
@@ -201,12 +204,17 @@ def layerwise_projection(model: nn.Module, layers: list[str], batches: list[Mapp
                 res = admm_prune(w, h, n, m, quant=quant, mask=given if fixed_mask else None, importance=imp,
                                  solver=options.solver)
                 out_masks[name] = res.mask
-                final = project(res.w.to("cpu", torch.float64), n, m, quant=quant, mask=res.mask.cpu()).z
+                if fixed_mask and given is not None:  # already the grid point (or, without quant, the solve)
+                    final = res.z.to("cpu", torch.float64)
+                else:
+                    final = project(res.w.to("cpu", torch.float64), n, m, quant=quant, mask=res.mask.cpu()).z
                 new = final.to(w.device, w.dtype)
                 info = {"iters": res.iters, "rho_final": round(res.rho, 4),
                         "mask_moved_vs_start": round(float((res.mask.cpu() != (nearest != 0)).float().mean()), 5)}
                 if given is not None:
                     info["mask_moved_vs_start"] = round(float((res.mask.cpu() != given.cpu()).float().mean()), 5)
+                if fixed_mask and given is not None:
+                    info["rows_from_iterations"] = round(res.rows_from_iterations, 5)
             info["seconds"] = round(time.perf_counter() - t0, 2)
             info["fit_vs_nearest"] = _output_error(dense, final, h) / max(_output_error(dense, nearest, h), 1e-30)
             if held is not None:

@@ -134,12 +134,17 @@ def obs_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *,
 
 
 class AdmmSolve(NamedTuple):
-    w: torch.Tensor  # exact least-squares weights on `mask` (not yet on the INT8 grid), w's dtype and device
+    # admm_prune: the exact least-squares weights on `mask` (not yet on the INT8 grid); admm_on_mask: the grid
+    # point it ends on (= z). w's dtype and device
+    w: torch.Tensor
     mask: torch.Tensor  # bool, the final 2:4 mask
-    z: torch.Tensor  # ADMM's last Z (on 2:4 ∩ INT8, before the least-squares solve), w's dtype and device
+    z: torch.Tensor  # ADMM's last Z (admm_on_mask: its best grid point), on 2:4 ∩ INT8, w's dtype and device
     iters: int  # ADMM iterations run
     rho: float  # the penalty at the end (relative to mean(diag H))
-    mask_moves: list[float]  # share of the weights whose kept/pruned state changed, per check (every `check` iters)
+    # admm_prune: share of the weights whose kept/pruned state changed, per check (every `check` iters);
+    # admm_on_mask: share of the kept weights whose INT8 code changed, per check
+    mask_moves: list[float]
+    rows_from_iterations: float = 0.0  # admm_on_mask: share of the rows that ended on an ADMM iterate
 
 
 def _damped(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -198,14 +203,16 @@ def masked_least_squares(w: torch.Tensor, hessian: torch.Tensor, mask: torch.Ten
 
 @dataclass(frozen=True)
 class AdmmSolverOptions:
-    """The layer-wise ADMM solve's settings (admm_prune)."""
+    """The layer-wise ADMM solve's settings (admm_prune, admm_on_mask)."""
 
     damp: float = 0.01  # added to the scaled Hessian's diagonal, so every solve is well posed
     rho: float = 0.1  # the proximal weight to start from
     max_iters: int = 150
     check: int = 3  # iterations between mask-change checks (and rho increases)
-    settle: float = 0.01  # below this share of changed mask entries, rho grows by growth[1], else growth[0]
-    stop: float = 1e-3  # below this share of changed mask entries, the iterations stop
+    # below `settle` of changed mask entries (admm_on_mask: kept codes) rho grows by growth[1], else growth[0];
+    # below `stop` the iterations stop
+    settle: float = 0.01
+    stop: float = 1e-3
     growth: tuple[float, float] = (1.2, 1.5)
     ls_tol: float = 1e-3  # relative residual of the final least-squares solve
 
@@ -226,8 +233,8 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
     than `stop` changed (or after `max_iters`). The kept weights are then solved by least squares on the final
     mask (masked_least_squares, to a residual of `ls_tol`); the caller rounds them onto the grid
     (compress.sparsify.finalize). The factorisation and the iterations run in float32 on the CPU. With a given
-    `mask` the problem is convex up to the rounding and ADMM converges to that least-squares solution, so it is
-    returned without iterating. The settings named here are `solver`'s (AdmmSolverOptions).
+    `mask` the mask stays fixed and the same iterations solve for the values on it (admm_on_mask). The
+    settings named here are `solver`'s (AdmmSolverOptions).
     """
     damp, rho, max_iters, check = solver.damp, solver.rho, solver.max_iters, solver.check
     settle, stop, growth, ls_tol = solver.settle, solver.stop, solver.growth, solver.ls_tol
@@ -244,9 +251,7 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
     WH = (W0 @ H).float()
     imp = importance.detach().to("cpu", torch.float32) if importance is not None else None
     if mask is not None:
-        w_ls = masked_least_squares(W0, hessian, mask, damp=damp)
-        z = project(w_ls, n, m, quant=quant, mask=mask.to("cpu")).z
-        return AdmmSolve(w_ls.to(w.device, w.dtype), mask.to(w.device, torch.bool), z.to(w.device, w.dtype), 0, rho, [])
+        return _admm_on_mask(w, hessian, H, mask.detach().to("cpu", torch.bool), n, m, quant, solver)
 
     def z_step(v: torch.Tensor) -> Projection:
         return project(v, n, m, quant=quant, importance=imp)
@@ -275,3 +280,79 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
             U /= grow  # scaled dual: rho * U unchanged
     w_ls = masked_least_squares(W0, hessian, keep, damp=damp, start=W, tol=ls_tol)
     return AdmmSolve(w_ls.to(w.device, w.dtype), keep.to(w.device), Z.to(w.device, w.dtype), it, rho, moves)
+
+
+def admm_on_mask(w: torch.Tensor, hessian: torch.Tensor, mask: torch.Tensor, n: int = 2, m: int = 4, *,
+                 quant: bool = True, solver: AdmmSolverOptions = AdmmSolverOptions()) -> AdmmSolve:
+    """min_V ||X w^T - X V^T||^2 s.t. V zero off `mask` and on its row's INT8 grid, by ADMM, for one Linear: the
+    2:4 mask is given (a mask metric's choice) and only the kept values are solved for.
+
+    Without the grid the problem is convex and its answer is the least-squares solve on the mask
+    (masked_least_squares), returned as it is. With the grid, rounding that solve is one candidate; ADMM
+    (admm_prune's W-step, ρ schedule and stopping rule, with the Z-step Π(W + U) keeping `mask` and rounding the
+    kept values onto the row's grid, scale = max |kept| / 127) looks for a grid point with less error, and each
+    row ends on whichever of the rounded solve and the iterations' Z leaves the least error in the damped
+    metric (the rows' errors are independent). `mask_moves` then records, per check, the share of the kept
+    codes that changed. Returns w = z = that point (exactly on 2:4 ∩ the grid, zero off the mask) in w's
+    dtype and device.
+    """
+    out_f, in_f = _nm_shape(w, n, m)
+    if hessian.shape != (in_f, in_f) or mask.shape != w.shape:
+        raise ValueError(f"hessian {tuple(hessian.shape)} / mask {tuple(mask.shape)} do not fit weight "
+                         f"{tuple(w.shape)}")
+    if not (solver.rho > 0 and solver.max_iters >= 1 and solver.check >= 1):
+        raise ValueError(f"admm_on_mask needs rho > 0, max_iters >= 1 and check >= 1 (got {solver.rho}, "
+                         f"{solver.max_iters}, {solver.check})")
+    return _admm_on_mask(w, hessian, _damped(hessian, solver.damp), mask.detach().to("cpu", torch.bool), n, m, quant,
+                         solver)
+
+
+def _admm_on_mask(w: torch.Tensor, hessian: torch.Tensor, H: torch.Tensor, keep: torch.Tensor, n: int, m: int,
+                  quant: bool, solver: AdmmSolverOptions) -> AdmmSolve:
+    """admm_on_mask's iterations, given the damped Hessian H (_damped) and the mask on the CPU."""
+    rho, check, growth = solver.rho, solver.check, solver.growth
+    W0 = w.detach().to("cpu", torch.float64)
+    w_ls = masked_least_squares(W0, hessian, keep, damp=solver.damp)
+    if not quant:
+        ls = w_ls.to(w.device, w.dtype)
+        return AdmmSolve(ls, keep.to(w.device), ls, 0, rho, [])
+    Hf = H.float()
+    W0f = W0.float()
+
+    def row_errors(v: torch.Tensor) -> torch.Tensor:  # (w0_i - v_i)^T H (w0_i - v_i), one per row
+        d = W0f - v
+        return ((d @ Hf) * d).sum(1)
+
+    def z_step(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # Z and its int8 codes
+        p = project(v, n, m, quant=True, mask=keep)
+        return p.z, torch.round(p.z / p.scales.reshape(-1, 1))
+
+    best, last = z_step(w_ls.float())
+    best_err = row_errors(best)
+    from_iterations = torch.zeros(best.shape[0], dtype=torch.bool)
+    ev32, Q32 = torch.linalg.eigh(Hf)
+    WH = W0f @ Hf
+    W, Z, U = w_ls.float(), best.clone(), torch.zeros_like(best)
+    kept = max(1, int(keep.sum()))
+    moves: list[float] = []
+    it = 0
+    while it < solver.max_iters:
+        it += 1
+        W = ((WH + rho * (Z - U)) @ Q32 / (ev32 + rho)) @ Q32.T
+        Z, codes = z_step(W + U)
+        U += W - Z
+        err = row_errors(Z)
+        better = err < best_err
+        best[better], best_err[better] = Z[better], err[better]
+        from_iterations |= better
+        if it % check == 0:
+            moved = float(((codes != last) & keep).sum()) / kept
+            last = codes
+            moves.append(moved)
+            if moved < solver.stop:
+                break
+            grow = growth[1] if moved < solver.settle else growth[0]
+            rho *= grow
+            U /= grow  # scaled dual: rho * U unchanged
+    out = best.to(w.device, w.dtype)
+    return AdmmSolve(out, keep.to(w.device), out, it, rho, moves, float(from_iterations.float().mean()))

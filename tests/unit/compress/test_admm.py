@@ -189,3 +189,40 @@ def test_guided_admm_z_minimises_the_weighted_penalty_and_moves_the_forward_mask
     with torch.no_grad():
         out = net.lin(torch.eye(16))  # row j: the forward weight's column j
     torch.testing.assert_close(out.T, project(w.detach(), mask=kept).z)
+
+
+def test_layerwise_admm_on_the_default_masks_keeps_them_and_writes_grid_points(setup):
+    """projection=admm_fixed_mask on a tiny BERT (compress.admm.layerwise_projection with fixed_mask): every
+    Linear keeps exactly the mask the default chose (|w| x ||x_j||^0.5 on the teacher), its weights end exactly
+    on 2:4 ∩ INT8, and its output error on the fit rows is at most the default OBS projection's."""
+    from holoserve.compress.admm import ProjectionOptions, layerwise_projection
+    from holoserve.compress.data import collate
+    from holoserve.compress.project import AdmmSolverOptions
+    from holoserve.compress.quant import input_channel_norms
+    from holoserve.compress.sparsify import hard_masks
+
+    model_dir, data = setup
+    batches = [collate(data, list(range(i, i + 16))) for i in range(0, 64, 16)]
+    for b in batches:
+        b.pop("labels")
+    projected = {}
+    for method, fixed, damp in (("obs", False, 0.01), ("admm", True, 0.1)):
+        model = _model(model_dir).eval()
+        layers = encoder_linear_names(model)
+        importance = {k: v.sqrt() for k, v in input_channel_norms(model, layers, batches).items()}
+        default = hard_masks(model, layers, importance=importance)
+        masks, diag = layerwise_projection(model, layers, batches, batches,
+                                           ProjectionOptions(method=method, fixed_mask=fixed,
+                                                             solver=AdmmSolverOptions(damp=damp)),
+                                           masks=default, importance=importance)
+        projected[method] = diag
+        for name in layers:
+            assert torch.equal(masks[name], default[name])
+            w = model.get_submodule(name).weight.detach()
+            if method == "admm":
+                p = project(w, mask=default[name])
+                assert is_nm_sparse(w.numpy()) and not (w[~default[name]] != 0).any()
+                assert grid_codes(w.numpy(), p.scales.numpy()) is not None
+                assert diag[name]["mask_moved_vs_start"] == 0 and diag[name]["iters"] >= 1
+    worse = [k for k in projected["obs"] if projected["admm"][k]["fit_vs_nearest"] > projected["obs"][k]["fit_vs_nearest"]]
+    assert not worse, worse
