@@ -42,7 +42,10 @@ class DistillConfig:
 
 
 ADMM_INITS = ("teacher", "projection")  # AdmmConfig.init: where W starts
-PROJECTIONS = ("nearest", "obs", "admm")  # Preset.projection
+PROJECTIONS = ("nearest", "obs", "admm", "admm_fixed_mask")  # Preset.projection
+# What Preset.projection_damp and Preset.projection_batches are when unset, per projection: (damping of the
+# layer Hessians, calibration batches the projection is fitted on; None = Preset.calib_batches)
+PROJECTION_FIT = {"nearest": (0.01, None), "obs": (0.01, None), "admm": (0.01, None), "admm_fixed_mask": (0.1, 64)}
 # Preset.activation: the FFN activations a student may be given (each one the export, ONNX Runtime, OpenVINO
 # and the torch-cuda backend compute; the config key is `hidden_act`, DistilBERT's `activation`)
 STUDENT_ACTIVATIONS = ("gelu", "relu")
@@ -106,9 +109,20 @@ class Preset:
     #              same sequential pass, the mask free to move from the mask metric's (the Z-step keeps the 2 of
     #              4 that metric ranks highest), then least squares on the final mask and the grid
     #              (compress.project.admm_prune; docs/results/2026-11-27-admm-layerwise.md)
-    # Why obs: docs/results/2026-11-25-obs-projection.md
+    #   "admm_fixed_mask"  the same ADMM on the mask metric's mask, held fixed (the default's mask): the Z-step
+    #              keeps that mask and rounds the kept values onto the row's INT8 grid; each row ends on the
+    #              least-squares solve on the mask, rounded, or on an ADMM iterate, whichever fits better
+    #              (compress.project.admm_on_mask); fitted with more damping and on more batches (below)
+    # Why obs, and why the ADMM projections are not the default: docs/results/2026-11-25-obs-projection.md,
+    # docs/results/2026-11-27-admm-paired-quick.md, docs/results/2026-11-28-admm-checks.md
     projection: str = "obs"
-    calib_batches: int = 16  # training batches used to calibrate activation ranges
+    # The obs/admm projections' fit: the damping added to each layer Hessian's diagonal (relative to its mean
+    # diagonal; more damping pulls the solved weights toward the teacher's, less sharp a fit to the batches)
+    # and the number of calibration batches the Hessians are summed over (the mask metric's input norms and
+    # the activation ranges keep calib_batches). None: the projection's own (PROJECTION_FIT).
+    projection_damp: float | None = None
+    projection_batches: int | None = None
+    calib_batches: int = 16  # training batches used to calibrate activation ranges (and the mask metric's norms)
     calib_percentile: float | None = 99.99  # None = plain max
     # The word-embedding table is the largest tensor the optimizer would update, and it is neither pruned
     # nor quantized: frozen, each step skips its update.
@@ -143,6 +157,13 @@ class Preset:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def projection_fit(self) -> tuple[float, int]:
+        """(damping, calibration batches) the projection is fitted with: the preset's, else PROJECTION_FIT's."""
+        damp, batches = PROJECTION_FIT.get(self.projection, (0.01, None))
+        damp = damp if self.projection_damp is None else self.projection_damp
+        batches = batches if self.projection_batches is None else self.projection_batches
+        return damp, self.calib_batches if batches is None else batches
 
     def ramp_share(self, qat: bool) -> float:
         """The share of the QAT steps over which the FFN moves to `activation` (0: none, or swapped before the

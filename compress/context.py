@@ -40,6 +40,7 @@ from .data import Encoded, train_batches
 from .distributed import Processes
 from .evaluate import EVAL_ROW_COST, evaluate, format_metrics
 from .layers import activation_key, encoder_linear_names
+from .project import AdmmSolverOptions
 from .quant import calibrate_amax, calibrate_tensorrt_amax, input_channel_norms, input_quantizers
 from .seqlen import SequenceLength
 from .sparsify import hard_masks, nm_share, quantize_embeddings
@@ -202,7 +203,9 @@ def planned_cost(preset: Preset, kind: str) -> float:
     """The overall progress units of one piece of work of `kind` (training steps' worth)."""
     if kind == "evaluation":
         return EVAL_ROW_COST * preset.eval_batch_size
-    return (CALIBRATION_COST if kind == "calibration" else PROJECTION_COST) * preset.calib_batches
+    if kind == "calibration":
+        return CALIBRATION_COST * preset.calib_batches
+    return PROJECTION_COST * (preset.projection_fit()[1] + preset.calib_batches)
 
 
 def _progress_phase(name: str, kind: str):
@@ -380,16 +383,21 @@ class CompressionContext:
         fixed = next(iter(scales.values())) if scales else None
         self.record.embedding_scales = quantize_embeddings(model, fixed)
 
-    def calibration_batches(self, held_out: bool = False) -> list[dict]:
-        """The preset's calibration batches: the first `calib_batches` training batches of a fixed order; with
-        `held_out`, the next `calib_batches` of that order (rows the projection is not fitted on, to score it)."""
+    def calibration_batches(self, held_out: bool = False, *, start: int | None = None,
+                            count: int | None = None) -> list[dict]:
+        """Batches of the calibration order (the training batches of a fixed order, without labels): the first
+        `calib_batches`; with `held_out`, the next `calib_batches` (rows the projection is not fitted on, to
+        score it); or `count` batches (default calib_batches) from batch `start`."""
         p = self.preset
+        if start is None:
+            start = p.calib_batches if held_out else 0
+        count = p.calib_batches if count is None else count
         stream = train_batches(self.train, p.batch_size, self.request.seed + 7, p.group_size)
         batches = []
-        for i in range(2 * p.calib_batches if held_out else p.calib_batches):
+        for i in range(start + count):
             b = next(stream)
-            b.pop("labels")
-            if not held_out or i >= p.calib_batches:
+            if i >= start:
+                b.pop("labels")
                 batches.append(b)
         return batches
 
@@ -409,33 +417,37 @@ class CompressionContext:
 
     @_progress_phase("project", "projection")
     def project_masks(self, model: nn.Module, layers) -> dict[str, torch.Tensor]:
-        """The hard projection's 2:4 masks (preset mask_metric); with preset projection="obs" or "admm" the kept
-        weights are also fitted in place to the calibration inputs (compress.admm.layerwise_projection), and each
-        Linear's reconstruction error on held-out calibration rows goes in the log and the manifest."""
+        """The hard projection's 2:4 masks (preset mask_metric); with preset projection "obs", "admm" or
+        "admm_fixed_mask" the kept weights are also fitted in place to the first projection_batches calibration
+        batches (compress.admm.layerwise_projection), and each Linear's reconstruction error on the
+        `calib_batches` batches after those (held out) goes in the log and the manifest."""
         p = self.preset
         importance = None if p.mask_metric == "saliency" else self.mask_importance(model, layers)
         chosen = None if p.mask_metric == "saliency" else hard_masks(model, layers, importance=importance)
         if p.projection == "nearest":
             return chosen
+        damp, fit_batches = p.projection_fit()
+        method, fixed = ("admm", True) if p.projection == "admm_fixed_mask" else (p.projection, False)
+        options = ProjectionOptions(method=method, quant=self.request.quant, fixed_mask=fixed,
+                                    solver=AdmmSolverOptions(damp=damp))
         t0, c0 = time.monotonic(), time.process_time()
-        masks, diag = layerwise_projection(model, layers, self.calibration_batches(),
-                                           self.calibration_batches(held_out=True),
-                                           ProjectionOptions(method=p.projection, quant=self.request.quant),
+        masks, diag = layerwise_projection(model, layers, self.calibration_batches(count=fit_batches),
+                                           self.calibration_batches(start=fit_batches), options,
                                            masks=chosen, importance=importance)
         seconds = time.monotonic() - t0
         held = sorted(d["heldout_vs_nearest"] for d in diag.values())
         worst = max(diag, key=lambda k: diag[k]["heldout_relative"])
-        log.info("[project] %s 2:4 projection (masks by %s) over %d calibration batches: each layer's output error on "
-                 "%d held-out batches %.2f (median; %.2f-%.2f) of the nearest projection's; largest relative to the "
-                 "layer's output: %.3g (%s) | %.0fs", p.projection.upper(),
-                 "SparseGPT saliency" if chosen is None else p.mask_metric, p.calib_batches, p.calib_batches,
+        log.info("[project] %s 2:4 projection (masks by %s) over %d calibration batches, damping %g: each layer's "
+                 "output error on %d held-out batches %.2f (median; %.2f-%.2f) of the nearest projection's; largest "
+                 "relative to the layer's output: %.3g (%s) | %.0fs", p.projection.upper(),
+                 "SparseGPT saliency" if chosen is None else p.mask_metric, fit_batches, damp, p.calib_batches,
                  held[len(held) // 2], held[0], held[-1], diag[worst]["heldout_relative"], worst, seconds)
         for name, d in diag.items():
             log.debug("[project] %s: held-out error %.4f of nearest, %.4g of the output", name,
                       d["heldout_vs_nearest"], d["heldout_relative"])
         self.record.phases["projection"] = {
             "method": p.projection, "seconds": round(seconds, 1), "cpu_seconds": round(time.process_time() - c0, 1),
-            "calib_batches": p.calib_batches,
+            "calib_batches": fit_batches, "damp": damp,
             "heldout_batches": p.calib_batches, "heldout_vs_nearest_median": round(held[len(held) // 2], 4),
             # per Linear: squared output error relative to the nearest projection's (fit and held-out rows) and
             # to the dense output's energy (held-out rows)

@@ -69,6 +69,24 @@ def _result(res, ctx: CompressionContext) -> dict[str, Any]:
     return out
 
 
+def _projection_words(p: Preset, quant: bool) -> str:
+    """What the one-time projection does under preset `p`, in words (the manifest's `recipe`)."""
+    masks = {"magnitude": "by |w|", "saliency": "by SparseGPT's saliency",
+             "activation": "by |w|·‖x‖" + ("" if p.mask_activation_power == 1 else f"^{p.mask_activation_power:g}")}
+    values = {"nearest": "kept as they are", "obs": "updated by OBS (SparseGPT) on the calibration inputs",
+              "admm": "solved by layer-wise ADMM, the mask free to move",
+              "admm_fixed_mask": "solved by layer-wise ADMM on that mask"}
+    return (f"2:4{' ∩ INT8' if quant else ''} (masks {masks.get(p.mask_metric, p.mask_metric)}, kept weights "
+            f"{values.get(p.projection, p.projection)}; projection={p.projection})")
+
+
+def _training_words(p: Preset, quant: bool, guided: bool = False) -> str:
+    """What trains after the projection, in words (the manifest's `recipe`)."""
+    kd = "with distillation" if p.distill.enabled else "without distillation"
+    what = "QAT" if quant else "a masked fine-tune"
+    return f"{what} {kd}" + (" and the ADMM penalty kept on" if guided else "")
+
+
 @contextlib.contextmanager
 def _quantizers(model: nn.Module, amax, layers, tensorrt: bool):
     """QAT's activation quantizers: every encoder Linear input, plus (with `tensorrt`) the extra
@@ -98,6 +116,11 @@ class _TeacherStudentMethod:
     def compression_preset(self, preset: Preset) -> Preset:
         """The settings the compression (after the teacher) runs with: the run's own, unless the method fixes some."""
         return preset
+
+    def recipe(self, p: Preset, quant: bool) -> str:
+        """What the method ran after the dense teacher, in words, under compression preset `p` (the manifest's
+        training.recipe)."""
+        raise NotImplementedError
 
     def run(self, ctx: CompressionContext) -> CompressedModel:
         request, p = ctx.request, ctx.preset
@@ -130,6 +153,12 @@ class _TeacherStudentMethod:
 class AdmmMethod(_TeacherStudentMethod):
     distills = True
     qat = True
+
+    def recipe(self, p: Preset, quant: bool) -> str:
+        kd = "with distillation" if p.distill.enabled else "without distillation"
+        start = " (W from the teacher's projection)" if p.admm_cfg.init == "projection" else ""
+        return (f"ADMM fine-tune toward 2:4{' ∩ INT8' if quant else ''} {kd}{start}, then the hard projection onto "
+                f"{_projection_words(p, quant)}, then {_training_words(p, quant)}")
 
     def compress(self, ctx: CompressionContext, student: nn.Module, teacher: nn.Module, layers):
         request, p = ctx.request, ctx.preset
@@ -251,6 +280,9 @@ class OneShotMethod(_TeacherStudentMethod):
     distills = True
     qat = True
 
+    def recipe(self, p: Preset, quant: bool) -> str:
+        return f"one-shot projection onto {_projection_words(p, quant)}, then {_training_words(p, quant)}"
+
     def compress(self, ctx: CompressionContext, student: nn.Module, teacher: nn.Module, layers):
         p = ctx.preset
         ctx.record.phases["admm"] = {"steps": 0, "skipped": "one-shot projection instead"}
@@ -269,6 +301,9 @@ class AdmmGuidedMethod(_TeacherStudentMethod):
     def compression_preset(self, preset: Preset) -> Preset:
         return replace(preset, projection="admm")
 
+    def recipe(self, p: Preset, quant: bool) -> str:
+        return f"one-time projection onto {_projection_words(p, quant)}, then {_training_words(p, quant, True)}"
+
     def compress(self, ctx: CompressionContext, student: nn.Module, teacher: nn.Module, layers):
         p = ctx.preset
         ctx.record.phases["admm"] = {"steps": 0, "skipped": "layer-wise ADMM projection, then ADMM-guided QAT"}
@@ -279,6 +314,10 @@ class AdmmGuidedMethod(_TeacherStudentMethod):
 @register("magnitude")
 class MagnitudeMethod(_TeacherStudentMethod):
     distills = True
+
+    def recipe(self, p: Preset, quant: bool) -> str:
+        kd = "with distillation" if p.distill.enabled else "without distillation"
+        return f"one-shot magnitude 2:4, a masked fine-tune {kd}" + (", then post-training INT8" if quant else "")
 
     def compress(self, ctx: CompressionContext, student: nn.Module, teacher: nn.Module, layers):
         """APEX ASP recipe: one-shot magnitude 2:4 of the fine-tuned model, masked fine-tune (with the same
@@ -318,6 +357,9 @@ class PtqMethod:
 
     name = "ptq"
     qat = False
+
+    def recipe(self, p: Preset, quant: bool) -> str:
+        return "post-training INT8 of an existing model (its masks, if any, kept)"
 
     def source(self, request: CompressRequest) -> ModelSource:
         """The model to quantize; its tokenizer reads the rows, so the task is known before the model loads."""

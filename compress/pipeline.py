@@ -52,6 +52,15 @@ def check_preset_settings(preset: Preset, method: str) -> None:
     the teacher is trained."""
     if preset.projection not in PROJECTIONS:
         raise HoloServeError(f"projection={preset.projection!r}: choose one of {', '.join(PROJECTIONS)}")
+    damp, batches = preset.projection_fit()
+    if not (math.isfinite(damp) and damp >= 0):
+        raise HoloServeError(f"projection_damp={damp}: use a number >= 0 (added to each layer Hessian's diagonal, "
+                             "relative to its mean, e.g. 0.01 or 0.1)")
+    if batches < 1:
+        raise HoloServeError(f"projection_batches={batches}: the projection needs 1 calibration batch or more")
+    if preset.projection == "admm_fixed_mask" and preset.mask_metric == "saliency":
+        raise HoloServeError("projection=admm_fixed_mask solves on the mask metric's mask: use mask_metric=activation "
+                             "or magnitude (saliency is chosen inside the OBS projection)")
     if preset.mask_metric not in ("activation", "magnitude", "saliency"):
         raise HoloServeError(f"mask_metric={preset.mask_metric!r}: choose activation, magnitude or saliency "
                              "(projection=obs only)")
@@ -208,6 +217,7 @@ class CompressionPipeline:
         model.to("cpu")
         training = {
             "method": r.method,
+            "recipe": self.method.recipe(p, r.quant),  # what ran after the teacher, in words
             "quant": bool(scales),
             "distillation": result.distillation,
             "preset": p.name,

@@ -243,6 +243,9 @@ def test_oneshot_baseline_spends_the_admm_budget_on_qat_with_distillation(admm_c
     t = json.loads((out / "manifest.json").read_text())["training"]
     admm = json.loads((admm_ckpt / "manifest.json").read_text())["training"]["phases"]
     assert t["method"] == "oneshot" and t["distillation"] is True
+    # the recipe names what ran, and no ADMM
+    assert t["recipe"].startswith("one-shot projection onto 2:4 ∩ INT8") and "ADMM" not in t["recipe"]
+    assert "projection=obs" in t["recipe"] and "QAT with distillation" in t["recipe"]
     assert t["phases"]["admm"]["steps"] == 0
     assert t["phases"]["qat"]["steps"] == admm["admm"]["steps"] + admm["qat"]["steps"]
 
@@ -352,6 +355,43 @@ def test_admm_projection_is_2to4_int8_records_each_layer_and_resumes_identically
     again = env["root"] / "admm-projection-again"
     assert compress(env, again, "--teacher", str(teacher), "--set", "projection=admm") == 0
     assert sha256_file(again / "model.safetensors") == first
+
+
+def test_admm_on_the_default_mask_projection(admm_ckpt, env, caplog):
+    """projection=admm_fixed_mask: ADMM on the default's masks, fitted on projection_batches (64 unless set) with
+    the damping 0.1, then the default's QAT; the masks never move, the checkpoint keeps the contract, and the
+    manifest records what ran (activation ranges still from calib_batches)."""
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    out = env["root"] / "admm-fixed-mask"
+    with caplog.at_level("INFO"):
+        assert compress(env, out, "--teacher", str(teacher), "--set", "projection=admm_fixed_mask") == 0
+    check_saved_checkpoint(out)
+    assert "ADMM_FIXED_MASK 2:4 projection (masks by activation) over 64 calibration batches, damping 0.1" in caplog.text
+    m = json.loads((out / "manifest.json").read_text())
+    t = m["training"]
+    proj = t["phases"]["projection"]
+    assert t["method"] == "oneshot" and proj["method"] == "admm_fixed_mask"
+    assert proj["calib_batches"] == 64 and proj["damp"] == 0.1 and proj["heldout_batches"] == 16
+    assert t["preset_config"]["calib_batches"] == 16 and "admm_fixed_mask" in t["recipe"]
+    assert all(d["mask_moved_vs_start"] == 0 and d["iters"] >= 1 and 0 <= d["rows_from_iterations"] <= 1
+               for d in proj["layers"].values())
+    caplog.clear()
+    other = env["root"] / "admm-fixed-mask-8"
+    with caplog.at_level("INFO"):
+        assert compress(env, other, "--teacher", str(teacher), "--set", "projection=admm_fixed_mask",
+                        "--set", "projection_batches=8", "--set", "projection_damp=1.0") == 0
+    assert "over 8 calibration batches, damping 1" in caplog.text
+
+
+def test_bad_projection_fit_settings_are_refused(admm_ckpt, env, capsys):
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    for setting, said in (("projection_damp=-1", "projection_damp=-1.0"), ("projection_batches=0", "projection_batches=0")):
+        assert compress(env, env["root"] / "never", "--teacher", str(teacher), "--set", setting) == 2
+        assert said in capsys.readouterr().err
+    assert compress(env, env["root"] / "never", "--teacher", str(teacher), "--set", "projection=admm_fixed_mask",
+                    "--set", "mask_metric=saliency") == 2
+    assert "mask metric's mask" in capsys.readouterr().err
+    assert not (env["root"] / "never").exists()
 
 
 def test_admm_guided_keeps_admm_on_through_qat_and_resumes_identically(admm_ckpt, env, caplog):
