@@ -230,6 +230,39 @@ def test_out_dir_leaves_checkpoint_untouched(tmp_path):
     assert res.files["model.onnx"] == tmp_path / "out" / "model.onnx"
 
 
+def test_an_export_writes_the_same_bytes_every_time(tmp_path):
+    """Every target, the fp32 graph, the report (less its time) and the manifest: exported twice from one
+    checkpoint, byte for byte the same. An export is a function of the checkpoint and the options, so a
+    rebuilt image or a re-run export ships the files (and sha256 sums) it shipped before."""
+    import hashlib
+    import shutil
+
+    from holoserve.export.onnx_export import export_checkpoint
+
+    ckpt = make_calibrated_checkpoint(tmp_path, layers=1, biases=True)
+    kw = dict(progress=False, verify_exports=False, keep_float=True)
+
+    def written(folder: Path) -> dict[str, str]:
+        out = {}
+        for f in sorted(folder.iterdir()):
+            data = f.read_bytes()
+            if f.name == "export_report.json":  # its "seconds" is the one field that may differ
+                data = json.dumps({k: v for k, v in json.loads(data).items() if k != "seconds"}).encode()
+            out[f.name] = hashlib.sha256(data).hexdigest()
+        return out
+
+    runs = []
+    for n in range(2):
+        export_checkpoint(ckpt, ["onnxruntime", "tensorrt", "openvino"], out_dir=tmp_path / f"out{n}", **kw)
+        in_place = shutil.copytree(ckpt, tmp_path / f"ckpt{n}")
+        export_checkpoint(in_place, ["onnxruntime", "tensorrt"], **kw)
+        runs.append((written(tmp_path / f"out{n}"), written(in_place)))
+    assert set(runs[0][0]) == {"model.onnx", "model.trt.onnx", "model.ov.onnx", "model.float.onnx",
+                               "export_report.json"}
+    assert {"manifest.json", "model.onnx", "model.trt.onnx"} <= set(runs[0][1])
+    assert runs[0] == runs[1]
+
+
 def test_not_2of4_checkpoint_is_refused_with_clear_message(tmp_path, capsys):
     """A weight edited after compression (manifest sha updated, so only the 2:4 proof can catch it)."""
     from safetensors.numpy import load_file, save_file
