@@ -34,6 +34,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping
 
 import numpy as np
@@ -315,6 +316,74 @@ class _CudaMem:
             pass
 
 
+# --------------------------------------------------------------------------- buffers
+
+
+@dataclass(frozen=True)
+class EngineBuffers:
+    """The engine's I/O tensors and the device buffers bound to them, sized once for the profile's largest
+    shape: an inference within the profile never needs more."""
+
+    inputs: Mapping[str, np.dtype]  # engine input -> the host dtype it reads
+    max_shape: Mapping[str, tuple[int, ...]]  # engine input -> the profile's largest shape
+    output: str
+    output_dtype: np.dtype
+    output_capacity: int  # bytes of the output buffer
+    ptrs: Mapping[str, int]  # tensor -> its device buffer
+
+    @property
+    def max_batch(self) -> int:
+        return self.max_shape["input_ids"][0]
+
+    @property
+    def max_seq(self) -> int:
+        return self.max_shape["input_ids"][1]
+
+
+def allocate_buffers(trt, engine, context, mem: _CudaMem, plan_path: Path, artifact: Artifact) -> EngineBuffers:
+    """Check the engine's I/O against the artifact contract, allocate its buffers on `mem` and bind them to
+    `context`. A refused engine raises BackendUnavailable (what was allocated is freed with `mem`)."""
+    inputs: dict[str, Any] = {}
+    max_shapes: dict[str, tuple[int, ...]] = {}
+    output: str | None = None
+    output_dtype = None
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        dtype = np.dtype(trt.nptype(engine.get_tensor_dtype(name)))
+        if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
+            if name not in INPUTS:
+                raise BackendUnavailable(f"{plan_path}: unexpected engine input {name!r}; expected {list(INPUTS)}")
+            _, _, max_shape = engine.get_tensor_profile_shape(name, 0)
+            inputs[name] = dtype
+            max_shapes[name] = tuple(int(x) for x in max_shape)
+        elif output is None:
+            output, output_dtype = name, dtype
+        else:
+            raise BackendUnavailable(f"{plan_path}: the engine has more than one output; expected only {OUTPUT!r}")
+    if "input_ids" not in inputs or output is None:
+        raise BackendUnavailable(f"{plan_path}: the engine needs an input_ids input and a logits output")
+    num_labels = artifact.num_labels
+    # The output buffer is sized from the engine, not the manifest: at the profile's largest inputs.
+    for name in inputs:
+        context.set_input_shape(name, max_shapes[name])
+    out_max = tuple(int(d) for d in context.get_tensor_shape(output))
+    if len(out_max) != 2 or any(d < 0 for d in out_max):
+        raise BackendUnavailable(f"{plan_path}: the engine's output {output!r} has shape {out_max} at the "
+                                 "largest profile shape; expected [batch, labels]. Rebuild the engine")
+    if out_max[1] != num_labels:
+        raise BackendUnavailable(
+            f"{plan_path}: the engine's output {output!r} has {out_max[1]} values per row but the checkpoint "
+            f"has {num_labels} labels: the engine was built from another model; rebuild it with "
+            f"`holoserve build-engine {artifact.path}`")
+    output_capacity = int(np.prod(out_max)) * output_dtype.itemsize
+    ptrs = {name: mem.malloc(int(np.prod(max_shapes[name])) * dt.itemsize) for name, dt in inputs.items()}
+    ptrs[output] = mem.malloc(output_capacity)
+    for name, ptr in ptrs.items():
+        context.set_tensor_address(name, ptr)
+    return EngineBuffers(MappingProxyType(inputs), MappingProxyType(max_shapes), output, output_dtype,
+                         output_capacity, MappingProxyType(ptrs))
+
+
 # --------------------------------------------------------------------------- backend
 
 
@@ -373,7 +442,7 @@ class TensorRTBackend:
         self._lock = threading.Lock()  # one execution context: one inference at a time
         self._closed = False
         try:
-            self._allocate(artifact)
+            self.buffers = allocate_buffers(trt, self.engine, self.context, self.mem, chosen.plan, artifact)
         except BaseException:
             self.close()
             raise
@@ -441,72 +510,31 @@ class TensorRTBackend:
             return False
         return True
 
-    # ---- buffers
-    def _allocate(self, artifact: Artifact) -> None:
-        trt, plan_path = self.trt, self.plan_path
-        self.inputs: dict[str, Any] = {}
-        self.max_shape: dict[str, tuple[int, ...]] = {}
-        self.output: str | None = None
-        for i in range(self.engine.num_io_tensors):
-            name = self.engine.get_tensor_name(i)
-            dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype(name)))
-            if self.engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-                if name not in INPUTS:
-                    raise BackendUnavailable(f"{plan_path}: unexpected engine input {name!r}; expected {list(INPUTS)}")
-                _, _, max_shape = self.engine.get_tensor_profile_shape(name, 0)
-                self.inputs[name] = dtype
-                self.max_shape[name] = tuple(int(x) for x in max_shape)
-            elif self.output is None:
-                self.output, self.output_dtype = name, dtype
-            else:
-                raise BackendUnavailable(f"{plan_path}: the engine has more than one output; expected only {OUTPUT!r}")
-        if "input_ids" not in self.inputs or self.output is None:
-            raise BackendUnavailable(f"{plan_path}: the engine needs an input_ids input and a logits output")
-        self.max_batch, self.max_seq = self.max_shape["input_ids"][:2]
-        self.num_labels = artifact.num_labels
-        # The output buffer is sized from the engine, not the manifest: at the profile's largest inputs.
-        for name in self.inputs:
-            self.context.set_input_shape(name, self.max_shape[name])
-        out_max = tuple(int(d) for d in self.context.get_tensor_shape(self.output))
-        if len(out_max) != 2 or any(d < 0 for d in out_max):
-            raise BackendUnavailable(f"{plan_path}: the engine's output {self.output!r} has shape {out_max} at the "
-                                     "largest profile shape; expected [batch, labels]. Rebuild the engine")
-        if out_max[1] != self.num_labels:
-            raise BackendUnavailable(
-                f"{plan_path}: the engine's output {self.output!r} has {out_max[1]} values per row but the checkpoint "
-                f"has {self.num_labels} labels: the engine was built from another model; rebuild it with "
-                f"`holoserve build-engine {artifact.path}`")
-        self.output_capacity = int(np.prod(out_max)) * self.output_dtype.itemsize
-        self.ptrs = {name: self.mem.malloc(int(np.prod(self.max_shape[name])) * dt.itemsize)
-                     for name, dt in self.inputs.items()}
-        self.ptrs[self.output] = self.mem.malloc(self.output_capacity)
-        for name, ptr in self.ptrs.items():
-            self.context.set_tensor_address(name, ptr)
-
     def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray) -> np.ndarray:
+        buf = self.buffers
         batch, seq = input_ids.shape
-        if batch > self.max_batch or seq > self.max_seq:
+        if batch > buf.max_batch or seq > buf.max_seq:
             # Larger than the engine's profile: split the batch (sequence length is capped by the manifest).
-            if seq > self.max_seq:
-                raise ValueError(f"sequence length {seq} exceeds the engine profile's maximum {self.max_seq}")
-            parts = [self.infer(input_ids[i:i + self.max_batch], attention_mask[i:i + self.max_batch],
-                                token_type_ids[i:i + self.max_batch]) for i in range(0, batch, self.max_batch)]
+            if seq > buf.max_seq:
+                raise ValueError(f"sequence length {seq} exceeds the engine profile's maximum {buf.max_seq}")
+            parts = [self.infer(input_ids[i:i + buf.max_batch], attention_mask[i:i + buf.max_batch],
+                                token_type_ids[i:i + buf.max_batch]) for i in range(0, batch, buf.max_batch)]
             return np.concatenate(parts, axis=0)
         arrays = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
         with self._lock:
             if self._closed:
                 raise RuntimeError("the TensorRT backend is closed")
-            for name, dtype in self.inputs.items():
+            for name, dtype in buf.inputs.items():
                 host = np.ascontiguousarray(arrays[name], dtype=dtype)
                 self.context.set_input_shape(name, tuple(host.shape))
-                self.mem.htod(self.ptrs[name], host)
-            out_shape = tuple(self.context.get_tensor_shape(self.output))
-            out = np.empty(out_shape, dtype=self.output_dtype)
-            if out.nbytes > self.output_capacity:  # cannot happen within the profile; never write past the buffer
-                raise RuntimeError(f"TensorRT output {out_shape} is larger than its buffer ({self.output_capacity} B)")
+                self.mem.htod(buf.ptrs[name], host)
+            out_shape = tuple(self.context.get_tensor_shape(buf.output))
+            out = np.empty(out_shape, dtype=buf.output_dtype)
+            if out.nbytes > buf.output_capacity:  # cannot happen within the profile; never write past the buffer
+                raise RuntimeError(f"TensorRT output {out_shape} is larger than its buffer ({buf.output_capacity} B)")
             if not self.context.execute_async_v3(self.mem.stream_handle):
                 raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log)")
-            self.mem.dtoh(out, self.ptrs[self.output])
+            self.mem.dtoh(out, buf.ptrs[buf.output])
             self.mem.synchronize()
         return out.astype(np.float32, copy=False)
 
@@ -540,8 +568,8 @@ class TensorRTBackend:
             "device": "cuda",
             "gpu": self.gpu,
             "compute_capability": self.compute_capability,
-            "max_batch": int(self.max_batch),
-            "max_sequence": int(self.max_seq),
+            "max_batch": int(self.buffers.max_batch),
+            "max_sequence": int(self.buffers.max_seq),
             "sparsity": {k: sp.get(k) for k in ("requested", "verdict", "sparse_gemms", "dense_gemms", "unknown_gemms",
                                                 "note") if k in sp} or None,
             "precision": self.sidecar.get("precision"),

@@ -368,6 +368,9 @@ class _FakeContext:
     def set_tensor_address(self, name, ptr):
         self.addresses[name] = ptr
 
+    def execute_async_v3(self, stream):
+        return True
+
 
 class _FakeMem:
     def __init__(self):
@@ -377,6 +380,18 @@ class _FakeMem:
         ptr = 4096 * (len(self.sizes) + 1)
         self.sizes[ptr] = n
         return ptr
+
+    stream_handle = 0
+
+    def htod(self, dst, src):
+        self.host = getattr(self, "host", {}) | {dst: src.copy()}
+
+    def dtoh(self, dst, src):  # the "engine": each row's logits are its first two token ids
+        ids = next(a for a in self.host.values() if a.shape[0] == dst.shape[0] and a.max() > 1)
+        dst[:] = ids[:, :dst.shape[1]]
+
+    def synchronize(self):
+        pass
 
     def close(self):
         self.closed += 1
@@ -393,17 +408,32 @@ def _fake_backend(engine, num_labels=2):
     be._finalizer = weakref.finalize(be, be.mem.close)
     be._lock, be._closed = threading.Lock(), False
     art = type("A", (), {"num_labels": num_labels, "path": trt_backend.Path("ckpt")})
-    be._allocate(art)
+    be.buffers = trt_backend.allocate_buffers(trt, engine, be.context, be.mem, be.plan_path, art)
     return be
 
 
 def test_output_buffer_is_sized_from_the_engine():
     be = _fake_backend(_FakeEngine(out_labels=2, max_shape=(8, 32)))
-    assert be.output_capacity == 8 * 2 * 4 and be.mem.sizes[be.ptrs["logits"]] == 64
-    assert be.mem.sizes[be.ptrs["input_ids"]] == 8 * 32 * 8
+    buf = be.buffers
+    assert buf.output_capacity == 8 * 2 * 4 and be.mem.sizes[buf.ptrs["logits"]] == 64
+    assert be.mem.sizes[buf.ptrs["input_ids"]] == 8 * 32 * 8
     assert set(be.context.addresses) == {"input_ids", "attention_mask", "token_type_ids", "logits"}
     with pytest.raises(BackendUnavailable, match="3 values per row but the checkpoint has 2 labels"):
         _fake_backend(_FakeEngine(out_labels=3))
+
+
+def test_buffers_are_one_frozen_record_and_infer_splits_a_batch_beyond_the_profile():
+    import dataclasses
+
+    be = _fake_backend(_FakeEngine(out_labels=2, max_shape=(8, 32)))
+    assert (be.buffers.max_batch, be.buffers.max_seq) == (8, 32) and be.buffers.output == "logits"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        be.buffers.output_capacity = 1
+    ids = np.arange(2, 2 + 20 * 4, dtype=np.int64).reshape(20, 4)  # 20 rows > the profile's 8: three runs
+    out = be.infer(ids, np.ones_like(ids), np.zeros_like(ids))
+    assert out.dtype == np.float32 and np.array_equal(out, ids[:, :2].astype(np.float32))
+    with pytest.raises(ValueError, match="exceeds the engine profile's maximum 32"):
+        be.infer(*(np.ones((1, 33), dtype=np.int64),) * 3)
 
 
 def test_close_frees_device_memory_once():
