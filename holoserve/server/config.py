@@ -1,9 +1,14 @@
-"""Server settings: one dataclass, every field settable by a CLI flag or a HOLOSERVE_* variable."""
+"""Server settings: one dataclass, every field settable by a CLI flag or a HOLOSERVE_* variable.
+
+Each field is described once, in its metadata (`option`): `holoserve serve --help`, the list of HOLOSERVE_*
+variables and docs/usage.md's options table are all made from it (serve_cli.options_table). A comment on a
+field says why its default is what it is.
+"""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, Callable, Sequence
 
 from .. import HoloServeError
 from ..core.choices import (OPENVINO_KERNELS, OPENVINO_KERNELS_DEFAULT, OPENVINO_PRECISIONS, TORCH_CUDA_ROUTES,
@@ -13,76 +18,131 @@ from ..core.settings import field_types, parse_setting
 TOKEN_ENV = "HOLOSERVE_API_TOKEN"
 
 
+def option(default: Any, help: str, *, choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+           flag: bool = True) -> Any:
+    """A server setting: its default and its one description (`help`, what it does, for a user). `choices`: the
+    values it takes, or a function that lists them where the list is only known once the code is loaded;
+    `flag=False`: settable by its environment variable only."""
+    meta: dict[str, Any] = {"help": help, "flag": flag}
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta)
+
+
+def backend_names() -> tuple[str, ...]:
+    """"auto" and every backend in the registry (holoserve.backends.base), in its order; the registry is
+    imported here, not at module level, so that reading the settings loads no backend code."""
+    from ..backends.base import available_backends
+
+    return ("auto", *available_backends())
+
+
+def choices_of(f: Field) -> tuple[str, ...] | None:
+    """The values a setting takes, where it has a fixed set."""
+    c = f.metadata.get("choices")
+    if c is None:
+        return None
+    return tuple(c() if callable(c) else c)
+
+
 @dataclass
 class ServerConfig:
-    artifact_dir: str = ""
-    backend: str = "auto"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    workers: int = 1
-    max_batch_size: int = 32  # 1 turns dynamic batching off
-    # How long a non-full batch waits for company; 0 (Triton's default too), as under load batches form from
-    # requests that arrive while the previous batch runs; why: docs/results/2026-11-21-serving.md
-    max_queue_delay_ms: float = 0.0
-    # Split a merged batch into length groups when padding would pass this share of its tokens; negative:
-    # never. "auto": 0.25 on CPU backends; never on GPU ones (torch-cuda, tensorrt), where one padded
-    # launch costs less than several small ones; why: docs/results/2026-11-25-gpu-h100.md
-    max_padding_waste: str = "auto"
-    # Close a batch once its padded tokens (sequences x the longest) would pass this budget; 0: count only.
-    max_batch_tokens: int = 0
-    # A lone sequence with nothing queued behind it runs on the event-loop thread instead of being
-    # handed to the inference thread, saving the hand-off and its wake-ups; why: docs/results/2026-11-21-serving.md
+    artifact_dir: str = option("", "checkpoint folder", flag=False)
+    backend: str = option("auto", "inference backend; auto = tensorrt > torch-cuda > the faster of openvino and "
+                          "onnxruntime (timed at start-up), whichever this machine can run", choices=backend_names)
+    host: str = option("127.0.0.1", "bind address (127.0.0.1: this machine only; 0.0.0.0: all interfaces, as in "
+                       "the container)")
+    port: int = option(8000, "TCP port")
+    workers: int = option(1, "server processes (each loads the model; the backend is chosen once for all of them; "
+                          "/metrics reports all of them together)")
+    max_batch_size: int = option(32, "largest batch the dynamic batcher forms; 1 turns batching off")
+    # 0 (Triton's default too): under load, batches form from requests that arrive while the previous batch
+    # runs; why: docs/results/2026-11-21-serving.md
+    max_queue_delay_ms: float = option(0.0, "how long a non-full batch waits for more requests")
+    # auto: on GPU backends one padded launch costs less than several small ones; why:
+    # docs/results/2026-11-25-gpu-h100.md
+    max_padding_waste: str = option(
+        "auto", "split a merged batch into length groups when padding would exceed this share of its tokens "
+        "(negative: always pad the whole batch to its longest; auto: 0.25 on CPU backends, never split on GPU "
+        "backends)")
+    max_batch_tokens: int = option(
+        0, "close a batch when its padded tokens (sequences x its longest sequence) would pass this budget, so "
+        "short requests are not batched behind long ones; a sequence longer than the budget runs alone; 0 = "
+        "batches close on --max-batch-size only")
+    # Saves the hand-off to the inference thread and its wake-ups; why: docs/results/2026-11-21-serving.md.
     # The loop is busy for that one run, so a request arriving meanwhile is read when it ends: it would
     # have waited for the single inference thread anyway.
-    inline_single: bool = True
-    max_queue_size: int = 256  # sequences waiting for inference; beyond this: 503 + Retry-After
-    max_items: int = 64  # texts (or pairs) per request
-    max_text_bytes: int = 10_000  # UTF-8 bytes per text
-    max_body_bytes: int = 1_000_000  # whole request body; beyond this: 413
-    # Request bodies being received or held by requests in progress, all together; beyond this: 503 + Retry-After,
-    # so that many clients sending large bodies at once cannot take more memory than this (middleware.py).
-    max_buffered_body_bytes: int = 64_000_000
-    max_seq_length: int = 0  # 0: the checkpoint's manifest value
-    threads: int = 0  # backend intra-op threads; 0: the library's default
-    # OpenVINO's precision for the float ops around its INT8 GEMMs: "auto" is its CPU default (bf16 where the
-    # CPU has bf16 units: a few predictions differ from `holoserve eval`), "f32" matches `holoserve eval`;
-    # why: docs/results/2026-11-24-openvino.md
-    openvino_precision: str = "auto"
-    # OpenVINO models compiled for fixed (batch x seq) shapes beside the dynamic one, e.g. "1x128,32x128": a batch
-    # that fits one with little padding (openvino.STATIC_PAD_SHARE) runs there, where OpenVINO fuses more;
-    # why: docs/results/2026-11-24-openvino.md
-    openvino_shapes: str = ""
-    # OpenVINO's sparse INT8 weight decompression (CPUs with AMX only): off, as it showed no consistent gain;
-    # why: docs/results/2026-11-24-openvino.md
-    openvino_sparse_weights: bool = False
-    # HoloServe's 2:4 INT8 kernels for OpenVINO's Linears (holoserve.kernels): auto = where the CPU and a C++
-    # compiler (or a prebuilt library) allow them; on = fail without them; off = OpenVINO's GEMMs.
-    openvino_kernels: str = OPENVINO_KERNELS_DEFAULT
-    # The torch backend's float dtype: fp32 is the checkpoint's numerics; fp16 (CUDA only) is how a GPU
-    # serves a dense model, the GPU baseline bench/serve_load compares torch-cuda with.
-    torch_precision: str = "fp32"
-    torch_compile: bool = False  # the torch backend through torch.compile; its first calls compile (warm-up)
-    # torch-cuda: which INT8 GEMMs serve each batch bucket; auto = whichever of the 2:4 and the dense INT8
-    # GEMMs of the same weights ran faster at load (the table is in /v1/models); sparse until auto has run on a GPU
-    torch_cuda_route: str = "sparse"
-    model_name: str = ""  # default: the checkpoint folder's name
-    warmup: bool = True
-    verify: bool = True  # check sha256 of every checkpoint file at start-up
-    graceful_timeout_s: float = 30.0
+    inline_single: bool = option(True, "run a lone batch-1 inference on the event-loop thread (no thread "
+                                 "hand-off) when nothing else is queued")
+    max_queue_size: int = option(256, "sequences allowed to wait for inference; beyond it requests get 503 + "
+                                 "Retry-After")
+    max_items: int = option(64, "texts or pairs per request")
+    max_text_bytes: int = option(10_000, "UTF-8 bytes per text")
+    max_body_bytes: int = option(1_000_000, "request body bytes (413 beyond)")
+    # So that many clients sending large bodies at once cannot take more memory than this (middleware.py).
+    max_buffered_body_bytes: int = option(
+        64_000_000, "request body bytes held by all requests in progress together (503 + Retry-After beyond), "
+        "which bounds the memory many large bodies at once can take")
+    max_seq_length: int = option(
+        0, "tokens per sequence after truncation; 0 = the checkpoint's manifest value, which is also the most it "
+        "accepts (the model was calibrated and exported for it; its position table bounds it too)")
+    threads: int = option(0, "backend intra-op threads; 0 = the library default")
+    # auto: OpenVINO's own default; why: docs/results/2026-11-24-openvino.md
+    openvino_precision: str = option(
+        "auto", "openvino backend: precision of the float ops around the INT8 GEMMs; auto = OpenVINO's CPU default "
+        "(bf16 on CPUs with bf16 units: a few predictions differ from `holoserve eval`), f32 = the checkpoint's "
+        "numerics", choices=OPENVINO_PRECISIONS)
+    # Why (openvino.STATIC_PAD_SHARE is the padding share): docs/results/2026-11-24-openvino.md
+    openvino_shapes: str = option(
+        "", "openvino backend: BATCHxSEQ shapes to compile static models for, e.g. 1x128,32x128 (each compiled at "
+        "start-up, one more copy of the model in memory); a batch that fits one with at most 10 % padding runs "
+        "there (OpenVINO fuses more with static shapes), every other batch on the dynamic model")
+    # Off, as it showed no consistent gain; why: docs/results/2026-11-24-openvino.md
+    openvino_sparse_weights: bool = option(False, "openvino backend: let OpenVINO decompress the 2:4 INT8 weights "
+                                           "(CPUs with AMX only; see docs/results/2026-11-24-openvino.md)")
+    openvino_kernels: str = option(
+        OPENVINO_KERNELS_DEFAULT, "openvino backend: run the 2:4 INT8 Linears on HoloServe's own kernels, which "
+        "skip the zeros (AVX-512 VNNI + VBMI, no AMX; `python -m holoserve.kernels build` builds them ahead of "
+        "time); auto = where this machine can, falling back to OpenVINO's GEMMs, on = fail where they cannot run, "
+        "off = OpenVINO's GEMMs", choices=OPENVINO_KERNELS)
+    # fp16: the GPU baseline bench/serve_load compares torch-cuda with.
+    torch_precision: str = option(
+        "fp32", "torch backend: float dtype; fp32 = the checkpoint's numerics, fp16 = how a GPU serves a dense "
+        "model (CUDA only; a few predictions can differ from fp32)", choices=TORCH_PRECISIONS)
+    torch_compile: bool = option(False, "torch backend: run the model through torch.compile (dynamic shapes; the "
+                                 "first requests of each kind compile, the warm-up pays for the first)")
+    # sparse until auto has run on a GPU
+    torch_cuda_route: str = option(
+        "sparse", "torch-cuda backend: which INT8 GEMMs serve each batch bucket; auto = the faster of the 2:4 and "
+        "the dense INT8 GEMMs of the same weights, timed at start-up (the table is in /v1/models); sparse or "
+        "dense-int8 = that kind for every bucket", choices=TORCH_CUDA_ROUTES)
+    model_name: str = option("", "name reported by the API and metrics; default: the checkpoint folder's name")
+    warmup: bool = option(True, "run the model once before reporting ready")
+    verify: bool = option(True, "check the sha256 of every checkpoint file at start-up")
+    graceful_timeout_s: float = option(30.0, "seconds to drain in-flight requests on SIGTERM/SIGINT; requests "
+                                       "still running then get 503 + Retry-After")
     # Connection-level limits, enforced by the HTTP protocol (connections.py) before the app sees a request.
     # Each bounds what one client can hold: nginx, Node and h11 ship limits of the same order.
-    max_header_bytes: int = 16_384  # request line + headers; beyond this: 431 and the connection is closed
-    header_timeout_s: float = 10.0  # to receive a whole request head, from its first byte (or from connect)
-    body_timeout_s: float = 30.0  # to receive a whole request body once its head has arrived
-    # A client that takes none of its response for this long has its connection aborted (and the
-    # response bytes buffered for it dropped).
-    send_timeout_s: float = 30.0
-    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
-    max_connections: int = 1024  # open connections per process; beyond it the longest-stalled one is dropped
-    log_level: str = "info"
-    # One JSON line per request costs the event loop a record per request; off unless asked for.
-    access_log: bool = False
-    api_token: str = ""  # bearer token; from HOLOSERVE_API_TOKEN only (never a flag: flags show in `ps`)
+    max_header_bytes: int = option(16_384, "largest request line + headers in bytes; beyond it the client gets "
+                                   "431 and the connection is closed")
+    header_timeout_s: float = option(10.0, "seconds a client has to send a whole request head, from its first "
+                                     "byte (or from connecting); then 408 and the connection is closed "
+                                     "(slow-header clients)")
+    body_timeout_s: float = option(30.0, "seconds a client has to send a whole request body once its head has "
+                                   "arrived; then 408 and the connection is closed (slow-body clients)")
+    # The response bytes buffered for the aborted connection are dropped with it.
+    send_timeout_s: float = option(30.0, "seconds a client may take none of its response before its connection "
+                                   "is aborted")
+    keep_alive_timeout_s: float = option(5.0, "seconds an idle keep-alive connection is kept open")
+    max_connections: int = option(
+        1024, "open connections per server process; beyond it the connection that has waited longest for its "
+        "client (idle, or a request still arriving) is closed, and when all are busy the new one gets 503; the "
+        "open-file limit is raised to fit it where allowed")
+    log_level: str = option("info", "log level (debug, info, warning, error)")
+    access_log: bool = option(False, "write one JSON access-log line per request (off by default: a record per "
+                              "request costs the server's event loop time under load)")
+    # Never a flag: flags show in `ps`.
+    api_token: str = option("", f"bearer token; from {TOKEN_ENV} only", flag=False)
 
     def padding_waste_for(self, backend) -> float:
         """max_padding_waste as the batcher takes it, "auto" resolved for this backend."""
