@@ -140,5 +140,5 @@ def create_app(config: ServerConfig, *, artifact: Artifact | None = None, backen
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
-    app.add_middleware(EdgeMiddleware, config=config, metrics=service.metrics)
+    app.add_middleware(EdgeMiddleware, config=config, metrics=service.metrics, service=service)
     return app

@@ -133,6 +133,11 @@ class DynamicBatcher:
     def depth(self) -> int:
         return len(self._queue)
 
+    @property
+    def busy(self) -> bool:
+        """A batch is running or sequences wait: the server is under load."""
+        return self._busy or bool(self._queue)
+
     def retry_after_s(self) -> int:
         batches_ahead = math.ceil(max(1, len(self._queue)) / self.max_batch_size) + 1
         return max(1, math.ceil(batches_ahead * self._avg_batch_s))

@@ -146,6 +146,7 @@ if HttpToolsProtocol is not None:
             self._in_body = False  # the head is complete, the body is not
             self._head_bytes = 0  # bytes of earlier reads of the head in progress
             self._heads = 0  # request heads begun on this connection
+            self._body_in_read = False  # body bytes were parsed in the read being handled
             self._closed = False  # _close has run: one closure, counted once
             self._draining = False  # the server is shutting down: answer what is on its way, then close
             self._chunk = 0  # size of the read being parsed
@@ -187,6 +188,7 @@ if HttpToolsProtocol is not None:
 
         def data_received(self, data: bytes) -> None:
             self._chunk = len(data)
+            self._body_in_read = False
             continuing, heads = self._head_started, self._heads
             super().data_received(data)
             if self._refused is not None:
@@ -197,8 +199,11 @@ if HttpToolsProtocol is not None:
             if self._head_started:  # a head spans reads: bound its size and its time
                 if continuing and heads == self._heads:  # the whole read belongs to the head in progress
                     self._head_bytes += self._chunk
-                else:  # the head began in this read, after earlier (pipelined) requests: its parsed part
+                elif self._body_in_read:  # the head began after a body in this read: its part parsed so far
                     self._head_bytes = self._parsed_head_bytes()
+                else:  # the head began in this read: what follows the last complete head in it, if any
+                    end = data.rfind(b"\r\n\r\n")
+                    self._head_bytes = len(data) - (end + 4 if end >= 0 else 0)
                 if self._head_bytes > self._max_head:
                     msg = f"the request line and headers exceed {self._max_head} bytes"
                     return self._close("header_too_large", msg,
@@ -238,6 +243,7 @@ if HttpToolsProtocol is not None:
                 self.cycle.keep_alive = False
 
         def on_body(self, body: bytes) -> None:
+            self._body_in_read = True
             if self._refused is None:
                 super().on_body(body)
 

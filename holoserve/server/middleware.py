@@ -36,6 +36,7 @@ import time
 import uuid
 import zlib
 
+from . import fastpath
 from .config import ServerConfig
 from .memory import MemoryReleaser
 from .metrics import ServerMetrics
@@ -119,8 +120,9 @@ def declares_body(headers: dict[bytes, bytes]) -> bool:
 class EdgeMiddleware:
     """Request id, bearer auth, body-size limits, HTTP metrics and the JSON access log."""
 
-    def __init__(self, app, config: ServerConfig, metrics: ServerMetrics):
+    def __init__(self, app, config: ServerConfig, metrics: ServerMetrics, service=None):
         self.app, self.config, self.metrics = app, config, metrics
+        self.service = service  # valid JSON /predict requests are answered by fastpath.py through it
         token = config.api_token
         self.token = token.encode() if token else None
         self.buffered = 0  # body bytes held by requests in progress, all together
@@ -221,6 +223,10 @@ class EdgeMiddleware:
                 scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
                                               if k not in (b"content-encoding", b"content-length")]
                          + [(b"content-length", str(len(body)).encode())]}
+            if path == "/predict" and self.service is not None:
+                req = fastpath.parse(headers, body)
+                if req is not None:
+                    return await fastpath.answer(self.service, req, rid, scope["state"], send_wrapped)
             replayed = False
 
             async def replay():

@@ -142,7 +142,8 @@ class ClassifierService:
         self.max_seq = effective_max_seq_length(config, artifact)
         self.encoder = TextEncoder(artifact.path / "tokenizer.json", self.max_seq, pair=artifact.is_pair)
         # texts waiting to be tokenized are bounded as the batcher's queue is
-        self.tokenizer = TokenizeQueue(self.encoder.encode, config.max_queue_size, _INLINE_TOKENIZE_BYTES)
+        self.tokenizer = TokenizeQueue(self.encoder.encode, config.max_queue_size, _INLINE_TOKENIZE_BYTES,
+                                       busy=lambda: self.batcher is not None and self.batcher.busy)
         self.labels = artifact.labels or ["score"]
         self.regression = not artifact.labels
         self.limits = InputLimits(max_items=config.max_items, max_text_bytes=config.max_text_bytes,

@@ -2,8 +2,10 @@
 tokenizer, on one worker thread, so that a long text (or many) never stalls the loop that reads every other
 request, and many short requests cost one hand-off instead of one each.
 
-A small request (a few hundred bytes of text) finds the worker idle most of the time and is encoded on the
-loop itself: the hand-off to a thread would cost more than its tokenizing. Texts waiting to be encoded are
+A small request (a few hundred bytes of text) that arrives while the server is idle is encoded on the loop
+itself: alone, the hand-off to a thread would cost more than its tokenizing. Under load (`busy()`: the
+batcher runs or has work waiting) every request goes to the worker, where the requests that arrived together
+are encoded in one `encode_batch` call, which runs outside the interpreter lock. Texts waiting to be encoded are
 bounded (`max_pending`); a request that would pass the bound is refused at once (`TokenizeQueueFull`, 503 +
 Retry-After), as the batcher's queue refuses work past its own bound.
 """
@@ -27,8 +29,10 @@ class TokenizeQueueFull(Exception):
 class TokenizeQueue:
     """Encodes requests' items (texts or pairs) with `encode`, merging the requests that wait together."""
 
-    def __init__(self, encode: EncodeFn, max_pending: int, inline_bytes: int = 1024):
+    def __init__(self, encode: EncodeFn, max_pending: int, inline_bytes: int = 1024,
+                 busy: Callable[[], bool] = lambda: False):
         self._encode = encode
+        self._server_busy = busy
         self.max_pending = max_pending
         self.inline_bytes = inline_bytes
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="holoserve-tokenize")
@@ -38,7 +42,7 @@ class TokenizeQueue:
         self.pending = 0  # items handed to the worker and not yet delivered (event-loop thread only)
 
     async def encode(self, items: Sequence, nbytes: int) -> list[Encoded]:
-        if nbytes <= self.inline_bytes and not self._busy:
+        if nbytes <= self.inline_bytes and not self._busy and not self._server_busy():
             return self._encode(items)
         if self.pending + len(items) > self.max_pending:
             raise TokenizeQueueFull(self.pending, self.max_pending)
