@@ -26,6 +26,10 @@ Phases, each against a real server process on loopback:
 8. unread: connections that pipeline requests with ~0.9 MB answers and never read them, beside
    neighbours: each must be aborted (after the server's send timeout, or sooner when the stalled
    answers together pass the server's budget for them), memory staying bounded.
+10. bounded (bench/hostile/bounded.py): a pair of 10 KB texts on a pair model, 1,000 unauthenticated 999 KB
+   bodies to POST /healthz, 64 x 10 KB texts per request, 120 pipelined requests and part of a 121st, a
+   SIGTERM with a body arriving and a full queue, a client that never reads: each on a fresh server with
+   its peak and after memory, the neighbours' longest wait, statuses and counters.
 9. workers: `--workers 2` with a token: duplicate Authorization headers, then a worker SIGKILLed under
    load (fresh connection per request): failures only among the requests in flight at the kill, the
    worker replaced, /metrics agreeing with /readyz within 5 s.
@@ -951,6 +955,10 @@ def write_markdown(res: dict, path: Path) -> None:
                   f"{wk.get('workers_peak_rss_mb')} MB."]
     if res.get("server_counters"):
         lines += ["", f"Connections the server closed, by reason (its metrics): {res['server_counters']}"]
+    if "bounded" in res:
+        from bench.hostile.bounded import bounded_rows
+
+        lines += ["", "## 10. Work and memory bounded before anything is done", ""] + bounded_rows(res["bounded"])
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
@@ -1008,6 +1016,11 @@ def summarize(res: dict) -> dict:
             add("workers: /metrics not consistent with /readyz within 5 s", wk["metrics_consistent_after_s"] is None)
             add("workers: the dead worker was not replaced", wk["replaced_after_s"] is None)
             tried += nb["tried"] + len(wk["auth_cases"])
+    if "bounded" in res:
+        from bench.hostile.bounded import bounded_failures
+
+        for kind, n in bounded_failures(res["bounded"]).items():
+            add(f"bounded: {kind}", n)
     return {"requests_tried": tried, "connections_tried": conns, "failures_total": sum(failures.values()),
             "failures_by_kind": failures}
 
@@ -1044,6 +1057,9 @@ def main() -> int:
     ap.add_argument("--unread", type=int, default=16, help="connections that never read their answers")
     ap.add_argument("--unread-pipelined", type=int, default=4)
     ap.add_argument("--no-workers", action="store_true", help="skip phase 9 (--workers 2, a worker killed)")
+    ap.add_argument("--pair-checkpoint", default=None,
+                    help="a text-pair checkpoint for phase 10's pair case; default: a tiny random MRPC one")
+    ap.add_argument("--no-bounded", action="store_true", help="skip phase 10 (work and memory bounded)")
     args = ap.parse_args()
 
     import resource
@@ -1123,6 +1139,12 @@ def main() -> int:
         except Exception as e:  # a failure to report, not a crash of the benchmark
             res["workers"] = {"error": f"{type(e).__name__}: {e}"}
         print(f"workers: {res['workers']}", flush=True)
+    if not args.no_bounded:
+        from bench.hostile.bounded import run_bounded
+        from tests.helpers.serving import make_tiny_checkpoint
+
+        pair_ckpt = Path(args.pair_checkpoint).resolve() if args.pair_checkpoint else make_tiny_checkpoint(tmp, "mrpc")
+        res["bounded"] = run_bounded(root, ckpt, pair_ckpt, settings, log, args.server_nofile, args.neighbours, 6.0)
     res["summary"] = summarize(res)
     out = Path(args.out) if args.out else dated_results("hostile") / "hostile"
     atomic_write_json(out.with_suffix(".json"), res)

@@ -64,6 +64,29 @@ def sst2_sentences(data_dir: str | None, limit: int = 872) -> tuple[list[str], s
     return FALLBACK, "built-in SST-2-like sentences (no data dir)"
 
 
+def load_texts(kind: str, data_dir: str | None) -> tuple[list, str]:
+    """The texts a load sends: `short` SST-2 dev sentences; `long` three consecutive dev sentences joined (about
+    64 to 128 tokens, where truncation to the model's length bites); `pairs` MRPC dev sentence pairs."""
+    if kind == "short":
+        return sst2_sentences(data_dir)
+    if kind == "long":
+        texts, source = sst2_sentences(data_dir)
+        return [" ".join(texts[i:i + 3]) for i in range(0, len(texts) - 2, 3)], f"three joined sentences of {source}"
+    if kind == "pairs":
+        if not data_dir:
+            raise SystemExit("--texts pairs needs --data-dir (the GLUE folder with MRPC/dev.tsv)")
+        from holoserve.data.glue import read_split
+
+        rows = read_split("mrpc", "dev", data_dir)
+        return [(ex.text, ex.text_pair) for ex in rows], f"MRPC dev ({len(rows)} pairs)"
+    raise SystemExit(f"unknown --texts {kind!r}: choose short, long or pairs")
+
+
+def request_body(item) -> bytes:
+    """The /predict body for one text or one (text, text) pair."""
+    return json.dumps({"pairs": [list(item)]} if isinstance(item, tuple) else {"text": item}).encode()
+
+
 # --------------------------------------------------------------------------- client
 
 
@@ -113,7 +136,7 @@ class Conn:
 
 async def run_load(port: int, texts: list[str], clients: int, duration: float, max_requests: int) -> dict:
     """Closed-loop clients for `duration` s (or `max_requests` answers); raw latencies and statuses."""
-    bodies = [json.dumps({"text": t}).encode() for t in texts]
+    bodies = [request_body(t) for t in texts]
     lat: list[float] = []
     statuses: dict[int, int] = {}
     server_ms: list[dict] = []
@@ -263,15 +286,16 @@ def free_port() -> int:
 
 
 def start_server(ckpt: Path, port: int, threads: int, extra: list[str], log: Path,
-                 backend: str = "onnxruntime", ready_s: float = 120.0) -> subprocess.Popen:
-    """`holoserve serve` in its own process; returns once /readyz answers 200 (load and warm-up done), or
-    raises after `ready_s` seconds (a GPU backend that times or compiles kernels at start-up needs more)."""
+                 backend: str = "onnxruntime", ready_s: float = 120.0, root: Path = REPO) -> subprocess.Popen:
+    """`holoserve serve` from the checkout `root` in its own process; returns once /readyz answers 200 (load and
+    warm-up done), or raises after `ready_s` seconds (a GPU backend that times or compiles kernels at start-up
+    needs more)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOLOSERVE_")}
     env.update(OMP_NUM_THREADS=str(threads),
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
     cmd = [sys.executable, "-m", "holoserve", "serve", str(ckpt), "--backend", backend, "--host", "127.0.0.1",
            "--port", str(port), "--threads", str(threads), *extra]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
+    proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
     import urllib.request
 
     deadline = time.monotonic() + ready_s

@@ -1,0 +1,133 @@
+"""The server's own cost per request: this checkout's `holoserve serve` against another checkout's (a baseline
+commit), on the same checkpoint with the same backend and settings, in one run.
+
+Both servers stay up and take turns round by round at each client level (closed-loop keep-alive clients in
+one asyncio process), so drifting load on the shared cores hits both alike. Reported per level and server:
+requests/s, p50/p99 latency, and the server process's CPU time per request (user + system, from
+/proc/PID/stat), which is what a faster request path saves whatever the model costs.
+
+    git worktree add /tmp/baseline <commit>
+    python -m bench.serve_load.versions --checkpoint runs/minilm-sst2 --baseline-root /tmp/baseline \\
+        --data-dir "$GLUE_DIR" --texts short --clients 1,32
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench import dated_results
+from bench.serve_load.run import (REPO, free_port, load_texts, machine, run_load, start_server, stop_server,
+                                  summarize)
+from holoserve.core.files import atomic_write_json, atomic_write_text
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def compare(servers: dict[str, tuple[subprocess.Popen, int]], texts: list, clients: int, rounds: int,
+            duration: float) -> dict[str, dict]:
+    """One client level on every server in turns; each server's summary with its CPU ms per answered request."""
+    parts: dict[str, list[dict]] = {n: [] for n in servers}
+    cpu = {n: 0.0 for n in servers}
+    for _ in range(rounds):
+        for name, (proc, port) in servers.items():
+            c0 = cpu_seconds(proc.pid)
+            parts[name].append(asyncio.run(run_load(port, texts, clients, duration / rounds, 10 ** 9)))
+            cpu[name] += cpu_seconds(proc.pid) - c0
+    out = {}
+    for name in servers:
+        lv = summarize(clients, parts[name])
+        lv["server_cpu_ms_per_request"] = round(1000 * cpu[name] / lv["ok"], 3) if lv["ok"] else None
+        out[name] = lv
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# The server's own cost: this checkout vs {res['baseline']} ({res['date']})", "",
+             f"Machine: {res['machine'].get('cpu', '')}, {res['machine'].get('cores', '')} cores; checkpoint "
+             f"{res['checkpoint']}; backend {res['backend']}, {res['threads']} thread(s); {res['texts']}; "
+             f"{res['rounds']} alternating rounds, {res['duration_s']} s per level and server.", "",
+             f"`{res['command']}`", "",
+             "| server | clients | req/s | p50 ms | p99 ms | server CPU ms / request | statuses |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for lv in res["levels"]:
+        for name, r in lv["servers"].items():
+            lines.append(f"| {name} | {r['clients']} | {r['throughput_rps']} | {r.get('p50_ms')} | {r.get('p99_ms')} | "
+                         f"{r['server_cpu_ms_per_request']} | {r['status_counts']} |")
+    lines += ["", "Ratios (this checkout / baseline): " + json.dumps(res["ratios"]), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.serve_load.versions", description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True, help="an exported checkpoint folder")
+    ap.add_argument("--baseline-root", required=True, help="a checkout of the baseline (git worktree add DIR COMMIT)")
+    ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"))
+    ap.add_argument("--texts", default="short", help="short, long (three sentences joined) or pairs (MRPC)")
+    ap.add_argument("--clients", default="1,32")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds per level and server, over --rounds")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--backend", default="onnxruntime")
+    ap.add_argument("--out", help="output folder (default bench/results/<today>-serve-versions)")
+    args = ap.parse_args(argv)
+
+    ckpt, baseline = Path(args.checkpoint).resolve(), Path(args.baseline_root).resolve()
+    texts, source = load_texts(args.texts, args.data_dir)
+    out = Path(args.out) if args.out else dated_results("serve-versions")
+    out.mkdir(parents=True, exist_ok=True)
+    head = subprocess.run(["git", "-C", str(baseline), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or baseline.name
+    ours = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    roots = {f"baseline {head}": baseline, f"this checkout {ours}": REPO}
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
+    res: dict = {"benchmark": "serve_versions", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 "machine": machine(), "baseline": head, "checkpoint": ckpt.name, "backend": args.backend,
+                 "threads": args.threads, "texts": source, "rounds": args.rounds, "duration_s": args.duration,
+                 "command": "python -m bench.serve_load.versions --checkpoint CKPT --baseline-root DIR "
+                            f"--data-dir \"$GLUE_DIR\" --texts {args.texts} --clients {args.clients}",
+                 "levels": []}
+    try:
+        for name, root in roots.items():
+            port = free_port()
+            log = out / f"{name.split()[0]}.log.tmp"
+            servers[name] = (start_server(ckpt, port, args.threads, [], log, args.backend, root=root), port)
+            asyncio.run(run_load(port, texts, 8, 2.0, 400))  # warm-up, not recorded
+        for c in (int(x) for x in args.clients.split(",")):
+            got = compare(servers, texts, c, args.rounds, args.duration)
+            res["levels"].append({"clients": c, "servers": got})
+            for name, r in got.items():
+                print(f"{name:28s} clients {c:3d}: {r['throughput_rps']:8.1f} req/s  p50 {r.get('p50_ms')} ms  "
+                      f"cpu {r['server_cpu_ms_per_request']} ms/req  {r['status_counts']}", flush=True)
+    finally:
+        for proc, _ in servers.values():
+            stop_server(proc)
+        for log in out.glob("*.log.tmp"):
+            log.unlink()
+    base, new = list(roots)
+    res["ratios"] = {str(lv["clients"]): {
+        "throughput": round(lv["servers"][new]["throughput_rps"] / lv["servers"][base]["throughput_rps"], 3),
+        "p50": round(lv["servers"][new]["p50_ms"] / lv["servers"][base]["p50_ms"], 3),
+        "cpu_per_request": round(lv["servers"][new]["server_cpu_ms_per_request"]
+                                 / lv["servers"][base]["server_cpu_ms_per_request"], 3)} for lv in res["levels"]}
+    stem = f"versions_{args.texts}"
+    atomic_write_json(out / f"{stem}.json", res)
+    atomic_write_text(out / f"{stem}.md", markdown(res))
+    print(json.dumps(res["ratios"], indent=1))
+    print(f"wrote {out / stem}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
