@@ -667,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: runs/minilm-sst2-quick if present, else runs/minilm-sst2-standin")
     ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"))
     ap.add_argument("--clients", default="1,8,32,128")
+    ap.add_argument("--texts", default="short", choices=("short", "long", "pairs"),
+                    help="short: SST-2 dev sentences; long: three of them joined (64 to 128 tokens); pairs: MRPC dev")
     ap.add_argument("--duration", type=float, default=12.0, help="seconds per level and mode, split over --rounds")
     ap.add_argument("--rounds", type=int, default=4, help="alternating off/on rounds per level")
     ap.add_argument("--max-requests", type=int, default=20000, help="answers per level, at most")
@@ -700,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("no checkpoint with an ONNX Runtime export: pass --checkpoint DIR (after `holoserve export DIR`) "
                  "or build a stand-in with python -m bench.serve_load.standin")
     art = load_artifact(ckpt)
-    texts, text_source = sst2_sentences(args.data_dir)
+    texts, text_source = load_texts(args.texts, args.data_dir)
     levels = [int(x) for x in args.clients.split(",")]
     out_dir = Path(args.out) if args.out else dated_results(args.name)
     out_dir.mkdir(parents=True, exist_ok=True)
