@@ -29,6 +29,21 @@ import time
 from pathlib import Path
 
 
+def open_teacher(task: str, data_dir: str, teacher: Path, preset: str = "quick", seed: int = 0,
+                 out: Path = Path("unused")):
+    """The pipeline's context for a fine-tuned teacher (its rows, calibration order and dev set, as `holoserve
+    compress --teacher` sees them) and a student copy of it in eval mode: (run, model, encoder Linears)."""
+    from holoserve.compress.context import CompressRequest, ModelSource
+    from holoserve.compress.layers import encoder_linear_names
+    from holoserve.compress.pipeline import CompressionPipeline
+
+    pipeline = CompressionPipeline(CompressRequest(task=task, out=out / "unused-checkpoint", data_dir=data_dir,
+                                                   preset=preset, seed=seed, teacher=teacher, progress=False))
+    run = pipeline.load_data(ModelSource(teacher))
+    model = run.student(teacher).eval()
+    return run, model, encoder_linear_names(model)
+
+
 def _ratio(dense, v, h) -> float:
     d = dense - v
     return float((d @ h * d).sum())
@@ -195,9 +210,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from holoserve.compress.layers import encoder_linear_names
-    from holoserve.compress.context import CompressRequest, ModelSource
-    from holoserve.compress.pipeline import CompressionPipeline, machine
+    from holoserve.compress.pipeline import machine
 
     torch.set_num_threads(args.threads)
     teacher = Path(args.teacher)
@@ -205,12 +218,8 @@ def main(argv=None) -> int:
         print(f"error: {teacher} is not a model folder (no config.json)", file=sys.stderr)
         return 2
     out = Path(args.results)
-    pipeline = CompressionPipeline(CompressRequest(task=args.task, out=out / "unused-checkpoint", data_dir=args.data_dir,
-                                                   preset=args.preset, seed=args.seed, teacher=teacher, progress=False))
-    run = pipeline.load_data(ModelSource(teacher))
+    run, model, layers = open_teacher(args.task, args.data_dir, teacher, args.preset, args.seed, out)
     fit, held = run.calibration_batches(), run.calibration_batches(held_out=True)
-    model = run.student(teacher).eval()
-    layers = encoder_linear_names(model)
     names = [n for n in layers if not args.layers or any(s in n for s in args.layers.split(","))]
     res = {"meta": {"task": args.task, "teacher": str(teacher), "seed": args.seed, "preset": args.preset,
                     "calib_batches": run.preset.calib_batches, "machine": machine(), "threads": args.threads,

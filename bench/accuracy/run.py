@@ -86,6 +86,12 @@ METHODS = {  # row key -> (label, extra CLI arguments); the order is the run ord
     "oneshot_act05_admm": ("one-shot 2:4 ∩ INT8 (layer-wise ADMM) + QAT, activation-aware mask (‖x‖^0.5)",
                            ["--method", "oneshot", "--set", "mask_metric=activation",
                             "--set", "mask_activation_power=0.5", "--set", "projection=admm"]),
+    # the default recipe with ADMM solving the kept values on the default's own mask (projection=admm_fixed_mask:
+    # Z rounds onto the INT8 grid on that mask; its own damping and calibration batches), then the same QAT
+    "oneshot_act05_admm_fixed": ("one-shot 2:4 ∩ INT8 (layer-wise ADMM on the default's mask) + QAT, activation-aware "
+                                 "mask (‖x‖^0.5)",
+                                 ["--method", "oneshot", "--set", "mask_metric=activation",
+                                  "--set", "mask_activation_power=0.5", "--set", "projection=admm_fixed_mask"]),
     # ADMM end to end: the layer-wise ADMM projection, then QAT with the ADMM penalty kept on (--method admm_guided)
     "admm_guided": ("layer-wise ADMM + ADMM-guided QAT, activation-aware mask (‖x‖^0.5)",
                     ["--method", "admm_guided", "--set", "mask_metric=activation",
@@ -99,13 +105,13 @@ PEER = "nncf_ptq"  # NNCF INT8 PTQ of the same teacher (dense weights)
 LABELS = {"dense": "dense teacher", PEER: "NNCF INT8 PTQ (dense W)", **{k: v[0] for k, v in METHODS.items()}}
 COLUMNS = ("dense", PEER, "magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "admm_sparse",
            "admm_int8", "admm_act_int8", "admm_act05_int8", "oneshot_act05_obs", "oneshot_act05_obs_aug1",
-           "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp", "oneshot_obs_sal", "admm_act05_obs", "admm_init_obs", "oneshot_act05_admm", "admm_guided",
-           "oneshot_act05_trtqat")
+           "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp", "oneshot_obs_sal", "admm_act05_obs", "admm_init_obs", "oneshot_act05_admm",
+           "oneshot_act05_admm_fixed", "admm_guided", "oneshot_act05_trtqat")
 BASELINES = ("magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "oneshot_act05_obs",
              "oneshot_act05_obs_aug1", "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp",
              "oneshot_obs_sal")  # the 2:4 ∩ INT8 recipes ADMM has to beat
 ADMM_ROWS = ("admm_int8", "admm_act_int8", "admm_act05_int8", "admm_act05_obs", "admm_init_obs", "oneshot_act05_admm",
-             "admm_guided")
+             "oneshot_act05_admm_fixed", "admm_guided")
 
 
 def run_one(task: str, seed: int, key: str, args, teacher: Path | None) -> Path | None:

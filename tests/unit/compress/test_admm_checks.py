@@ -1,0 +1,42 @@
+"""bench/accuracy/admm_checks.py end to end on a tiny BERT and synthetic rows: every check runs and reports."""
+import json
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def test_the_admm_checks_run_on_a_tiny_teacher(tmp_path, capsys):
+    from bench.accuracy.admm_checks import main
+    from tests.helpers.checkpoints import write_glue
+    from tests.helpers.tiny import make_tiny_bert
+
+    teacher = make_tiny_bert(tmp_path / "tiny", hidden=32, intermediate=64)
+    glue = write_glue(tmp_path / "glue", train_rows=600)  # 19 batches of 32: the three splits of 16 wrap around
+    out = tmp_path / "out"
+    assert main(["--task", "sst2", "--data-dir", str(glue), "--teacher", str(teacher), "--damps", "0.01,1.0",
+                 "--noise", "0.1", "--draws", "1", "--results", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())
+    assert len(r["m1"]) == 12 and all(0 <= x["reproduced"] <= 1 and 0 < x["moved_a"] < 1 for x in r["m1"].values())
+    assert set(r["m2_layers"]) == {"0.01", "1.0"}
+    for d in r["m2_layers"].values():  # ADMM on the metric's mask leaves no more error than OBS on it where fitted
+        assert all(x["fit"]["admm_fixed_mask"] <= x["fit"]["obs"] for x in d.values())
+    assert list(r["models"]) == ["default (obs)", "admm", "admm_fixed_mask"]
+    fixed = r["models"]["admm_fixed_mask"]["projection"]
+    assert fixed["calib_batches"] == 64 and fixed["damp"] == 0.1
+    assert all(set(m["m6"]) == {"16 batches, percentile", "16 batches, max", "64 batches, percentile",
+                                "64 batches, max"} and "0.1" in m["m2_noise"]["noise"] for m in r["models"].values())
+    md = (out / "results.md").read_text()
+    assert "## M1" in md and "## M2 (a)" in md and "## M2 (b)" in md and "## M6" in md
+
+
+def test_the_admm_checks_help_and_bad_checks(capsys):
+    import pytest
+
+    from bench.accuracy.admm_checks import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "m1" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--task", "sst2", "--data-dir", "x", "--teacher", "x", "--results", "x", "--checks", "m9"])
+    assert "unknown check(s) m9" in capsys.readouterr().err
