@@ -19,7 +19,7 @@ SENTENCES = [
 ]
 
 
-def build(out: Path, max_seq_length: int = 128) -> Path:
+def build(out: Path, max_seq_length: int = 128, targets: tuple[str, ...] = ("onnxruntime",)) -> Path:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -44,11 +44,14 @@ def build(out: Path, max_seq_length: int = 128) -> Path:
         training={"method": "stand-in: projected, untrained head"}), overwrite=True)
     from holoserve.export.onnx_export import export_checkpoint
 
-    export_checkpoint(out, ("onnxruntime",), polygraphy=False, check_predictions=False)
+    export_checkpoint(out, targets, polygraphy=False, check_predictions=False)
     return out
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m bench.serve_load.standin", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/minilm-sst2-standin")
-    sys.exit(print(build(Path(ap.parse_args().out))) or 0)
+    ap.add_argument("--max-seq-length", type=int, default=128)
+    ap.add_argument("--targets", default="onnxruntime", help="export targets, e.g. onnxruntime,openvino")
+    a = ap.parse_args()
+    sys.exit(print(build(Path(a.out), a.max_seq_length, tuple(a.targets.split(",")))) or 0)

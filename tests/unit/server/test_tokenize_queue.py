@@ -1,0 +1,106 @@
+"""The tokenizing queue (requests merged into one encode call off the event loop, bounded) and the memory
+releaser (glibc's free pages handed back once a burst of large bodies is over), without a server."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from holoserve.server.memory import MemoryReleaser
+from holoserve.server.tokenize import TokenizeQueue, TokenizeQueueFull
+
+
+class _Encoder:
+    """Records each call (its items and thread) and can hold the worker at a gate."""
+
+    def __init__(self):
+        self.calls: list[tuple[list, str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, items):
+        self.gate.wait(10)
+        self.calls.append((list(items), threading.current_thread().name))
+        if "boom" in items:
+            raise ValueError("cannot encode boom")
+        return [f"enc:{x}" for x in items]
+
+
+def test_requests_waiting_together_are_encoded_in_one_call_off_the_loop():
+    enc = _Encoder()
+
+    async def main():
+        q = TokenizeQueue(enc, max_pending=100, inline_bytes=10, busy=lambda: True)
+        enc.gate.clear()
+        first = asyncio.ensure_future(q.encode(["a"], 1))  # the worker takes it and waits at the gate
+        await asyncio.sleep(0.05)
+        rest = [asyncio.ensure_future(q.encode([f"t{i}", f"u{i}"], 4)) for i in range(5)]
+        await asyncio.sleep(0.05)
+        assert q.pending == 11
+        enc.gate.set()
+        got = await asyncio.gather(first, *rest)
+        q.close()
+        return got, q.pending
+
+    got, pending = asyncio.run(main())
+    assert got[0] == ["enc:a"] and got[3] == ["enc:t2", "enc:u2"] and pending == 0
+    assert len(enc.calls) == 2 and len(enc.calls[1][0]) == 10  # the five that waited: one call
+    assert all(name.startswith("holoserve-tokenize") for _, name in enc.calls)
+
+
+def test_a_small_request_at_low_load_is_encoded_inline():
+    enc = _Encoder()
+
+    async def main():
+        q = TokenizeQueue(enc, max_pending=100, inline_bytes=10, busy=lambda: False)
+        out = await q.encode(["short"], 5), await q.encode(["x" * 50], 50)
+        q.close()
+        return out
+
+    assert asyncio.run(main()) == (["enc:short"], ["enc:" + "x" * 50])
+    assert enc.calls[0][1] == threading.current_thread().name  # inline
+    assert enc.calls[1][1].startswith("holoserve-tokenize")  # over the inline size
+
+
+def test_past_its_bound_the_queue_refuses_and_one_bad_request_fails_alone():
+    enc = _Encoder()
+
+    async def main():
+        q = TokenizeQueue(enc, max_pending=5, inline_bytes=0)
+        enc.gate.clear()
+        held = asyncio.ensure_future(q.encode(["a", "b", "c"], 3))
+        await asyncio.sleep(0.05)
+        with pytest.raises(TokenizeQueueFull):
+            await q.encode(["d", "e", "g"], 3)
+        ok = asyncio.ensure_future(q.encode(["f"], 1))
+        bad = asyncio.ensure_future(q.encode(["boom"], 4))
+        enc.gate.set()
+        results = await asyncio.gather(held, ok, bad, return_exceptions=True)
+        q.close()
+        return results
+
+    held, ok, bad = asyncio.run(main())
+    assert held == ["enc:a", "enc:b", "enc:c"] and ok == ["enc:f"] and isinstance(bad, ValueError)
+
+
+def test_memory_is_handed_back_once_enough_was_freed_and_nothing_large_is_held(monkeypatch):
+    trims = []
+    rel = MemoryReleaser(min_freed_bytes=1000, min_interval_s=0.2)
+    rel._trim = lambda pad: trims.append(time.monotonic()) or 1
+    rel.freed(600, idle=True)
+    rel.freed(600, idle=False)  # enough, but a large body is still held
+    time.sleep(0.05)
+    assert trims == []
+    rel.freed(10, idle=True)
+    deadline = time.monotonic() + 2
+    while not trims and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(trims) == 1
+    rel.freed(2000, idle=True)  # again, but at most once per interval: later, not now
+    time.sleep(0.05)
+    assert len(trims) == 1
+    while len(trims) < 2 and time.monotonic() < deadline + 2:
+        time.sleep(0.01)
+    assert len(trims) == 2 and trims[1] - trims[0] >= 0.2
