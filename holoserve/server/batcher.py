@@ -144,10 +144,24 @@ class DynamicBatcher:
 
     # ---- producer side
     async def submit(self, encs: Sequence[Encoded]) -> list[Result]:
+        """The results of a request's sequences, in order. A request of more than one batch enters the queue
+        one batch's worth at a time, the next once the previous is answered, so the requests that arrive
+        behind a large one join its next batch instead of waiting for all of it."""
         if self._closing:
             raise ShuttingDown("the server is shutting down")
         if len(self._queue) + len(encs) > self.max_queue_size:
             raise QueueFull(self.retry_after_s())
+        step = self.max_batch_size
+        if len(encs) <= step:
+            return await self._enqueue(encs)
+        results: list[Result] = []
+        for i in range(0, len(encs), step):
+            if self._closing:
+                raise ShuttingDown("the server is shutting down")
+            results += await self._enqueue(encs[i:i + step])
+        return results
+
+    async def _enqueue(self, encs: Sequence[Encoded]) -> list[Result]:
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         futures = []

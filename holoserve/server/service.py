@@ -191,10 +191,12 @@ class ClassifierService:
             log.error(self.detail, exc_info=not isinstance(e, HoloServeError))
 
     def warmup(self) -> None:
-        """Run the backend at batch 1 and at the max batch size; check the logits' shape."""
+        """Run the backend at batch 1 and at the largest batch the batcher forms (max batch size x the longest
+        sequence), so that the runtime's memory pools reach their working size before traffic and memory
+        after a burst of long requests is what it was before; check the logits' shape."""
         n = len(self.labels)
         self.encoder.encode(["warm up", "the tokenizer"])
-        for batch, seq in ((1, 8), (min(self.config.max_batch_size, 8), min(self.max_seq, 64))):
+        for batch, seq in ((1, 8), (self.config.max_batch_size, self.max_seq)):
             ids = np.full((batch, seq), 1, dtype=np.int64)
             ids[:, 0] = 101 if self.encoder.pad_id == 0 else ids[:, 0]
             out = np.asarray(self.backend.infer(ids, np.ones_like(ids), np.zeros_like(ids)))

@@ -1,5 +1,6 @@
-"""The tokenizing queue (requests merged into one encode call off the event loop, bounded) and the memory
-releaser (glibc's free pages handed back once a burst of large bodies is over), without a server."""
+"""Bounded work without a server: the tokenizing queue (requests merged into one encode call off the event
+loop, bounded), the memory releaser (glibc's free pages handed back once a burst of large bodies is over) and
+the batcher taking a large request one batch at a time."""
 from __future__ import annotations
 
 import asyncio
@@ -104,3 +105,38 @@ def test_memory_is_handed_back_once_enough_was_freed_and_nothing_large_is_held(m
     while len(trims) < 2 and time.monotonic() < deadline + 2:
         time.sleep(0.01)
     assert len(trims) == 2 and trims[1] - trims[0] >= 0.2
+
+
+def test_a_request_behind_a_large_one_joins_its_next_batch():
+    """A request of 4 batches' worth enters the queue one batch at a time: a one-text request sent just after
+    it runs in the second batch, not after all four."""
+    import numpy as np
+
+    from holoserve.core.tokenizer import Encoded
+    from holoserve.server.batcher import BatchPolicy, DynamicBatcher
+
+    def seq(tag: int) -> Encoded:
+        return Encoded(np.full(4, tag, dtype=np.int64), np.zeros(4, dtype=np.int64), truncated=False)
+
+    batches: list[list[int]] = []
+
+    def infer(ids, mask, types):
+        batches.append(ids[:, 0].tolist())
+        time.sleep(0.02)
+        return ids[:, :1].astype(np.float32)
+
+    async def main():
+        b = DynamicBatcher(infer, BatchPolicy(max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64,
+                                              max_padding_waste=-1.0, inline_single=False))
+        b.start()
+        large = asyncio.ensure_future(b.submit([seq(1)] * 32))
+        await asyncio.sleep(0.005)
+        small = await b.submit([seq(2)])
+        got = await large
+        await b.stop(5)
+        return small, got
+
+    small, got = asyncio.run(main())
+    assert len(got) == 32 and all(int(r.logits[0]) == 1 for r in got) and int(small[0].logits[0]) == 2
+    where = next(i for i, b in enumerate(batches) if 2 in b)
+    assert where == 1 and len(batches) == 5, batches
