@@ -24,8 +24,8 @@ import numpy as np
 
 
 from bench import dated_results  # noqa: E402
-from bench.cpu_latency.run import (load_avg, nncf_int8, openvino_modules, random_rows,  # noqa: E402
-                                   train_samples)
+from bench.cpu_latency.run import (kernels_missing, load_avg, nncf_int8, openvino_modules,  # noqa: E402
+                                   random_rows, train_samples)
 from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402
 from holoserve.core.machine import describe_cpu  # noqa: E402
 
@@ -103,6 +103,7 @@ def markdown(r: dict) -> str:
                                                           for k in keys) + " | "
                      + " | ".join(f"{ms[k] / ms['openvino_nncf_int8'] if ms['openvino_nncf_int8'] else float('nan'):.2f}"
                                   for k in ours) + " |")
+    lines += [f"\nNot run: {ENGINES[k]} — {why}." for k, why in (r.get("skipped_engines") or {}).items()]
     for k in keys:
         lines += ["", f"## {ENGINES[k]}: node type / kernel", "", "| ms | nodes | node type / kernel |",
                   "| ---: | ---: | --- |"]
@@ -160,8 +161,12 @@ def main(argv=None) -> int:
         before = load_avg()
         compiled = {}
         models = [("openvino_nncf_int8", nncf_ir), ("ours_openvino", ours)]
-        if args.kernels:
+        why = kernels_missing() if args.kernels else ""
+        skipped = {"ours_openvino_kernels": why} if why else {}  # a CPU the kernels refuse: said, not profiled
+        if args.kernels and not why:
             models.append(("ours_openvino_kernels", ours))
+        for key, why in skipped.items():
+            print(f"skipping {ENGINES[key]}: {why}", flush=True)
         for key, path in models:
             if key == "ours_openvino_kernels":
                 from holoserve.backends.openvino import kernels_plan, read_model
@@ -182,7 +187,7 @@ def main(argv=None) -> int:
               "batch": args.batch, "seq": args.seq, "static": args.static, "threads": args.threads,
               "runs": args.runs,
               "versions": {"openvino": ov.__version__, "nncf": nncf.__version__},
-              "loadavg_before": before, "loadavg_after": load_avg(), "engines": engines}
+              "loadavg_before": before, "loadavg_after": load_avg(), "engines": engines, "skipped_engines": skipped}
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / f"{args.name}.json", report)
     atomic_write_text(args.out / f"{args.name}.md", markdown(report))

@@ -26,6 +26,8 @@
   models are their dynamic rows').
 - f32 rows: ours on OpenVINO (dynamic and static) with `--openvino-precision f32`, the numerics of
   `holoserve eval`; OpenVINO's default runs the float ops in bf16 where the CPU has bf16 units.
+- kernel rows: ours on OpenVINO with `--openvino-kernels on` (HoloServe's 2:4 kernels, holoserve.kernels),
+  dynamic and static; skipped with the reason on a CPU without AVX-512 VNNI and VBMI.
 - --also CKPT: a second compressed checkpoint (e.g. one trained with `--set activation=relu` from the
   same teacher), its `openvino` export timed like ours (dynamic and static rows) in the same run, so
   that two recipes compare on the same inputs and load; it gets a dev accuracy like every engine.
@@ -131,6 +133,15 @@ def random_rows(rng, vocab: int, batch: int, seq: int, cls_id: int | None = None
     if cls_id is not None and sep_id is not None:
         ids[:, 0], ids[:, -1] = cls_id, sep_id
     return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+
+
+def kernels_missing() -> str:
+    """Why HoloServe's 2:4 kernels cannot run on this CPU, or "" where they can."""
+    from holoserve.kernels import cpu_missing
+
+    missing = cpu_missing()
+    return f"this CPU lacks {', '.join(missing)}, which HoloServe's 2:4 kernels need (AVX-512 VNNI and VBMI)" \
+        if missing else ""
 
 
 def skip_static_rows(skipped: dict) -> None:
@@ -289,6 +300,9 @@ def main(argv=None) -> int:
         except ImportError as e:
             for k in OPENVINO_ENGINES:
                 skipped.setdefault(k, f"OpenVINO is not installed ({e}): pip install 'holoserve[bench]'")
+    no_kernels = kernels_missing()
+    if no_kernels:  # --openvino-kernels on refuses such a CPU; the static row follows its dynamic one below
+        skipped.setdefault("ours_openvino_kernels", no_kernels)
     skip_static_rows(skipped)
     for k, why in skipped.items():
         print(f"skipping {LABELS[k]}: {why}", flush=True)

@@ -805,17 +805,19 @@ def test_fusion_refuses_an_attention_graph_it_cannot_match(exported, tmp_path):
 def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(exported, tmp_path, monkeypatch):
     """bench/cpu_latency end to end on the tiny export: every engine timed and scored on dev (the
     OpenVINO ones, NNCF's INT8 calibrated on training rows, where OpenVINO and NNCF are installed,
-    else skipped with the reason), ORT baselines given our attention fusion and classifier-row
-    rewrite on request."""
+    ours on HoloServe's 2:4 kernels where the CPU can run them, else skipped with the reason), ORT
+    baselines given our attention fusion and classifier-row rewrite on request."""
     import importlib.util
     import shutil
 
     from holoserve.export.onnx_export import export_checkpoint
+    from holoserve.kernels import cpu_missing
     from tests.helpers.bench import bench_module
 
     monkeypatch.delenv("HOLOSERVE_DATA_DIR", raising=False)
     has_ov = importlib.util.find_spec("openvino") is not None
     has_nncf = has_ov and importlib.util.find_spec("nncf") is not None
+    has_kernels = has_ov and not cpu_missing()  # AVX-512 VNNI and VBMI
     ckpt = tmp_path / "ckpt"
     shutil.copytree(exported[0], ckpt)  # the module's checkpoint stays without an openvino export
     if has_ov:
@@ -838,10 +840,13 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
     assert r["method"]["baseline_attention"].startswith("2 blocks fused")
     assert [(x["batch"], x["seq"]) for x in r["results"]] == [(1, 8), (2, 8)]
     ran = [k for k in run.ENGINES if (k not in run.OPENVINO_ENGINES and k not in run.STATIC_OF or has_ov)
-           and (run.STATIC_OF.get(k, k) != "openvino_nncf_int8" or has_nncf)]
+           and (run.STATIC_OF.get(k, k) != "openvino_nncf_int8" or has_nncf)
+           and (k not in run.KERNEL_ROWS or has_kernels)]
     assert r["engines"] == ran and set(r["skipped_engines"]) == set(run.ENGINES) - set(ran)
     for k, why in r["skipped_engines"].items():  # never silently: the reason is recorded and shown
-        assert ("not installed" in why or why == "no --also checkpoint given") and f"Not run: {run.LABELS[k]}" in (tmp_path / "lat.md").read_text()
+        assert ("not installed" in why or why == "no --also checkpoint given"
+                or k in run.KERNEL_ROWS and why.startswith(f"this CPU lacks {', '.join(cpu_missing())}"))
+        assert f"Not run: {run.LABELS[k]}" in (tmp_path / "lat.md").read_text()
     for x in r["results"]:
         assert all(x[k]["median_ms"] > 0 for k in ran)
     dynamic = [k for k in ran[1:] if k not in run.STATIC_OF]  # static rows: the same models, one shape each
@@ -865,16 +870,18 @@ def test_cpu_latency_bench_can_give_the_baselines_the_same_attention_fusion(expo
     md = (tmp_path / "lat.md").read_text()
     assert "Attention in the ORT baselines: 2 blocks fused" in md and "their last layer: last layer on the [CLS]" in md
     assert all(f" {run.LABELS[k]} |" in md for k in ran)
-    if has_nncf:  # ours static, both precisions, with the 2:4 kernels, and the --also checkpoint, vs NNCF static
-        assert md.count("vs OpenVINO INT8 (NNCF PTQ), static shape: batch 1 seq 8 ×") == 4
+    if has_nncf:  # ours static: both precisions, the 2:4 kernels where they run, the --also checkpoint; vs NNCF static
+        assert md.count("vs OpenVINO INT8 (NNCF PTQ), static shape: batch 1 seq 8 ×") == 3 + has_kernels
     if has_nncf:  # the per-operation profile of ours and NNCF's INT8 on OpenVINO
         prof = bench_module("cpu_latency", "profile_openvino")
         assert prof.main([str(ckpt), "--dense", str(ckpt), "--data-dir", str(glue), "--calibration-rows", "8",
                           "--batch", "2", "--seq", "8", "--runs", "2", "--warmup", "1", "--out", str(tmp_path),
                           "--name", "prof", "--kernels"]) == 0
         p = json.loads((tmp_path / "prof.json").read_text())
-        assert "ours on OpenVINO + 2:4 kernels / NNCF" in (tmp_path / "prof.md").read_text()
-        for k in ("ours_openvino", "openvino_nncf_int8", "ours_openvino_kernels"):
+        assert ("ours on OpenVINO + 2:4 kernels / NNCF" in (tmp_path / "prof.md").read_text()) == has_kernels
+        assert p["skipped_engines"] == ({} if has_kernels else {"ours_openvino_kernels": run.kernels_missing()})
+        assert ("Not run: ours on OpenVINO + 2:4 kernels" in (tmp_path / "prof.md").read_text()) != has_kernels
+        for k in ("ours_openvino", "openvino_nncf_int8", *(["ours_openvino_kernels"] if has_kernels else [])):
             e = p["engines"][k]
             assert e["per_class_ms"]["gemm"] > 0 and e["wall_median_ms"] > 0
             assert abs(sum(e["per_class_ms"].values()) - e["node_sum_ms"]) < 0.01
