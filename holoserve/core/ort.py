@@ -3,6 +3,11 @@
 Inter-op threads are always 1 (the graphs are one chain of ops; a second pool only competes for
 cores) and execution is sequential; what callers choose is the intra-op thread count, the
 providers and whether ORT optimizes the graph.
+
+Integer GEMMs are exact on every x86 CPU: without VNNI, ONNX Runtime's u8 x s8 kernel adds pairs of products
+in 16 bits (VPMADDUBSW), which saturates for the full-range int8 weights a checkpoint holds, so predictions
+would differ from the checkpoint's; `session.x64quantprecision` makes it take its exact u8 x u8 path there
+(a slower kernel, on those CPUs only; VNNI CPUs are unaffected).
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ def session(
         so.optimized_model_filepath = str(optimized_path)
     if not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_session_config_entry("session.x64quantprecision", "1")
     if quiet:
         so.log_severity_level = 3
     return ort.InferenceSession(str(path), sess_options=so, providers=list(providers))
