@@ -64,10 +64,10 @@ class Result:
 
 
 class _Item:
-    __slots__ = ("enc", "future", "t_enqueue")
+    __slots__ = ("enc", "future", "t_enqueue", "group")
 
-    def __init__(self, enc: Encoded, future: asyncio.Future, t: float):
-        self.enc, self.future, self.t_enqueue = enc, future, t
+    def __init__(self, enc: Encoded, future: asyncio.Future, t: float, group: int = 0):
+        self.enc, self.future, self.t_enqueue, self.group = enc, future, t, group
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,7 @@ class DynamicBatcher:
         self._closing = False
         self._busy = False
         self._batch_ids = itertools.count(1)
+        self._groups = itertools.count(1)  # one per enqueued part of a request
         self._avg_batch_s = 0.01
         # One inference at a time: backends parallelise inside a call (intra-op threads).
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="holoserve-infer")
@@ -165,9 +166,10 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
         futures = []
+        group = next(self._groups)
         for enc in encs:
             fut = loop.create_future()
-            self._queue.append(_Item(enc, fut, now))
+            self._queue.append(_Item(enc, fut, now, group))
             futures.append(fut)
         if self.metrics:
             self.metrics.pending_l.set(len(self._queue))
@@ -254,24 +256,56 @@ class DynamicBatcher:
         return False
 
     def _take(self) -> list[_Item]:
-        """The next batch, oldest first: up to `max_batch_size` sequences and, under a token budget, as
-        many as fit in it padded to their longest (always at least one)."""
+        """The next batch: up to `max_batch_size` sequences and, under a token budget, as many as fit in it padded
+        to their longest (always at least one). Requests waiting together share it in turns, oldest first (one
+        sequence of each in arrival order, then a second of each, ...), so a request with many sequences
+        queued does not hold up the one-text requests behind it."""
         q = self._queue
+        while q and q[0].future.done():  # cancelled by a departed client
+            q.popleft()
+        if not q:
+            return []
+        if q[-1].group == q[0].group:  # one request waiting (the common case under light load)
+            order = range(min(len(q), self.max_batch_size))
+        else:
+            order = self._turns()
         batch: list[_Item] = []
+        taken: set[int] = set()
         budget = self.max_batch_tokens
         longest = 0
-        while q and len(batch) < self.max_batch_size:
-            item = q[0]
-            if item.future.done():  # cancelled by a departed client
-                q.popleft()
+        for i in order:
+            item = q[i]
+            if item.future.done():
+                taken.add(i)
                 continue
             if budget:
                 longest_with = max(longest, item.enc.length)
                 if batch and (len(batch) + 1) * longest_with > budget:
                     break
                 longest = longest_with
-            batch.append(q.popleft())
+            batch.append(item)
+            taken.add(i)
+            if len(batch) == self.max_batch_size:
+                break
+        if taken == set(range(len(taken))):  # a prefix of the queue
+            for _ in range(len(taken)):
+                q.popleft()
+        else:
+            self._queue = deque(it for i, it in enumerate(q) if i not in taken)
         return batch
+
+    def _turns(self) -> list[int]:
+        """Queue positions in turns across requests: the first sequence of each, then the second of each, ..."""
+        per_group: dict[int, list[int]] = {}
+        for i, item in enumerate(self._queue):
+            per_group.setdefault(item.group, []).append(i)
+        lists = list(per_group.values())
+        out: list[int] = []
+        for k in range(max(len(x) for x in lists)):
+            out.extend(x[k] for x in lists if k < len(x))
+            if len(out) >= self.max_batch_size * 4:  # enough candidates for one batch, with skips
+                break
+        return out
 
     def _run_each(self, encs: list[Encoded]) -> list[np.ndarray | Exception]:
         """Each sequence alone: its logits, or the exception the backend raised for it."""

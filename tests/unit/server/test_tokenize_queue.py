@@ -140,3 +140,42 @@ def test_a_request_behind_a_large_one_joins_its_next_batch():
     assert len(got) == 32 and all(int(r.logits[0]) == 1 for r in got) and int(small[0].logits[0]) == 2
     where = next(i for i, b in enumerate(batches) if 2 in b)
     assert where == 1 and len(batches) == 5, batches
+
+
+def test_requests_waiting_together_share_a_batch_in_turns():
+    """Two requests of 8 sequences and one of 1 wait behind a running batch: the next batch (8) takes the
+    lone one and turns of the others, instead of the first request's 8."""
+    import numpy as np
+
+    from holoserve.core.tokenizer import Encoded
+    from holoserve.server.batcher import BatchPolicy, DynamicBatcher
+
+    def seq(tag: int) -> Encoded:
+        return Encoded(np.full(4, tag, dtype=np.int64), np.zeros(4, dtype=np.int64), truncated=False)
+
+    batches: list[list[int]] = []
+    gate = threading.Event()
+
+    def infer(ids, mask, types):
+        batches.append(ids[:, 0].tolist())
+        if len(batches) == 1:
+            gate.wait(5)
+        return ids[:, :1].astype(np.float32)
+
+    async def main():
+        b = DynamicBatcher(infer, BatchPolicy(max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64,
+                                              max_padding_waste=-1.0, inline_single=False))
+        b.start()
+        first = asyncio.ensure_future(b.submit([seq(9)]))
+        while not batches:
+            await asyncio.sleep(0.001)
+        parts = [asyncio.ensure_future(b.submit([seq(t)] * n)) for t, n in ((1, 8), (2, 8), (3, 1))]
+        await asyncio.sleep(0.02)
+        gate.set()
+        out = await asyncio.gather(first, *parts)
+        await b.stop(5)
+        return out
+
+    out = asyncio.run(main())
+    assert [len(r) for r in out] == [1, 8, 8, 1]
+    assert 3 in batches[1] and batches[1].count(1) >= 3 and batches[1].count(2) >= 3, batches
