@@ -57,30 +57,15 @@ INT8_GEMM_SATURATES = (
 def int8_gemm_saturates() -> bool:
     """Whether a quantized MatMul, in a session as `holoserve.core.ort.session` opens it, comes out wrong on
     this CPU. ORT runs the uint8 x int8 GEMM of its fused QDQ MatMuls with VPMADDUBSW on x86-64 CPUs without
-    VNNI, which saturates the int16 sum of each pair of products (ORT's quantization guide, "When and why do
-    I need to try U8U8?"). Measured rather than read from CPU flags: one MatMul whose every product is
-    127 x 127 (uint8 code 255 at zero point 128), where a saturating kernel loses nearly all of the sum."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    VNNI, which saturates the int16 sum of each pair of products, unless the session asks for its exact path
+    (holoserve.core.ort does). Measured rather than read from CPU flags, with holoserve.core.int8_probe."""
+    from holoserve.core import int8_probe
 
-    k = 64
-    init = [numpy_helper.from_array(np.full((k, 8), 127, np.int8), "w"),
-            numpy_helper.from_array(np.array(1.0, np.float32), "s"),
-            numpy_helper.from_array(np.array(0, np.int8), "w_zp"),
-            numpy_helper.from_array(np.array(128, np.uint8), "x_zp")]
-    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "x_zp"], ["xq"]),
-             helper.make_node("DequantizeLinear", ["xq", "s", "x_zp"], ["xd"]),
-             helper.make_node("DequantizeLinear", ["w", "s", "w_zp"], ["wd"]),
-             helper.make_node("MatMul", ["xd", "wd"], ["y"])]
-    graph = helper.make_graph(nodes, "int8_gemm_probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], init)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
     with tempfile.TemporaryDirectory(prefix="holoserve-int8-probe-") as tmp:
         path = Path(tmp) / "probe.onnx"
-        onnx.save(model, str(path))
-        y = session(path, threads=1, quiet=True).run(None, {"x": np.full((4, k), 127.0, np.float32)})[0]
-    return not np.all(y == k * 127 * 127)
+        path.write_bytes(int8_probe.probe_onnx())
+        y = session(path, threads=1, quiet=True).run(None, int8_probe.FEED)[0]
+    return not int8_probe.exact(y)
 
 
 def ort_logits(sess, batches: Iterable[Mapping[str, np.ndarray]]) -> np.ndarray:

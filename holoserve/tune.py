@@ -142,6 +142,12 @@ def _load(artifact, options: dict[str, Any], opts: TuneOptions, items, out: Text
             what = "holoserve export CKPT" + (" --target openvino" if name == "openvino" else "")
             print(f"{name}: not timed, the checkpoint has no {name} export ({what})", file=out)
             continue
+        if name == "openvino":
+            from .backends.openvino import INT8_SATURATES, int8_gemm_saturates
+
+            if int8_gemm_saturates():
+                print(f"openvino: not timed, {INT8_SATURATES}", file=out)
+                continue
         try:
             loaded[name] = load_backend(name, artifact, **options)
         except (BackendUnavailable, ImportError) as e:

@@ -70,6 +70,10 @@ def _precheck(name: str, artifact: Artifact, gpu: bool, options: dict[str, Any] 
             return "the checkpoint has no OpenVINO export (holoserve export --target openvino)"
         if importlib.util.find_spec("openvino") is None:
             return "OpenVINO is not installed (pip install 'holoserve[openvino]')"
+        from .openvino import INT8_SATURATES, int8_gemm_saturates
+
+        if int8_gemm_saturates():  # exact numbers first: `--backend openvino` still serves it, with a warning
+            return INT8_SATURATES
     return None
 
 

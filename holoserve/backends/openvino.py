@@ -30,6 +30,7 @@ traffic has fixed shapes (clients padding to a fixed length, offline scoring at 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -45,6 +46,8 @@ from holoserve.core.manifest import OPENVINO
 
 from .base import BackendUnavailable
 
+log = logging.getLogger("holoserve.backends")
+
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 SPARSE_RATE = 0.5  # every 2:4 weight is at least half zeros
 # A batch is padded up to a listed static shape only when that adds at most this share of its tokens: a
@@ -53,6 +56,40 @@ STATIC_PAD_SHARE = 0.10
 PRECISIONS = OPENVINO_PRECISIONS  # INFERENCE_PRECISION_HINT values (holoserve.core.choices)
 KERNEL_CHOICES = OPENVINO_KERNELS
 DEFAULT_KERNELS = OPENVINO_KERNELS_DEFAULT
+
+
+INT8_SATURATES = ("OpenVINO's int8 GEMMs saturate on this CPU (x86-64 without VNNI: each pair of u8 x s8 products is "
+                  "added in 16 bits), so its predictions can differ from the checkpoint's; ONNX Runtime computes "
+                  "them exactly here")
+
+
+PROBE_ENV = "HOLOSERVE_INT8_PROBE"
+
+
+def int8_gemm_saturates() -> bool:
+    """Whether OpenVINO's CPU plugin computes an INT8 MatMul wrongly on this CPU (holoserve.core.int8_probe),
+    measured once per process; False where OpenVINO is not installed. HOLOSERVE_INT8_PROBE=exact or
+    saturates states the answer instead (tests of either kind of CPU, a fleet whose CPUs are known)."""
+    stated = os.environ.get(PROBE_ENV, "").strip().lower()
+    if stated in ("exact", "saturates"):
+        return stated == "saturates"
+    return _measured_saturates()
+
+
+@functools.lru_cache(maxsize=1)
+def _measured_saturates() -> bool:
+    try:
+        import openvino as ov
+    except ImportError:
+        return False
+    from holoserve.core import int8_probe
+
+    with tempfile.TemporaryDirectory(prefix="holoserve-ov-probe-") as tmp:
+        path = Path(tmp) / "probe.onnx"
+        path.write_bytes(int8_probe.probe_onnx())
+        compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_NUM_THREADS": 1})
+        y = compiled(int8_probe.FEED)[compiled.outputs[0]]
+    return not int8_probe.exact(y)
 
 
 def cpu_has_amx() -> bool:
@@ -302,6 +339,9 @@ class OpenVinoBackend:
             request.infer({n: ones if n != "token_type_ids" else ones * 0 for n in self.input_names})
             self.static.append((b, s, request))
         self.runs = {"static": 0, "dynamic": 0}
+        self.int8_gemm = "saturates: " + INT8_SATURATES if int8_gemm_saturates() else "exact"
+        if self.int8_gemm != "exact":
+            log.warning("%s", INT8_SATURATES)
 
     def static_shape_for(self, batch: int, seq: int) -> tuple[int, int, Any] | None:
         """The smallest listed static shape that holds a [batch, seq] batch padded by at most
@@ -336,7 +376,8 @@ class OpenVinoBackend:
                 "gemm_precisions": gemm_precisions(self.compiled), "gemm_kernels": gemm_kernels(self.compiled),
                 "inference_precision": inference_precision(self.compiled),
                 "sparse_weights_decompression": self.sparse_note, "kernels": dict(self.kernels),
-                "static_shapes": [f"{b}x{s}" for b, s, _ in self.static], "runs": dict(self.runs)}
+                "static_shapes": [f"{b}x{s}" for b, s, _ in self.static], "runs": dict(self.runs),
+                "int8_gemm": self.int8_gemm}
 
 
 def load(artifact: Artifact, **options: Any) -> OpenVinoBackend:

@@ -7,6 +7,7 @@ pytest.importorskip("openvino")
 
 from holoserve.backends import load_backend  # noqa: E402
 from holoserve.backends.auto import select_backend  # noqa: E402
+from holoserve.backends.openvino import OpenVinoBackend  # noqa: E402
 from holoserve.backends.profile import batch_sizes  # noqa: E402
 from holoserve.core.artifact import load_artifact  # noqa: E402
 from holoserve.core.tokenizer import TextEncoder, pad_batch  # noqa: E402
@@ -285,3 +286,32 @@ def test_eval_scores_the_openvino_export_and_compares_it_with_the_checkpoint(wit
     assert (cmp["right_here_only"], cmp["right_in_reference_only"]) == (here, there)
     assert cmp["primary_difference"] == pytest.approx((here - there) / 8)
     assert 0 < cmp["mcnemar_exact_p"] <= 1
+
+
+def test_the_int8_probe_finds_what_this_cpu_does():
+    """OpenVINO's INT8 GEMM is exact where the CPU has VNNI (AVX-512 VNNI, AVX-VNNI or AMX) and saturates on
+    x86-64 without it, as ONNX Runtime's does without session.x64quantprecision."""
+    import platform
+
+    from holoserve.backends import openvino as ov_backend
+    from holoserve.core.machine import cpu_flags
+
+    flags = cpu_flags()
+    vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"the saturating kernels are x86-64's; this is {platform.machine()}")
+    assert ov_backend._measured_saturates() == (not vnni)
+
+
+def test_auto_leaves_out_openvino_where_its_int8_gemms_saturate(with_openvino, monkeypatch):
+    """Stated either way (HOLOSERVE_INT8_PROBE): saturating, `auto` serves ONNX Runtime and says why, while
+    `--backend openvino` still loads, reporting it; exact, both are timed."""
+    ckpt, _ = with_openvino
+    monkeypatch.setenv("HOLOSERVE_INT8_PROBE", "saturates")
+    backend, decision = select_backend(load_artifact(ckpt), threads=1)
+    assert backend.name == "onnxruntime" and "saturate" in decision["skipped"]["openvino"]
+    forced = OpenVinoBackend(load_artifact(ckpt), threads=1)
+    assert forced.info()["int8_gemm"].startswith("saturates")
+    monkeypatch.setenv("HOLOSERVE_INT8_PROBE", "exact")
+    backend, decision = select_backend(load_artifact(ckpt), threads=1)
+    assert "openvino" not in decision["skipped"]

@@ -182,6 +182,13 @@ def both_cpu_exports(root) -> object:
     return art.path
 
 
+def int8_exact() -> bool:
+    """Whether OpenVINO's INT8 GEMMs are exact on this CPU (VNNI), as the image's server measures it."""
+    from holoserve.backends.openvino import _measured_saturates
+
+    return not _measured_saturates()
+
+
 def expected_kernels() -> str:
     """How the image's OpenVINO backend must describe the 2:4 kernels on this CPU (holoserve.backends.openvino)."""
     from holoserve.core.machine import cpu_flags
@@ -254,8 +261,12 @@ def test_auto_serves_the_fastest_cpu_backend_with_the_prebuilt_kernels(container
     c = containers["sst2"]
     backend = httpx.get(c.url + "/v1/models").json()["models"][0]["backend"]
     selection, kernels = backend["selection"], expected_kernels()
-    assert "the fastest CPU backend" in selection and "openvino" in selection and "onnxruntime" in selection
-    assert re.search(r"openvino with the 2:4 kernels " + re.escape(kernels), selection), selection
+    if not int8_exact():  # OpenVINO's INT8 GEMMs saturate here: left out, ONNX Runtime (exact) serves
+        assert backend["backend"] == "onnxruntime" and re.search(r"openvino: OpenVINO's int8 GEMMs saturate",
+                                                                  selection), selection
+    else:
+        assert "the fastest CPU backend" in selection and "openvino" in selection and "onnxruntime" in selection
+        assert re.search(r"openvino with the 2:4 kernels " + re.escape(kernels), selection), selection
     if "openvino" in backend["backend"]:  # alone, or routed with ONNX Runtime by batch size
         assert backend["kernels"]["status"].startswith(kernels), backend["kernels"]
         if kernels.startswith("on"):
