@@ -35,6 +35,17 @@ InferFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 log = logging.getLogger("holoserve.server")
 
 
+# A request of more than one batch is admitted only while the queue stays under this share of its bound, so
+# that one-text requests still find room behind a few large ones.
+LARGE_REQUEST_SHARE = 0.75
+
+
+def admission_limit(bound: int, items: int, batch: int) -> int:
+    """How many sequences may wait, counting a request of `items`: the bound, or for a request of more than one
+    batch its LARGE_REQUEST_SHARE (never less than the request itself, which an idle server always takes)."""
+    return bound if items <= batch else max(int(LARGE_REQUEST_SHARE * bound), items)
+
+
 class QueueFull(Exception):
     def __init__(self, retry_after_s: int):
         super().__init__(f"the inference queue is full; retry in {retry_after_s} s")
@@ -101,6 +112,7 @@ class DynamicBatcher:
         self._busy = False
         self._batch_ids = itertools.count(1)
         self._groups = itertools.count(1)  # one per enqueued part of a request
+        self.waiting = 0  # sequences of the requests submitted and not yet answered (queued or not yet)
         self._avg_batch_s = 0.01
         # One inference at a time: backends parallelise inside a call (intra-op threads).
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="holoserve-infer")
@@ -150,17 +162,21 @@ class DynamicBatcher:
         behind a large one join its next batch instead of waiting for all of it."""
         if self._closing:
             raise ShuttingDown("the server is shutting down")
-        if len(self._queue) + len(encs) > self.max_queue_size:
+        if self.waiting + len(encs) > admission_limit(self.max_queue_size, len(encs), self.max_batch_size):
             raise QueueFull(self.retry_after_s())
         step = self.max_batch_size
-        if len(encs) <= step:
-            return await self._enqueue(encs)
-        results: list[Result] = []
-        for i in range(0, len(encs), step):
-            if self._closing:
-                raise ShuttingDown("the server is shutting down")
-            results += await self._enqueue(encs[i:i + step])
-        return results
+        self.waiting += len(encs)
+        try:
+            if len(encs) <= step:
+                return await self._enqueue(encs)
+            results: list[Result] = []
+            for i in range(0, len(encs), step):
+                if self._closing:
+                    raise ShuttingDown("the server is shutting down")
+                results += await self._enqueue(encs[i:i + step])
+            return results
+        finally:
+            self.waiting -= len(encs)
 
     async def _enqueue(self, encs: Sequence[Encoded]) -> list[Result]:
         loop = asyncio.get_running_loop()

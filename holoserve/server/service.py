@@ -143,7 +143,8 @@ class ClassifierService:
         self.encoder = TextEncoder(artifact.path / "tokenizer.json", self.max_seq, pair=artifact.is_pair)
         # texts waiting to be tokenized are bounded as the batcher's queue is
         self.tokenizer = TokenizeQueue(self.encoder.encode, config.max_queue_size, _INLINE_TOKENIZE_BYTES,
-                                       busy=lambda: self.batcher is not None and self.batcher.busy)
+                                       busy=lambda: self.batcher is not None and self.batcher.busy,
+                                       batch=config.max_batch_size)
         self.labels = artifact.labels or ["score"]
         self.regression = not artifact.labels
         self.limits = InputLimits(max_items=config.max_items, max_text_bytes=config.max_text_bytes,

@@ -7,7 +7,8 @@ itself: alone, the hand-off to a thread would cost more than its tokenizing. Und
 batcher runs or has work waiting) every request goes to the worker, where the requests that arrived together
 are encoded in one `encode_batch` call, which runs outside the interpreter lock. Texts waiting to be encoded are
 bounded (`max_pending`); a request that would pass the bound is refused at once (`TokenizeQueueFull`, 503 +
-Retry-After), as the batcher's queue refuses work past its own bound.
+Retry-After), as the batcher's queue refuses work past its own bound, and a request of more than one batch
+already past three quarters of it (batcher.admission_limit), so one-text requests still find room.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from holoserve.core.tokenizer import Encoded
+
+from .batcher import admission_limit
 
 EncodeFn = Callable[[Sequence], list[Encoded]]
 
@@ -30,8 +33,9 @@ class TokenizeQueue:
     """Encodes requests' items (texts or pairs) with `encode`, merging the requests that wait together."""
 
     def __init__(self, encode: EncodeFn, max_pending: int, inline_bytes: int = 1024,
-                 busy: Callable[[], bool] = lambda: False):
+                 busy: Callable[[], bool] = lambda: False, batch: int = 32):
         self._encode = encode
+        self.batch = batch  # a request of more items is "large" (batcher.admission_limit)
         self._server_busy = busy
         self.max_pending = max_pending
         self.inline_bytes = inline_bytes
@@ -44,8 +48,9 @@ class TokenizeQueue:
     async def encode(self, items: Sequence, nbytes: int) -> list[Encoded]:
         if nbytes <= self.inline_bytes and not self._busy and not self._server_busy():
             return self._encode(items)
-        if self.pending + len(items) > self.max_pending:
-            raise TokenizeQueueFull(self.pending, self.max_pending)
+        limit = admission_limit(self.max_pending, len(items), self.batch)
+        if self.pending + len(items) > limit:
+            raise TokenizeQueueFull(self.pending, limit)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.pending += len(items)

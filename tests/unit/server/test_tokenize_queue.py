@@ -179,3 +179,11 @@ def test_requests_waiting_together_share_a_batch_in_turns():
     out = asyncio.run(main())
     assert [len(r) for r in out] == [1, 8, 8, 1]
     assert 3 in batches[1] and batches[1].count(1) >= 3 and batches[1].count(2) >= 3, batches
+
+
+def test_large_requests_leave_room_for_small_ones():
+    from holoserve.server.batcher import admission_limit
+
+    assert admission_limit(256, 1, 32) == 256 and admission_limit(256, 32, 32) == 256
+    assert admission_limit(256, 64, 32) == 192  # past three quarters, a request of two batches waits its turn
+    assert admission_limit(64, 64, 32) == 64  # but an idle server always takes the largest request allowed
