@@ -131,7 +131,6 @@ def export_options(args: argparse.Namespace, targets: list[str]):
 
 
 def run(args: argparse.Namespace) -> int:
-    from holoserve.data.sources import data_options
 
     from .onnx_export import MANIFEST_KEYS, export_checkpoint
 

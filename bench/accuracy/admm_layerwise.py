@@ -50,7 +50,6 @@ def _ratio(dense, v, h) -> float:
 
 
 def layer_mode(run, model, layers, fit, held, names) -> dict:
-    import torch
 
     from holoserve.compress.project import admm_prune, masked_least_squares, obs_prune, project
     from holoserve.compress.quant import input_hessians

@@ -331,7 +331,7 @@ def section_peak(run: Run) -> dict[str, Any]:
         out[key] = r
         if "median_ms" in r:
             out[f"{key}_tops"] = 2 * n**3 / (r["median_ms"] * 1e-3) / 1e12
-    del a16, b16, a8, b8, b8_rows
+    a16 = b16 = a8 = b8 = b8_rows = None  # free the GPU memory before the next section
     torch.cuda.empty_cache()
     log(f"peak: fp16 {out.get('fp16_tflops', float('nan')):.0f} TFLOP/s, int8 {out.get('int8_tops', float('nan')):.0f} TOPS "
         f"(row-major B: {out.get('int8_row_major_b_tops', float('nan')):.0f})")
@@ -426,7 +426,7 @@ def section_gemm(run: Run) -> dict[str, Any]:
                 f"{n} {row[n]['tflops']:.3g}" for n in kern if "tflops" in row.get(n, {}))
                 + (f" | 2:4 INT8 / dense INT8 = {row['sparse_int8_over_dense_int8']:.2f}x"
                    if row.get("sparse_int8_over_dense_int8") else ""))
-        del kern
+        kern = None  # free the GPU memory before the next shape
         if not run.smoke:
             torch.cuda.empty_cache()
         run.save()
@@ -787,7 +787,7 @@ def _bench_variant(run: Run, build, graphs: bool, vocab: int) -> dict[str, Any]:
             return r
 
         out[str(b)] = guarded(f"batch {b}", one)
-    del call
+    call = None  # free the model before the next section
     if compile_mode:
         peers.reset()
     if not run.smoke:

@@ -103,8 +103,8 @@ def pair_10kb(port: int):
 
 
 def healthz_bodies(port: int, n: int = 1000):
-    head = (f"POST /healthz HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-            f"Content-Length: 1000000\r\n\r\n").encode()
+    head = ("POST /healthz HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            "Content-Length: 1000000\r\n\r\n").encode()
     chunk = b"x" * 999_000
 
     async def attack() -> dict:

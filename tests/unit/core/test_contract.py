@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from holoserve.core.artifact import ArtifactError, add_files, load_artifact, write_artifact
+from holoserve.core.artifact import ArtifactError, add_files, load_artifact
 from holoserve.core.files import file_entry, sweep_stale, temp_sibling
 from tests.unit.core.test_artifact import _fails, _manifest, _write_manifest, ckpt, good  # noqa: F401  (fixtures)
 
