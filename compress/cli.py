@@ -1,4 +1,5 @@
-"""`holoserve compress`: fine-tune a BERT-family model into a 2:4 sparse INT8 checkpoint.
+"""`holoserve compress`: fine-tune a BERT-family model into a 2:4 sparse INT8 checkpoint (by default: a dense
+teacher, a one-shot projection with OBS updates, then QAT with distillation; the ADMM recipes are opt-in).
 
 Light at import time (no torch): the heavy modules load inside run().
 """
@@ -12,7 +13,25 @@ from pathlib import Path
 from holoserve.cli_options import add_data_arguments, advanced
 
 
+DESCRIPTION = (
+    "Fine-tune a BERT-family model into a checkpoint whose encoder Linear weights are 2:4 sparse and on a per-row "
+    "INT8 grid. What runs by default (--method oneshot): a dense teacher is fine-tuned on the task; a copy of it is "
+    "projected once onto 2:4 ∩ INT8 (in every group of 4 inputs the 2 weights with the largest |w|·‖x‖^0.5 are "
+    "kept, x the layer's inputs on calibration batches; the kept weights are updated by optimal-brain-surgeon "
+    "steps, SparseGPT's, so each layer's output on those inputs moves as little as it can; then each row is "
+    "rounded onto its INT8 grid); then quantization-aware training (QAT) with distillation from the teacher, the "
+    "mask frozen. The default does not use ADMM. ADMM is offered, opt-in: --method admm (ADMM during a "
+    "fine-tune, then the projection and QAT), --method admm_guided (the layer-wise ADMM projection, then QAT with "
+    "the ADMM penalty kept on), --set projection=admm (the layer-wise ADMM projection, mask free, then the default's "
+    "QAT) and --set projection=admm_fixed_mask (ADMM on the default's mask, then the default's QAT). None of them "
+    "is the default: the ADMM recipes compared so far trail it after the same QAT, though the layer-wise ADMM "
+    "projection is closer to the teacher before training, and admm_fixed_mask awaits that comparison "
+    "(docs/results/2026-11-27-admm-paired-quick.md, docs/results/2026-11-28-admm-checks.md)."
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = DESCRIPTION
     adv = advanced(p)
     add_data_arguments(p, training=True)
     p.add_argument("--task", help="the task's name (default: the --train file's name); without --train, a GLUE "
@@ -32,9 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tokenized training rows, rounded up to a multiple of 32, at most the preset's 64 (quick) "
                         "or 128 (full), which --set max_seq_length=N changes)")
     p.add_argument("--method", default="oneshot", choices=["oneshot", "admm", "admm_guided", "magnitude", "ptq"],
-                   help="oneshot (default; why: docs/results/2026-11-24-admm-search.md): one-shot projection onto "
-                        "2:4 ∩ INT8, then QAT with distillation; admm: ADMM toward 2:4 ∩ INT8 with distillation, "
-                        "then QAT, for the same steps; admm_guided: the layer-wise ADMM projection, then QAT with the ADMM penalty kept on; "
+                   help="oneshot (default): one-shot projection onto 2:4 ∩ INT8 (masks by |w|·‖x‖^0.5, kept weights "
+                        "updated by OBS), then QAT with distillation; admm: a fine-tune with the ADMM penalty "
+                        "toward 2:4 ∩ INT8 and distillation, then the projection and QAT, for the same steps; "
+                        "admm_guided: the layer-wise ADMM projection, then QAT with the ADMM penalty kept on; "
                         "magnitude: one-shot magnitude 2:4 + masked fine-tune with distillation, then post-training "
                         "INT8; ptq: post-training INT8 of --model")
     p.add_argument("--no-quant", action="store_true", help="sparsity only: keep fp32 weights (no INT8)")
@@ -46,7 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     adv.add_argument("--train-limit", type=int, help="use only the first N training rows")
     adv.add_argument("--dev-limit", type=int, help="evaluate on the first N dev rows only (for smoke tests)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a preset field, e.g. --set qat.lr=1e-4 --set admm_cfg.rho_end=0.1 (repeatable)")
+                   help="override a preset field, e.g. --set qat.lr=1e-4 --set admm_cfg.rho_end=0.1 (repeatable); "
+                        "the one-shot projection's solver: --set projection=obs (default), nearest, admm or "
+                        "admm_fixed_mask, fitted with --set projection_damp=D --set projection_batches=N")
     p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic for a given seed)")
     p.add_argument("--teacher", type=Path,
                    help="reuse a fine-tuned dense model (e.g. <out>.state/teacher of an earlier run) instead of training one")

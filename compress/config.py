@@ -203,8 +203,8 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "quick": Preset(
         name="quick",
-        notes="the short recipe, sized for a CPU: 3 epochs of dense fine-tune, 2 of ADMM and 2 of QAT, capped at "
-              "500, 300 and 200 steps",
+        notes="the short recipe, sized for a CPU: 3 epochs of dense fine-tune, then the admm and qat budgets, 2 "
+              "epochs each, capped at 500, 300 and 200 steps (the default method, oneshot, spends both budgets on QAT)",
     ),
     "full": Preset(
         name="full",
@@ -216,7 +216,9 @@ PRESETS: dict[str, Preset] = {
         admm_cfg=AdmmConfig(interval=50, rho_start=1e-3, rho_end=0.2),
         calib_batches=64,
         save_every=500,
-        notes="best accuracy, sized for a GPU: 3 epochs per phase (2 for QAT), at most 6,000 steps each",
+        notes="best accuracy, sized for a GPU: 3 epochs of dense fine-tune, then the admm budget (3 epochs) and the "
+              "qat budget (2), at most 6,000, 6,000 and 3,000 steps (the default method, oneshot, spends both budgets "
+              "on QAT)",
     ),
 }
 

@@ -5,9 +5,10 @@ A handler names the folder its tokenizer comes from (`source`), then gets the ru
 a `CompressedModel`: the compressed model and what the checkpoint records about it. Adding a method is one
 class here with `@register("name")`.
 
-  oneshot    dense teacher -> one-shot projection onto 2:4 ∩ INT8 (kept weights OBS-compensated, preset
-             projection) -> QAT with distillation for the steps ADMM + QAT spend. The default; why:
-             docs/results/2026-11-24-admm-search.md, docs/results/2026-11-25-obs-projection.md
+  oneshot    dense teacher -> one-shot projection onto 2:4 ∩ INT8 (masks by the preset's mask metric, kept
+             weights OBS-compensated by default, preset projection) -> QAT with distillation for the steps ADMM + QAT
+             spend. The default, and no ADMM; why: docs/results/2026-11-24-admm-search.md,
+             docs/results/2026-11-25-obs-projection.md, docs/results/2026-11-27-admm-paired-quick.md
   admm       dense teacher -> ADMM toward 2:4 ∩ INT8 (INT8 activations fake-quantized too) with
              distillation -> hard projection -> QAT
   admm_guided  dense teacher -> layer-wise ADMM projection onto 2:4 ∩ INT8 (projection="admm") -> QAT with
