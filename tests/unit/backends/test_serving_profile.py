@@ -261,8 +261,13 @@ def test_workers_pin_the_profiles_decision_and_shapes(both, tuned, monkeypatch):
 
     prof, path = tuned
     original = path.read_text()
-    for name in ("backend", "openvino_kernels", "openvino_shapes"):
-        monkeypatch.delenv(env_name(name), raising=False)
+    from holoserve.backends.auto import ROUTE_ENV
+    from holoserve.server.backend_choice import DECISION_ENV
+
+    # decide_for_workers pins its choice in os.environ: set-then-delete makes the teardown remove it again
+    for key in (*(env_name(n) for n in ("backend", "openvino_kernels", "openvino_shapes")), DECISION_ENV, ROUTE_ENV):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     try:
         _write(path, _with_decision(prof, backend="openvino", openvino_shapes=["2x32"]))
