@@ -105,7 +105,7 @@ def test_int8_peer_linear_is_the_fake_quant_linear():
     """The dense INT8 peer's Linear (per-channel weight codes, the calibrated activation scale, _int_mm)
     computes the fake-quant Linear: same codes, integer accumulation, one rescale."""
     peers = gpu_module("peers")
-    from compress.quant import fake_quant_act, fake_quant_weight
+    from holoserve.compress.quant import fake_quant_act, fake_quant_weight
     from holoserve.core.numerics import ACT_SCALE_DIV, WEIGHT_QMAX
 
     torch.manual_seed(0)
