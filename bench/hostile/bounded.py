@@ -74,18 +74,7 @@ async def _send_all(port: int, requests: list[bytes], clients: int, timeout: flo
     async def client() -> None:
         conn = Conn(port)
         while queue:
-            req = queue.pop()
-            try:
-                if conn.writer is None:
-                    await conn.open()
-                await conn.send(req)
-                status, headers, _ = await conn.response(timeout)
-                statuses[str(status)] = statuses.get(str(status), 0) + 1
-                if headers.get("connection", "").lower() == "close":
-                    conn.close()
-            except (ConnectionError, OSError, asyncio.TimeoutError) as e:
-                statuses[type(e).__name__] = statuses.get(type(e).__name__, 0) + 1
-                conn.close()
+            await conn.tally(queue.pop(), statuses, timeout)
         conn.close()
 
     await asyncio.gather(*(client() for _ in range(clients)))

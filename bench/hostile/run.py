@@ -208,6 +208,21 @@ class Conn:
             self.writer.close()
         self.reader = self.writer = None
 
+    async def tally(self, request: bytes, statuses: dict[str, int], timeout: float) -> None:
+        """Send `request` (connecting first where needed) and count its status, or the error that ended the
+        connection, in `statuses`; a `Connection: close` answer closes this side too."""
+        try:
+            if self.writer is None:
+                await self.open()
+            await self.send(request)
+            status, headers, _ = await self.response(timeout)
+            statuses[str(status)] = statuses.get(str(status), 0) + 1
+            if headers.get("connection", "").lower() == "close":
+                self.close()
+        except (ConnectionError, OSError, asyncio.TimeoutError) as e:
+            statuses[type(e).__name__] = statuses.get(type(e).__name__, 0) + 1
+            self.close()
+
 
 def post(body: bytes, path: str = "/predict", ctype: str = "application/json", extra: str = "") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
@@ -673,17 +688,7 @@ async def run_amplification(server: Server, port: int, pair: bool, name: str, at
     async def attacker() -> None:
         conn = Conn(port)
         while time.monotonic() < deadline:
-            try:
-                if conn.writer is None:
-                    await conn.open()
-                await conn.send(body)
-                status, headers, _ = await conn.response(30)
-                statuses[str(status)] = statuses.get(str(status), 0) + 1
-                if headers.get("connection", "").lower() == "close":
-                    conn.close()
-            except (ConnectionError, OSError, asyncio.TimeoutError) as e:
-                statuses[type(e).__name__] = statuses.get(type(e).__name__, 0) + 1
-                conn.close()
+            await conn.tally(body, statuses, 30)
         conn.close()
 
     silent = []
