@@ -176,17 +176,29 @@ async def run_load(port: int, texts: list[str], clients: int, duration: float, m
             "wall": time.perf_counter() - t_start}
 
 
-def alternate_rounds(ports: dict[str, int], texts: list[str], clients: int, args) -> dict[str, dict]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def alternate_rounds(ports: dict[str, int], texts: list[str], clients: int, args,
+                     pids: dict[str, int] | None = None) -> dict[str, dict]:
     """One client level on several servers taking turns round by round (args.rounds rounds of
     args.duration / rounds seconds each), so drifting machine load hits them alike; per server the
-    level's summary with the mean executed batch size read from its metrics."""
+    level's summary with the mean executed batch size read from its metrics and, with `pids` (the servers'
+    processes), the server's CPU time per answered request."""
     parts: dict[str, list[dict]] = {n: [] for n in ports}
     seqs = {n: [0.0, 0.0] for n in ports}
+    cpu = {n: 0.0 for n in ports}
     for _ in range(args.rounds):
         for name, port in ports.items():
             before = scrape_batch_sizes(port)
+            c0 = cpu_seconds(pids[name]) if pids else 0.0
             parts[name].append(asyncio.run(run_load(port, texts, clients, args.duration / args.rounds,
                                                     args.max_requests // args.rounds)))
+            if pids:
+                cpu[name] += cpu_seconds(pids[name]) - c0
             after = scrape_batch_sizes(port)
             for k, key in enumerate(("sequences", "executions")):
                 seqs[name][k] += after.get(key, 0) - before.get(key, 0)
@@ -194,6 +206,8 @@ def alternate_rounds(ports: dict[str, int], texts: list[str], clients: int, args
     for name in ports:
         lv = summarize(clients, parts[name])
         lv["mean_batch"] = round(seqs[name][0] / seqs[name][1], 2) if seqs[name][1] else 0
+        if pids:
+            lv["server_cpu_ms_per_request"] = round(1000 * cpu[name] / lv["ok"], 3) if lv["ok"] else None
         out[name] = lv
     return out
 

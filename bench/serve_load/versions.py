@@ -21,36 +21,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import dated_results
-from bench.serve_load.run import (REPO, free_port, load_texts, machine, run_load, start_server, stop_server,
-                                  summarize)
+from bench.serve_load.run import (REPO, alternate_rounds, free_port, load_texts, machine, run_load, start_server,
+                                  stop_server)
 from holoserve.core.files import atomic_write_json, atomic_write_text
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def compare(servers: dict[str, tuple[subprocess.Popen, int]], texts: list, clients: int, rounds: int,
-            duration: float) -> dict[str, dict]:
-    """One client level on every server in turns; each server's summary with its CPU ms per answered request."""
-    parts: dict[str, list[dict]] = {n: [] for n in servers}
-    cpu = {n: 0.0 for n in servers}
-    for _ in range(rounds):
-        for name, (proc, port) in servers.items():
-            c0 = cpu_seconds(proc.pid)
-            parts[name].append(asyncio.run(run_load(port, texts, clients, duration / rounds, 10 ** 9)))
-            cpu[name] += cpu_seconds(proc.pid) - c0
-    out = {}
-    for name in servers:
-        lv = summarize(clients, parts[name])
-        lv["server_cpu_ms_per_request"] = round(1000 * cpu[name] / lv["ok"], 3) if lv["ok"] else None
-        out[name] = lv
-    return out
-
 
 def markdown(res: dict) -> str:
     lines = [f"# The server's own cost: this checkout vs {res['baseline']} ({res['date']})", "",
@@ -77,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", default="1,32")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per level and server, over --rounds")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--max-requests", type=int, default=10 ** 9, help="answers per level and server, at most")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--backend", default="onnxruntime")
     ap.add_argument("--out", help="output folder (default bench/results/<today>-serve-versions)")
@@ -105,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             servers[name] = (start_server(ckpt, port, args.threads, [], log, args.backend, root=root), port)
             asyncio.run(run_load(port, texts, 8, 2.0, 400))  # warm-up, not recorded
         for c in (int(x) for x in args.clients.split(",")):
-            got = compare(servers, texts, c, args.rounds, args.duration)
+            got = alternate_rounds({n: port for n, (_, port) in servers.items()}, texts, c, args,
+                                   pids={n: proc.pid for n, (proc, _) in servers.items()})
             res["levels"].append({"clients": c, "servers": got})
             for name, r in got.items():
                 print(f"{name:28s} clients {c:3d}: {r['throughput_rps']:8.1f} req/s  p50 {r.get('p50_ms')} ms  "

@@ -113,3 +113,22 @@ def test_token_budget_run_on_the_cpu(sst2, tmp_path):
     for mode in ("count", "tokens_256"):
         (level,) = res["modes"][mode]["levels"]
         assert level["clients"] == 2 and level["ok"] > 0 and level["mean_batch"] > 0
+
+
+def test_versions_run_on_the_cpu(sst2, tmp_path):
+    """serve_load.versions: this checkout's server against a baseline checkout's (this one again here), through
+    the same alternating rounds, with each server's CPU time per request and the ratios."""
+    pytest.importorskip("onnxruntime")
+    from bench.serve_load import versions
+    from bench.serve_load.run import REPO
+
+    out = tmp_path / "out"
+    assert versions.main(["--checkpoint", str(sst2), "--baseline-root", str(REPO), "--clients", "2",
+                          "--duration", "0.6", "--rounds", "1", "--out", str(out)]) == 0
+    res = json.loads((out / "versions_short.json").read_text())
+    (level,) = res["levels"]
+    assert len(level["servers"]) == 2
+    for r in level["servers"].values():
+        assert r["clients"] == 2 and r["ok"] > 0 and r["server_cpu_ms_per_request"] > 0
+    assert set(res["ratios"]["2"]) == {"throughput", "p50", "cpu_per_request"}
+    assert "server CPU ms / request" in (out / "versions_short.md").read_text()
