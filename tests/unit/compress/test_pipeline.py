@@ -333,17 +333,23 @@ def test_obs_projection(admm_ckpt, env, caplog, metric):
         assert not torch.equal(a[layer], b[layer])
 
 
+def _projected(admm_ckpt, env, caplog, folder: str, projection: str):
+    """(checkpoint, teacher, manifest) of a compress run from the ADMM checkpoint's teacher with `projection`,
+    its log in `caplog`; the checkpoint keeps the contract."""
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    out = env["root"] / folder
+    with caplog.at_level("INFO"):
+        assert compress(env, out, "--teacher", str(teacher), "--set", f"projection={projection}") == 0
+    check_saved_checkpoint(out)
+    return out, teacher, json.loads((out / "manifest.json").read_text())
+
+
 def test_admm_projection_is_2to4_int8_records_each_layer_and_resumes_identically(admm_ckpt, env, caplog):
     """projection=admm: the layer-wise ADMM solve onto 2:4 ∩ INT8 (masks free to move), then QAT; the checkpoint
     keeps the contract, the manifest holds each Linear's held-out reconstruction error, and the same job again
     (resumed from its state, and fresh in a new folder) writes a byte-identical model."""
-    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
-    out = env["root"] / "admm-projection"
-    with caplog.at_level("INFO"):
-        assert compress(env, out, "--teacher", str(teacher), "--set", "projection=admm") == 0
-    check_saved_checkpoint(out)
+    out, teacher, m = _projected(admm_ckpt, env, caplog, "admm-projection", "admm")
     assert "ADMM 2:4 projection (masks by activation)" in caplog.text
-    m = json.loads((out / "manifest.json").read_text())
     proj = m["training"]["phases"]["projection"]
     assert proj["method"] == "admm" and len(proj["layers"]) == 12
     assert all(d["iters"] >= 1 and 0 < d["fit_vs_nearest"] < 1 and d["heldout_relative"] > 0
@@ -361,13 +367,8 @@ def test_admm_on_the_default_mask_projection(admm_ckpt, env, caplog):
     """projection=admm_fixed_mask: ADMM on the default's masks, fitted on projection_batches (64 unless set) with
     the damping 0.1, then the default's QAT; the masks never move, the checkpoint keeps the contract, and the
     manifest records what ran (activation ranges still from calib_batches)."""
-    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
-    out = env["root"] / "admm-fixed-mask"
-    with caplog.at_level("INFO"):
-        assert compress(env, out, "--teacher", str(teacher), "--set", "projection=admm_fixed_mask") == 0
-    check_saved_checkpoint(out)
+    out, teacher, m = _projected(admm_ckpt, env, caplog, "admm-fixed-mask", "admm_fixed_mask")
     assert "ADMM_FIXED_MASK 2:4 projection (masks by activation) over 64 calibration batches, damping 0.1" in caplog.text
-    m = json.loads((out / "manifest.json").read_text())
     t = m["training"]
     proj = t["phases"]["projection"]
     assert t["method"] == "oneshot" and proj["method"] == "admm_fixed_mask"

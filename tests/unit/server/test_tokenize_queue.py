@@ -7,10 +7,13 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 
+from holoserve.server.batcher import BatchPolicy, DynamicBatcher
 from holoserve.server.memory import MemoryReleaser
 from holoserve.server.tokenize import TokenizeQueue, TokenizeQueueFull
+from tests.unit.server.test_token_budget import seq
 
 
 class _Encoder:
@@ -110,14 +113,6 @@ def test_memory_is_handed_back_once_enough_was_freed_and_nothing_large_is_held(m
 def test_a_request_behind_a_large_one_joins_its_next_batch():
     """A request of 4 batches' worth enters the queue one batch at a time: a one-text request sent just after
     it runs in the second batch, not after all four."""
-    import numpy as np
-
-    from holoserve.core.tokenizer import Encoded
-    from holoserve.server.batcher import BatchPolicy, DynamicBatcher
-
-    def seq(tag: int) -> Encoded:
-        return Encoded(np.full(4, tag, dtype=np.int64), np.zeros(4, dtype=np.int64), truncated=False)
-
     batches: list[list[int]] = []
 
     def infer(ids, mask, types):
@@ -129,9 +124,9 @@ def test_a_request_behind_a_large_one_joins_its_next_batch():
         b = DynamicBatcher(infer, BatchPolicy(max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64,
                                               max_padding_waste=-1.0, inline_single=False))
         b.start()
-        large = asyncio.ensure_future(b.submit([seq(1)] * 32))
+        large = asyncio.ensure_future(b.submit([seq(4, 1)] * 32))
         await asyncio.sleep(0.005)
-        small = await b.submit([seq(2)])
+        small = await b.submit([seq(4, 2)])
         got = await large
         await b.stop(5)
         return small, got
@@ -145,14 +140,6 @@ def test_a_request_behind_a_large_one_joins_its_next_batch():
 def test_requests_waiting_together_share_a_batch_in_turns():
     """Two requests of 8 sequences and one of 1 wait behind a running batch: the next batch (8) takes the
     lone one and turns of the others, instead of the first request's 8."""
-    import numpy as np
-
-    from holoserve.core.tokenizer import Encoded
-    from holoserve.server.batcher import BatchPolicy, DynamicBatcher
-
-    def seq(tag: int) -> Encoded:
-        return Encoded(np.full(4, tag, dtype=np.int64), np.zeros(4, dtype=np.int64), truncated=False)
-
     batches: list[list[int]] = []
     gate = threading.Event()
 
@@ -166,10 +153,10 @@ def test_requests_waiting_together_share_a_batch_in_turns():
         b = DynamicBatcher(infer, BatchPolicy(max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64,
                                               max_padding_waste=-1.0, inline_single=False))
         b.start()
-        first = asyncio.ensure_future(b.submit([seq(9)]))
+        first = asyncio.ensure_future(b.submit([seq(4, 9)]))
         while not batches:
             await asyncio.sleep(0.001)
-        parts = [asyncio.ensure_future(b.submit([seq(t)] * n)) for t, n in ((1, 8), (2, 8), (3, 1))]
+        parts = [asyncio.ensure_future(b.submit([seq(4, t)] * n)) for t, n in ((1, 8), (2, 8), (3, 1))]
         await asyncio.sleep(0.02)
         gate.set()
         out = await asyncio.gather(first, *parts)
