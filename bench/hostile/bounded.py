@@ -24,10 +24,12 @@ import asyncio
 import json
 import signal
 import time
-import urllib.request
 from pathlib import Path
 
-from bench.hostile.run import Conn, RssSampler, Server, js, model_name, neighbours, post, rss_mb, v2_inputs
+from bench.hostile.attacks import RssSampler, neighbours
+from bench.hostile.cases import js, v2_inputs
+from bench.lib.http import Conn, closed_connections, model_name, post
+from bench.lib.server import ServerProcess, rss_mb
 
 TOKEN = "hostile-bench-token"
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"
@@ -43,7 +45,7 @@ async def _settle(pid: int, seconds: float = 3.0) -> float:
     return round(rss_mb(pid), 1)
 
 
-async def _case(srv: Server, pair: bool, attack, clients: int, seconds: float) -> dict:
+async def _case(srv: ServerProcess, pair: bool, attack, clients: int, seconds: float) -> dict:
     """Run `attack()` (a coroutine returning its own results) beside neighbours; memory and waits around it."""
     name = model_name(srv.url, TOKEN)
     idle = round(rss_mb(srv.proc.pid), 1)
@@ -53,17 +55,7 @@ async def _case(srv: Server, pair: bool, attack, clients: int, seconds: float) -
         near = await near_task
     after = await _settle(srv.proc.pid)
     return {**got, "neighbours": near, "rss_idle_mb": idle, "rss_peak_mb": round(rss.peak, 1),
-            "rss_after_mb": after, "closed": closed_counts(srv.url)}
-
-
-def closed_counts(url: str) -> dict[str, float]:
-    """holoserve_http_connections_closed_total by reason (the server runs with a token here)."""
-    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
-    out = {}
-    for line in urllib.request.urlopen(req, timeout=5).read().decode().splitlines():
-        if line.startswith("holoserve_http_connections_closed_total{"):
-            out[line.split('reason="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
-    return out
+            "rss_after_mb": after, "closed": closed_connections(srv.url, TOKEN)}
 
 
 async def _send_all(port: int, requests: list[bytes], clients: int, timeout: float = 120) -> dict[str, int]:
@@ -176,7 +168,7 @@ def non_reader(port: int, name: str):
     return attack
 
 
-async def shutdown_case(srv: Server, pair: bool) -> dict:
+async def shutdown_case(srv: ServerProcess, pair: bool) -> dict:
     """SIGTERM while a body is arriving and the queue is full; a request on a new connection right after."""
     text = {"pairs": [["a man rides a horse", "a man is riding a horse"]]} if pair else {"text": "a fun film"}
     body = js(text)
@@ -220,7 +212,7 @@ def run_bounded(root: Path, ckpt: Path, pair_ckpt: Path, settings: dict[str, str
              ("long_texts", ckpt, False, long_texts), ("pipelined", ckpt, False, pipelined),
              ("non_reader", ckpt, False, None)]
     for name, model, pair, make in cases:
-        srv = Server(root, model, _settings(settings), log, nofile)
+        srv = ServerProcess(root, model, log, env=_settings(settings), nofile=nofile)
         try:
             srv.wait_ready()
             attack = make(srv.port) if make is not None else non_reader(srv.port, model_name(srv.url, TOKEN))
@@ -230,8 +222,8 @@ def run_bounded(root: Path, ckpt: Path, pair_ckpt: Path, settings: dict[str, str
         finally:
             srv.stop()
         print(f"bounded/{name}: {out[name]}", flush=True)
-    srv = Server(root, ckpt, _settings(settings, HOLOSERVE_MAX_QUEUE_SIZE="64", HOLOSERVE_MAX_QUEUE_DELAY_MS="200"),
-                 log, nofile)
+    srv = ServerProcess(root, ckpt, log, nofile=nofile,
+                        env=_settings(settings, HOLOSERVE_MAX_QUEUE_SIZE="64", HOLOSERVE_MAX_QUEUE_DELAY_MS="200"))
     try:
         srv.wait_ready()
         out["shutdown"] = asyncio.run(shutdown_case(srv, False))

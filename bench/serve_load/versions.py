@@ -13,7 +13,6 @@ requests/s, p50/p99 latency, and the server process's CPU time per request (user
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -21,9 +20,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import dated_results
-from bench.serve_load.run import (REPO, alternate_rounds, free_port, load_texts, machine, run_load, start_server,
-                                  stop_server)
-from holoserve.core.files import atomic_write_json, atomic_write_text
+from bench.lib.report import machine, table, write_record
+from bench.serve_load.load import REPO, alternate_rounds, fleet, load_texts, warm
+
 
 def markdown(res: dict) -> str:
     lines = [f"# The server's own cost: this checkout vs {res['baseline']} ({res['date']})", "",
@@ -31,12 +30,10 @@ def markdown(res: dict) -> str:
              f"{res['checkpoint']}; backend {res['backend']}, {res['threads']} thread(s); {res['texts']}; "
              f"{res['rounds']} alternating rounds, {res['duration_s']} s per level and server.", "",
              f"`{res['command']}`", "",
-             "| server | clients | req/s | p50 ms | p99 ms | server CPU ms / request | statuses |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for lv in res["levels"]:
-        for name, r in lv["servers"].items():
-            lines.append(f"| {name} | {r['clients']} | {r['throughput_rps']} | {r.get('p50_ms')} | {r.get('p99_ms')} | "
-                         f"{r['server_cpu_ms_per_request']} | {r['status_counts']} |")
+             *table(("server", "clients", "req/s", "p50 ms", "p99 ms", "server CPU ms / request", "statuses"),
+                    ([name, r["clients"], r["throughput_rps"], r.get("p50_ms"), r.get("p99_ms"),
+                      r["server_cpu_ms_per_request"], r["status_counts"]]
+                     for lv in res["levels"] for name, r in lv["servers"].items()))]
     lines += ["", "Ratios (this checkout / baseline): " + json.dumps(res["ratios"]), ""]
     return "\n".join(lines)
 
@@ -65,31 +62,24 @@ def main(argv: list[str] | None = None) -> int:
     ours = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
     roots = {f"baseline {head}": baseline, f"this checkout {ours}": REPO}
-    servers: dict[str, tuple[subprocess.Popen, int]] = {}
     res: dict = {"benchmark": "serve_versions", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  "machine": machine(), "baseline": head, "checkpoint": ckpt.name, "backend": args.backend,
                  "threads": args.threads, "texts": source, "rounds": args.rounds, "duration_s": args.duration,
                  "command": "python -m bench.serve_load.versions --checkpoint CKPT --baseline-root DIR "
                             f"--data-dir \"$GLUE_DIR\" --texts {args.texts} --clients {args.clients}",
                  "levels": []}
-    try:
-        for name, root in roots.items():
-            port = free_port()
-            log = out / f"{name.split()[0]}.log.tmp"
-            servers[name] = (start_server(ckpt, port, args.threads, [], log, args.backend, root=root), port)
-            asyncio.run(run_load(port, texts, 8, 2.0, 400))  # warm-up, not recorded
+    plans = {name: {"checkpoint": ckpt, "args": [], "backend": args.backend, "root": root}
+             for name, root in roots.items()}
+    with fleet(plans, out, "versions", args.threads) as servers:
+        for srv in servers.values():
+            warm(srv.port, texts, 8, 2.0, 400)
         for c in (int(x) for x in args.clients.split(",")):
-            got = alternate_rounds({n: port for n, (_, port) in servers.items()}, texts, c, args,
-                                   pids={n: proc.pid for n, (proc, _) in servers.items()})
+            got = alternate_rounds({n: s.port for n, s in servers.items()}, texts, c, args,
+                                   pids={n: s.pid for n, s in servers.items()})
             res["levels"].append({"clients": c, "servers": got})
             for name, r in got.items():
                 print(f"{name:28s} clients {c:3d}: {r['throughput_rps']:8.1f} req/s  p50 {r.get('p50_ms')} ms  "
                       f"cpu {r['server_cpu_ms_per_request']} ms/req  {r['status_counts']}", flush=True)
-    finally:
-        for proc, _ in servers.values():
-            stop_server(proc)
-        for log in out.glob("*.log.tmp"):
-            log.unlink()
     base, new = list(roots)
     res["ratios"] = {str(lv["clients"]): {
         "throughput": round(lv["servers"][new]["throughput_rps"] / lv["servers"][base]["throughput_rps"], 3),
@@ -97,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_per_request": round(lv["servers"][new]["server_cpu_ms_per_request"]
                                  / lv["servers"][base]["server_cpu_ms_per_request"], 3)} for lv in res["levels"]}
     stem = f"versions_{args.texts}"
-    atomic_write_json(out / f"{stem}.json", res)
-    atomic_write_text(out / f"{stem}.md", markdown(res))
+    write_record(res, out, stem, markdown)
     print(json.dumps(res["ratios"], indent=1))
     print(f"wrote {out / stem}.json and .md")
     return 0

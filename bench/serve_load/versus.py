@@ -22,18 +22,16 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
-import time
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import dated_results
-from bench.serve_load.run import (alternate_rounds, backend_desc, free_port, machine, run_load, sst2_sentences,
-                                  start_server, stop_server)
+from bench.lib.report import machine, write_record
+from bench.serve_load.load import alternate_rounds, fleet, run_load, sst2_sentences
+from bench.serve_load.report import backend_desc
 from holoserve.core.choices import TORCH_CUDA_ROUTES, TORCH_PRECISIONS
-from holoserve.core.files import atomic_write_json, atomic_write_text
 from holoserve.server.config import ServerConfig
 
 OURS_BACKENDS = ("torch-cuda", "tensorrt", "onnxruntime")  # onnxruntime: the CPU check of this benchmark
@@ -123,33 +121,22 @@ def measure(args: argparse.Namespace, texts: list[str], out_dir: Path) -> dict:
     """Start both servers, warm them, run every level in alternating rounds; raw results by server."""
     plans = server_plans(args)
     res: dict = {"servers": {}, "levels": []}
-    running: dict[str, tuple[subprocess.Popen, int]] = {}
-    try:
-        for name, plan in plans.items():
-            port = free_port()
-            log = out_dir / f"{args.name}.{name}.log"
-            log.unlink(missing_ok=True)
-            t0 = time.perf_counter()
-            proc = start_server(plan["checkpoint"], port, args.threads, plan["args"], log, plan["backend"],
-                                ready_s=args.ready_s)
-            running[name] = (proc, port)
-            info = backend_info(port)
+    with fleet(plans, out_dir, args.name, args.threads, ready_s=args.ready_s) as servers:
+        for name, srv in servers.items():
+            plan = plans[name]
             res["servers"][name] = {**{k: str(v) if isinstance(v, Path) else v for k, v in plan.items()},
-                                    "start_s": round(time.perf_counter() - t0, 1), "backend_info": info}
-            print(f"{name}: {plan['backend']} ready in {res['servers'][name]['start_s']} s", flush=True)
+                                    "start_s": srv.start_s, "backend_info": backend_info(srv.port)}
+            print(f"{name}: {plan['backend']} ready in {srv.start_s} s", flush=True)
             for c in sorted({1, max(args.levels)}):  # warm-up, not recorded: batch 1 and the largest batches
-                asyncio.run(run_load(port, texts, c, 1.5, 2000))
+                asyncio.run(run_load(srv.port, texts, c, 1.5, 2000))
         for c in args.levels:
-            level = {"clients": c, **alternate_rounds({n: running[n][1] for n in plans}, texts, c, args)}
+            level = {"clients": c, **alternate_rounds({n: s.port for n, s in servers.items()}, texts, c, args)}
             dense_rps = level["dense"]["throughput_rps"]
             level["throughput_ratio"] = round(level["ours"]["throughput_rps"] / dense_rps, 3) if dense_rps else None
             res["levels"].append(level)
             print(f"clients {c:4d}: ours {level['ours']['throughput_rps']:9.1f} req/s (p50 {level['ours'].get('p50_ms')} "
                   f"ms)  {_dense_label(args)} {dense_rps:9.1f} req/s (p50 {level['dense'].get('p50_ms')} ms)  "
                   f"ratio {level['throughput_ratio']}", flush=True)
-    finally:
-        for proc, _ in running.values():
-            stop_server(proc)
     return res
 
 
@@ -173,7 +160,9 @@ def dense_buckets(info: dict) -> list[str]:
                   key=lambda s: tuple(int(x) for x in s.split("x")))
 
 
-def write_markdown(res: dict, args: argparse.Namespace, path: Path) -> None:
+def markdown(res: dict) -> str:
+    """The page: both servers' levels side by side, the target and torch-cuda's routing."""
+    args = argparse.Namespace(**res["settings"])
     m = res["machine"]
     ours_info = res["servers"]["ours"]["backend_info"]
     dense_info = res["servers"]["dense"]["backend_info"]
@@ -206,7 +195,7 @@ def write_markdown(res: dict, args: argparse.Namespace, path: Path) -> None:
         lines += ["", "torch-cuda's routing at start-up (median ms per call, CUDA events): "
                       + ", ".join(f"{b} ({v['tokens']} tokens): 2:4 {v.get('cslt')}, dense INT8 {v.get('int_mm')}"
                                   for b, v in ours_info["route_ms"].items())]
-    atomic_write_text(path, "\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,11 +218,8 @@ def main(argv: list[str] | None = None) -> int:
            "settings": {k: v for k, v in vars(args).items() if k != "levels"}}
     res.update(measure(args, texts, out_dir))
     res["summary"] = summary(res)
-    for name in res["servers"]:  # the logs matter only when a server fails to start (measure raises first)
-        (out_dir / f"{args.name}.{name}.log").unlink(missing_ok=True)
-    atomic_write_json(out_dir / f"{args.name}.json", res)
-    write_markdown(res, args, out_dir / f"{args.name}.md")
-    print((out_dir / f"{args.name}.md").read_text())
+    _, md = write_record(res, out_dir, args.name, markdown)
+    print(md.read_text())
     return 0
 
 

@@ -1,0 +1,138 @@
+"""The two other comparisons of `python -m bench.serve_load.run`: count-based batching against token budgets
+(--token-budgets), and a `docker run` of the image with its defaults against the same image forced to ONNX
+Runtime (--docker)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from bench.lib.report import machine, write_record
+from bench.serve_load.load import alternate_rounds, fleet, warm
+from bench.serve_load.report import docker_markdown, tokens_markdown
+from holoserve.core.artifact import load_artifact
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def token_lengths(ckpt: Path, texts: list[str]) -> dict:
+    from holoserve.core.tokenizer import TextEncoder
+
+    art = load_artifact(ckpt)
+    lens = np.asarray([e.length for e in TextEncoder(ckpt / "tokenizer.json", art.max_seq_length).encode(texts)])
+    return {"n": int(len(lens)), "min": int(lens.min()), "p50": float(np.median(lens)),
+            "mean": round(float(lens.mean()), 1), "p90": float(np.percentile(lens, 90)), "max": int(lens.max()),
+            "max_seq_length": art.max_seq_length}
+
+
+def token_budget_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: Path) -> int:
+    """Count-based batching against token-budget batching, same server otherwise, modes alternating."""
+    budgets = [int(x) for x in args.token_budgets.split(",")]
+    levels = [int(x) for x in args.clients.split(",")] if args.clients != "1,8,32,128" else [32]
+    base = ["--max-batch-size", str(args.batch_size), "--max-queue-delay-ms", str(args.queue_delay_ms),
+            "--max-padding-waste", str(args.max_padding_waste), "--max-queue-size", "512", "--no-access-log"]
+    modes = {"count": base, **{f"tokens_{b}": [*base, "--max-batch-tokens", str(b)] for b in budgets}}
+    res: dict = {"benchmark": "serve_load_tokens", "date": _now(), "machine": machine(),
+                 "checkpoint": {"name": ckpt.name, "max_seq_length": load_artifact(ckpt).max_seq_length},
+                 "texts": text_source, "lengths": token_lengths(ckpt, texts), "threads": args.threads,
+                 "duration_s": args.duration, "rounds": args.rounds, "max_requests": args.max_requests,
+                 "settings": {k: getattr(args, k) for k in ("batch_size", "queue_delay_ms", "max_padding_waste")},
+                 "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop, one text per request",
+                 "modes": {m: {"server_args": a, "levels": []} for m, a in modes.items()}}
+    plans = {m: {"checkpoint": ckpt, "args": a, "backend": args.backend} for m, a in modes.items()}
+    with fleet(plans, out_dir, f"{args.name}_tokens", args.threads) as servers:
+        for srv in servers.values():
+            warm(srv.port, texts)
+        for c in levels:
+            levels_now = alternate_rounds({m: s.port for m, s in servers.items()}, texts, c, args)
+            for mode in modes:
+                lv = levels_now[mode]
+                res["modes"][mode]["levels"].append(lv)
+                print(f"{mode:12s} clients {c:4d}: {lv['throughput_rps']:8.1f} req/s  p50 {lv.get('p50_ms')} "
+                      f"p99 {lv.get('p99_ms')} ms  mean batch {lv['mean_batch']}  {lv['status_counts']}", flush=True)
+    res["machine"]["uptime_at_end"] = _uptime()
+    _, md = write_record(res, out_dir, f"{args.name}_tokens", tokens_markdown)
+    print(md.read_text())
+    return 0
+
+
+def _docker(*args: str, timeout: float = 120) -> str:
+    r = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"docker {' '.join(args[:2])} failed: {r.stderr.strip()[-500:]}")
+    return r.stdout.strip()
+
+
+def start_container(image: str, ckpt: Path, env: dict[str, str]) -> tuple[str, int, dict]:
+    """`docker run -d` of `image` as a user runs it (checkpoint read-only at /model, port on loopback):
+    (container id, host port, its /v1/models backend entry) once ready."""
+    args = ["run", "-d", "-p", "127.0.0.1::8000", "-v", f"{ckpt.resolve()}:/model:ro"]
+    for k, v in env.items():
+        args += ["-e", f"{k}={v}"]
+    cid = _docker(*args, image)
+    port = int(_docker("port", cid, "8000/tcp").splitlines()[0].rsplit(":", 1)[1])
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as m:
+                        return cid, port, json.loads(m.read())["models"][0]["backend"]
+        except Exception:
+            if _docker("inspect", "-f", "{{.State.Running}}", cid) != "true":
+                raise RuntimeError(f"the container exited: {_docker('logs', cid)[-2000:]}")
+            time.sleep(0.5)
+    raise TimeoutError("the container did not become ready in 300 s")
+
+
+def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: Path) -> int:
+    """The image as users meet it: `docker run` with no backend settings against HOLOSERVE_BACKEND=onnxruntime,
+    both containers up, alternating rounds at each --clients level, on the same texts."""
+    levels = [int(x) for x in args.clients.split(",")]
+    variants = {"default": {}, "onnxruntime": {"HOLOSERVE_BACKEND": "onnxruntime"}}
+    size = int(_docker("image", "inspect", "-f", "{{.Size}}", args.docker))
+    res: dict = {"benchmark": "serve_load_docker", "date": _now(), "machine": machine(), "image": args.docker,
+                 "image_mb": round(size / 1e6), "checkpoint": ckpt.name, "texts": text_source,
+                 "duration_s": args.duration, "rounds": args.rounds,
+                 "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop", "variants": {}}
+    running: dict[str, tuple[str, int]] = {}
+    try:
+        for name, env in variants.items():
+            cid, port, backend = start_container(args.docker, ckpt, env)
+            running[name] = (cid, port)
+            res["variants"][name] = {"env": env, "backend": backend.get("backend"),
+                                     "selection": backend.get("selection"),
+                                     "kernels": (backend.get("kernels") or {}).get("status"), "levels": []}
+            print(f"{name}: {backend.get('backend')} ({backend.get('selection')})", flush=True)
+            warm(port, texts, 8, 2.0, 400)
+        for c in levels:
+            got = alternate_rounds({n: p for n, (_, p) in running.items()}, texts, c, args)
+            for name, lv in got.items():
+                res["variants"][name]["levels"].append(lv)
+                print(f"{name:11s} clients {c:3d}: {lv['throughput_rps']:8.1f} req/s  p50 {lv.get('p50_ms')} ms  "
+                      f"{lv['status_counts']}", flush=True)
+    finally:
+        for cid, _ in running.values():
+            subprocess.run(["docker", "rm", "-f", cid], capture_output=True, timeout=60)
+    by = {n: {lv["clients"]: lv for lv in v["levels"]} for n, v in res["variants"].items()}
+    res["summary"] = {}
+    if 32 in levels:
+        res["summary"]["throughput_ratio_32"] = round(by["default"][32]["throughput_rps"]
+                                                      / by["onnxruntime"][32]["throughput_rps"], 3)
+    if 1 in levels:
+        res["summary"]["p50_ratio_1"] = round(by["default"][1]["p50_ms"] / by["onnxruntime"][1]["p50_ms"], 3)
+    res["machine"]["uptime_at_end"] = _uptime()
+    write_record(res, out_dir, f"{args.name}_docker", docker_markdown)
+    print(json.dumps(res["summary"], indent=2))
+    return 0
