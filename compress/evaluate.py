@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from holoserve import HoloServeError
-from holoserve.core.choices import EVAL_BACKENDS, OPENVINO_KERNELS_DEFAULT
+from holoserve.core.choices import EVAL_BACKEND_ALIASES, EVAL_BACKENDS, OPENVINO_KERNELS_DEFAULT
 from holoserve.core.manifest import ONNXRUNTIME
 from holoserve.data.metrics import score
 from holoserve.data.tasks import Task
@@ -110,12 +110,12 @@ class EvalOptions:
     split: str = "dev"
     limit: int | None = None  # the first N rows only
     batch_size: int = 128
-    # what computes the logits: "pytorch" (the checkpoint's own numerics), or an export through the server's
+    # what computes the logits: "torch" (the checkpoint's own numerics), or an export through the server's
     # backend of that name ("onnxruntime", "openvino"); `onnx` is the same as backend="onnxruntime"
     backend: str | None = None
     onnx: bool = False
     onnx_export: str = ONNXRUNTIME  # with onnxruntime: which ONNX export
-    fp32: bool = False  # pytorch: no activation fake-quant (weights still as stored)
+    fp32: bool = False  # torch: no activation fake-quant (weights still as stored)
     threads: int = 0  # the backend's threads (0: its default)
     device: str = "auto"  # where the PyTorch model runs
     openvino_precision: str | None = None
@@ -147,7 +147,7 @@ def evaluate_checkpoint(path, options: EvalOptions = EvalOptions()) -> dict:
     if predictions is not None:  # a bad path fails now, not after the scoring
         _predictions_folder(predictions)
     model = None
-    if backend == "pytorch" or compare:
+    if backend == "torch" or compare:
         model, art = load_model(path)
         model.to(resolve_device(o.device))
     else:
@@ -209,10 +209,10 @@ def _check_backend_options(o: EvalOptions) -> str:
     openvino_precision, openvino_kernels, onnx_export = o.openvino_precision, o.openvino_kernels, o.onnx_export
     if onnx and backend not in (None, "onnxruntime"):
         raise HoloServeError(f"--onnx means --backend onnxruntime, not --backend {backend}: give one of them")
-    backend = "onnxruntime" if onnx else (backend or "pytorch")
+    backend = "onnxruntime" if onnx else EVAL_BACKEND_ALIASES.get(backend, backend or "torch")
     if backend not in EVAL_BACKENDS:
         raise HoloServeError(f"unknown backend {backend!r}: choose one of {', '.join(EVAL_BACKENDS)}")
-    if fp32 and backend != "pytorch":
+    if fp32 and backend != "torch":
         raise HoloServeError(f"--fp32 and --backend {backend} (or --onnx) do not combine: an export always has the "
                              "checkpoint's numerics; drop --fp32")
     for flag, value in (("--openvino-precision", openvino_precision), ("--openvino-kernels", openvino_kernels)):
@@ -220,7 +220,7 @@ def _check_backend_options(o: EvalOptions) -> str:
             raise HoloServeError(f"{flag} only applies to --backend openvino (got --backend {backend})")
     if onnx_export != ONNXRUNTIME and backend != "onnxruntime":
         raise HoloServeError(f"--onnx-export only applies to --backend onnxruntime (got --backend {backend})")
-    if compare and backend == "pytorch":
+    if compare and backend == "torch":
         raise HoloServeError("--compare compares a backend's predictions with the checkpoint's numerics: add "
                              "--backend onnxruntime or --backend openvino")
     return backend

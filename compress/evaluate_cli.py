@@ -12,7 +12,7 @@ from pathlib import Path
 
 from holoserve import HoloServeError
 from holoserve.cli_options import advanced
-from holoserve.core.choices import EVAL_BACKENDS, OPENVINO_KERNELS, OPENVINO_KERNELS_DEFAULT, OPENVINO_PRECISIONS
+from holoserve.core.choices import EVAL_BACKEND_ALIASES, EVAL_BACKENDS, OPENVINO_KERNELS, OPENVINO_KERNELS_DEFAULT, OPENVINO_PRECISIONS
 from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ONNX
 
 
@@ -34,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     adv.add_argument("--limit", type=int, help="score only the first N rows")
     adv.add_argument("--batch-size", type=int, default=128)
     adv.add_argument("--fp32", action="store_true", help="skip activation fake-quant (weights still as stored)")
-    p.add_argument("--backend", choices=EVAL_BACKENDS, default=None,
-                   help="what computes the logits: pytorch (default), the fake-quant model with the checkpoint's "
+    p.add_argument("--backend", choices=EVAL_BACKENDS, default=None, type=lambda s: EVAL_BACKEND_ALIASES.get(s, s),
+                   help="what computes the logits: torch (default), the fake-quant model with the checkpoint's "
                         "numerics; onnxruntime or openvino, an export through the server's own backend of that "
                         "name, on the same batches (`holoserve export --target onnxruntime|openvino` first)")
     p.add_argument("--onnx", action="store_true", help="the same as --backend onnxruntime")

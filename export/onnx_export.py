@@ -7,7 +7,7 @@ activations with the manifest's calibrated ranges -> for the onnxruntime target,
 ONNX Runtime contrib ops (export/fusion.py): each QDQ Linear into MatMulIntegerToFloat with its
 bias, a tanh GELU into FastGelu, each attention block into MultiHeadAttention; and the last layer
 cut down to the [CLS] row the classifier reads (export/standard_rewrites.py) -> verify
-(export/verify_export.py).
+(export/verify.py).
 
 Ranges of the tensors only the TensorRT placement quantizes (attention MatMul inputs, residual
 Add inputs) are not in the manifest: they are calibrated here by running the ONNX Runtime
@@ -37,10 +37,10 @@ from holoserve.core.numerics import SQNR_CAP_DB, sqnr_db
 from holoserve.core.ort import session as ort_session
 from holoserve.core.progress import Progress, StepBar
 
-from . import float16, fusion, qdq, standard_rewrites, verify
+from . import checks, float16, fusion, qdq, standard_rewrites
 from .options import ExportOptions
 from .reference import BUILTIN_SENTENCES, encode_batches, load_torch_model, make_tokenizer, quantized_layers, task_rows
-from .verify_export import BuiltExport, verify_exports
+from .verify import BuiltExport, verify_exports
 
 OPSET = 17
 TARGET_FILES = {"onnxruntime": "model.onnx", "tensorrt": "model.trt.onnx", "openvino": "model.ov.onnx"}
@@ -81,15 +81,15 @@ def torch_export_fp32(model, path: Path, opset: int = OPSET) -> None:
             )[0]
 
     ids = torch.ones(2, 16, dtype=torch.long)
-    names = list(verify.INPUT_NAMES)
-    axes = {k: {0: "batch", 1: "sequence"} for k in names} | {verify.OUTPUT_NAME: {0: "batch"}}
+    names = list(checks.INPUT_NAMES)
+    axes = {k: {0: "batch", 1: "sequence"} for k in names} | {checks.OUTPUT_NAME: {0: "batch"}}
     import warnings
 
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             _Logits(model), (ids, torch.ones_like(ids), torch.zeros_like(ids)), str(path),
-            input_names=names, output_names=[verify.OUTPUT_NAME], dynamic_axes=axes,
+            input_names=names, output_names=[checks.OUTPUT_NAME], dynamic_axes=axes,
             opset_version=opset, do_constant_folding=True, dynamo=False,
         )
     model.eval()  # the TorchScript exporter leaves the module in training mode (dropout on)
@@ -523,8 +523,8 @@ def _entry(job: _Job, graph: _Float, placed: _Placed, path: Path, ranges: _Tenso
         "format": "onnx",
         "opset": float16.FP16_OPSET if fp16 else OPSET,
         "placement": PLACEMENT[target],
-        "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in verify.INPUT_NAMES},
-        "outputs": {verify.OUTPUT_NAME: {"dtype": "float32", "shape": ["batch", job.art.num_labels]}},
+        "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in checks.INPUT_NAMES},
+        "outputs": {checks.OUTPUT_NAME: {"dtype": "float32", "shape": ["batch", job.art.num_labels]}},
         "weights": "int8 initializers, per-output-channel scales, zero-point 0, read by "
         + ("MatMulIntegerToFloat" if target == "onnxruntime" and opts.fuse_matmul else "DequantizeLinear"),
         "activations": "uint8 zero-point 128 (MatMul inputs only)" if PLACEMENT[target] == "onnxruntime"
@@ -554,7 +554,7 @@ def _entry(job: _Job, graph: _Float, placed: _Placed, path: Path, ranges: _Tenso
 
 
 def _verify(job: _Job, graph: _Float, rows: _Rows, built: Mapping[str, _Built], bar: StepBar) -> dict[str, Any]:
-    """Each built graph against the PyTorch fake-quant model (export/verify_export.py): target -> record."""
+    """Each built graph against the PyTorch fake-quant model (export/verify.py): target -> record."""
     bar.set_postfix_str("verify")
     # the reference is exactly what `holoserve eval` runs: compress.checkpoint.load_model
     # (default attention kernel) + compress.quant.input_quantizers
@@ -569,13 +569,13 @@ def _verify(job: _Job, graph: _Float, rows: _Rows, built: Mapping[str, _Built], 
                           tensorrt_qat=trt.tensorrt.as_trained if trt else False)
     # every target is checked through ONNX Runtime's int8 GEMMs: where they are not exact on this CPU, say so
     # before the checks (which may refuse the export over that error) and in each record
-    saturates = verify.int8_gemm_saturates()
+    saturates = checks.int8_gemm_saturates()
     if saturates:
-        log.warning("export verification: %s", verify.INT8_GEMM_SATURATES)
+        log.warning("export verification: %s", checks.INT8_GEMM_SATURATES)
     records = verify_exports(job.art, ref_model, job.opts, checked, rows.tok, job.tmp)
     if saturates:
         for v in records.values():
-            v["onnxruntime_int8_gemm"] = verify.INT8_GEMM_SATURATES
+            v["onnxruntime_int8_gemm"] = checks.INT8_GEMM_SATURATES
     return records
 
 

@@ -11,9 +11,10 @@ OPENVINO_PRECISIONS = ("auto", "f32", "bf16", "f16")
 OPENVINO_KERNELS = ("auto", "on", "off")  # HoloServe's 2:4 INT8 kernels (holoserve.kernels)
 # auto: on where the CPU has AVX-512 VNNI + VBMI and no AMX, and the library builds (or is built)
 OPENVINO_KERNELS_DEFAULT = "auto"
-# What `holoserve eval` scores through: the PyTorch fake-quant model (the checkpoint's own numerics), or an
-# export through the server's own CPU backend of that name.
-EVAL_BACKENDS = ("pytorch", "onnxruntime", "openvino")
+# What `holoserve eval` scores through: `torch`, the PyTorch fake-quant model (the checkpoint's own numerics), or
+# an export through the server's own CPU backend of that name. "pytorch" is read as "torch", its earlier name.
+EVAL_BACKENDS = ("torch", "onnxruntime", "openvino")
+EVAL_BACKEND_ALIASES = {"pytorch": "torch"}
 # The `torch` backend's float dtype: fp32 is the checkpoint's own numerics (the parity reference); fp16 is how
 # a GPU serves a dense model (CUDA only).
 TORCH_PRECISIONS = ("fp32", "fp16")

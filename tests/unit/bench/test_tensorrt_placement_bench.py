@@ -10,7 +10,7 @@ from tests.unit.export.test_export import exported  # noqa: F401  (the fixture: 
 def test_extra_pairs_by_kind_and_the_stripped_graph_is_the_onnxruntime_placement(exported, tmp_path):
     from holoserve.core.artifact import load_artifact
     from holoserve.export.reference import encode_batches, make_tokenizer
-    from holoserve.export.verify import ort_logits, ort_session
+    from holoserve.export.checks import ort_logits, ort_session
 
     mod = bench_module("accuracy", "tensorrt_placement")
     ckpt, res = exported

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def test_int8_gemms_are_exact_on_this_cpu():
-    from holoserve.export.verify import int8_gemm_saturates
+    from holoserve.export.checks import int8_gemm_saturates
 
     int8_gemm_saturates.cache_clear() if hasattr(int8_gemm_saturates, "cache_clear") else None
     assert not int8_gemm_saturates()

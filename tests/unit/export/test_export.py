@@ -175,7 +175,7 @@ def test_verification_results(exported):
 def test_ort_matches_pytorch_fake_quant_closely(exported):
     """Layer-by-layer the exported graph computes the checkpoint's fake-quant numerics."""
     from holoserve.export.reference import encode_batches, load_torch_model, make_tokenizer, reference_logits
-    from holoserve.export.verify import ort_logits, ort_session
+    from holoserve.export.checks import ort_logits, ort_session
 
     ckpt, _ = exported
     art = load_artifact(ckpt)
@@ -303,7 +303,7 @@ def test_checkpoint_without_activation_ranges_is_refused(tmp_path):
 
 
 def test_parse_polygraphy_output():
-    from holoserve.export.verify import parse_polygraphy_sparsity, summarize_sparsity
+    from holoserve.export.checks import parse_polygraphy_sparsity, summarize_sparsity
 
     text = """[I] Found: 4 weight tensor(s) eligible for pruning.
 [I] Checking the sparsity pattern of 4 tensors.
@@ -325,7 +325,7 @@ def test_polygraphy_flags_a_dense_weight(tmp_path):
     """Run the real tool on a tiny graph: it exits 0 for a dense weight, our parser still catches it."""
     from onnx import TensorProto, helper, numpy_helper
 
-    from holoserve.export.verify import polygraphy_sparsity
+    from holoserve.export.checks import polygraphy_sparsity
 
     rng = np.random.default_rng(0)
     dense = rng.normal(size=(8, 4)).astype(np.float32)
@@ -600,7 +600,7 @@ def test_tensorrt_qat_numerics_are_what_model_trt_onnx_computes(tmp_path):
     check reports the comparison, or where ORT's own int8 GEMM saturates on this CPU, says so."""
     from holoserve.export.onnx_export import export_checkpoint
     from holoserve.export.reference import load_torch_model, reference_logits
-    from holoserve.export.verify import INT8_GEMM_SATURATES, int8_gemm_saturates, ort_logits
+    from holoserve.export.checks import INT8_GEMM_SATURATES, int8_gemm_saturates, ort_logits
 
     ckpt = make_calibrated_checkpoint(tmp_path, layers=2, tensorrt_qat=True, classifier_gain=300.0)
     manifest = json.loads((ckpt / "manifest.json").read_text())
@@ -711,6 +711,13 @@ def test_eval_cli_onnx_flag(exported, tmp_path, capsys):
                  "--compare", "--threads", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["numerics"].startswith("ONNX Runtime") and out["compare"]["identical_predictions"] == 1.0
+    # the checkpoint's own numerics are the `torch` backend, as in serving; "pytorch", its earlier name, still works
+    for name in ("torch", "pytorch"):
+        assert main(["eval", str(ckpt), "--data-dir", str(_tiny_sst2_dir(tmp_path)), "--backend", name]) == 0
+        assert not json.loads(capsys.readouterr().out)["numerics"].startswith("ONNX Runtime")
+    assert main(["eval", str(ckpt), "--data-dir", str(_tiny_sst2_dir(tmp_path)), "--backend", "torch",
+                 "--compare"]) != 0
+    assert "--compare compares" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ attention fusion (ORT)
@@ -748,7 +755,7 @@ def test_onnxruntime_target_fuses_attention_into_multihead_attention(exported):
 
 def test_fused_attention_matches_the_unfused_graph_padded_or_not(exported, tmp_path):
     from holoserve.export.onnx_export import export_checkpoint
-    from holoserve.export.verify import ort_session
+    from holoserve.export.checks import ort_session
 
     ckpt, _ = exported
     export_checkpoint(ckpt, ["onnxruntime"], out_dir=tmp_path, progress=False, polygraphy=False, verify_exports=False,
@@ -910,7 +917,7 @@ def test_fused_ops_match_standard_onnx_ops(exported, tmp_path):
     classifier row) gives the logits of the same export written with standard ONNX ops only and
     all rows computed, padded rows included."""
     from holoserve.export.onnx_export import export_checkpoint
-    from holoserve.export.verify import ort_session
+    from holoserve.export.checks import ort_session
 
     ckpt, _ = exported
     kw = {"progress": False, "polygraphy": False, "verify_exports": False}
@@ -967,7 +974,7 @@ def test_tanh_gelu_model_exports_fast_gelu(tmp_path, act):
     gelu_new): the ORT target computes it with FastGelu and scores as the elementwise spelling and
     the PyTorch fake-quant model do."""
     from holoserve.export.onnx_export import export_checkpoint
-    from holoserve.export.verify import ort_session
+    from holoserve.export.checks import ort_session
 
     ckpt = make_calibrated_checkpoint(tmp_path, biases=True, hidden_act=act)
     assert json.loads((ckpt / "config.json").read_text())["hidden_act"] == act
@@ -1088,7 +1095,7 @@ def test_last_layer_computes_only_the_classifier_row(exported, tmp_path):
     feed-forward on the [CLS] row only, keys and values on every token; logits are unchanged."""
     from holoserve.export.standard_rewrites import CLS_SUFFIX
     from holoserve.export.onnx_export import export_checkpoint
-    from holoserve.export.verify import ort_session
+    from holoserve.export.checks import ort_session
 
     ckpt, res = exported
     got = res.entries["onnxruntime"]["fused_ops"]["classifier_row"]
@@ -1295,17 +1302,17 @@ def test_export_refuses_a_graph_that_changes_dev_predictions(exported, tmp_path,
     explains, nothing is written and the error says what changed and what to do."""
     import shutil
 
-    from holoserve.export import verify_export
+    from holoserve.export import verify
+    from holoserve.export.checks import ExportVerificationError
     from holoserve.export.onnx_export import export_checkpoint
-    from holoserve.export.verify import ExportVerificationError
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(exported[0], ckpt)
     before = (ckpt / "manifest.json").read_bytes()
     glue = _tiny_sst2_dir(tmp_path)
     shutil.copy(glue / "SST-2" / "dev.tsv", glue / "SST-2" / "train.tsv")
-    real = verify_export.reference_logits
-    monkeypatch.setattr(verify_export, "reference_logits", lambda *a, **k: -real(*a, **k))  # every class order reversed
+    real = verify.reference_logits
+    monkeypatch.setattr(verify, "reference_logits", lambda *a, **k: -real(*a, **k))  # every class order reversed
     with pytest.raises(ExportVerificationError, match=r"does not reproduce the checkpoint: on dev through ONNX "
                                                       r"Runtime .* 8 of 8 predictions changed \(allowed 1.*--no-verify"):
         export_checkpoint(ckpt, ["onnxruntime"], data_dir=glue, progress=False, polygraphy=False)
