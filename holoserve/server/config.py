@@ -79,7 +79,7 @@ class ServerConfig:
     max_items: int = option(64, "texts or pairs per request")
     max_text_bytes: int = option(10_000, "UTF-8 bytes per text")
     max_body_bytes: int = option(1_000_000, "request body bytes (413 beyond)")
-    # So that many clients sending large bodies at once cannot take more memory than this (middleware.py).
+    # So that many clients sending large bodies at once cannot take more memory than this (bodies.py).
     max_buffered_body_bytes: int = option(
         64_000_000, "request body bytes held by all requests in progress together (503 + Retry-After beyond), "
         "which bounds the memory many large bodies at once can take")

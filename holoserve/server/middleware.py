@@ -1,23 +1,20 @@
-"""Cross-cutting work for every request: request id, bearer auth, body-size limit, request
-decompression, HTTP metrics, the JSON access log, and the last word on errors.
+"""Cross-cutting work for every request, one concern at a time: the request id, bearer auth, the body
+(bodies.py: size limits, the budget of body bytes held, request decompression), HTTP metrics and the JSON
+access log, and the last word on errors.
+
+One plain ASGI middleware: Starlette's BaseHTTPMiddleware would cost more than the whole request's
+server overhead budget. For the same reason the concerns are not a stack of middlewares, each wrapping
+`send` and `receive` once more: `EdgeMiddleware` is the one entry point, and calls each concern's piece
+in turn with `_Exchange`, its record of the request.
 
 Auth takes exactly one Authorization header: with two, which one a server reads differs from server to
 server (this one's header dict kept the last), so a request carrying two is refused with 400.
 
-Compressed request bodies (Content-Encoding: gzip or deflate, which tritonclient sends when asked to
-compress requests) are inflated here, to at most the body limit (413 beyond it: a small compressed
-body must not inflate to gigabytes); any other encoding gets 415 naming the ones supported.
-
-One plain ASGI middleware: Starlette's BaseHTTPMiddleware would cost more than the whole request's
-server overhead budget.
-
 Bodies are bounded before any work: only the inference routes (POST /predict and the v2 infer routes) take
 one, so any other request is answered without reading its body (with `Connection: close`, as the unread
 rest would otherwise be read and thrown away); a protected route refuses a request without valid
-credentials before reading its body; and the bodies being received or held by requests in progress, all
-together, are bounded by `max_buffered_body_bytes` (503 + Retry-After beyond it, so many clients sending
-large bodies at once cannot add up to more memory than that). What large bodies freed is handed back to
-the system once no large body is held (memory.py).
+credentials before reading its body; and the body of an inference request is read within the limits of
+bodies.py. Valid JSON /predict requests are then answered by fastpath.py, the rest by the app.
 
 Errors: an exception that escapes the app is answered here with a JSON 500 and not raised further.
 Starlette's outermost error middleware would re-raise it after answering, and uvicorn then closes the
@@ -34,11 +31,10 @@ import logging
 import re
 import time
 import uuid
-import zlib
 
 from . import fastpath
+from .bodies import BodyError, BodyGate, declares_body
 from .config import ServerConfig
-from .memory import MemoryReleaser
 from .metrics import ServerMetrics
 from .protocol import error_body, is_v2_path, v2_error_body
 
@@ -71,217 +67,183 @@ def route_label(path: str) -> str:
     return "other"
 
 
-class BodyError(Exception):
-    def __init__(self, code: int, type_: str, message: str):
-        super().__init__(message)
-        self.code, self.type, self.message = code, type_, message
-
-
-ENCODINGS = ("gzip", "deflate")
-
-
-def inflate(body: bytes, encoding: str, limit: int) -> bytes:
-    """A gzip or deflate request body, inflated to at most `limit` bytes; BodyError otherwise."""
-    coding = encoding.strip().lower()
-    if coding == "x-gzip":
-        coding = "gzip"
-    if coding not in ENCODINGS:
-        raise BodyError(415, "unsupported_encoding", f"Content-Encoding {encoding!r} is not supported; send the "
-                        "body uncompressed, or compressed with gzip or deflate (one encoding)")
-    # gzip: a gzip header; deflate: the zlib format HTTP names so, or bare deflate data, which some clients send.
-    tries = (16 + zlib.MAX_WBITS,) if coding == "gzip" else (zlib.MAX_WBITS, -zlib.MAX_WBITS)
-    for wbits in tries:
-        inflater = zlib.decompressobj(wbits)
-        try:
-            out = inflater.decompress(body, limit + 1)
-        except zlib.error:
-            continue
-        if len(out) > limit:
-            raise BodyError(413, "body_too_large", f"the {coding} request body inflates to more than the limit "
-                            f"of {limit} bytes")
-        if not inflater.eof or inflater.unused_data:
-            break
-        return out
-    raise BodyError(400, "invalid_body", f"the request body is not valid {coding} data (Content-Encoding: "
-                    f"{encoding}); compress the whole body once, or send it uncompressed")
-
-
 def is_inference(path: str) -> bool:
     """A request counted in the inference metrics: /predict and the v2 infer routes."""
     return path == "/predict" or (path.endswith("/infer") and path.startswith("/v2/models/"))
 
 
-def declares_body(headers: dict[bytes, bytes]) -> bool:
-    """The request head announces a body (a non-zero Content-Length, or Transfer-Encoding)."""
-    cl = headers.get(b"content-length")
-    return b"transfer-encoding" in headers or (cl is not None and cl.strip() not in (b"", b"0"))
-
-
 class EdgeMiddleware:
-    """Request id, bearer auth, body-size limits, HTTP metrics and the JSON access log."""
+    """The one ASGI entry point. Per request: the id (`_identify`), credentials (`_authorize`), the body
+    (bodies.BodyGate), the answer (the app's, or fastpath.py's), errors (`_answer_error`,
+    `_answer_cancelled`), then the HTTP metric and the access-log line (`_observe`)."""
 
     def __init__(self, app, config: ServerConfig, metrics: ServerMetrics, service=None):
         self.app, self.config, self.metrics = app, config, metrics
         self.service = service  # valid JSON /predict requests are answered by fastpath.py through it
         token = config.api_token
         self.token = token.encode() if token else None
-        self.buffered = 0  # body bytes held by requests in progress, all together
-        self.memory = MemoryReleaser()
+        self.gate = BodyGate(config)
+
+    @property
+    def buffered(self) -> int:
+        """Body bytes held by requests in progress, all together."""
+        return self.gate.buffered
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
-        m = self.metrics
         headers = dict(scope.get("headers") or ())
-        rid = headers.get(b"x-request-id", b"").decode("latin-1")
-        if not _RID.match(rid):
-            rid = f"{_RID_PREFIX}{next(_rid_counter):08x}"
-        scope.setdefault("state", {})["request_id"] = rid
-        path, method = scope["path"], scope["method"]
-        status = [0]  # 0 until a response starts; 499 in the log when the client left before one
-
-        async def send_wrapped(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())]}
-            await send(message)
-
-        unread = declares_body(headers)  # until the body has been read whole
-
-        async def reject(code: int, type_: str, msg: str, extra: list[tuple[bytes, bytes]] = ()):
-            # The Open Inference Protocol's routes answer errors as {"error": "..."}. A body left unread would
-            # still be read (and thrown away) on a kept-alive connection: close it instead.
-            body = v2_error_body(msg) if is_v2_path(path) else error_body(code, type_, msg, rid)
-            close = [(b"connection", b"close")] if unread and all(k != b"connection" for k, _ in extra) else []
-            await send_wrapped({"type": "http.response.start", "status": code, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra,
-                *close]})
-            await send_wrapped({"type": "http.response.body", "body": body})
-
-        m.in_flight.inc()
-        bytes_in = held = 0
+        ex = _Exchange(scope, _identify(scope, headers), send, declares_body(headers))
+        self.metrics.in_flight.inc()
         try:
-            if self.token is not None and path not in PUBLIC:
-                auth = headers.get(b"authorization", b"")
-                if auth and sum(k == b"authorization" for k, _ in scope["headers"]) > 1:
-                    if is_inference(path):
-                        m.fail("unauthorized")
-                    return await reject(400, "bad_request", "the request has more than one Authorization header; "
-                                        "send one: 'Authorization: Bearer <token>'")
-                scheme, _, given = auth.partition(b" ")
-                if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
-                    if is_inference(path):
-                        m.fail("unauthorized")
-                    return await reject(401, "unauthorized", "missing or wrong bearer token: send "
-                                        "'Authorization: Bearer <token>'", [(b"www-authenticate", b"Bearer")])
-            if method != "POST" or not is_inference(path):
-                if unread:  # this route takes no body: answer without reading it
-                    return await self.app(scope, receive, closing(send_wrapped))
-                return await self.app(scope, receive, send_wrapped)
-            limit = self.config.max_body_bytes
-            cl = headers.get(b"content-length")
-            if cl is not None:
-                if not cl.strip().isdigit():
-                    return await reject(400, "bad_request", "Content-Length is not a number")
-                if int(cl) > limit:
-                    m.fail("body_too_large")
-                    return await reject(413, "body_too_large",
-                                        f"request body is {int(cl)} bytes; the limit is {limit} bytes")
-            chunks = []
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    return
-                chunk = msg.get("body", b"")
-                bytes_in += len(chunk)
-                if bytes_in > limit:
-                    m.fail("body_too_large")
-                    return await reject(413, "body_too_large", f"request body exceeds the limit of {limit} bytes")
-                if not self._hold(len(chunk)):
-                    m.fail("overloaded")
-                    return await reject(503, "overloaded", self._budget_message(), [(b"retry-after", b"1")])
-                held += len(chunk)
-                chunks.append(chunk)
-                if not msg.get("more_body", False):
-                    unread = False
-                    break
-            body = b"".join(chunks)
-            chunks.clear()
-            encoding = headers.get(b"content-encoding")
-            if encoding is not None and encoding.strip().lower() != b"identity":
-                try:
-                    body = inflate(body, encoding.decode("latin-1"), limit)
-                except BodyError as e:
-                    m.fail(e.type)
-                    return await reject(e.code, e.type, e.message)
-                if len(body) > held and not self._hold(len(body) - held):
-                    m.fail("overloaded")
-                    return await reject(503, "overloaded", self._budget_message(), [(b"retry-after", b"1")])
-                held = max(held, len(body))
-                # The app sees the body as if it had been sent uncompressed.
-                scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
-                                              if k not in (b"content-encoding", b"content-length")]
-                         + [(b"content-length", str(len(body)).encode())]}
-            if path == "/predict" and self.service is not None:
-                req = fastpath.parse(headers, body)
-                if req is not None:
-                    return await fastpath.answer(self.service, req, rid, scope["state"], send_wrapped)
-            replayed = False
-
-            async def replay():
-                nonlocal replayed, body
-                if not replayed:
-                    replayed = True
-                    message = {"type": "http.request", "body": body, "more_body": False}
-                    body = b""
-                    return message
-                return await receive()
-
-            return await self.app(scope, replay, send_wrapped)
+            await self._handle(scope, receive, headers, ex)
         except asyncio.CancelledError:
-            # uvicorn cancels the requests still running when the graceful-shutdown drain times out.
-            if status[0]:
+            if ex.status:
                 raise
-            log.warning("request cancelled: the shutdown drain timed out", extra={"request_id": rid})
-            if is_inference(path):
-                m.fail("shutting_down")
-            await reject(503, "shutting_down", "the server is shutting down and could not finish this request "
-                         "in time; retry it", [(b"retry-after", b"1"), (b"connection", b"close")])
+            await self._answer_cancelled(ex)
         except Exception as exc:
-            if status[0]:
+            if ex.status:
                 raise  # the response has started: all that is left is to let the server close the connection
-            log.error("unhandled error", exc_info=exc, extra={"request_id": rid})
-            await reject(500, "internal", "internal server error; see the server log for this request id")
+            await self._answer_error(ex, exc)
         finally:
-            if held:
-                self.buffered -= held
-                self.memory.freed(held, idle=self.buffered < self.memory.min_freed_bytes)
-            m.in_flight.dec()
-            dt = time.perf_counter() - t0
-            code = status[0] or 499
-            route = route_label(path)
-            m.http_duration.labels(route, method if method in METHODS else "other", str(code)).observe(dt)
-            if self.config.access_log:
-                client = scope.get("client")
-                extra = {"request_id": rid, "method": method, "path": route, "status": code,
-                         "duration_ms": round(dt * 1000, 3), "bytes_in": bytes_in,
-                         "client": f"{client[0]}:{client[1]}" if client else None}
-                timing = scope["state"].get("timing")  # the Timing of a /predict answer
-                if timing is not None:
-                    extra["timing_ms"] = timing.model_dump()
-                access_log.info("%s %s %d", method, route, code, extra=extra)
+            if ex.held:
+                self.gate.release(ex.held)
+            self.metrics.in_flight.dec()
+            self._observe(scope, ex, time.perf_counter() - t0)
 
-    def _hold(self, nbytes: int) -> bool:
-        """Count `nbytes` more of body held, or False (and count nothing) where that passes the budget."""
-        if self.buffered + nbytes > self.config.max_buffered_body_bytes:
-            return False
-        self.buffered += nbytes
-        return True
+    async def _handle(self, scope, receive, headers: dict[bytes, bytes], ex: _Exchange) -> None:
+        """Credentials first, then the body (inference routes only), then the answer: fastpath.py's or the app's."""
+        path = ex.path
+        if self.token is not None and path not in PUBLIC:
+            refusal = self._authorize(headers, scope["headers"])
+            if refusal is not None:
+                if is_inference(path):
+                    self.metrics.fail("unauthorized")
+                return await ex.reject(*refusal)
+        if ex.method != "POST" or not is_inference(path):
+            # This route takes no body: a body the request declares is left unread.
+            return await self.app(scope, receive, closing(ex.send) if ex.unread else ex.send)
+        try:
+            got = await self.gate.read(scope, receive, headers, ex)
+        except BodyError as e:
+            if e.counted:
+                self.metrics.fail(e.type)
+            return await ex.reject(e.code, e.type, e.message, e.headers)
+        if got is None:
+            return  # the client left before sending the whole body
+        scope, body = got
+        if path == "/predict" and self.service is not None:
+            req = fastpath.parse(headers, body)
+            if req is not None:
+                return await fastpath.answer(self.service, req, ex.rid, scope["state"], ex.send)
+        replay = _Replay(body, receive)
+        del got, body  # the app's first receive() takes the body, and it is not held here after that
+        return await self.app(scope, replay, ex.send)
 
-    def _budget_message(self) -> str:
-        return (f"the server holds {self.buffered} bytes of request bodies in progress, near its limit of "
-                f"{self.config.max_buffered_body_bytes} (--max-buffered-body-bytes); retry shortly")
+    def _authorize(self, headers: dict[bytes, bytes], raw_headers) -> tuple | None:
+        """None where the request carries the bearer token (in one Authorization header); otherwise the
+        refusal's status, type, message and headers."""
+        auth = headers.get(b"authorization", b"")
+        if auth and sum(k == b"authorization" for k, _ in raw_headers) > 1:
+            return (400, "bad_request", "the request has more than one Authorization header; send one: "
+                    "'Authorization: Bearer <token>'", ())
+        scheme, _, given = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
+            return (401, "unauthorized", "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                    [(b"www-authenticate", b"Bearer")])
+        return None
+
+    async def _answer_cancelled(self, ex: _Exchange) -> None:
+        """uvicorn cancels the requests still running when the graceful-shutdown drain times out: one that
+        has not started its answer gets 503 + Retry-After, and its connection is closed."""
+        log.warning("request cancelled: the shutdown drain timed out", extra={"request_id": ex.rid})
+        if is_inference(ex.path):
+            self.metrics.fail("shutting_down")
+        await ex.reject(503, "shutting_down", "the server is shutting down and could not finish this request "
+                        "in time; retry it", [(b"retry-after", b"1"), (b"connection", b"close")])
+
+    async def _answer_error(self, ex: _Exchange, exc: Exception) -> None:
+        """An exception that escaped before the answer started: logged, and answered with a JSON 500."""
+        log.error("unhandled error", exc_info=exc, extra={"request_id": ex.rid})
+        await ex.reject(500, "internal", "internal server error; see the server log for this request id")
+
+    def _observe(self, scope, ex: _Exchange, seconds: float) -> None:
+        """The request's HTTP duration metric and, where enabled, its access-log line."""
+        code = ex.status or 499
+        route = route_label(ex.path)
+        method = ex.method
+        self.metrics.http_duration.labels(route, method if method in METHODS else "other", str(code)).observe(seconds)
+        if self.config.access_log:
+            _log_access(scope, ex, route, code, seconds)
+
+
+def _identify(scope, headers: dict[bytes, bytes]) -> str:
+    """The request's id, kept in the scope's state: the client's X-Request-Id where it is a plain one, else a
+    fresh one."""
+    rid = headers.get(b"x-request-id", b"").decode("latin-1")
+    if not _RID.match(rid):
+        rid = f"{_RID_PREFIX}{next(_rid_counter):08x}"
+    scope.setdefault("state", {})["request_id"] = rid
+    return rid
+
+
+class _Exchange:
+    """One request as the edge sees it: its id, path and method; `status`, the status its answer started with;
+    whether its body is still unread; and the body bytes received and held (counted by bodies.BodyGate)."""
+
+    __slots__ = ("rid", "path", "method", "status", "unread", "bytes_in", "held", "_send")
+
+    def __init__(self, scope, rid: str, send, unread: bool):
+        self.rid, self.path, self.method, self._send = rid, scope["path"], scope["method"], send
+        self.status = 0  # 0 until a response starts; 499 in the log when the client left before one
+        self.unread = unread  # until the body has been read whole
+        self.bytes_in = self.held = 0
+
+    async def send(self, message) -> None:
+        """The server's `send`, noting the answer's status and adding X-Request-Id to it."""
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", self.rid.encode())]}
+        await self._send(message)
+
+    async def reject(self, code: int, type_: str, msg: str, extra: list[tuple[bytes, bytes]] = ()) -> None:
+        """Answer with a JSON error: the Open Inference Protocol's routes as {"error": "..."}. A body left
+        unread would still be read (and thrown away) on a kept-alive connection: the connection is closed instead."""
+        body = v2_error_body(msg) if is_v2_path(self.path) else error_body(code, type_, msg, self.rid)
+        close = [(b"connection", b"close")] if self.unread and all(k != b"connection" for k, _ in extra) else []
+        await self.send({"type": "http.response.start", "status": code, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra, *close]})
+        await self.send({"type": "http.response.body", "body": body})
+
+
+class _Replay:
+    """The `receive` the app gets once the edge has read the body: the body as one message, then the
+    server's own `receive` (for the disconnect)."""
+
+    __slots__ = ("body", "receive")
+
+    def __init__(self, body: bytes, receive):
+        self.body, self.receive = body, receive
+
+    async def __call__(self):
+        body = self.body
+        if body is None:
+            return await self.receive()
+        self.body = None
+        return {"type": "http.request", "body": body, "more_body": False}
+
+
+def _log_access(scope, ex: _Exchange, route: str, code: int, seconds: float) -> None:
+    """The request's JSON access-log line."""
+    client = scope.get("client")
+    extra = {"request_id": ex.rid, "method": ex.method, "path": route, "status": code,
+             "duration_ms": round(seconds * 1000, 3), "bytes_in": ex.bytes_in,
+             "client": f"{client[0]}:{client[1]}" if client else None}
+    timing = scope["state"].get("timing")  # the Timing of a /predict answer
+    if timing is not None:
+        extra["timing_ms"] = timing.model_dump()
+    access_log.info("%s %s %d", ex.method, route, code, extra=extra)
 
 
 def closing(send):
