@@ -1,4 +1,4 @@
-"""Compiled dense peers of the encoder section (bench/gpu/run.py), and the engine kinds the report uses.
+"""Compiled dense peers of the encoder section (bench/gpu/encoder.py), and the engine kinds the report uses.
 
 - transformers' BERT (SDPA attention) through torch.compile, in FP16 on the GPU;
 - the same model with its encoder Linears in dense INT8 (per-output-channel weight scales, the

@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, path in (("--checkpoint", args.checkpoint), ("--dense-checkpoint", args.dense_checkpoint)):
         if path is not None and not (Path(path) / "config.json").is_file():
             ap.error(f"{flag} {path}: no checkpoint there (config.json missing); pass a checkpoint folder "
-                     "(on the GPU machine: python3 -m bench.gpu.carry unpack .carry/checkpoint /tmp/ckpt)")
+                     "(on the GPU machine: python3 -m bench.gpu.pack unpack .carry/checkpoint /tmp/ckpt)")
     return args
 
 

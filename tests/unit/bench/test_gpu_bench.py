@@ -1,4 +1,4 @@
-"""bench/gpu: the CPU smoke run of the all-in-one GPU benchmark, the carry packing, the report logic."""
+"""bench/gpu: the CPU smoke run of the all-in-one GPU benchmark, the checkpoint packing, the report logic."""
 from __future__ import annotations
 
 import importlib.util
@@ -21,8 +21,8 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
-    run = gpu_module("run")
-    return run._tiny_checkpoint(tmp_path_factory.mktemp("gpub"))
+    models = gpu_module("models")
+    return models._tiny_checkpoint(tmp_path_factory.mktemp("gpub"))
 
 
 def test_cpu_smoke_run_writes_every_report(tmp_path):
@@ -123,7 +123,7 @@ def test_int8_peer_linear_is_the_fake_quant_linear():
 
 
 def test_engine_kinds_and_best_dense_ratio():
-    run, peers = gpu_module("run"), gpu_module("peers")
+    encoder, peers = gpu_module("encoder"), gpu_module("peers")
     kinds = {"FP16 eager (transformers)": "dense", "FP16 + CUDA graphs (holoserve encoder)": "dense",
              "dense INT8 + CUDA graphs (_int_mm)": "dense", "FP16 torch.compile max-autotune (transformers, SDPA)": "dense",
              "dense INT8 torch.compile max-autotune (transformers, _int_mm, per-channel weights)": "dense",
@@ -137,7 +137,7 @@ def test_engine_kinds_and_best_dense_ratio():
         "2:4 INT8 + CUDA graphs (ours)": {"1": {"median_ms": 1.0}, "8": {"median_ms": 3.0}},
         "torchao 2:4 INT8 eager": {"1": {"median_ms": 0.5}},  # not dense: never the baseline
         "torch-cuda backend end to end (host arrays, perf_counter, seq 64)": {"seq": 64, "1": {"median_ms": 0.1}}}}
-    run._encoder_ratios(entry, [1, 8], 128)
+    encoder.encoder_ratios(entry, [1, 8], 128)
     v = entry["variants"]
     assert entry["best_dense"] == {"1": {"engine": "FP16 torch.compile max-autotune (transformers, SDPA)", "median_ms": 2.0},
                                    "8": {"engine": "FP16 eager (transformers)", "median_ms": 6.0}}
@@ -149,39 +149,39 @@ def test_engine_kinds_and_best_dense_ratio():
 
 
 def test_pack_round_trip_is_exact_and_smaller(tiny_ckpt, tmp_path):
-    carry = gpu_module("carry")
+    packing = gpu_module("pack")
     from safetensors.numpy import load_file
 
     from holoserve.core.artifact import load_artifact
 
-    info = carry.pack(tiny_ckpt, tmp_path / "packed")
+    info = packing.pack(tiny_ckpt, tmp_path / "packed")
     kinds = info["kinds"]
     assert sum(k == "int8" for k in kinds.values()) == 2 * 6
-    art = carry.unpack(tmp_path / "packed", tmp_path / "back")
+    art = packing.unpack(tmp_path / "packed", tmp_path / "back")
     load_artifact(art.path)  # a valid checkpoint: checksums, 2:4 and INT8 grid verified
     a = load_file(str(Path(tiny_ckpt) / "model.safetensors"))
     b = load_file(str(art.path / "model.safetensors"))
     assert set(a) == set(b)
     for key in a:  # the tiny model has no tensor large enough for fp16: everything is exact
         assert np.array_equal(a[key], b[key]), key
-    assert (tmp_path / "packed" / carry.WEIGHTS).stat().st_size < (Path(tiny_ckpt) / "model.safetensors").stat().st_size
+    assert (tmp_path / "packed" / packing.WEIGHTS).stat().st_size < (Path(tiny_ckpt) / "model.safetensors").stat().st_size
 
 
 def test_pack_stores_large_tables_as_fp16(tiny_ckpt, tmp_path, monkeypatch):
-    carry = gpu_module("carry")
-    monkeypatch.setattr(carry, "FP16_MIN_ELEMENTS", 1000)
-    info = carry.pack(tiny_ckpt, tmp_path / "packed")
+    packing = gpu_module("pack")
+    monkeypatch.setattr(packing, "FP16_MIN_ELEMENTS", 1000)
+    info = packing.pack(tiny_ckpt, tmp_path / "packed")
     assert info["kinds"]["bert.embeddings.word_embeddings.weight"] == "fp16"
     assert 0 < info["fp16_max_abs_error"]["bert.embeddings.word_embeddings.weight"] < 1e-3
 
 
-def test_prepare_builds_carry_folder(tiny_ckpt, tmp_path):
-    prepare = gpu_module("prepare")
+def test_bundle_builds_carry_folder(tiny_ckpt, tmp_path):
+    bundle = gpu_module("bundle")
     glue = tmp_path / "glue" / "SST-2"
     glue.mkdir(parents=True)
     (glue / "dev.tsv").write_text("sentence\tlabel\na fine film\t1\n")
-    rc = prepare.main([str(tiny_ckpt), "--carry", str(tmp_path / "carry"), "--no-wheels",
-                       "--data-dir", str(tmp_path / "glue")])
+    rc = bundle.main([str(tiny_ckpt), "--carry", str(tmp_path / "carry"), "--no-wheels",
+                      "--data-dir", str(tmp_path / "glue")])
     assert rc == 0
     meta = json.loads((tmp_path / "carry" / "carry.json").read_text())
     assert meta["dev"] == "glue/SST-2/dev.tsv" and meta["task"] == "sst2"
@@ -201,13 +201,13 @@ def _report(ours_ms, eager_ms, ao_ms, ratio, agree, acc_delta):
 
 
 def test_targets_pass_and_fail():
-    run = gpu_module("run")
-    good = run.targets(_report(ours_ms=4.0, eager_ms=10.0, ao_ms=5.2, ratio=1.6, agree=0.997, acc_delta=-0.004))
+    report = gpu_module("report")
+    good = report.targets(_report(ours_ms=4.0, eager_ms=10.0, ao_ms=5.2, ratio=1.6, agree=0.997, acc_delta=-0.004))
     assert [t["met"] for t in good] == [True, True, True, True, True]
-    bad = run.targets(_report(ours_ms=4.0, eager_ms=9.9, ao_ms=5.1, ratio=1.2, agree=0.99, acc_delta=-0.006))
+    bad = report.targets(_report(ours_ms=4.0, eager_ms=9.9, ao_ms=5.1, ratio=1.2, agree=0.99, acc_delta=-0.006))
     assert [t["met"] for t in bad] == [False, False, False, False, False]
     assert bad[0]["value"] == pytest.approx(9.9 / 4) and bad[4]["value"] == pytest.approx(-0.6)
-    missing = run.targets({"sections": {}})
+    missing = report.targets({"sections": {}})
     assert all(t["met"] is None for t in missing)
 
 
@@ -215,17 +215,17 @@ def test_speedup_target_is_not_judged_against_a_host_stalled_eager_baseline():
     """An H200 run measured FP16 eager at 14.19 ms (the host stalled its launches) beside 7.99 ms for the
     same model with CUDA graphs, and 7.83 ms eager two minutes later: 2.83x over the stalled baseline
     would have passed the 2.5x target, 1.60x over the GPU-bound one does not."""
-    run = gpu_module("run")
+    report = gpu_module("report")
     rep = _report(ours_ms=5.007, eager_ms=14.194, ao_ms=49.5, ratio=1.6, agree=0.997, acc_delta=0.0)
     rep["sections"]["encoder"]["models"]["BERT-base shapes (RANDOM weights)"]["variants"][
         "FP16 + CUDA graphs (transformers)"] = {"128": {"median_ms": 7.992}}
-    t = run.targets(rep)[0]
+    t = report.targets(rep)[0]
     assert t["value"] == pytest.approx(7.992 / 5.007) and t["met"] is False
     assert "host-bound" in t["target"] and "14.19" in t["target"]
     # a GPU-bound eager run a little slower than graphs: judged against the faster, not called host-bound
     rep["sections"]["encoder"]["models"]["BERT-base shapes (RANDOM weights)"]["variants"][
         "FP16 eager (transformers)"] = {"128": {"median_ms": 8.2}}
-    t = run.targets(rep)[0]
+    t = report.targets(rep)[0]
     assert t["value"] == pytest.approx(7.992 / 5.007) and "host-bound" not in t["target"]
 
 
@@ -239,7 +239,7 @@ def test_setup_script_lays_out_the_package_as_installed(tmp_path):
     for name in ("holoserve", "compress", "export"):
         shutil.copytree(root / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "bench" / "gpu").mkdir(parents=True)
-    for name in ("__init__.py", "gpu/__init__.py", "gpu/setup.sh", "gpu/run.py", "gpu/peers.py"):
+    for name in ("__init__.py", "gpu/setup.sh", *(f"gpu/{p.name}" for p in GPU_DIR.glob("*.py"))):
         shutil.copy2(GPU_DIR.parent / name, copy / "bench" / name)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("PYTHONPATH", None)
@@ -257,7 +257,7 @@ def test_setup_script_lays_out_the_package_as_installed(tmp_path):
 
 
 def test_merge_combines_split_runs_and_marks_borrowed_variants(tmp_path):
-    run = gpu_module("run")
+    run, report = gpu_module("run"), gpu_module("report")
     a = _report(ours_ms=4.0, eager_ms=10.0, ao_ms=5.2, ratio=1.6, agree=0.997, acc_delta=0.0)
     method = {"timer": "CUDA events", "warmup": 1, "iters": 2, "inputs": "random"}
     a.update(date="2026-01-01T10:05:00+00:00", errors=[], mode="gpu", method=method)
@@ -267,7 +267,7 @@ def test_merge_combines_split_runs_and_marks_borrowed_variants(tmp_path):
     b["sections"]["gemm"]["rows"].append({"K": 3072, "N": 768, "M": 16384, "sparse_int8_over_dense_int8": 2.0})
     b["sections"]["encoder"]["models"]["BERT-base shapes (RANDOM weights)"]["variants"]["torchao 2:4 INT8 + CUDA graphs"] = \
         {"128": {"median_ms": 4.5}}
-    m = run.merge_reports([a, b])
+    m = report.merge_reports([a, b])
     assert m["merged_from"] == [a["date"], b["date"]]
     assert m["sections"]["parity"] == b["sections"]["parity"]  # a failed section is taken from the other run
     assert [(r["K"], r["N"], r["M"]) for r in m["sections"]["gemm"]["rows"]] == \
@@ -294,13 +294,13 @@ def test_merge_combines_split_runs_and_marks_borrowed_variants(tmp_path):
 
 
 def test_profile_files_kernels_by_category_and_reports_them(tmp_path):
-    run = gpu_module("run")
+    run, encoder = gpu_module("run"), gpu_module("encoder")
     events = [("sm90_xmma_sparse_gemm_s8s8_i8i32_f16", 30.0, 360), ("nvjet_hsh_256x128_2cta", 10.0, 120),
               ("flash_fwd_kernel<Flash_fwd_kernel_traits>", 20.0, 60), ("_quant", 5.0, 300),
               ("void at::native::vectorized_layer_norm_kernel", 4.0, 120), ("elementwise_kernel_with_index", 1.0, 60),
               ("_gelu_quant", 3.0, 60), ("_add_ln_quant", 2.0, 125),
               ("void at::native::vectorized_elementwise_kernel<8, at::native::GeluCUDAKernelImpl", 1.5, 60)]
-    out = run._profile_categories(events, iters=5)
+    out = encoder._profile_categories(events, iters=5)
     cats = out["categories"]
     assert cats["2:4 GEMM (cuSPARSELt)"]["ms"] == pytest.approx(6.0) and cats["dense GEMM"]["ms"] == pytest.approx(2.0)
     assert cats["attention"]["ms"] == pytest.approx(4.0)
@@ -344,12 +344,12 @@ def test_kernel_instructions_counts_the_compiled_kernels(capsys, monkeypatch):
 
 
 def test_plain_division_variant_switches_the_kernels_only_while_it_runs():
-    run = gpu_module("run")
+    encoder = gpu_module("encoder")
     from holoserve.backends.torch_cuda import kernels
 
     seen = []
-    call = run.plain_division(lambda: (lambda inp: seen.append(kernels.fma_div()) or inp))()
+    call = encoder.plain_division(lambda: (lambda inp: seen.append(kernels.fma_div()) or inp))()
     assert kernels.fma_div() and call(7) == 7 and seen == [False] and kernels.fma_div()
     with pytest.raises(ZeroDivisionError):  # restored after a failure too
-        run.plain_division(lambda: (lambda inp: 1 / 0))()(0)
+        encoder.plain_division(lambda: (lambda inp: 1 / 0))()(0)
     assert kernels.FMA_DIVISION

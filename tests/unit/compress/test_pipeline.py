@@ -193,7 +193,7 @@ def test_cli_errors_are_clear(env, tmp_path, capsys, monkeypatch):
 
 
 def test_fp16_carried_base_model_loads_as_float32(env, tmp_path):
-    """bench/gpu/prepare_train.py ships the base model's weights as FP16; compress trains in float32."""
+    """bench/gpu/bundle_train.py ships the base model's weights as FP16; compress trains in float32."""
     from safetensors import safe_open
 
     from holoserve.compress.context import load_hf_classifier
@@ -201,7 +201,7 @@ def test_fp16_carried_base_model_loads_as_float32(env, tmp_path):
 
     from tests.helpers.bench import gpu_module
 
-    mod = gpu_module("prepare_train")
+    mod = gpu_module("bundle_train")
     out = tmp_path / "carry"
     assert mod.main(["--data-dir", str(env["glue"]), "--tasks", "sst2", "--model", str(env["model"]),
                      "--out", str(out)]) == 0

@@ -92,7 +92,7 @@ def test_export_stores_the_table_as_int8_losslessly(ckpt, tmp_path, capsys):
 
 
 def test_gpu_carry_packs_the_int8_table_as_codes_exactly(ckpt, tmp_path):
-    """bench/gpu/carry.py: an INT8-grid embedding table travels as int8 codes and unpacks bit-exactly
+    """bench/gpu/pack.py: an INT8-grid embedding table is packed as int8 codes and unpacks bit-exactly
     (as fp16 it would break the checkpoint's own INT8 contract on the GPU machine)."""
     from pathlib import Path
 
@@ -101,10 +101,10 @@ def test_gpu_carry_packs_the_int8_table_as_codes_exactly(ckpt, tmp_path):
 
     from tests.helpers.bench import gpu_module
 
-    carry = gpu_module("carry")
-    info = carry.pack(ckpt["path"], tmp_path / "packed", fp16_min_elements=1)  # every other float tensor as fp16
+    packing = gpu_module("pack")
+    info = packing.pack(ckpt["path"], tmp_path / "packed", fp16_min_elements=1)  # every other float tensor as fp16
     assert info["kinds"]["bert.embeddings.word_embeddings.weight"] == "int8"
-    art = carry.unpack(tmp_path / "packed", tmp_path / "back")  # verified on load: INT8 grid included
+    art = packing.unpack(tmp_path / "packed", tmp_path / "back")  # verified on load: INT8 grid included
     a = load_file(str(Path(ckpt["path"]) / "model.safetensors"))["bert.embeddings.word_embeddings.weight"]
     b = load_file(str(art.path / "model.safetensors"))["bert.embeddings.word_embeddings.weight"]
     assert np.array_equal(a, b)

@@ -1,15 +1,16 @@
-"""Pack a checkpoint small enough to travel to an offline GPU machine, and unpack it there.
+"""Pack a checkpoint folder into a compact one, quick to copy to a GPU machine, and unpack it there.
 
-The fp32 checkpoint of MiniLM is ~90 MB; the GPU machine takes 64 MiB per call. Packed:
+Packed:
   - every INT8 layer as its int8 codes (exact: the contract says weight == codes x per-channel scale,
     and unpacking recomputes codes x scale in float32, which is bit-identical to the saved weight);
-    embedding tables the checkpoint put on a per-row INT8 grid travel the same way;
+    embedding tables the checkpoint put on a per-row INT8 grid are stored the same way;
   - other large float tensors (fp32 embedding tables) as fp16;
   - everything else (biases, LayerNorm, pooler, classifier) as fp32.
-Unpacking writes a real checkpoint with holoserve.core.artifact.write_artifact, so the GPU run loads it
+Unpacking writes a real checkpoint with holoserve.core.artifact.write_artifact, so a benchmark loads it
 through the same validated path as the server. Only fp32 embedding tables differ from the original
-(fp16 rounding, recorded in pack.json); the parity check on the GPU compares both sides on the
-unpacked weights.
+(fp16 rounding, recorded in pack.json); the parity check compares both sides on the unpacked weights.
+
+    python -m bench.gpu.pack unpack PACKED_DIR DEST_DIR
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import numpy as np
 PACK = "pack.json"
 WEIGHTS = "weights.packed.safetensors"
 CODES_SUFFIX = ".weight.int8"
-FP16_MIN_ELEMENTS = 1_000_000  # float tensors at least this large travel as fp16
+FP16_MIN_ELEMENTS = 1_000_000  # float tensors at least this large are stored as fp16
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
@@ -41,8 +42,8 @@ def _int8_scales(manifest) -> dict[str, list]:
 def pack(checkpoint: str | Path, out: str | Path, *, fp16_min_elements: int | None = None) -> dict[str, Any]:
     """Write `out/` (config, tokenizer, manifest, packed weights, pack.json). Returns pack.json's content.
 
-    Float tensors with at least `fp16_min_elements` elements travel as FP16 (default
-    FP16_MIN_ELEMENTS; pass a huge number to keep everything exact, ~60 MiB for MiniLM)."""
+    Float tensors with at least `fp16_min_elements` elements are stored as FP16 (default
+    FP16_MIN_ELEMENTS; pass a huge number to keep everything exact)."""
     fp16_min = FP16_MIN_ELEMENTS if fp16_min_elements is None else fp16_min_elements
     from safetensors.numpy import load_file, save_file
 
@@ -81,7 +82,7 @@ def pack(checkpoint: str | Path, out: str | Path, *, fp16_min_elements: int | No
             if (art.path / name).is_file():
                 shutil.copy2(art.path / name, tmp / name)
         manifest = art.manifest.to_json()
-        manifest["exports"] = {}  # exported files do not travel
+        manifest["exports"] = {}  # exported files are not packed
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         info = {
             "source": art.path.name,
@@ -131,9 +132,9 @@ def unpack(packed_dir: str | Path, dest: str | Path):
         return write_artifact(dest, manifest, files, overwrite=True)
 
 
-if __name__ == "__main__":  # python -m bench.gpu.carry unpack PACKED DEST (on the GPU machine, from the repo root)
+if __name__ == "__main__":  # python -m bench.gpu.pack unpack PACKED DEST, from the repository root
     import sys
 
     if len(sys.argv) != 4 or sys.argv[1] != "unpack":
-        sys.exit("usage: python -m bench.gpu.carry unpack PACKED_DIR DEST_DIR")
+        sys.exit("usage: python -m bench.gpu.pack unpack PACKED_DIR DEST_DIR")
     print(f"unpacked to {unpack(sys.argv[2], sys.argv[3]).path}")

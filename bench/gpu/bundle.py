@@ -1,21 +1,21 @@
 #!/usr/bin/env python3
-"""Prepare what the offline GPU benchmark needs, in git-ignored folders at the project root.
+"""Bundle what the GPU benchmark needs next to a checkout, in git-ignored folders small enough to copy with it.
 
-    python -m bench.gpu.prepare CHECKPOINT [--data-dir GLUE_DIR] [--wheel-script PATH]
+    python -m bench.gpu.bundle CHECKPOINT [--data-dir GLUE_DIR] [--serve] [--cslt] [--wheel-script PATH]
 
 writes
-    .carry/checkpoint/   the checkpoint packed for travel (int8 codes + fp16 embeddings; see carry.py)
-    .carry/glue/<TASK>/dev.tsv   the task's dev split, for the parity check on the GPU
+    .carry/checkpoint/   the checkpoint packed (int8 codes + fp16 embeddings; see pack.py)
+    .carry/glue/<TASK>/dev.tsv   the task's dev split, for the parity check
     .carry/carry.json    what is inside and how big
-    .whl/                wheels the GPU image lacks (torchao 0.16.0: the last release with
-                         int8_dynamic_activation_int8_semi_sparse_weight; pure Python, no deps;
-                         `datasets` and the few of its needs the image lacks, to read GLUE;
+    .whl/                wheels a GPU image with torch and transformers may lack (torchao 0.16.0: the last
+                         release with int8_dynamic_activation_int8_semi_sparse_weight; pure Python, no deps;
+                         `datasets` and the few of its needs such an image lacks, to read GLUE;
                          with --serve also the HTTP stack for bench/serve_load)
-    .whl-cslt/           with --cslt: nvmath-python and the cuda-python packages it imports (about 20 MiB),
-                         for the kernel "cslt_fused" (cuSPARSELt called directly); carried on its own
+    .whl-cslt/           with --cslt: nvmath-python and the cuda-python packages it imports,
+                         for the kernel "cslt_fused" (cuSPARSELt called directly)
 
-and checks that the packed checkpoint unpacks to the same INT8 weights, and that the tree plus
-these folders fit the 64 MiB a GPU call can carry.
+and checks that the packed checkpoint unpacks to the same INT8 weights. It prints the sizes of the
+checkout and these folders, and exits with status 1 when together they exceed --max-mib.
 """
 from __future__ import annotations
 
@@ -28,16 +28,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.gpu import pack
+
 ROOT = Path(__file__).resolve().parents[2]
 
-from bench.gpu import carry  # noqa: E402
-
 DEFAULT_WHEELS = ["torchao==0.16.0"]
-# holoserve.data reads CSV/TSV through `datasets`, which the GPU image lacks (it has pyarrow, pandas,
-# xxhash and huggingface-hub): the parity check and `holoserve compress` need it there.
+# holoserve.data reads CSV/TSV through `datasets`, which the parity check and `holoserve compress` need; its heavier
+# needs (pyarrow, pandas, xxhash, huggingface-hub) are expected on the GPU machine already.
 DATA_PACKAGES = ["datasets", "dill", "multiprocess", "fsspec"]
-# `holoserve serve` and bench/serve_load on the GPU machine (its image has torch, transformers and
-# tokenizers, not the HTTP stack): pinned to the versions this environment runs and tests.
+# `holoserve serve` and bench/serve_load where torch, transformers and tokenizers are installed but not the
+# HTTP stack: pinned to the versions installed here, which the tests run.
 SERVE_PACKAGES = ["fastapi", "starlette", "pydantic", "pydantic-core", "typing-inspection", "annotated-types",
                   "uvicorn", "httptools", "uvloop", "h11", "click", "anyio", "idna", "prometheus-client",
                   "opentelemetry-api", "annotated-doc"]
@@ -52,7 +52,7 @@ def pinned(names: list[str], why: str) -> list[str]:
         try:
             specs.append(f"{name}=={version(name)}")
         except PackageNotFoundError:
-            raise SystemExit(f"{why}: {name} is not installed here; pip install -e '.[server,compress]' first") from None
+            raise SystemExit(f"{why}: {name} is not installed here; pip install -e '.[compress]' first") from None
     return specs
 
 
@@ -73,7 +73,7 @@ def cslt_wheels() -> list[str]:
     return pinned(CSLT_PACKAGES, "--cslt")
 
 
-CARRY_LIMIT = 64 * 2**20
+SIZE_LIMIT_MIB = 64.0  # default of --max-mib: the checkout plus the bundled folders, as one copy
 
 
 def fetch_wheels(specs: list[str], dest: Path, script: str | None) -> list[str]:
@@ -98,7 +98,7 @@ def fetch_wheels(specs: list[str], dest: Path, script: str | None) -> list[str]:
 
 
 def tree_bytes() -> int:
-    """Bytes of the files a GPU call sends: tracked and untracked-but-not-ignored."""
+    """Bytes of the checkout as copied: tracked files and the untracked ones git does not ignore."""
     try:
         out = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT,
                              capture_output=True, check=True).stdout
@@ -112,14 +112,14 @@ def tree_bytes() -> int:
     return total
 
 
-def report_sizes(sizes: dict[str, int]) -> int:
-    """Print what a GPU call would carry; exit status 1 when it exceeds the limit."""
-    total = sum(sizes.values())
+def report_sizes(sizes: dict[str, int], limit_mib: float = SIZE_LIMIT_MIB) -> int:
+    """Print the sizes of what is copied; exit status 1 when together they exceed limit_mib."""
+    total = sum(sizes.values()) / 2**20
     print(json.dumps({k: f"{v / 2**20:.1f} MiB" for k, v in sizes.items()}))
-    if total > CARRY_LIMIT:
-        print(f"WARNING: {total / 2**20:.1f} MiB exceeds the {CARRY_LIMIT / 2**20:.0f} MiB a GPU call carries")
+    if total > limit_mib:
+        print(f"WARNING: {total:.1f} MiB exceeds the {limit_mib:.0f} MiB limit (--max-mib)")
         return 1
-    print(f"total {total / 2**20:.1f} MiB of {CARRY_LIMIT / 2**20:.0f} MiB: ready")
+    print(f"total {total:.1f} MiB of {limit_mib:.0f} MiB: ready")
     return 0
 
 
@@ -128,7 +128,7 @@ def folder_bytes(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu.prepare", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.bundle", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", help="compressed checkpoint folder (e.g. runs/minilm-sst2-quick)")
     ap.add_argument("--carry", default=str(ROOT / ".carry"), help="output folder (default .carry, git-ignored)")
     ap.add_argument("--wheels", default=str(ROOT / ".whl"), help="wheel folder (default .whl, git-ignored)")
@@ -137,17 +137,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="script that downloads GPU wheels into .whl/ (default: pip download with the same flags)")
     ap.add_argument("--no-wheels", action="store_true", help="skip downloading wheels")
     ap.add_argument("--serve", action="store_true",
-                    help="also fetch the HTTP stack (FastAPI, uvicorn, ...; ~6 MiB) for bench/serve_load with "
+                    help="also fetch the HTTP stack (FastAPI, uvicorn, ...) for bench/serve_load with "
                          "--backend torch-cuda on the GPU")
     ap.add_argument("--cslt", action="store_true",
-                    help="also fetch nvmath-python and its cuda-python packages (~20 MiB) into .whl-cslt/, for "
+                    help="also fetch nvmath-python and its cuda-python packages into .whl-cslt/, for "
                          "kernel 'cslt_fused' and tests/gpu/test_cslt_epilogue.py (pip install 'holoserve[gpu]' here first)")
     ap.add_argument("--cslt-wheels", default=str(ROOT / ".whl-cslt"), help="its folder (default .whl-cslt, git-ignored)")
     ap.add_argument("--exact-embeddings", action="store_true",
-                    help="carry the embedding tables in FP32 too (bit-exact checkpoint, ~60 MiB for MiniLM: "
-                         "close to the 64 MiB limit)")
+                    help="keep the embedding tables in FP32 too, for a bit-identical checkpoint (a larger bundle)")
+    ap.add_argument("--max-mib", type=float, default=SIZE_LIMIT_MIB,
+                    help=f"exit with status 1 when the checkout plus these folders exceed this (default {SIZE_LIMIT_MIB:.0f})")
     ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"),
-                    help="GLUE folder (default $HOLOSERVE_DATA_DIR); its dev split travels for the parity check")
+                    help="GLUE folder (default $HOLOSERVE_DATA_DIR); its dev split is bundled for the parity check")
     args = ap.parse_args(argv)
 
     from holoserve.core.artifact import load_artifact
@@ -158,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     art = load_artifact(args.checkpoint)
     out = Path(args.carry)
     out.mkdir(parents=True, exist_ok=True)
-    info = carry.pack(art.path, out / "checkpoint", fp16_min_elements=2**62 if args.exact_embeddings else None)
+    info = pack.pack(art.path, out / "checkpoint", fp16_min_elements=2**62 if args.exact_embeddings else None)
     print(f"packed {art.path} -> {out / 'checkpoint'} ({info['bytes'] / 2**20:.1f} MiB of weights)")
 
     # prove the round trip: same INT8 weights, same sparsity, a loadable checkpoint
     with tempfile.TemporaryDirectory() as tmp:
-        back = carry.unpack(out / "checkpoint", Path(tmp) / "ckpt")
+        back = pack.unpack(out / "checkpoint", Path(tmp) / "ckpt")
         from safetensors.numpy import load_file
 
         a = load_file(str(art.path / "model.safetensors"))
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(out / "carry.json", {"checkpoint": art.path.name, "task": task.name, "dev": dev_copied,
                                            "wheels": wheels, "bytes": sizes, "pack": {k: v for k, v in info.items()
                                                                                      if k != "kinds"}})
-    return report_sizes(sizes)
+    return report_sizes(sizes, args.max_mib)
 
 
 if __name__ == "__main__":

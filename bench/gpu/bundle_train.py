@@ -1,19 +1,19 @@
 #!/usr/bin/env python3
-"""Prepare `holoserve compress` runs on the offline GPU machine: base model and GLUE splits, small enough to carry.
+"""Bundle what `holoserve compress` needs on a GPU machine: the base model and GLUE splits, small enough to copy.
 
-    python -m bench.gpu.prepare_train --data-dir GLUE_DIR [--tasks sst2,mrpc,cola] [--model DIR]
+    python -m bench.gpu.bundle_train --data-dir GLUE_DIR [--tasks sst2,mrpc,cola] [--model DIR]
 
 writes, git-ignored:
     .carry-train/base/              the base model (default all-MiniLM-L6-v2) with its weights in FP16
-                                    (45 MiB instead of 90; `holoserve compress` loads them as float32)
+                                    (half the size; `holoserve compress` loads them as float32)
     .carry-train/glue/<TASK>/       train.tsv and dev.tsv of each task
     .carry-train/carry.json         what is inside and how big
-    .whl-train/                     `datasets` and the few of its needs the GPU image lacks (it has
-                                    torch, transformers, tokenizers and safetensors); apart from .whl/,
-                                    whose serving and torchao wheels a training call does not need
+    .whl-train/                     `datasets` and the few of its needs a GPU image with torch, transformers,
+                                    tokenizers and safetensors lacks; apart from .whl/, whose serving and
+                                    torchao wheels training does not need
 
-and checks that the tree plus these folders fit the 64 MiB a GPU call carries. bench/gpu/README.md
-has the command to run there.
+It prints the sizes of the checkout and these folders, and exits with status 1 when together they exceed
+--max-mib. bench/gpu/README.md has the command to run on the GPU machine.
 """
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from bench.gpu.bundle import SIZE_LIMIT_MIB, data_wheels, fetch_wheels, folder_bytes, report_sizes, tree_bytes
+
 ROOT = Path(__file__).resolve().parents[2]
-
-from bench.gpu.prepare import data_wheels, fetch_wheels, folder_bytes, report_sizes, tree_bytes  # noqa: E402
-
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
@@ -47,7 +46,7 @@ def pack_base(src: Path, dest: Path) -> dict:
         if v.dtype == np.float32:
             h = v.astype(np.float16)
             if not np.isfinite(h).all():
-                raise SystemExit(f"{key} overflows FP16; carry this model in FP32 instead")
+                raise SystemExit(f"{key} overflows FP16; copy this model in FP32 instead")
             worst = max(worst, float(np.abs(h.astype(np.float32) - v).max()))
             out[key] = h
         else:
@@ -58,15 +57,17 @@ def pack_base(src: Path, dest: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu.prepare_train", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.bundle_train", description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"), help="GLUE folder")
     ap.add_argument("--tasks", default="sst2,mrpc,cola")
     ap.add_argument("--model", type=Path, help="base model folder (default: all-MiniLM-L6-v2 from its package)")
     ap.add_argument("--out", type=Path, default=ROOT / ".carry-train")
     ap.add_argument("--wheels", type=Path, default=ROOT / ".whl-train",
-                    help="wheel folder (default .whl-train, git-ignored; carry it with .carry-train)")
+                    help="wheel folder (default .whl-train, git-ignored; copy it with .carry-train)")
     ap.add_argument("--wheel-script", help="script that downloads GPU wheels into --wheels (default: pip download)")
     ap.add_argument("--no-wheels", action="store_true", help="skip downloading wheels")
+    ap.add_argument("--max-mib", type=float, default=SIZE_LIMIT_MIB,
+                    help=f"exit with status 1 when the checkout plus these folders exceed this (default {SIZE_LIMIT_MIB:.0f})")
     args = ap.parse_args(argv)
     if not args.data_dir:
         ap.error("--data-dir (or HOLOSERVE_DATA_DIR) is required")
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from holoserve.core.files import atomic_write_json
 
     atomic_write_json(args.out / "carry.json", {"base_model": name, "glue": copied, "bytes": sizes, **info})
-    return report_sizes(sizes)
+    return report_sizes(sizes, args.max_mib)
 
 
 if __name__ == "__main__":
