@@ -33,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.accuracy.admm_layerwise import _ratio, open_teacher, short
+from bench.lib.report import table, write_record
 
 CHECKS = ("m1", "m2", "m6")
 BATCHES = 16  # the quick preset's calib_batches: the size of each split of the calibration order the checks use
@@ -204,6 +205,13 @@ def check_m6(run, model, layers, default_amax: dict | None = None) -> dict:
     return out, ranges
 
 
+def damping_row(d: str, rows: dict, keys: list[str]) -> list[str]:
+    """M2 (a)'s row for one damping: per candidate the median fit / held-out error, and how far ADMM's mask moved."""
+    med = lambda f: statistics.median(f(x) for x in rows.values())  # noqa: E731
+    return [f"{float(d):g}", *(f"{med(lambda x, k=k: x['fit'][k]):.3f} / {med(lambda x, k=k: x['heldout'][k]):.3f}"
+                               for k in keys), f"{100 * med(lambda x: x['admm_moved']):.1f} %"]
+
+
 def markdown(r: dict) -> str:
     m = r["meta"]
     primary = m["primary"]
@@ -211,23 +219,17 @@ def markdown(r: dict) -> str:
     if "m1" in r:
         rows = r["m1"]
         med = lambda f: statistics.median(f(x) for x in rows.values())  # noqa: E731
+        shares = ("moved_a", "moved_b", "reproduced", "metric_masks_differ", "admm_masks_differ")
+        heldout = ("obs_a", "ls_a", "admm_a", "admm_b")
         lines += ["## M1: does the free mask overfit the calibration batches?", "",
                   "ADMM (mask free) solved on each Linear of the dense teacher on batches 0-15 (A) and on 16-31 (B). "
                   "Shares of the weights; held-out errors on batches 32-47 relative to the nearest projection's.", "",
-                  "| Linear | moved A | moved B | A's moves B makes too | metric masks A vs B differ | ADMM masks A vs B "
-                  "differ | OBS (A) | LS, metric mask (A) | ADMM (A) | ADMM (B) |", "|" + " --- |" * 10]
-        for name, x in rows.items():
-            h = x["heldout_c"]
-            lines.append(f"| {short(name)} | {100 * x['moved_a']:.1f} % | {100 * x['moved_b']:.1f} % | "
-                         f"{100 * x['reproduced']:.1f} % | {100 * x['metric_masks_differ']:.1f} % | "
-                         f"{100 * x['admm_masks_differ']:.1f} % | {h['obs_a']:.3f} | {h['ls_a']:.3f} | "
-                         f"{h['admm_a']:.3f} | {h['admm_b']:.3f} |")
-        lines.append(f"| **median** | **{100 * med(lambda x: x['moved_a']):.1f} %** | "
-                     f"**{100 * med(lambda x: x['moved_b']):.1f} %** | **{100 * med(lambda x: x['reproduced']):.1f} %** | "
-                     f"**{100 * med(lambda x: x['metric_masks_differ']):.1f} %** | "
-                     f"**{100 * med(lambda x: x['admm_masks_differ']):.1f} %** | "
-                     + " | ".join(f"**{med(lambda x, k=k: x['heldout_c'][k]):.3f}**"
-                                  for k in ("obs_a", "ls_a", "admm_a", "admm_b")) + " |")
+                  *table(["Linear", "moved A", "moved B", "A's moves B makes too", "metric masks A vs B differ",
+                          "ADMM masks A vs B differ", "OBS (A)", "LS, metric mask (A)", "ADMM (A)", "ADMM (B)"],
+                         [*([short(name), *(f"{100 * x[k]:.1f} %" for k in shares),
+                             *(f"{x['heldout_c'][k]:.3f}" for k in heldout)] for name, x in rows.items()),
+                          ["**median**", *(f"**{100 * med(lambda x, k=k: x[k]):.1f} %**" for k in shares),
+                           *(f"**{med(lambda x, k=k: x['heldout_c'][k]):.3f}**" for k in heldout)]])]
         lines += ["", "Fit (on A) against held out (on C), medians: " + ", ".join(
             f"{k} {med(lambda x, k=k: x['fit_a'][k]):.3f} → {med(lambda x, k=k: x['heldout_c'][k]):.3f}"
             for k in ("obs_a", "ls_a", "admm_a")), ""]
@@ -235,47 +237,35 @@ def markdown(r: dict) -> str:
         keys = ["obs", "ls", "admm_fixed_mask", "admm"]
         lines += ["## M2 (a): damping, each Linear fitted on batches 0-15, scored on 16-31", "",
                   "Median over the Linears of the squared output error relative to the nearest projection's "
-                  "(fit / held out).", "", "| damping | " + " | ".join(keys) + " | ADMM mask moved |",
-                  "|" + " --- |" * (len(keys) + 2)]
-        for d, rows in r["m2_layers"].items():
-            med = lambda f: statistics.median(f(x) for x in rows.values())  # noqa: E731
-            lines.append(f"| {float(d):g} | " + " | ".join(
-                f"{med(lambda x, k=k: x['fit'][k]):.3f} / {med(lambda x, k=k: x['heldout'][k]):.3f}" for k in keys)
-                + f" | {100 * med(lambda x: x['admm_moved']):.1f} % |")
-        lines.append("")
+                  "(fit / held out).", "", *table(["damping", *keys, "ADMM mask moved"], [
+                      damping_row(d, rows, keys) for d, rows in r["m2_layers"].items()]), ""]
     if "models" in r:
         models = r["models"]
         noise = list(next(iter(models.values()))["m2_noise"]["noise"]) if "m2_noise" in next(iter(models.values())) \
             else []
         lines += ["## The three projections of the whole teacher (the pipeline's sequential pass)", "",
-                  "| projection | fit batches | damping | held-out error vs nearest, median | dev " + primary
-                  + " (float activations) | CPU s |", "| --- | --- | --- | --- | --- | --- |"]
-        for row, x in models.items():
-            p = x["projection"]
-            lines.append(f"| {row} | {p.get('calib_batches')} | {p.get('damp')} | "
-                         f"{p.get('heldout_vs_nearest_median')} | {100 * x['dev']:.2f} | "
-                         f"{p.get('cpu_seconds_with_masks')} |")
-        lines.append("")
+                  *table(["projection", "fit batches", "damping", "held-out error vs nearest, median",
+                          f"dev {primary} (float activations)", "CPU s"],
+                         [[row, x["projection"].get("calib_batches"), x["projection"].get("damp"),
+                           x["projection"].get("heldout_vs_nearest_median"), f"{100 * x['dev']:.2f}",
+                           x["projection"].get("cpu_seconds_with_masks")] for row, x in models.items()]), ""]
         if noise:
+            drops = {row: x["m2_noise"]["noise"] for row, x in models.items()}
             lines += ["## M2 (b): dev drop under Gaussian noise on the kept weights (float activations)", "",
                       f"Noise: a share σ of each row's RMS, on the kept weights only; {m['draws']} draws each. "
                       f"Drop of dev {primary} ×100 (mean over the draws) / RMS change of the logits.", "",
-                      "| projection | " + " | ".join(f"σ = {s}" for s in noise) + " |", "|" + " --- |" * (len(noise) + 1)]
-            for row, x in models.items():
-                n = x["m2_noise"]["noise"]
-                lines.append(f"| {row} | " + " | ".join(
-                    f"{100 * n[s]['drop']:+.2f} / {n[s]['logit_rms_move']:.3g}" for s in noise) + " |")
-            lines.append("")
+                      *table(["projection", *(f"σ = {s}" for s in noise)],
+                             [[row, *(f"{100 * n[s]['drop']:+.2f} / {n[s]['logit_rms_move']:.3g}" for s in noise)]
+                              for row, n in drops.items()]), ""]
         if "m6" in next(iter(models.values())):
             keys = list(next(iter(models.values()))["m6"])
             lines += ["## M6: activation ranges (INT8 activations, no training)", "",
                       f"Dev {primary} ×100 with the encoder Linears' inputs on INT8, ranges calibrated on the projected "
                       "model; in brackets the median ratio of the ranges to the default calibration's "
                       f"({r['meta']['calib_batches']} batches, percentile {r['meta']['calib_percentile']}) on the same "
-                      "model.", "", "| projection | " + " | ".join(keys) + " |", "|" + " --- |" * (len(keys) + 1)]
-            for row, x in models.items():
-                lines.append(f"| {row} | " + " | ".join(
-                    f"{100 * x['m6'][k]['dev']:.2f} ({x['m6'][k]['amax_vs_default_median']:.2f})" for k in keys) + " |")
+                      "model.", "", *table(["projection", *keys], [
+                          [row, *(f"{100 * x['m6'][k]['dev']:.2f} ({x['m6'][k]['amax_vs_default_median']:.2f})"
+                                  for k in keys)] for row, x in models.items()])]
             first = next(iter(models))
             for row, x in list(models.items())[1:]:
                 if all("amax_vs_obs_model_median" in x["m6"][k] for k in keys):
@@ -315,7 +305,6 @@ def main(argv=None) -> int:
     import torch
 
     from holoserve.compress.pipeline import machine
-    from holoserve.core.files import atomic_write_json, atomic_write_text
 
     torch.set_num_threads(args.threads)
     out = Path(args.results)
@@ -326,11 +315,9 @@ def main(argv=None) -> int:
                           "machine": machine(), "threads": args.threads, "torch": torch.__version__,
                           "command": "python -m bench.accuracy.admm_checks " + " ".join(
                               sys.argv[1:] if argv is None else argv)}}
-    out.mkdir(parents=True, exist_ok=True)
 
     def save():
-        atomic_write_json(out / "results.json", res)
-        atomic_write_text(out / "results.md", markdown(res))
+        write_record(res, out, "results", markdown)
 
     t0 = time.perf_counter()
     with torch.no_grad():

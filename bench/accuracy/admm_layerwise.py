@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.lib.report import table, write_record
+
 
 def open_teacher(task: str, data_dir: str, teacher: Path, preset: str = "quick", seed: int = 0,
                  out: Path = Path("unused")):
@@ -127,31 +129,27 @@ def markdown(r: dict) -> str:
              f"calibration batches, scored on the next {m['calib_batches']}.", ""]
     if "layer" in r:
         keys = ["obs", "ls_fixed_mask", "admm_free_z", "admm_free_ls"]
-        lines += ["## Each Linear on the dense teacher's inputs", "",
-                  "| Linear | " + " | ".join(keys) + " | ADMM / OBS | mask moved | ADMM CPU s | OBS CPU s |",
-                  "|" + " --- |" * (len(keys) + 5)]
-        for name, row in r["layer"].items():
-            h = row["heldout"]
-            lines.append(f"| {short(name)} | " + " | ".join(f"{h[k]:.3f}" for k in keys)
-                         + f" | {h['admm_free_ls'] / h['obs']:.2f} | {100 * row['admm_mask_moved']:.1f} % | "
-                         f"{row['seconds']['admm']:.1f} | {row['seconds']['obs']:.1f} |")
         med = {k: statistics.median(row["heldout"][k] for row in r["layer"].values()) for k in keys}
         ratio = statistics.median(row["heldout"]["admm_free_ls"] / row["heldout"]["obs"] for row in r["layer"].values())
-        lines.append("| **median** | " + " | ".join(f"**{med[k]:.3f}**" for k in keys) + f" | **{ratio:.2f}** | | | |")
-        lines.append("")
+        lines += ["## Each Linear on the dense teacher's inputs", "",
+                  *table(["Linear", *keys, "ADMM / OBS", "mask moved", "ADMM CPU s", "OBS CPU s"],
+                         [*([short(name), *(f"{row['heldout'][k]:.3f}" for k in keys),
+                             f"{row['heldout']['admm_free_ls'] / row['heldout']['obs']:.2f}",
+                             f"{100 * row['admm_mask_moved']:.1f} %", f"{row['seconds']['admm']:.1f}",
+                             f"{row['seconds']['obs']:.1f}"] for name, row in r["layer"].items()),
+                          ["**median**", *(f"**{med[k]:.3f}**" for k in keys), f"**{ratio:.2f}**", "", "", ""]]), ""]
     if "sequential" in r:
         s = r["sequential"]
-        lines += ["## The sequential pass (each layer fed by the already-projected ones)", "",
-                  "| Linear | OBS | ADMM | ADMM / OBS | ADMM rel. to output |", "| --- | --- | --- | --- | --- |"]
-        for name in s["obs"]["layers"]:
-            o, a = s["obs"]["layers"][name], s["admm"]["layers"][name]
-            lines.append(f"| {short(name)} | {o['heldout_vs_nearest']:.3f} | {a['heldout_vs_nearest']:.3f} | "
-                         f"{a['heldout_vs_nearest'] / o['heldout_vs_nearest']:.2f} | {a['heldout_relative']:.3g} |")
-        mo = statistics.median(d["heldout_vs_nearest"] for d in s["obs"]["layers"].values())
-        ma = statistics.median(d["heldout_vs_nearest"] for d in s["admm"]["layers"].values())
         a_l, o_l = s["admm"]["layers"], s["obs"]["layers"]
+        mo = statistics.median(d["heldout_vs_nearest"] for d in o_l.values())
+        ma = statistics.median(d["heldout_vs_nearest"] for d in a_l.values())
         mr = statistics.median(a_l[k]["heldout_vs_nearest"] / o_l[k]["heldout_vs_nearest"] for k in o_l)
-        lines += [f"| **median** | **{mo:.3f}** | **{ma:.3f}** | **{mr:.2f}** | |", "",
+        lines += ["## The sequential pass (each layer fed by the already-projected ones)", "",
+                  *table(["Linear", "OBS", "ADMM", "ADMM / OBS", "ADMM rel. to output"],
+                         [*([short(name), f"{o['heldout_vs_nearest']:.3f}", f"{a_l[name]['heldout_vs_nearest']:.3f}",
+                             f"{a_l[name]['heldout_vs_nearest'] / o['heldout_vs_nearest']:.2f}",
+                             f"{a_l[name]['heldout_relative']:.3g}"] for name, o in o_l.items()),
+                          ["**median**", f"**{mo:.3f}**", f"**{ma:.3f}**", f"**{mr:.2f}**", ""]]), "",
                   f"Time of the pass (Hessians, held-out scoring and solves), CPU (process) / wall: OBS "
                   f"{s['obs'].get('cpu_seconds')} / {s['obs']['seconds']} s, ADMM {s['admm'].get('cpu_seconds')} / "
                   f"{s['admm']['seconds']} s.", ""]
@@ -164,22 +162,20 @@ def compare(obs_dir: Path, admm_dir: Path) -> str:
     ms = [json.loads((Path(d) / "manifest.json").read_text()) for d in (obs_dir, admm_dir)]
     (po, pa), (mo, ma) = [m["training"]["phases"]["projection"] for m in ms], [m["metrics"] for m in ms]
     primary = mo["primary"]
-    lines = [f"{obs_dir} vs {admm_dir}: held-out output error relative to the nearest projection's", "",
-             "| Linear | OBS | ADMM | ADMM / OBS |", "| --- | --- | --- | --- |"]
-    ratios = []
-    for name, o in po["layers"].items():
-        a = pa["layers"][name]
-        ratios.append(a["heldout_vs_nearest"] / o["heldout_vs_nearest"])
-        lines.append(f"| {short(name)} | {o['heldout_vs_nearest']:.3f} | {a['heldout_vs_nearest']:.3f} | "
-                     f"{ratios[-1]:.2f} |")
+    ratios = {name: pa["layers"][name]["heldout_vs_nearest"] / o["heldout_vs_nearest"] for name, o in po["layers"].items()}
     mo_med, ma_med = (statistics.median(d["heldout_vs_nearest"] for d in p["layers"].values()) for p in (po, pa))
-    lines += [f"| **median** | **{mo_med:.3f}** | **{ma_med:.3f}** | **{statistics.median(ratios):.2f}** |", "",
-              f"dev {primary}: dense {100 * mo['dense'][primary]:.2f}; right after the projection OBS "
-              f"{100 * mo['after_projection'][primary]:.2f}, ADMM {100 * ma['after_projection'][primary]:.2f}; "
-              f"with INT8 activations (no training) OBS {100 * mo['compressed'][primary]:.2f}, "
-              f"ADMM {100 * ma['compressed'][primary]:.2f}",
-              f"projection time, CPU / wall s: OBS {po.get('cpu_seconds')} / {po['seconds']}, "
-              f"ADMM {pa.get('cpu_seconds')} / {pa['seconds']}"]
+    lines = [f"{obs_dir} vs {admm_dir}: held-out output error relative to the nearest projection's", "",
+             *table(["Linear", "OBS", "ADMM", "ADMM / OBS"],
+                    [*([short(name), f"{o['heldout_vs_nearest']:.3f}", f"{pa['layers'][name]['heldout_vs_nearest']:.3f}",
+                        f"{ratios[name]:.2f}"] for name, o in po["layers"].items()),
+                     ["**median**", f"**{mo_med:.3f}**", f"**{ma_med:.3f}**", f"**{statistics.median(ratios.values()):.2f}**"]]),
+             "",
+             f"dev {primary}: dense {100 * mo['dense'][primary]:.2f}; right after the projection OBS "
+             f"{100 * mo['after_projection'][primary]:.2f}, ADMM {100 * ma['after_projection'][primary]:.2f}; "
+             f"with INT8 activations (no training) OBS {100 * mo['compressed'][primary]:.2f}, "
+             f"ADMM {100 * ma['compressed'][primary]:.2f}",
+             f"projection time, CPU / wall s: OBS {po.get('cpu_seconds')} / {po['seconds']}, "
+             f"ADMM {pa.get('cpu_seconds')} / {pa['seconds']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -230,11 +226,7 @@ def main(argv=None) -> int:
             res["layer"] = layer_mode(run, model, layers, fit, held, names)
         if args.mode in ("sequential", "both"):
             res["sequential"] = sequential_mode(run, teacher, layers, fit, held)
-    out.mkdir(parents=True, exist_ok=True)
-    from holoserve.core.files import atomic_write_json, atomic_write_text
-
-    atomic_write_json(out / "results.json", res)
-    atomic_write_text(out / "results.md", markdown(res))
+    write_record(res, out, "results", markdown)
     print(markdown(res))
     return 0
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.accuracy.rounding_noise import command, position_table, save
-from holoserve.core.files import atomic_savefig
+from bench.accuracy.common import command, dev_set, export_file, position_table, save
+from bench.lib.report import figure, table
 
 
 def probes(model) -> list[tuple[str, str]]:
@@ -64,40 +64,29 @@ def markdown(r: dict) -> str:
              "off. Logits: median |Δ| "
              f"{m['logits_median_abs_diff']:.3g}, largest {m['logits_max_abs_diff']:.3g}, {m['changed_predictions']} "
              "predictions changed.", "",
-             "| tensor | INT8 codes changed | largest step | LayerNorm mean \\|Δ\\| (of mean \\|x\\|) |",
-             "| --- | --- | --- | --- |"]
-    for t in r["tensors"]:
-        if t["kind"] == "codes":
-            lines.append(f"| {short(t['tensor'])} | {100 * t['changed_share']:.3g} % | {t['max_step']} | |")
-        else:
-            lines.append(f"| {short(t['tensor'])} | | | {t['mean_abs_diff']:.2g} ({100 * t['relative']:.2g} %) |")
-    lines += ["", f"Command: `{m['command']}` ({m['seconds']:.0f} s)."]
+             *table(["tensor", "INT8 codes changed", "largest step", "LayerNorm mean \\|Δ\\| (of mean \\|x\\|)"],
+                    [[short(t["tensor"]), f"{100 * t['changed_share']:.3g} %", t["max_step"], ""] if t["kind"] == "codes"
+                     else [short(t["tensor"]), "", "", f"{t['mean_abs_diff']:.2g} ({100 * t['relative']:.2g} %)"]
+                     for t in r["tensors"]]),
+             "", f"Command: `{m['command']}` ({m['seconds']:.0f} s)."]
     return "\n".join(lines) + "\n"
 
 
 def plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     codes = [(i, t) for i, t in enumerate(r["tensors"]) if t["kind"] == "codes"]
     norms = [(i, t) for i, t in enumerate(r["tensors"]) if t["kind"] == "layernorm"]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot([i for i, _ in codes], [max(100 * t["changed_share"], 1e-7) for _, t in codes], "o-", ms=4,
-            label="INT8 codes changed (%)")
-    ax.plot([i for i, _ in norms], [max(100 * t["relative"], 1e-7) for _, t in norms], "s--", ms=4,
-            label="LayerNorm mean |Δ| (% of mean |x|)")
-    ax.set_yscale("log")
-    ax.set_xlabel("tensor, in graph order (embeddings → last layer)")
-    ax.set_ylabel("% (log scale)")
     m = r["meta"]
-    ax.set_title(f"{m['checkpoint']}, {m['rows']} {m['task']} dev rows: {m['against']}\nagainst the ONNX operators",
-                 fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    atomic_savefig(fig, path)
-    plt.close(fig)
+    with figure(path, figsize=(8, 4)) as (fig, ax):
+        ax.plot([i for i, _ in codes], [max(100 * t["changed_share"], 1e-7) for _, t in codes], "o-", ms=4,
+                label="INT8 codes changed (%)")
+        ax.plot([i for i, _ in norms], [max(100 * t["relative"], 1e-7) for _, t in norms], "s--", ms=4,
+                label="LayerNorm mean |Δ| (% of mean |x|)")
+        ax.set_yscale("log")
+        ax.set_xlabel("tensor, in graph order (embeddings → last layer)")
+        ax.set_ylabel("% (log scale)")
+        ax.set_title(f"{m['checkpoint']}, {m['rows']} {m['task']} dev rows: {m['against']}\nagainst the ONNX operators",
+                     fontsize=9)
+        ax.legend(fontsize=8)
 
 
 def main(argv=None) -> int:
@@ -117,20 +106,13 @@ def main(argv=None) -> int:
     from holoserve.core.artifact import load_artifact
     from holoserve.core.machine import describe_cpu
     from holoserve.core.manifest import OPENVINO
-    from holoserve.data.glue import read_split
-    from holoserve.data.tasks import get_task
-    from holoserve.export.reference import encode_batches, make_tokenizer
 
     t0 = time.time()
     art = load_artifact(args.checkpoint)
-    path = art.export_path(OPENVINO)
-    if path is None or not path.is_file():
-        raise SystemExit(f"{args.checkpoint} has no model.ov.onnx: run `holoserve export {args.checkpoint} "
-                         "--target openvino` first")
-    task = get_task(art.task_name)
-    rows = read_split(task, "dev", args.data_dir)[: args.rows]
-    (_, feed), = encode_batches(make_tokenizer(art), [x.text for x in rows],
-                                [x.text_pair for x in rows] if task.is_pair else None, batch_size=len(rows))
+    path = export_file(art, args.checkpoint, OPENVINO, "model.ov.onnx", " --target openvino")
+    dev = dev_set(art, args.data_dir, batch_size=None, first=args.rows)
+    task, rows = dev.task, dev.rows
+    (_, feed), = dev.batches
     model = onnx.load(str(path))
     tensors = probes(model)
     output = model.graph.output[0].name
@@ -151,9 +133,9 @@ def main(argv=None) -> int:
 
         k = position_table(model)
         t = model.graph.initializer[k]
-        table = numpy_helper.to_array(t)
-        noise = np.random.default_rng(0).standard_normal(table.shape)
-        t.CopyFrom(numpy_helper.from_array((table * (1 + args.perturb * noise)).astype(np.float32), t.name))
+        positions = numpy_helper.to_array(t)
+        noise = np.random.default_rng(0).standard_normal(positions.shape)
+        t.CopyFrom(numpy_helper.from_array((positions * (1 + args.perturb * noise)).astype(np.float32), t.name))
         got, against = run_ort(model), f"ONNX Runtime, position table × (1 + {args.perturb:g} · N(0, 1))"
     else:
         import openvino as ov
@@ -172,7 +154,7 @@ def main(argv=None) -> int:
             "changed_predictions": int((a.argmax(1) != b.argmax(1)).sum()) if a.shape[1] > 1 else None,
             "command": command(sys.argv[1:] if argv is None else argv, "bench.accuracy.layer_divergence")}
     report = {"meta": meta, "tensors": rows_out}
-    save(args.results, "layer_divergence", report, markdown(report), plot)
+    save(args.results, "layer_divergence", report, markdown, plot)
     return 0
 
 

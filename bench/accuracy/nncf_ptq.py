@@ -26,7 +26,7 @@ def nncf_ptq(teacher_dir: Path, task_name: str | None, data, *, max_seq_length: 
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from bench.cpu_latency.run import nncf_int8
+    from bench.cpu_latency.common import nncf_int8
     from holoserve.compress.data import encode, eval_batches
     from holoserve.compress.evaluate import predict_with, score
     from holoserve.core.tokenizer import load_tokenizer

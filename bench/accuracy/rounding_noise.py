@@ -21,6 +21,7 @@ The plot puts every draw and every runtime on one axis, mean |Δlogit| against �
 from __future__ import annotations
 
 import argparse
+import platform
 import sys
 import tempfile
 import time
@@ -28,20 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text
+from bench.accuracy.common import DevSet, command, dev_set, export_file, position_table, save
+from bench.lib.report import figure, table
+from holoserve.core.machine import describe_cpu
 
 EPS = "1e-6,3e-6,1e-5,3e-5,1e-4"
 OPENVINO_PRECISIONS = ("f32", "auto")
-
-
-def position_table(model) -> int:
-    """Index of the float position-embedding initializer of an exported encoder."""
-    hits = [i for i, t in enumerate(model.graph.initializer)
-            if "position_embeddings" in t.name and t.data_type == 1 and len(t.dims) == 2]
-    if len(hits) != 1:
-        raise SystemExit(f"expected one float position-embedding table in the export, found {len(hits)}: this script "
-                         "perturbs that table, so it needs an encoder with learned absolute positions")
-    return hits[0]
 
 
 def difference(task, out: np.ndarray, ref: np.ndarray, labels: np.ndarray, ref_metric: float) -> dict:
@@ -66,20 +59,6 @@ def summarise(draws: list[dict], threshold: float) -> dict:
             "export_check_passes": sum(x["export_check_passes"] for x in draws)}
 
 
-def command(argv: list[str], module: str = "bench.accuracy.rounding_noise") -> str:
-    """The command line as run, with the GLUE folder written as "$GLUE_DIR" (no machine's path in a report)."""
-    out, skip = [f"python -m {module}"], False
-    for a in argv:
-        if skip:
-            out.append('"$GLUE_DIR"')
-        elif a.startswith("--data-dir="):
-            out.append('--data-dir="$GLUE_DIR"')
-        else:
-            out.append(a)
-        skip = a == "--data-dir"
-    return " ".join(out)
-
-
 def markdown(r: dict) -> str:
     m, t = r["meta"], r["meta"]["threshold_points"]
     lines = [f"# Rounding noise on the dev score ({m['date']}, {m['machine']})", "",
@@ -87,56 +66,57 @@ def markdown(r: dict) -> str:
              f"{'—' if m['eval_metric'] is None else format(m['eval_metric'], '.2f')} (manifest), `model.onnx` on "
              f"ONNX Runtime {m['reference_metric']:.2f}, the "
              f"reference below. Position-embedding table × (1 + eps · N(0, 1)), {m['repeats']} draws per eps.", "",
-             f"| change | mean \\|Δlogit\\| | flipped predictions | Δ {m['metric']} (points): mean ± sd | "
-             f"largest \\|Δ\\| | draws past {t} | `holoserve export`'s check passes |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for row in r["perturbed"]:
-        s = row["summary"]
-        flips = "—" if s["flipped_mean"] is None else f"{s['flipped_mean']:.1f} (mean)"
-        lines.append(f"| eps {row['eps']:g} | {s['mean_abs_logit_diff']:.2g} | {flips} | "
-                     f"{s['metric_diff_mean']:+.2f} ± {s['metric_diff_sd']:.2f} | {s['metric_diff_max_abs']:.2f} | "
-                     f"{s['past_threshold']} of {s['draws']} | {s['export_check_passes']} of {s['draws']} |")
-    for name, x in r["runtimes"].items():
-        if "skipped" in x:
-            continue
-        flips = "—" if x["flipped_predictions"] is None else str(x["flipped_predictions"])
-        lines.append(f"| {name} | {x['mean_abs_logit_diff']:.2g} | {flips} | {x['metric_diff_points']:+.2f} | "
-                     f"{abs(x['metric_diff_points']):.2f} | {'yes' if abs(x['metric_diff_points']) > t + 1e-9 else 'no'} | "
-                     f"{'yes' if x['export_check_passes'] else 'no'} |")
+             *table(["change", "mean \\|Δlogit\\|", "flipped predictions", f"Δ {m['metric']} (points): mean ± sd",
+                     "largest \\|Δ\\|", f"draws past {t}", "`holoserve export`'s check passes"],
+                    [*map(perturbed_row, r["perturbed"]),
+                     *(runtime_row(name, x, t) for name, x in r["runtimes"].items() if "skipped" not in x)])]
     skipped = {k: v["skipped"] for k, v in r["runtimes"].items() if "skipped" in v}
     lines += [""] + [f"Not run: {k}: {why}" for k, why in skipped.items()]
     lines += ["", f"Command: `{m['command']}` ({m['seconds']:.0f} s)."]
     return "\n".join(lines) + "\n"
 
 
+def perturbed_row(row: dict) -> list[str]:
+    """One eps's table row: its draws summarised."""
+    s = row["summary"]
+    flips = "—" if s["flipped_mean"] is None else f"{s['flipped_mean']:.1f} (mean)"
+    return [f"eps {row['eps']:g}", f"{s['mean_abs_logit_diff']:.2g}", flips,
+            f"{s['metric_diff_mean']:+.2f} ± {s['metric_diff_sd']:.2f}", f"{s['metric_diff_max_abs']:.2f}",
+            f"{s['past_threshold']} of {s['draws']}", f"{s['export_check_passes']} of {s['draws']}"]
+
+
+def runtime_row(name: str, x: dict, threshold: float) -> list[str]:
+    """One runtime's table row, on the same scale as the draws'."""
+    flips = "—" if x["flipped_predictions"] is None else str(x["flipped_predictions"])
+    return [name, f"{x['mean_abs_logit_diff']:.2g}", flips, f"{x['metric_diff_points']:+.2f}",
+            f"{abs(x['metric_diff_points']):.2f}", "yes" if abs(x["metric_diff_points"]) > threshold + 1e-9 else "no",
+            "yes" if x["export_check_passes"] else "no"]
+
+
 def plot(r: dict, path: Path) -> None:
-    import matplotlib
+    from matplotlib.ticker import NullFormatter
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for row in r["perturbed"]:
-        xs = [max(d["mean_abs_logit_diff"], 1e-9) for d in row["draws"]]
-        ax.scatter(xs, [d["metric_diff_points"] for d in row["draws"]], s=14, alpha=0.6, label=f"eps {row['eps']:g}")
-    for name, x in r["runtimes"].items():
-        if "skipped" not in x:
-            ax.scatter([max(x["mean_abs_logit_diff"], 1e-9)], [x["metric_diff_points"]], marker="*", s=160,
-                       edgecolor="black", label=name, zorder=3)
-    t = r["meta"]["threshold_points"]
-    ax.axhspan(-t, t, color="grey", alpha=0.15, lw=0)
-    ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decades only: minor labels collide
-    ax.set_xlabel("mean |Δlogit| against model.onnx on ONNX Runtime (each dot one draw)")
-    ax.set_ylabel(f"Δ dev {r['meta']['metric']} (points)")
-    ax.set_title(f"{r['meta']['checkpoint']}: dev score under rounding-sized changes (band ±{t})", fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    atomic_savefig(fig, path)
-    plt.close(fig)
+    with figure(path, figsize=(7, 4.2)) as (fig, ax):
+        for row in r["perturbed"]:
+            xs = [max(d["mean_abs_logit_diff"], 1e-9) for d in row["draws"]]
+            ax.scatter(xs, [d["metric_diff_points"] for d in row["draws"]], s=14, alpha=0.6,
+                       label=f"eps {row['eps']:g}")
+        for name, x in r["runtimes"].items():
+            if "skipped" not in x:
+                ax.scatter([max(x["mean_abs_logit_diff"], 1e-9)], [x["metric_diff_points"]], marker="*", s=160,
+                           edgecolor="black", label=name, zorder=3)
+        t = r["meta"]["threshold_points"]
+        ax.axhspan(-t, t, color="grey", alpha=0.15, lw=0)
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # decades only: minor labels collide
+        ax.set_xlabel("mean |Δlogit| against model.onnx on ONNX Runtime (each dot one draw)")
+        ax.set_ylabel(f"Δ dev {r['meta']['metric']} (points)")
+        ax.set_title(f"{r['meta']['checkpoint']}: dev score under rounding-sized changes (band ±{t})", fontsize=10)
+        ax.legend(fontsize=7, ncol=2)
 
 
-def main(argv=None) -> int:
+def parse_args(argv) -> tuple[argparse.Namespace, list[float]]:
+    """The options, and --eps as numbers."""
     ap = argparse.ArgumentParser(prog="python -m bench.accuracy.rounding_noise", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--data-dir", required=True, help="the GLUE folder")
@@ -152,61 +132,40 @@ def main(argv=None) -> int:
         raise SystemExit(f"--eps takes comma-separated numbers such as {EPS}, got {args.eps!r}") from None
     if not eps or min(eps) <= 0 or args.repeats < 2:
         raise SystemExit("--eps needs positive values and --repeats at least 2 (the sd needs two draws)")
+    return args, eps
+
+
+def perturbed_draws(model, k: int, dev: DevSet, ref: np.ndarray, ref_metric: float, eps: list[float], args) -> list:
+    """Per eps, --repeats copies of the export with initializer `k` (the position table) × (1 + eps · N(0, 1)),
+    each scored against the reference, and their summary."""
     import onnx
     from onnx import numpy_helper
 
-    from holoserve.core.artifact import load_artifact
-    from holoserve.core.manifest import ONNXRUNTIME, OPENVINO
-    from holoserve.core.ort import session
-    from holoserve.data.glue import read_split
-    from holoserve.data.metrics import score
-    from holoserve.data.tasks import get_task
-    from holoserve.export.reference import encode_batches, make_tokenizer
-
-    t0 = time.time()
-    art = load_artifact(args.checkpoint)
-    path = art.export_path(ONNXRUNTIME)
-    if path is None or not path.is_file():
-        raise SystemExit(f"{args.checkpoint} has no model.onnx: run `holoserve export {args.checkpoint}` first")
-    task = get_task(art.task_name)
-    rows = read_split(task, "dev", args.data_dir)
-    batches = list(encode_batches(make_tokenizer(art), [x.text for x in rows],
-                                  [x.text_pair for x in rows] if task.is_pair else None, batch_size=64))
-    labels = np.asarray([x.label for x in rows])
-
-    def logits(run, names) -> np.ndarray:
-        out = np.zeros((len(rows), art.num_labels), dtype=np.float32)
-        for idx, feed in batches:
-            out[idx] = run({k: v for k, v in feed.items() if k in names})
-        return out
-
-    def ort_logits(file: Path) -> np.ndarray:
-        sess = session(file, threads=args.threads, quiet=True)
-        return logits(lambda f: sess.run(None, f)[0], {i.name for i in sess.get_inputs()})
-
-    model = onnx.load(str(path))
-    k = position_table(model)
-    table = numpy_helper.to_array(model.graph.initializer[k]).copy()
+    table_ = numpy_helper.to_array(model.graph.initializer[k]).copy()
     name = model.graph.initializer[k].name
-    ref = ort_logits(path)
-    ref_metric = score(task, ref, labels)[task.primary_metric]
-    print(f"{args.checkpoint.name}: {task.name} dev {task.primary_metric} {100 * ref_metric:.2f} on model.onnx "
-          f"(the reference); perturbing {name} {table.shape}", flush=True)
     perturbed = []
     with tempfile.TemporaryDirectory(prefix="holoserve-noise-") as tmp:
         file = Path(tmp) / "perturbed.onnx"
         for e in eps:
             draws = []
             for seed in range(args.repeats):
-                noise = np.random.default_rng(seed).standard_normal(table.shape)
-                model.graph.initializer[k].CopyFrom(numpy_helper.from_array((table * (1 + e * noise)).astype(np.float32), name))
+                noise = np.random.default_rng(seed).standard_normal(table_.shape)
+                model.graph.initializer[k].CopyFrom(numpy_helper.from_array((table_ * (1 + e * noise)).astype(np.float32), name))
                 onnx.save(model, str(file))
-                draws.append(difference(task, ort_logits(file), ref, labels, ref_metric) | {"seed": seed})
+                draws.append(difference(dev.task, dev.ort_logits(file, args.threads), ref, dev.labels, ref_metric)
+                             | {"seed": seed})
             s = summarise(draws, args.threshold)
             perturbed.append({"eps": e, "summary": s, "draws": draws})
             print(f"  eps {e:g}: mean |Δlogit| {s['mean_abs_logit_diff']:.2g}, flips {s['flipped_mean']}, "
                   f"Δ {s['metric_diff_mean']:+.2f} ± {s['metric_diff_sd']:.2f} points, past {args.threshold}: "
                   f"{s['past_threshold']}/{s['draws']}", flush=True)
+    return perturbed
+
+
+def openvino_runs(art, dev: DevSet, ref: np.ndarray, ref_metric: float, args) -> dict[str, dict]:
+    """The `openvino` export on OpenVINO at each of OPENVINO_PRECISIONS against the reference, or why it did not run."""
+    from holoserve.core.manifest import OPENVINO
+
     runtimes: dict[str, dict] = {}
     ov_path = art.export_path(OPENVINO)
     for precision in OPENVINO_PRECISIONS:
@@ -221,34 +180,45 @@ def main(argv=None) -> int:
             runtimes[key] = {"skipped": str(e)}
             continue
         req = compiled.create_infer_request()
-        out = logits(lambda f: req.infer(f)[compiled.outputs[0]].copy(), {i.get_any_name() for i in compiled.inputs})
-        runtimes[key] = difference(task, out, ref, labels, ref_metric) | {"inference_precision": inference_precision(compiled)}
+        out = dev.logits(lambda f: req.infer(f)[compiled.outputs[0]].copy(), {i.get_any_name() for i in compiled.inputs})
+        runtimes[key] = difference(dev.task, out, ref, dev.labels, ref_metric) | {"inference_precision": inference_precision(compiled)}
         print(f"  {key} ({runtimes[key]['inference_precision']}): {runtimes[key]}", flush=True)
-    import platform
+    return runtimes
 
+
+def main(argv=None) -> int:
+    args, eps = parse_args(argv)
+    import onnx
+
+    from holoserve.core.artifact import load_artifact
+    from holoserve.core.manifest import ONNXRUNTIME
+    from holoserve.data.metrics import score
+
+    t0 = time.time()
+    art = load_artifact(args.checkpoint)
+    path = export_file(art, args.checkpoint, ONNXRUNTIME, "model.onnx")
+    dev = dev_set(art, args.data_dir)
+    task = dev.task
+    model = onnx.load(str(path))
+    k = position_table(model)
+    ref = dev.ort_logits(path, args.threads)
+    ref_metric = score(task, ref, dev.labels)[task.primary_metric]
+    name, shape = model.graph.initializer[k].name, tuple(model.graph.initializer[k].dims)
+    print(f"{args.checkpoint.name}: {task.name} dev {task.primary_metric} {100 * ref_metric:.2f} on model.onnx "
+          f"(the reference); perturbing {name} {shape}", flush=True)
+    perturbed = perturbed_draws(model, k, dev, ref, ref_metric, eps, args)
+    runtimes = openvino_runs(art, dev, ref, ref_metric, args)
     recorded = (art.manifest.metrics.compressed or {}).get(task.primary_metric)  # what `holoserve eval` reproduces
     eval_metric = None if recorded is None else 100 * float(recorded)
-
-    from holoserve.core.machine import describe_cpu
     report = {"meta": {"checkpoint": args.checkpoint.name, "task": task.name, "metric": task.primary_metric,
-                       "rows": len(rows), "eval_metric": eval_metric,
+                       "rows": len(dev.rows), "eval_metric": eval_metric,
                        "reference_metric": 100 * float(ref_metric), "table": name, "repeats": args.repeats,
                        "threshold_points": args.threshold, "threads": args.threads, "python": platform.python_version(),
                        "machine": describe_cpu(), "date": time.strftime("%Y-%m-%d"), "seconds": time.time() - t0,
-                       "command": command(sys.argv[1:] if argv is None else argv)},
+                       "command": command(sys.argv[1:] if argv is None else argv, "bench.accuracy.rounding_noise")},
               "perturbed": perturbed, "runtimes": runtimes}
-    save(args.results, "rounding_noise", report, markdown(report), plot)
+    save(args.results, "rounding_noise", report, markdown, plot)
     return 0
-
-
-def save(folder: Path | None, stem: str, report: dict, md: str, plot_fn) -> None:
-    """Print the table; with a folder, write STEM.json, STEM.md and STEM.png there, each atomically."""
-    print("\n" + md)
-    if folder:
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(folder / f"{stem}.json", report)
-        atomic_write_text(folder / f"{stem}.md", md)
-        plot_fn(report, folder / f"{stem}.png")
 
 
 if __name__ == "__main__":

@@ -20,86 +20,72 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bench import dated_results
+from bench.lib.report import figure, table, write_record
+from holoserve.core.artifact import read_manifest
+from holoserve.core.manifest import Manifest
+
 ROOT = Path(__file__).resolve().parents[2]
 
-from bench import dated_results  # noqa: E402
-from holoserve.core.artifact import read_manifest  # noqa: E402
-from holoserve.core.files import atomic_savefig, atomic_write_json, atomic_write_text  # noqa: E402
-from holoserve.core.manifest import Manifest  # noqa: E402
 
-NEAREST = ["--set", "projection=nearest"]  # the rows measured before the OBS projection keep their own
+def recipe(method: str, *settings: str, flags: tuple[str, ...] = ()) -> list[str]:
+    """A row's `holoserve compress` arguments: the method, its flags, then one --set per preset FIELD=VALUE."""
+    return ["--method", method, *flags, *(a for setting in settings for a in ("--set", setting))]
+
+
+NEAREST = "projection=nearest"  # the rows measured before the OBS projection keep their own
+OBS = "projection=obs"
+MAGNITUDE = "mask_metric=magnitude"
+ACT = ("mask_metric=activation", "mask_activation_power=1")  # the 2:4 mask by |w| x input-channel norm
+ACT05 = ("mask_metric=activation", "mask_activation_power=0.5")  # |w| x sqrt(||x||) (RIA's exponent)
 METHODS = {  # row key -> (label, extra CLI arguments); the order is the run order (the first trains the teacher)
-    "admm_int8": ("ADMM 2:4 ∩ INT8 + QAT", ["--method", "admm", "--set", "mask_metric=magnitude"] + NEAREST),
-    "oneshot_int8": ("one-shot 2:4 ∩ INT8 + QAT",
-                     ["--method", "oneshot", "--set", "mask_metric=magnitude"] + NEAREST),
-    "magnitude_ptq": ("magnitude 2:4 + fine-tune + PTQ", ["--method", "magnitude"]),
-    "admm_sparse": ("ADMM 2:4 (fp32)", ["--method", "admm", "--no-quant"] + NEAREST),
+    "admm_int8": ("ADMM 2:4 ∩ INT8 + QAT", recipe("admm", MAGNITUDE, NEAREST)),
+    "oneshot_int8": ("one-shot 2:4 ∩ INT8 + QAT", recipe("oneshot", MAGNITUDE, NEAREST)),
+    "magnitude_ptq": ("magnitude 2:4 + fine-tune + PTQ", recipe("magnitude")),
+    "admm_sparse": ("ADMM 2:4 (fp32)", recipe("admm", NEAREST, flags=("--no-quant",))),
     # the same two recipes choosing each 2:4 mask by |w| x input-channel norm (preset mask_metric)
-    "oneshot_act_int8": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask",
-                         ["--method", "oneshot", "--set", "mask_metric=activation",
-                          "--set", "mask_activation_power=1"] + NEAREST),
-    "admm_act_int8": ("ADMM 2:4 ∩ INT8 + QAT, activation-aware mask",
-                      ["--method", "admm", "--set", "mask_metric=activation",
-                       "--set", "mask_activation_power=1"] + NEAREST),
+    "oneshot_act_int8": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask", recipe("oneshot", *ACT, NEAREST)),
+    "admm_act_int8": ("ADMM 2:4 ∩ INT8 + QAT, activation-aware mask", recipe("admm", *ACT, NEAREST)),
     # |w| x sqrt(||x||) (RIA's exponent): between the two masks above
     "oneshot_act05_int8": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5)",
-                           ["--method", "oneshot", "--set", "mask_metric=activation",
-                            "--set", "mask_activation_power=0.5"] + NEAREST),
-    "admm_act05_int8": ("ADMM 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5)",
-                        ["--method", "admm", "--set", "mask_metric=activation",
-                         "--set", "mask_activation_power=0.5"] + NEAREST),
+                           recipe("oneshot", *ACT05, NEAREST)),
+    "admm_act05_int8": ("ADMM 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5)", recipe("admm", *ACT05, NEAREST)),
     # the default recipe with the kept weights updated by OBS at the projection (SparseGPT's compensation),
     # masks as in the default, or chosen by SparseGPT's saliency
     "oneshot_act05_obs": ("one-shot 2:4 ∩ INT8 (OBS) + QAT, activation-aware mask (‖x‖^0.5)",
-                          ["--method", "oneshot", "--set", "mask_metric=activation",
-                           "--set", "mask_activation_power=0.5", "--set", "projection=obs"]),
+                          recipe("oneshot", *ACT05, OBS)),
     # the default recipe with distillation also on a perturbed copy of each training row (distill.augment=1)
     "oneshot_act05_obs_aug1": ("one-shot 2:4 ∩ INT8 (OBS) + QAT, KD also on perturbed rows",
-                               ["--method", "oneshot", "--set", "mask_metric=activation",
-                                "--set", "mask_activation_power=0.5", "--set", "projection=obs",
-                                "--set", "distill.augment=1"]),
+                               recipe("oneshot", *ACT05, OBS, "distill.augment=1")),
     # the default recipe with a ReLU student (activation=relu) swapped before the projection (activation_ramp=0):
     # the FFN's GELU is the one float op per element that OpenVINO's INT8 GEMM post-ops pay for; this row
     # measures what the swap costs in accuracy
     "oneshot_act05_obs_relu": ("one-shot 2:4 ∩ INT8 (OBS) + QAT, ReLU student",
-                               ["--method", "oneshot", "--set", "mask_metric=activation",
-                                "--set", "mask_activation_power=0.5", "--set", "projection=obs",
-                                "--set", "activation=relu", "--set", "activation_ramp=0"]),
+                               recipe("oneshot", *ACT05, OBS, "activation=relu", "activation_ramp=0")),
     # the same ReLU student, projected and calibrated with the teacher's GELU and moved to ReLU over the first
-    # half of QAT (activation_ramp=0.5, what activation=relu does by default since 2026-11-27)
+    # half of QAT (activation_ramp=0.5, what activation=relu does by default)
     "oneshot_act05_obs_relu_ramp": ("one-shot 2:4 ∩ INT8 (OBS) + QAT, ReLU student ramped over half of QAT",
-                                    ["--method", "oneshot", "--set", "mask_metric=activation",
-                                     "--set", "mask_activation_power=0.5", "--set", "projection=obs",
-                                     "--set", "activation=relu", "--set", "activation_ramp=0.5"]),
+                                    recipe("oneshot", *ACT05, OBS, "activation=relu", "activation_ramp=0.5")),
     "oneshot_obs_sal": ("one-shot 2:4 ∩ INT8 (OBS) + QAT, SparseGPT saliency mask",
-                        ["--method", "oneshot", "--set", "mask_metric=saliency", "--set", "projection=obs"]),
+                        recipe("oneshot", "mask_metric=saliency", OBS)),
     # ADMM with the same masks and the same OBS projection at its end as the default one-shot recipe
-    "admm_act05_obs": ("ADMM 2:4 ∩ INT8 (OBS) + QAT, activation-aware mask (‖x‖^0.5)",
-                       ["--method", "admm", "--set", "mask_metric=activation",
-                        "--set", "mask_activation_power=0.5", "--set", "projection=obs"]),
+    "admm_act05_obs": ("ADMM 2:4 ∩ INT8 (OBS) + QAT, activation-aware mask (‖x‖^0.5)", recipe("admm", *ACT05, OBS)),
     # ADMM starting on the set, from the default's OBS projection of the teacher (admm_cfg.init=projection):
     # the mask may still move while it trains; OBS again at its end
     "admm_init_obs": ("ADMM from the OBS projection + QAT, activation-aware mask (‖x‖^0.5)",
-                      ["--method", "admm", "--set", "mask_metric=activation", "--set", "mask_activation_power=0.5",
-                       "--set", "projection=obs", "--set", "admm_cfg.init=projection"]),
+                      recipe("admm", *ACT05, OBS, "admm_cfg.init=projection")),
     # the default recipe with the layer-wise ADMM projection (projection=admm) in place of OBS, then the same QAT
     "oneshot_act05_admm": ("one-shot 2:4 ∩ INT8 (layer-wise ADMM) + QAT, activation-aware mask (‖x‖^0.5)",
-                           ["--method", "oneshot", "--set", "mask_metric=activation",
-                            "--set", "mask_activation_power=0.5", "--set", "projection=admm"]),
+                           recipe("oneshot", *ACT05, "projection=admm")),
     # the default recipe with ADMM solving the kept values on the default's own mask (projection=admm_fixed_mask:
     # Z rounds onto the INT8 grid on that mask; its own damping and calibration batches), then the same QAT
     "oneshot_act05_admm_fixed": ("one-shot 2:4 ∩ INT8 (layer-wise ADMM on the default's mask) + QAT, activation-aware "
-                                 "mask (‖x‖^0.5)",
-                                 ["--method", "oneshot", "--set", "mask_metric=activation",
-                                  "--set", "mask_activation_power=0.5", "--set", "projection=admm_fixed_mask"]),
+                                 "mask (‖x‖^0.5)", recipe("oneshot", *ACT05, "projection=admm_fixed_mask")),
     # ADMM end to end: the layer-wise ADMM projection, then QAT with the ADMM penalty kept on (--method admm_guided)
-    "admm_guided": ("layer-wise ADMM + ADMM-guided QAT, activation-aware mask (‖x‖^0.5)",
-                    ["--method", "admm_guided", "--set", "mask_metric=activation",
-                     "--set", "mask_activation_power=0.5"]),
+    "admm_guided": ("layer-wise ADMM + ADMM-guided QAT, activation-aware mask (‖x‖^0.5)", recipe("admm_guided", *ACT05)),
     # the default recipe with QAT also training the TensorRT placement's extra quantizers (for model.trt.onnx)
     "oneshot_act05_trtqat": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5), TensorRT QAT",
-                             ["--method", "oneshot", "--set", "mask_metric=activation",
-                              "--set", "mask_activation_power=0.5", "--set", "tensorrt_qat=true"] + NEAREST),
+                             recipe("oneshot", *ACT05, "tensorrt_qat=true", NEAREST)),
 }
 PEER = "nncf_ptq"  # NNCF INT8 PTQ of the same teacher (dense weights)
 LABELS = {"dense": "dense teacher", PEER: "NNCF INT8 PTQ (dense W)", **{k: v[0] for k, v in METHODS.items()}}
@@ -283,6 +269,42 @@ def paired(rows: list[dict], base: str = PAIRED_BASE) -> dict:
     return out
 
 
+def task_row(r: dict, shown: list[str], seeds: list[int]) -> list[str]:
+    """A task's row of the main table: each column's mean ± std, its % of the dense teacher and, where it has not
+    run on every seed, on how many."""
+    cells = []
+    for k in shown:
+        st = r["columns"].get(k)
+        kept = f" ({100 * st['kept']:.1f} %)" if st and k != "dense" and st.get("kept") else ""
+        part = f" [{st['n']} of {len(r['seeds'])} seeds]" if st and st["n"] < len(r["seeds"]) else ""
+        cells.append(fmt_stat(st) + kept + part)
+    n = "" if r["seeds"] == seeds else f" (seed{'s' if len(r['seeds']) > 1 else ''} {', '.join(map(str, r['seeds']))})"
+    return [f"{r['task']}{n}", r.get("metric", "—"), *cells]
+
+
+def paired_row(key: str, p: dict, tasks: list[str]) -> list[str]:
+    """A row's differences from the paired base: per task mean ± std [seeds], then the mean over tasks."""
+    cells = [(f"{100 * st['mean']:+.2f}" + (f" ± {100 * st['std']:.2f}" if st["n"] > 1 else "")
+              + f" [{','.join(map(str, st['seeds']))}]") if (st := p["tasks"].get(t)) else "—" for t in tasks]
+    m = p.get("mean_over_tasks")
+    return [LABELS[key], *cells, "—" if m is None else f"{100 * m:+.2f}"]
+
+
+def steps_row(r: dict, trained: list[str]) -> list[str]:
+    """A task's steps per phase and mean wall time per trained row, after the teacher's own."""
+    recs = [x for runs in r["per_seed"].values() for x in runs.values()]
+    teacher = next((x for x in recs if x.get("dense_seconds") is not None), {})
+    cells = []
+    for k in trained:
+        st = r["columns"].get(k)
+        if not st:
+            cells.append("—")
+            continue
+        steps = {p: n for p, n in (st.get("steps") or {}).items() if p != "dense" and n}
+        cells.append(" + ".join(f"{n} {p}" for p, n in steps.items()) + f"; {st.get('wall_seconds')} s")
+    return [r["task"], f"{(teacher.get('steps') or {}).get('dense', '—')} / {teacher.get('dense_seconds', '—')}", *cells]
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     rows = [r for r in rows if r["columns"]]
     seeds = sorted({s for r in rows for s in r["seeds"]})
@@ -296,22 +318,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
                                        f"({j['date']})" for j in meta["joined_from"])
             + " (`--from-json`, repeated): each seed's rows and teacher come from one call."), ""]
           if meta.get("joined_from") else []),
-        "| task | metric | " + " | ".join(LABELS[k] for k in shown) + " |",
-        "|" + " --- |" * (len(shown) + 2),
     ]
-    for r in rows:
-        cells = []
-        for k in shown:
-            st = r["columns"].get(k)
-            kept = f" ({100 * st['kept']:.1f} %)" if st and k != "dense" and st.get("kept") else ""
-            part = f" [{st['n']} of {len(r['seeds'])} seeds]" if st and st["n"] < len(r["seeds"]) else ""
-            cells.append(fmt_stat(st) + kept + part)
-        n = "" if r["seeds"] == seeds else f" (seed{'s' if len(r['seeds']) > 1 else ''} {', '.join(map(str, r['seeds']))})"
-        lines.append(f"| {r['task']}{n} | {r.get('metric', '—')} | " + " | ".join(cells) + " |")
     ov = meta.get("overall") or {}
-    if ov.get("means") and len(rows) > 1:
-        lines.append("| **mean over tasks** | | " + " | ".join(
-            fmt(ov["means"].get(k)) for k in shown) + " |")
+    means = [["**mean over tasks**", "", *(fmt(ov["means"].get(k)) for k in shown)]] \
+        if ov.get("means") and len(rows) > 1 else []
+    lines += table(["task", "metric", *(LABELS[k] for k in shown)], [*(task_row(r, shown, seeds) for r in rows), *means])
     if ov.get("best_2to4_int8"):
         lines += ["", f"Best 2:4 ∩ INT8 recipe on the mean: **{LABELS[ov['best_2to4_int8']]}**."
                   + (f" ADMM's margin over the best baseline: {100 * ov['admm_margin_over_best_baseline']:+.2f} points."
@@ -323,29 +334,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         tasks = [r["task"] for r in rows]
         lines += ["", f"Paired by seed against **{LABELS[pair['base']]}** (the row minus it on the same seed, teacher "
                   "and dev rows; ×100, mean ± std [seeds]):", "",
-                  "| row | " + " | ".join(tasks) + " | mean over tasks |", "|" + " --- |" * (len(tasks) + 2)]
-        for key, p in pair["rows"].items():
-            cells = [(f"{100 * st['mean']:+.2f}" + (f" ± {100 * st['std']:.2f}" if st["n"] > 1 else "")
-                      + f" [{','.join(map(str, st['seeds']))}]") if (st := p["tasks"].get(t)) else "—" for t in tasks]
-            m = p.get("mean_over_tasks")
-            lines.append(f"| {LABELS[key]} | " + " | ".join(cells) + f" | {'—' if m is None else f'{100 * m:+.2f}'} |")
+                  *table(["row", *tasks, "mean over tasks"], [paired_row(key, p, tasks) for key, p in pair["rows"].items()])]
     lines += ["", "Steps per phase after the teacher and mean wall time per run (s; the dense teacher, "
               "trained once per task and seed, is in the first method's time and listed apart):", "",
-              "| task | teacher steps / s | " + " | ".join(LABELS[k] for k in trained) + " |",
-              "|" + " --- |" * (len(trained) + 2)]
-    for r in rows:
-        recs = [x for runs in r["per_seed"].values() for x in runs.values()]
-        teacher = next((x for x in recs if x.get("dense_seconds") is not None), {})
-        cells = []
-        for k in trained:
-            st = r["columns"].get(k)
-            if not st:
-                cells.append("—")
-                continue
-            steps = {p: n for p, n in (st.get("steps") or {}).items() if p != "dense" and n}
-            cells.append(" + ".join(f"{n} {p}" for p, n in steps.items()) + f"; {st.get('wall_seconds')} s")
-        lines.append(f"| {r['task']} | {(teacher.get('steps') or {}).get('dense', '—')} / "
-                     f"{teacher.get('dense_seconds', '—')} | " + " | ".join(cells) + " |")
+              *table(["task", "teacher steps / s", *(LABELS[k] for k in trained)], [steps_row(r, trained) for r in rows])]
     peer = meta.get("peer") or {}
     if peer:
         lines += ["", f"NNCF row: the same teacher exported to ONNX, `nncf.quantize` (transformer preset) on the first "
@@ -354,11 +346,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
     variants = meta.get("variants") or []
     if variants:
         lines += ["", "Other ADMM 2:4 ∩ INT8 runs (the same dense teacher; schedule = steps @ peak lr):", "",
-                  "| task | run | ADMM | QAT | after ADMM (fp32) | after hard projection | final (INT8 W+A) | wall s |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for v in variants:
-            lines.append(f"| {v['task']} | {v['name']} | {v['admm']} | {v['qat']} | {fmt(v.get('after_admm'))} | "
-                         f"{fmt(v.get('after_projection'))} | {fmt(v['value'])} | {v['wall_seconds']} |")
+                  *table(["task", "run", "ADMM", "QAT", "after ADMM (fp32)", "after hard projection", "final (INT8 W+A)",
+                          "wall s"],
+                         [[v["task"], v["name"], v["admm"], v["qat"], fmt(v.get("after_admm")),
+                           fmt(v.get("after_projection")), fmt(v["value"]), v["wall_seconds"]] for v in variants])]
     lines += ["", "INT8 rows are scored by `holoserve eval` (int8 × int8 products summed exactly, as the exported "
               "model's int32 GEMMs do; accuracy.json keeps each manifest's own score as manifest_value). "
               f"{meta['notes']}", ""]
@@ -381,53 +372,49 @@ def variant(name: str, path: Path, data_dir: str | None = None) -> dict:
 
 
 def plot(rows: list[dict], path: Path, meta: dict) -> None:
-    try:
-        import matplotlib
-    except ImportError:  # e.g. a GPU image without it: the JSON and Markdown still carry everything
+    import importlib.util
+
+    import numpy as np
+
+    if importlib.util.find_spec("matplotlib") is None:  # e.g. a GPU image: the JSON and Markdown carry everything
         print(f"matplotlib is not installed: no {path.name}", flush=True)
         return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
 
     rows = [r for r in rows if r["columns"]]
     if not rows:
         return
     keys = [k for k in COLUMNS if any(k in r["columns"] for r in rows)]
-    fig, ax = plt.subplots(figsize=(max(7.0, 3 + 2.8 * len(rows)), 5.0 + 0.18 * len(keys)))
-    width = 0.8 / len(keys)
-    x = np.arange(len(rows))
-    for i, key in enumerate(keys):
-        # % of each task's dense teacher, so tasks with different metrics share one axis
-        vals = [100 * r["columns"][key]["kept"] if key in r["columns"] and r["columns"][key].get("kept") else np.nan
-                for r in rows]
-        errs = [100 * r["columns"][key]["std"] / r["columns"]["dense"]["mean"] if key in r["columns"]
-                and r["columns"].get("dense", {}).get("mean") else 0.0 for r in rows]
-        bars = ax.bar(x + (i - (len(keys) - 1) / 2) * width, vals, width, yerr=errs, capsize=2, label=LABELS[key])
-        ax.bar_label(bars, fmt="%.1f", fontsize=6, padding=2)
-    ax.axhline(99, color="grey", lw=0.8, ls="--")
+
     def seeds_label(r: dict) -> str:
         ns = sorted({st["n"] for st in r["columns"].values()})
         return f"n={ns[0]}" if len(ns) == 1 else f"n={ns[0]}–{ns[-1]}"
 
-    ax.set_xticks(x, [f"{r['task']} ({r.get('metric', '?')}, {seeds_label(r)})" for r in rows])
-    ax.set_ylabel("% of the dense teacher's dev metric (mean ± std)")
-    finite = [100 * r["columns"][k]["kept"] for r in rows for k in keys if k in r["columns"] and r["columns"][k].get("kept")]
-    ax.set_ylim(max(0.0, min(finite) - 4), max(finite) + 3)
-    ax.set_title(f"{meta['model']}, preset {meta['preset']} — {meta['machine']}", fontsize=9)
-    # below the axes (the bars fill them); one label per line where a few tasks leave the figure narrow
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1 if len(rows) < 3 else 3)
-    fig.tight_layout()
-    atomic_savefig(fig, path, dpi=120)
+    with figure(path, figsize=(max(7.0, 3 + 2.8 * len(rows)), 5.0 + 0.18 * len(keys))) as (fig, ax):
+        width = 0.8 / len(keys)
+        x = np.arange(len(rows))
+        for i, key in enumerate(keys):
+            # % of each task's dense teacher, so tasks with different metrics share one axis
+            vals = [100 * r["columns"][key]["kept"] if key in r["columns"] and r["columns"][key].get("kept") else np.nan
+                    for r in rows]
+            errs = [100 * r["columns"][key]["std"] / r["columns"]["dense"]["mean"] if key in r["columns"]
+                    and r["columns"].get("dense", {}).get("mean") else 0.0 for r in rows]
+            bars = ax.bar(x + (i - (len(keys) - 1) / 2) * width, vals, width, yerr=errs, capsize=2, label=LABELS[key])
+            ax.bar_label(bars, fmt="%.1f", fontsize=6, padding=2)
+        ax.axhline(99, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(x, [f"{r['task']} ({r.get('metric', '?')}, {seeds_label(r)})" for r in rows])
+        ax.set_ylabel("% of the dense teacher's dev metric (mean ± std)")
+        finite = [100 * r["columns"][k]["kept"] for r in rows for k in keys
+                  if k in r["columns"] and r["columns"][k].get("kept")]
+        ax.set_ylim(max(0.0, min(finite) - 4), max(finite) + 3)
+        ax.set_title(f"{meta['model']}, preset {meta['preset']} — {meta['machine']}", fontsize=9)
+        # below the axes (the bars fill them); one label per line where a few tasks leave the figure narrow
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1 if len(rows) < 3 else 3)
 
 
 def write_report(rows: list[dict], meta: dict, results: Path) -> None:
     meta["overall"] = overall([r for r in rows if r["columns"]])
     meta["paired"] = paired([r for r in rows if r["columns"]])
-    results.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(results / "accuracy.json", {"meta": meta, "rows": rows})
-    atomic_write_text(results / "accuracy.md", markdown(rows, meta))
+    write_record({"meta": meta, "rows": rows}, results, "accuracy", lambda r: markdown(r["rows"], r["meta"]))
     plot(rows, results / "accuracy.png", meta)
     print(markdown(rows, meta))
 
@@ -469,7 +456,7 @@ def rebuild(sources: list[Path], results: Path) -> int:
     return 0
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.accuracy.run", description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"))
     ap.add_argument("--tasks", default="mrpc,stsb,cola,sst2", help="GLUE shortcuts (ignored with --train)")
@@ -502,12 +489,14 @@ def main() -> int:
                     help="rebuild the tables and plot from an accuracy.json written elsewhere (e.g. on a GPU "
                          "machine whose runs are gone) into --results, without any run; repeat it to join "
                          "files of the same preset (a seed a later file holds replaces that seed whole)")
-    args = ap.parse_args()
-    args.results = args.results or dated_results("accuracy")
-    if args.from_json:
-        return rebuild(args.from_json, args.results)
+    return ap
+
+
+def rows_and_seeds(ap: argparse.ArgumentParser, args) -> tuple[list[str], list[int]]:
+    """The --only rows and the --seeds, checked; with --train, the user's data options (one task, named for
+    the training file)."""
     global _DATA
-    from holoserve.data.sources import DataOptions, data_options
+    from holoserve.data.sources import data_options
 
     if args.train:  # the user's own rows: one task, named for the training file
         _DATA = data_options(args)
@@ -522,44 +511,55 @@ def main() -> int:
         seeds = [int(x) for x in args.seeds.split(",")]
     except ValueError:
         ap.error(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. 0,1,2")
-    args.runs_dir.mkdir(parents=True, exist_ok=True)
-    rows, peer_meta = [], {}
-    for task in args.tasks.split(","):
-        per_seed: dict[int, dict[str, dict]] = {}
-        for seed in seeds:
-            ckpts: dict[str, Path | None] = {}
-            teacher = None
-            for key in METHODS:
-                path = args.runs_dir / f"{task}-s{seed}-{key}"
-                if args.report_only and key not in only:  # a report covers only the --only rows
-                    ckpts[key] = None
-                elif args.report_only or key not in only:
-                    ckpts[key] = path if (path / "manifest.json").is_file() else None
-                else:
-                    ckpts[key] = run_one(task, seed, key, args, teacher)
-                state = args.runs_dir / f"{task}-s{seed}-{key}.state" / "teacher"
-                if teacher is None and (state / "teacher.json").is_file():
-                    teacher = state  # trained by this run: the other methods reuse it
-            runs = {k: run_record(p, args.data_dir) for k, p in ckpts.items() if p is not None}
-            if PEER in only and teacher is not None and runs:
-                from bench.accuracy.nncf_ptq import cached_nncf_ptq
+    return only, seeds
 
-                first = next(iter(runs.values()))
-                data = _DATA or DataOptions(data_dir=args.data_dir)
-                cache = args.runs_dir / f"{task}-s{seed}-{PEER}.json"
-                res = None if args.report_only and not cache.is_file() else \
-                    cached_nncf_ptq(cache, teacher, None if args.train else task, data,
-                                    max_seq_length=first["max_seq_length"], seed=seed, rows=args.calibration_rows)
-                if res is not None:
-                    runs[PEER] = {**first, "value": res["metrics"][first["metric"]], "all": res["metrics"],
-                                  "scored_by": "OpenVINO", "steps": {}, "wall_seconds": res["seconds"],
-                                  "checkpoint": f"{task}-s{seed}-{PEER}.json", "extra": {}}
-                    peer_meta = {k: res.get(k) for k in ("calibration_rows", "openvino", "nncf")}
-            per_seed[seed] = runs
-        rows.append(summarize(task, per_seed))
+
+def seed_runs(task: str, seed: int, only: list[str], args) -> tuple[dict[str, dict], dict]:
+    """One (task, seed): every method's run record (run, reused, or left out as --only and --report-only say)
+    and the NNCF row on the teacher they share; also the NNCF row's settings ({} without one)."""
+    ckpts: dict[str, Path | None] = {}
+    teacher = None
+    for key in METHODS:
+        path = args.runs_dir / f"{task}-s{seed}-{key}"
+        if args.report_only and key not in only:  # a report covers only the --only rows
+            ckpts[key] = None
+        elif args.report_only or key not in only:
+            ckpts[key] = path if (path / "manifest.json").is_file() else None
+        else:
+            ckpts[key] = run_one(task, seed, key, args, teacher)
+        state = args.runs_dir / f"{task}-s{seed}-{key}.state" / "teacher"
+        if teacher is None and (state / "teacher.json").is_file():
+            teacher = state  # trained by this run: the other methods reuse it
+    runs = {k: run_record(p, args.data_dir) for k, p in ckpts.items() if p is not None}
+    peer = peer_row(task, seed, teacher, runs, args) if PEER in only and teacher is not None and runs else {}
+    return runs, peer
+
+
+def peer_row(task: str, seed: int, teacher: Path, runs: dict[str, dict], args) -> dict:
+    """Adds the NNCF INT8 PTQ row of `teacher` to `runs` (cached beside the runs; with --report-only only from that
+    cache); returns its settings, or {} when there is none."""
+    from bench.accuracy.nncf_ptq import cached_nncf_ptq
+    from holoserve.data.sources import DataOptions
+
+    first = next(iter(runs.values()))
+    data = _DATA or DataOptions(data_dir=args.data_dir)
+    cache = args.runs_dir / f"{task}-s{seed}-{PEER}.json"
+    res = None if args.report_only and not cache.is_file() else \
+        cached_nncf_ptq(cache, teacher, None if args.train else task, data,
+                        max_seq_length=first["max_seq_length"], seed=seed, rows=args.calibration_rows)
+    if res is None:
+        return {}
+    runs[PEER] = {**first, "value": res["metrics"][first["metric"]], "all": res["metrics"],
+                  "scored_by": "OpenVINO", "steps": {}, "wall_seconds": res["seconds"],
+                  "checkpoint": f"{task}-s{seed}-{PEER}.json", "extra": {}}
+    return {k: res.get(k) for k in ("calibration_rows", "openvino", "nncf")}
+
+
+def run_meta(rows: list[dict], seeds: list[int], peer_meta: dict, args) -> dict:
+    """The report's header: date, model, preset, seeds, the machines the runs trained on, and the extras."""
     machines = sorted({r["machine"] for row in rows for runs in row["per_seed"].values() for r in runs.values()
                        if r.get("machine")})
-    meta = {
+    return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "model": "all-MiniLM-L6-v2",
         "preset": args.preset,
@@ -571,7 +571,24 @@ def main() -> int:
         "peer": peer_meta,
         "variants": [variant(n, Path(p), args.data_dir) for n, p in (x.split("=", 1) for x in args.variant)],
     }
-    write_report(rows, meta, args.results)
+
+
+def main() -> int:
+    ap = parser()
+    args = ap.parse_args()
+    args.results = args.results or dated_results("accuracy")
+    if args.from_json:
+        return rebuild(args.from_json, args.results)
+    only, seeds = rows_and_seeds(ap, args)
+    args.runs_dir.mkdir(parents=True, exist_ok=True)
+    rows, peer_meta = [], {}
+    for task in args.tasks.split(","):
+        per_seed: dict[int, dict[str, dict]] = {}
+        for seed in seeds:
+            per_seed[seed], peer = seed_runs(task, seed, only, args)
+            peer_meta = peer or peer_meta
+        rows.append(summarize(task, per_seed))
+    write_report(rows, run_meta(rows, seeds, peer_meta, args), args.results)
     return 0
 
 

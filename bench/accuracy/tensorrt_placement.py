@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.accuracy.common import dev_set, export_file
 
 VARIANTS = [(), ("softmax",), ("qkv",), ("softmax", "qkv"), ("residual",), ("softmax", "residual"),
             ("softmax", "qkv", "residual")]
@@ -76,21 +77,11 @@ def main() -> int:
     from holoserve.compress.evaluate import score
     from holoserve.compress.evaluate import EvalOptions, evaluate_checkpoint
     from holoserve.core.artifact import load_artifact
-    from holoserve.core.ort import session
-    from holoserve.data.glue import read_split
-    from holoserve.data.tasks import get_task
-    from holoserve.export.reference import encode_batches, make_tokenizer
 
     art = load_artifact(args.checkpoint)
-    path = art.export_path("tensorrt-onnx")
-    if path is None or not path.is_file():
-        raise SystemExit(f"{args.checkpoint} has no model.trt.onnx: run `holoserve export {args.checkpoint} "
-                         "--target tensorrt` first")
-    task = get_task(art.task_name)
-    rows = read_split(task, "dev", args.data_dir)
-    batches = list(encode_batches(make_tokenizer(art), [r.text for r in rows],
-                                  [r.text_pair for r in rows] if task.is_pair else None, batch_size=64))
-    labels = np.asarray([r.label for r in rows])
+    path = export_file(art, args.checkpoint, "tensorrt-onnx", "model.trt.onnx", " --target tensorrt")
+    dev = dev_set(art, args.data_dir)
+    task, labels = dev.task, dev.labels
     base = onnx.load(str(path))
     ref = evaluate_checkpoint(args.checkpoint, EvalOptions(data_dir=args.data_dir))["metrics"][task.primary_metric]
     counts: dict[str, int] = {}
@@ -105,12 +96,7 @@ def main() -> int:
         def logits(model) -> np.ndarray:
             path = Path(tmp) / "variant.onnx"
             onnx.save(model, str(path))
-            sess = session(path, quiet=True)
-            names = {i.name for i in sess.get_inputs()}
-            out = np.zeros((len(rows), art.num_labels), dtype=np.float32)
-            for idx, feed in batches:
-                out[idx] = sess.run(None, {k: v for k, v in feed.items() if k in names})[0]
-            return out
+            return dev.ort_logits(path)
 
         everything = ("softmax", "qkv", "residual")  # also the last variant: its logits are computed once
         plain = logits(without(base, everything)[0])

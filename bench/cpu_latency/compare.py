@@ -24,11 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-
-# bench.cpu_latency.run's session options and helpers are shared
-from bench import dated_results  # noqa: E402
-from bench.cpu_latency.run import load_avg, ort_session, percentile, random_rows, uptime_text  # noqa: E402
-from holoserve.core.machine import describe_cpu  # noqa: E402
+from bench.cpu_latency.common import (load_avg, ort_session, output_options, parse, percentile, random_rows, save,
+                                      shape_options, timing_options, uptime_text)
+from bench.lib.report import table
+from holoserve.core.machine import describe_cpu
 
 
 def _shown(path: Path) -> str:
@@ -87,18 +86,13 @@ def runtime_version(name: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.compare", description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="+", help="LABEL=PATH to an ONNX model (inputs input_ids, attention_mask, token_type_ids)")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--runs", type=int, default=40, help="timed runs per model and round")
-    ap.add_argument("--warmup", type=int, default=5)
+    shape_options(ap, batch=32)
+    timing_options(ap, 40, "timed runs per model and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--runtime", choices=("onnxruntime", "openvino"), default="onnxruntime")
     ap.add_argument("--vocab", type=int, default=30522, help="token ids are drawn from [1000, vocab)")
-    ap.add_argument("--out", type=Path, help="output folder (default bench/results/<today>-<name>)")
-    ap.add_argument("--name", default="compare")
-    args = ap.parse_args(argv)
-    args.out = args.out or dated_results(args.name)
+    output_options(ap, "compare")
+    args = parse(ap, argv)
     models = parse_models(args.models)
     if min(args.batch, args.seq, args.threads, args.runs, args.rounds) < 1:
         raise SystemExit("--batch, --seq, --threads, --runs and --rounds must be at least 1")
@@ -144,23 +138,24 @@ def main(argv=None) -> int:
         "median_ms": med,
         "speedup_vs_first": {k: round(first / v, 3) for k, v in med.items()},
     }
-    from holoserve.core.files import atomic_write_json, atomic_write_text
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out / f"{args.name}.json", report)
-    lines = [f"# A/B latency — {report['date']}, {report['machine']}", "",
-             f"batch {args.batch}, seq {args.seq}, {args.threads} thread(s); {args.rounds} rounds × {args.runs} runs per "
-             f"model after {args.warmup} warm-up runs, alternating; {args.runtime} {report[args.runtime]}"
-             + (", each model compiled for this one shape." if args.runtime == "openvino" else "."),
-             f"Load before: `{uptime_before}`; after: `{report['load']['uptime_after']}`.", "",
-             "| model | file | median ms | speed-up vs first | per round |", "|---|---|---:|---:|---|"]
-    for label, path in models:
-        per = ", ".join(f"{x['median_ms'][label]:.1f}" for x in rounds)
-        lines.append(f"| {label} | `{report['models'][label]}` | {med[label]:.1f} | ×{first / med[label]:.3f} | {per} |")
-    atomic_write_text(args.out / f"{args.name}.md", "\n".join(lines) + "\n")
     print("overall: " + "  ".join(f"{k} {v:.1f} ms (x{first / v:.3f})" for k, v in med.items()))
-    print(f"wrote {args.out / args.name}.{{json,md}}")
+    save(report, args, markdown)
     return 0
+
+
+def markdown(r: dict) -> str:
+    shape, method, med = r["shape"], r["method"], r["median_ms"]
+    first = med[next(iter(med))]
+    rows = [[label, f"`{path}`", f"{med[label]:.1f}", f"×{first / med[label]:.3f}",
+             ", ".join(f"{x['median_ms'][label]:.1f}" for x in r["rounds"])] for label, path in r["models"].items()]
+    lines = [f"# A/B latency — {r['date']}, {r['machine']}", "",
+             f"batch {shape['batch']}, seq {shape['seq']}, {shape['threads']} thread(s); {method['rounds']} rounds × "
+             f"{method['runs_per_round']} runs per model after {method['warmup']} warm-up runs, alternating; "
+             f"{r['runtime']} {r[r['runtime']]}"
+             + (", each model compiled for this one shape." if r["runtime"] == "openvino" else "."),
+             f"Load before: `{r['load']['uptime_before']}`; after: `{r['load']['uptime_after']}`.", "",
+             *table(["model", "file", "median ms", "speed-up vs first", "per round"], rows)]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

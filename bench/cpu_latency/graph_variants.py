@@ -34,11 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-
-from bench import dated_results  # noqa: E402
-from bench.cpu_latency.run import load_avg, random_rows  # noqa: E402
-from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402
-from holoserve.core.machine import describe_cpu  # noqa: E402
+from bench.cpu_latency.common import (load_avg, output_options, parse, random_rows, require_openvino, save,
+                                      timing_options)
+from bench.lib.report import table
+from holoserve.core.machine import describe_cpu
 
 VARIANTS = ("qkv_fused", "kv_folded", "int8_attention")
 
@@ -283,17 +282,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--runs", type=int, default=0, help="timed runs per engine (default: 300 at batch 1, 30 above)")
-    ap.add_argument("--warmup", type=int, default=5)
+    timing_options(ap, 0, "timed runs per engine (default: 300 at batch 1, 30 above)")
     ap.add_argument("--calibration-batches", type=int, default=4)
-    ap.add_argument("--out", type=Path, help="output folder (default bench/results/<today>-<name>)")
-    ap.add_argument("--name", default="cpu_graph_variants")
-    args = ap.parse_args(argv)
-    args.out = args.out or dated_results(args.name)
-    try:
-        import openvino as ov
-    except ImportError as e:
-        raise SystemExit(f"OpenVINO is not installed ({e}): pip install 'holoserve[bench]'") from None
+    output_options(ap, "cpu_graph_variants")
+    args = parse(ap, argv)
+    ov = require_openvino()
     from holoserve.core.artifact import load_artifact
     from holoserve.export.reference import make_tokenizer
 
@@ -350,10 +343,7 @@ def main(argv=None) -> int:
               "openvino": ov.__version__,
               "inference_precision": _type_name(core.get_property("CPU", "INFERENCE_PRECISION_HINT")),
               "rewrites": built, "loadavg_before": before, "loadavg_after": load_avg(), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out / f"{args.name}.json", report)
-    atomic_write_text(args.out / f"{args.name}.md", markdown(report))
-    print(f"wrote {args.out / args.name}.{{json,md}}")
+    save(report, args, markdown)
     return 0
 
 
@@ -367,11 +357,11 @@ def markdown(r: dict) -> str:
              f"shape (seq {r['seq']}), {r['threads']} thread(s), OpenVINO {r['openvino']}, inference precision "
              f"{r['inference_precision']}, timed interleaved with the unchanged export. Ratio above 1: the rewrite "
              f"is faster. Load average before/after: {r['loadavg_before']} / {r['loadavg_after']}.", "",
-             "| rewrite | batch | unchanged ms | rewritten ms | unchanged / rewritten | max abs Δlogit | argmax agreement |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for x in r["rows"]:
-        lines.append(f"| {x['variant']} | {x['batch']} | {x['unchanged_ms']:.3f} | {x['variant_ms']:.3f} | "
-                     f"{x['unchanged_over_variant']:.3f} | {x['max_abs_dlogit']:.3g} | {x['argmax_agreement']:.2%} |")
+             *table(["rewrite", "batch", "unchanged ms", "rewritten ms", "unchanged / rewritten", "max abs Δlogit",
+                     "argmax agreement"],
+                    [[x["variant"], x["batch"], f"{x['unchanged_ms']:.3f}", f"{x['variant_ms']:.3f}",
+                      f"{x['unchanged_over_variant']:.3f}", f"{x['max_abs_dlogit']:.3g}", f"{x['argmax_agreement']:.2%}"]
+                     for x in r["rows"]])]
     return "\n".join(lines) + "\n"
 
 

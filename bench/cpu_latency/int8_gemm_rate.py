@@ -21,11 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-
-from bench import dated_results  # noqa: E402
-from holoserve.backends.openvino import gemm_precisions  # noqa: E402
-from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402
-from holoserve.core.machine import describe_cpu  # noqa: E402
+from bench.cpu_latency.common import output_options, parse, require_openvino, save
+from bench.lib.report import table
+from holoserve.backends.openvino import gemm_precisions
+from holoserve.core.machine import describe_cpu
 
 # (label, M tokens, K in, N out)
 SHAPES = (
@@ -70,14 +69,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.int8_gemm_rate", description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=2.0, help="timing per shape (after a warm-up)")
-    ap.add_argument("--out", type=Path, help="output folder (default bench/results/<today>-<name>)")
-    ap.add_argument("--name", default="cpu_int8_gemm_rate")
-    args = ap.parse_args(argv)
-    args.out = args.out or dated_results(args.name)
-    try:
-        import openvino as ov
-    except ImportError as e:
-        raise SystemExit(f"OpenVINO is not installed ({e}): pip install 'holoserve[bench]'") from None
+    output_options(ap, "cpu_int8_gemm_rate")
+    args = parse(ap, argv)
+    ov = require_openvino()
     core = ov.Core()
     rows = []
     with tempfile.TemporaryDirectory(prefix="holoserve-gemm-") as tmp:
@@ -105,10 +99,7 @@ def main(argv=None) -> int:
         r["share_of_best"] = round(r["gmacs_per_s"] / peak, 3)
     report = {"benchmark": "cpu_int8_gemm_rate", "date": datetime.now(timezone.utc).date().isoformat(),
               "machine": describe_cpu(), "threads": args.threads, "openvino": ov.__version__, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out / f"{args.name}.json", report)
-    atomic_write_text(args.out / f"{args.name}.md", markdown(report))
-    print(f"wrote {args.out / args.name}.{{json,md}}")
+    save(report, args, markdown)
     return 0
 
 
@@ -117,11 +108,9 @@ def markdown(r: dict) -> str:
              "", "One QuantizeLinear/DequantizeLinear -> MatMul (int8 weights per output channel) per shape, static, "
              "LATENCY hint; median wall time of one inference, which includes the call's fixed cost (tens of "
              "microseconds: it understates the small shapes) and the input's quantization.", "",
-             "| shape | M x K x N | ms | G multiply-adds/s | share of the best | GEMM precision |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for x in r["rows"]:
-        lines.append(f"| {x['shape']} | {x['M']} x {x['K']} x {x['N']} | {x['median_ms']} | {x['gmacs_per_s']} | "
-                     f"{x['share_of_best']:.0%} | {x['gemm_precision']} |")
+             *table(["shape", "M x K x N", "ms", "G multiply-adds/s", "share of the best", "GEMM precision"],
+                    [[x["shape"], f"{x['M']} x {x['K']} x {x['N']}", x["median_ms"], x["gmacs_per_s"],
+                      f"{x['share_of_best']:.0%}", x["gemm_precision"]] for x in r["rows"]])]
     return "\n".join(lines) + "\n"
 
 

@@ -22,12 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-
-from bench import dated_results  # noqa: E402
-from bench.cpu_latency.run import (kernels_missing, load_avg, nncf_int8, openvino_modules,  # noqa: E402
-                                   random_rows, train_samples)
-from holoserve.core.files import atomic_write_json, atomic_write_text  # noqa: E402
-from holoserve.core.machine import describe_cpu  # noqa: E402
+from bench.cpu_latency.common import (kernels_missing, load_avg, nncf_int8, openvino_modules, output_options, parse,
+                                      random_rows, require_openvino, save, shape_options, timing_options, train_samples)
+from bench.lib.report import table
+from holoserve.core.machine import describe_cpu
 
 ENGINES = {"openvino_nncf_int8": "OpenVINO INT8 (NNCF PTQ, dense weights)", "ours_openvino": "ours on OpenVINO",
            "ours_openvino_kernels": "ours on OpenVINO + 2:4 kernels"}
@@ -84,6 +82,13 @@ def markdown(r: dict) -> str:
     peer = e["openvino_nncf_int8"]
     keys = [k for k in ENGINES if k in e]
     ours = [k for k in keys if k != "openvino_nncf_int8"]
+    rows = [[label, *(f"{e[k][key]:.2f}" for k in keys), *(f"{e[k][key] / peer[key]:.2f}" for k in ours)]
+            for label, key in (("wall clock, median (ms)", "wall_median_ms"), ("sum of node times (ms)", "node_sum_ms"))]
+    for c in ("gemm", "attention", "other"):
+        ms = {k: e[k]["per_class_ms"].get(c, 0.0) for k in keys}
+        rows.append([f"{c} (ms, share)", *(f"{ms[k]:.2f} ({100 * ms[k] / e[k]['node_sum_ms']:.0f} %)" for k in keys),
+                     *(f"{ms[k] / ms['openvino_nncf_int8'] if ms['openvino_nncf_int8'] else float('nan'):.2f}"
+                       for k in ours)])
     lines = [f"# Per-operation profile on OpenVINO ({r['date']}, {r['machine']})", "",
              f"Batch {r['batch']}, sequence {r['seq']}"
              f"{' (all compiled for that static shape)' if r.get('static') else ''}, {r['threads']} thread(s), "
@@ -91,23 +96,12 @@ def markdown(r: dict) -> str:
              "interleaved; "
              f"checkpoint `{r['checkpoint']}`, dense model `{r['dense']}`; OpenVINO {r['versions']['openvino']}, "
              f"NNCF {r['versions']['nncf']}. Load average before/after: {r['loadavg_before']} / {r['loadavg_after']}.",
-             "", "| | " + " | ".join(ENGINES[k] for k in keys) + " | " + " | ".join(f"{ENGINES[k]} / NNCF" for k in ours)
-             + " |", "| --- |" + " ---: |" * (len(keys) + len(ours))]
-    rows = [("wall clock, median (ms)", "wall_median_ms"), ("sum of node times (ms)", "node_sum_ms")]
-    for label, key in rows:
-        lines.append(f"| {label} | " + " | ".join(f"{e[k][key]:.2f}" for k in keys) + " | "
-                     + " | ".join(f"{e[k][key] / peer[key]:.2f}" for k in ours) + " |")
-    for c in ("gemm", "attention", "other"):
-        ms = {k: e[k]["per_class_ms"].get(c, 0.0) for k in keys}
-        lines.append(f"| {c} (ms, share) | " + " | ".join(f"{ms[k]:.2f} ({100 * ms[k] / e[k]['node_sum_ms']:.0f} %)"
-                                                          for k in keys) + " | "
-                     + " | ".join(f"{ms[k] / ms['openvino_nncf_int8'] if ms['openvino_nncf_int8'] else float('nan'):.2f}"
-                                  for k in ours) + " |")
+             "", *table(["", *(ENGINES[k] for k in keys), *(f"{ENGINES[k]} / NNCF" for k in ours)], rows)]
     lines += [f"\nNot run: {ENGINES[k]} — {why}." for k, why in (r.get("skipped_engines") or {}).items()]
     for k in keys:
-        lines += ["", f"## {ENGINES[k]}: node type / kernel", "", "| ms | nodes | node type / kernel |",
-                  "| ---: | ---: | --- |"]
-        lines += [f"| {x['ms']:.3f} | {x['nodes']} | {x['kind']} |" for x in e[k]["per_kind"][:15]]
+        lines += ["", f"## {ENGINES[k]}: node type / kernel", "",
+                  *table(["ms", "nodes", "node type / kernel"],
+                         [[f"{x['ms']:.3f}", x["nodes"], x["kind"]] for x in e[k]["per_kind"][:15]])]
     return "\n".join(lines) + "\n"
 
 
@@ -116,23 +110,16 @@ def main(argv=None) -> int:
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--dense", type=Path, required=True, help="the dense fine-tuned HF folder NNCF quantizes")
     ap.add_argument("--data-dir", default=None, help="GLUE data dir for the NNCF calibration rows")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+    shape_options(ap, batch=1)
+    timing_options(ap, 30)
     ap.add_argument("--calibration-rows", type=int, default=64)
     ap.add_argument("--static", action="store_true", help="compile both models for the one [batch, seq] shape")
-    ap.add_argument("--out", type=Path, help="output folder (default bench/results/<today>-<name>)")
     ap.add_argument("--kernels", action="store_true",
                     help="also profile ours with HoloServe's 2:4 kernels (--openvino-kernels on)")
-    ap.add_argument("--name", default="cpu_profile_openvino")
-    args = ap.parse_args(argv)
-    args.out = args.out or dated_results(args.name)
-    try:
-        ov, nncf, why = openvino_modules()
-    except ImportError as e:
-        raise SystemExit(f"OpenVINO is not installed ({e}): pip install 'holoserve[bench]'") from None
+    output_options(ap, "cpu_profile_openvino")
+    args = parse(ap, argv)
+    require_openvino()
+    ov, nncf, why = openvino_modules()
     if nncf is None:
         raise SystemExit(why)
     from transformers import AutoModelForSequenceClassification
@@ -188,10 +175,7 @@ def main(argv=None) -> int:
               "runs": args.runs,
               "versions": {"openvino": ov.__version__, "nncf": nncf.__version__},
               "loadavg_before": before, "loadavg_after": load_avg(), "engines": engines, "skipped_engines": skipped}
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out / f"{args.name}.json", report)
-    atomic_write_text(args.out / f"{args.name}.md", markdown(report))
-    print(f"wrote {args.out / args.name}.{{json,md}}")
+    save(report, args, markdown)
     return 0
 
 

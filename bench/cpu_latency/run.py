@@ -41,189 +41,28 @@ before and after are recorded.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import platform
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-
-from bench import dated_results  # noqa: E402
-from holoserve.backends.openvino import inference_precision as openvino_inference_precision  # noqa: E402
-from holoserve.core.files import atomic_savefig  # noqa: E402
-from holoserve.core.machine import describe_cpu  # noqa: E402
-from holoserve.core.ort import session  # noqa: E402
-
-ENGINES = ("pytorch_fp32", "ort_fp32", "ort_dynamic_int8", "openvino_fp32", "openvino_nncf_int8",
-           "openvino_nncf_int8_static", "ours_qdq_int8", "ours_openvino", "ours_openvino_sparse",
-           "ours_openvino_static", "ours_openvino_f32", "ours_openvino_static_f32", "ours_openvino_kernels",
-           "ours_openvino_static_kernels", "also_openvino", "also_openvino_static")
-LABELS = {
-    "pytorch_fp32": "PyTorch fp32 (eager)",
-    "ort_fp32": "ORT fp32",
-    "ort_dynamic_int8": "ORT dynamic INT8",
-    "openvino_fp32": "OpenVINO fp32",
-    "openvino_nncf_int8": "OpenVINO INT8 (NNCF PTQ)",
-    "ours_qdq_int8": "ours: 2:4 + static INT8 (ORT)",
-    "ours_openvino": "ours on OpenVINO",
-    # the same model with OpenVINO's sparse-weight decompression on: beside the row above (the backend's
-    # default, off) it shows what the 2:4 zeros buy where the CPU has AMX; where it has none, both run dense
-    "ours_openvino_sparse": "ours on OpenVINO, sparse-weight decompression on",
-    "ours_openvino_dense": "ours on OpenVINO, sparse-weight decompression off",  # reports before 2026-11-25
-    # compiled for each cell's one shape: OpenVINO fuses more with every dimension static. Ours through the
-    # backend's --openvino-shapes; the NNCF baseline gets the same treatment, so the pair compares alike
-    "openvino_nncf_int8_static": "OpenVINO INT8 (NNCF PTQ), static shape",
-    "ours_openvino_static": "ours on OpenVINO, static shape",
-    # --openvino-precision f32: the float ops in float32, `holoserve eval`'s numerics (OpenVINO's CPU default
-    # is bf16 where the CPU has bf16 units, which moves some predictions), at the speed this costs
-    "ours_openvino_f32": "ours on OpenVINO, f32 float ops",
-    "ours_openvino_static_f32": "ours on OpenVINO, static shape, f32 float ops",
-    # --openvino-kernels on: the 2:4 INT8 Linears on HoloServe's own kernels (holoserve.kernels), which skip
-    # the zeros; every other op stays OpenVINO's
-    "ours_openvino_kernels": "ours on OpenVINO + 2:4 kernels",
-    "ours_openvino_static_kernels": "ours on OpenVINO + 2:4 kernels, static shape",
-    # --also: a second checkpoint's OpenVINO export, through the same backend as ours
-    "also_openvino": "second checkpoint (--also) on OpenVINO",
-    "also_openvino_static": "second checkpoint (--also) on OpenVINO, static shape",
-}
-# static-shape rows and the dynamic row whose model they compile per cell
-STATIC_OF = {"openvino_nncf_int8_static": "openvino_nncf_int8", "ours_openvino_static": "ours_openvino",
-             "ours_openvino_static_f32": "ours_openvino_f32", "ours_openvino_static_kernels": "ours_openvino_kernels",
-             "also_openvino_static": "also_openvino"}
-# our model.ov.onnx compiled by OpenVINO once for all shapes (the static rows compile it per cell)
-OURS_OPENVINO = ("ours_openvino", "ours_openvino_sparse", "ours_openvino_f32", "ours_openvino_kernels")
-KERNEL_ROWS = ("ours_openvino_kernels", "ours_openvino_static_kernels")  # --openvino-kernels on
-OPENVINO_ENGINES = ("openvino_fp32", "openvino_nncf_int8", *OURS_OPENVINO, "also_openvino")
-PRECISION_OF = {"ours_openvino_f32": "f32", "ours_openvino_static_f32": "f32"}  # others: OpenVINO's default
-INT8_REFERENCE = "openvino_nncf_int8"  # the second ratio in the table: speed-up over OpenVINO INT8 (NNCF)
+from bench.cpu_latency.common import (accuracy, kernels_missing, load_avg, nncf_int8, openvino_modules, output_options,
+                                      parse, percentile, random_rows, timing_options, train_samples, uptime_text)
+from bench.cpu_latency.engines import (ENGINES, INT8_REFERENCE, LABELS, OPENVINO_ENGINES, OURS_OPENVINO, STATIC_OF,
+                                       EngineSet, skip_static_rows)
+from bench.cpu_latency.engines import KERNEL_ROWS  # noqa: F401  (re-exported with the rest of the engine table)
+from bench.lib.report import figure, table, write_record
+from holoserve.core.machine import describe_cpu
 
 
-def load_avg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
-def uptime_text() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def ort_session(path: Path, threads: int):
-    # ORT's pool threads spin-wait after each run; with engines interleaved in one process on a
-    # small CPU that spinning starves the next engine's threads (PyTorch at 2 threads measured
-    # 5x slower than at 1). Parked threads keep the comparison fair.
-    return session(path, threads=threads, spinning=False, quiet=True)
-
-
-def random_rows(rng, vocab: int, batch: int, seq: int, cls_id: int | None = None,
-                sep_id: int | None = None) -> dict[str, np.ndarray]:
-    """Full-length rows of random token ids, skipping the special/unused ids at the start of a BERT
-    vocabulary; [CLS] ... [SEP] when both ids are given. No padding."""
-    ids = rng.integers(min(1000, vocab // 2), vocab, size=(batch, seq), dtype=np.int64)
-    if cls_id is not None and sep_id is not None:
-        ids[:, 0], ids[:, -1] = cls_id, sep_id
-    return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
-
-
-def kernels_missing() -> str:
-    """Why HoloServe's 2:4 kernels cannot run on this CPU, or "" where they can."""
-    from holoserve.kernels import cpu_missing
-
-    missing = cpu_missing()
-    return f"this CPU lacks {', '.join(missing)}, which HoloServe's 2:4 kernels need (AVX-512 VNNI and VBMI)" \
-        if missing else ""
-
-
-def skip_static_rows(skipped: dict) -> None:
-    """A static-shape row is skipped, for the same reason, when the row whose model it compiles is."""
-    for k, base in STATIC_OF.items():
-        if base in skipped:
-            skipped.setdefault(k, skipped[base])
-
-
-def percentile(xs, q):
-    return float(np.percentile(np.asarray(xs), q))
-
-
-def accuracy(run, batches, labels) -> float:
-    """run: feed dict -> logits."""
-    pred = np.concatenate([run(b) for b in batches]).argmax(1)
-    return float((pred == labels).mean())
-
-
-def ort_runner(sess):
-    return lambda feed: sess.run(["logits"], feed)[0]
-
-
-def openvino_runner(compiled):
-    """feed dict -> logits through one infer request of an OpenVINO compiled model."""
-    request = compiled.create_infer_request()
-    names = [i.get_any_name() for i in compiled.inputs]
-    out = compiled.outputs[0]
-
-    def run(feed):
-        return request.infer({n: feed[n] for n in names})[out]
-    return run
-
-
-def openvino_modules():
-    """(openvino, nncf or None, reason nncf is missing) or raises ImportError when OpenVINO is missing."""
-    import openvino
-
-    try:
-        import nncf
-    except ImportError as e:
-        return openvino, None, f"NNCF is not installed ({e}): pip install 'holoserve[bench]'"
-    return openvino, nncf, ""
-
-
-def nncf_int8(ov, nncf, fp32_onnx: Path, samples: list[dict], out: Path) -> Path:
-    """The dense fp32 ONNX through NNCF post-training quantization, saved as OpenVINO IR at `out`."""
-    import logging
-
-    logging.getLogger("nncf").setLevel(logging.WARNING)
-    model = ov.Core().read_model(str(fp32_onnx))
-    q = nncf.quantize(model, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER,
-                      subset_size=len(samples))
-    ov.save_model(q, str(out), compress_to_fp16=False)
-    return out
-
-
-def train_samples(art, tok, data_dir, rows: int):
-    """(the first `rows` training rows of the checkpoint's task, tokenized one row per sample, task):
-    the NNCF baseline's calibration set. Raises when the task or its training split is unavailable."""
-    from holoserve.data.glue import read_split
-    from holoserve.data.tasks import get_task
-    from holoserve.export.reference import encode_batches
-
-    task = get_task(art.task_name)
-    found = read_split(task, "train", data_dir, limit=rows)
-    if not found:
-        raise RuntimeError("the training split is empty")
-    return [b for _, b in encode_batches(tok, [r.text for r in found], [r.text_pair for r in found]
-                                         if task.is_pair else None, batch_size=1)], task
-
-
-def int8_gemms(compiled) -> dict:
-    try:
-        from holoserve.backends.openvino import gemm_precisions
-
-        return gemm_precisions(compiled)
-    except Exception as e:  # runtime info layout differs between OpenVINO releases
-        return {"unknown": str(e)[:200]}
-
-
-def main(argv=None) -> int:
+def parse_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.run", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--also", type=Path, default=None,
@@ -231,10 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dense", type=Path, default=None,
                     help="dense fine-tuned HF folder for the baselines (default: the checkpoint's own fp32 weights)")
     ap.add_argument("--data-dir", default=None, help="GLUE data dir for dev accuracy and the NNCF calibration rows (or $HOLOSERVE_DATA_DIR)")
-    ap.add_argument("--out", type=Path, help="output folder (default bench/results/<today>-<name>)")
-    ap.add_argument("--name", default="cpu_latency")
-    ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+    output_options(ap, "cpu_latency")
+    timing_options(ap, 30)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--seqs", default="32,128")
     ap.add_argument("--threads", default="1,2")
@@ -252,45 +89,60 @@ def main(argv=None) -> int:
                     help="give the ORT baselines the classifier-row rewrite ours gets (the last layer computed "
                          "for the [CLS] row only; before dynamic quantization). Without --fuse-baseline-attention "
                          "it stops at the attention output, as attention is then not one node")
-    args = ap.parse_args(argv)
-    args.out = args.out or dated_results(args.name)
-    skipped = {}  # engine -> why it was not run
+    return parse(ap, argv)
+
+
+def requested_skips(args) -> dict:
+    """{engine: why it is not run} for the engines --skip leaves out."""
+    skipped = {}
     for k in filter(None, (x.strip() for x in args.skip.split(","))):
         if k not in ENGINES[1:]:
             raise SystemExit(f"--skip {k}: not an engine (choose from {', '.join(ENGINES[1:])})")
         skipped[k] = "left out (--skip)"
-    if args.runs < 30:
-        print("note: fewer than 30 timed runs per cell", file=sys.stderr)
+    return skipped
 
-    import torch
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-    from transformers import AutoModelForSequenceClassification
 
-    from holoserve.export.onnx_export import torch_export_fp32
-    from holoserve.export.reference import encode_batches, make_tokenizer
+@dataclass
+class Checkpoints:
+    """The checkpoint (ours) and the optional --also one, with the exports their engines run."""
+    art: Any
+    ours: Path  # model.onnx
+    ours_ov: Path | None  # model.ov.onnx
+    art_also: Any = None
+    also_ov: Path | None = None
+
+
+def open_checkpoints(args, skipped: dict) -> Checkpoints:
+    """Both checkpoints and their exports; an engine whose export is missing is skipped with the command that
+    writes it, except ours on ONNX Runtime and --also's on OpenVINO, which the run needs."""
     from holoserve.core.artifact import load_artifact
 
     art = load_artifact(args.checkpoint)
     ours = art.export_path("onnxruntime")
     if ours is None or not ours.is_file():
         raise SystemExit(f"{art.path} has no ONNX Runtime export: run `holoserve export {art.path}` first")
-    ours_ov = art.export_path("openvino")
+    cps = Checkpoints(art, ours, art.export_path("openvino"))
     for key in OURS_OPENVINO:
-        if key not in skipped and (ours_ov is None or not ours_ov.is_file()):
+        if key not in skipped and (cps.ours_ov is None or not cps.ours_ov.is_file()):
             skipped[key] = (f"{art.path.name} has no OpenVINO export (model.ov.onnx): run "
                             f"`holoserve export {art.path.name} --target openvino` to time ours on OpenVINO")
-    art_also = also_ov = None
     if args.also is None:
         skipped.setdefault("also_openvino", "no --also checkpoint given")
     elif "also_openvino" not in skipped:
-        art_also = load_artifact(args.also)
-        also_ov = art_also.export_path("openvino")
-        if also_ov is None or not also_ov.is_file():
+        cps.art_also = load_artifact(args.also)
+        cps.also_ov = cps.art_also.export_path("openvino")
+        if cps.also_ov is None or not cps.also_ov.is_file():
             raise SystemExit(f"--also {args.also}: it has no OpenVINO export (model.ov.onnx): run "
                              f"`holoserve export {args.also} --target openvino` first")
-        if art_also.task_name != art.task_name:
-            raise SystemExit(f"--also {args.also}: its task is {art_also.task_name!r}, the checkpoint's "
+        if cps.art_also.task_name != art.task_name:
+            raise SystemExit(f"--also {args.also}: its task is {cps.art_also.task_name!r}, the checkpoint's "
                              f"{art.task_name!r}; compare checkpoints of one task")
+    return cps
+
+
+def openvino_or_skip(skipped: dict):
+    """(openvino, nncf) where installed and needed (else None); the engines that cannot run on this machine are
+    added to `skipped`, and every skipped engine is printed."""
     ov = nncf = None
     if any(k not in skipped for k in OPENVINO_ENGINES):
         try:
@@ -306,125 +158,97 @@ def main(argv=None) -> int:
     skip_static_rows(skipped)
     for k, why in skipped.items():
         print(f"skipping {LABELS[k]}: {why}", flush=True)
-    dense_dir = args.dense or art.path
-    started = datetime.now(timezone.utc)
-    uptime_before, load_before = uptime_text(), load_avg()
+    return ov, nncf
 
-    work = Path(tempfile.mkdtemp(prefix="holoserve-bench-"))
+
+@dataclass
+class Baselines:
+    """The dense model's files the baseline engines run, and how their graphs were made."""
+    fp32_onnx: Path  # ORT fp32 (with the requested rewrites)
+    plain_fp32_onnx: Path  # OpenVINO's input: as exported, standard ops only
+    dyn_onnx: Path  # ORT dynamic INT8
+    nncf_ir: Path  # OpenVINO INT8 (NNCF PTQ)
+    attention: str = "as exported (MatMul, Softmax)"
+    classifier_row: str = "all rows computed"
+    calibration: dict = field(default_factory=dict)
+
+
+def export_baselines(args, dense_dir: Path, work: Path, skipped: dict) -> Baselines:
+    """The dense model exported to fp32 ONNX (plain, and with the rewrites asked for) and dynamically quantized."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from transformers import AutoModelForSequenceClassification
+
+    from holoserve.export.onnx_export import torch_export_fp32
+
     print(f"exporting the dense baselines from {dense_dir.name} ...", flush=True)
     dense_eager = AutoModelForSequenceClassification.from_pretrained(str(dense_dir), local_files_only=True,
                                                                      attn_implementation="eager").eval()
-    fp32_onnx = work / "dense.fp32.onnx"
-    torch_export_fp32(dense_eager, fp32_onnx)
-    plain_fp32_onnx = work / "dense.fp32.plain.onnx"  # OpenVINO's input: as exported, standard ops only
-    shutil.copyfile(fp32_onnx, plain_fp32_onnx)
-    baseline_attention = "as exported (MatMul, Softmax)"
-    baseline_classifier_row = "all rows computed"
+    base = Baselines(work / "dense.fp32.onnx", work / "dense.fp32.plain.onnx", work / "dense.dynamic-int8.onnx",
+                     work / "dense.nncf-int8.xml")
+    torch_export_fp32(dense_eager, base.fp32_onnx)
+    shutil.copyfile(base.fp32_onnx, base.plain_fp32_onnx)
     if args.fuse_baseline_attention or args.baseline_classifier_row:
-        import onnx
-
-        from holoserve.export.fusion import CONTRIB, FUSED_OP, fuse_attention, tensor_ranks
-        from holoserve.export.standard_rewrites import keep_classifier_row
-
-        m = onnx.load(str(fp32_onnx))
-        ranks = tensor_ranks(m) if args.baseline_classifier_row else {}  # before contrib ops hide shapes
-        if args.fuse_baseline_attention:
-            fused = fuse_attention(m, int(dense_eager.config.num_attention_heads))
-            baseline_attention = f"{fused} blocks fused into {CONTRIB}.{FUSED_OP}, as in ours"
-        if args.baseline_classifier_row:
-            got = keep_classifier_row(m, ranks)
-            baseline_classifier_row = f"last layer on the [CLS] row only, as in ours ({got['row_nodes']} nodes)"
-        onnx.save(m, str(fp32_onnx))
-    dyn_onnx = work / "dense.dynamic-int8.onnx"
+        rewrite_baseline(args, base, int(dense_eager.config.num_attention_heads))
     if "ort_dynamic_int8" not in skipped:
-        quantize_dynamic(str(fp32_onnx), str(dyn_onnx), weight_type=QuantType.QInt8)
-    del dense_eager
-    # PyTorch as users run it: default attention implementation, eval mode, inference_mode
-    dense = AutoModelForSequenceClassification.from_pretrained(str(dense_dir), local_files_only=True).eval()
-    sizes = {
-        "fp32_onnx_bytes": fp32_onnx.stat().st_size,
-        "dynamic_int8_onnx_bytes": dyn_onnx.stat().st_size if dyn_onnx.is_file() else None,
-        "ours_onnx_bytes": ours.stat().st_size,
-        "ours_openvino_onnx_bytes": ours_ov.stat().st_size if "ours_openvino" not in skipped else None,
-        "also_openvino_onnx_bytes": also_ov.stat().st_size if also_ov is not None else None,
-    }
+        quantize_dynamic(str(base.fp32_onnx), str(base.dyn_onnx), weight_type=QuantType.QInt8)
+    return base
 
-    tok = make_tokenizer(art)
-    task = None
+
+def rewrite_baseline(args, base: Baselines, num_heads: int) -> None:
+    """Give the ORT baselines' fp32 ONNX ours' attention fusion and/or classifier-row rewrite."""
+    import onnx
+
+    from holoserve.export.fusion import CONTRIB, FUSED_OP, fuse_attention, tensor_ranks
+    from holoserve.export.standard_rewrites import keep_classifier_row
+
+    m = onnx.load(str(base.fp32_onnx))
+    ranks = tensor_ranks(m) if args.baseline_classifier_row else {}  # before contrib ops hide shapes
+    if args.fuse_baseline_attention:
+        fused = fuse_attention(m, num_heads)
+        base.attention = f"{fused} blocks fused into {CONTRIB}.{FUSED_OP}, as in ours"
+    if args.baseline_classifier_row:
+        got = keep_classifier_row(m, ranks)
+        base.classifier_row = f"last layer on the [CLS] row only, as in ours ({got['row_nodes']} nodes)"
+    onnx.save(m, str(base.fp32_onnx))
+
+
+def known_task(art):
+    """The checkpoint's task, or None (no dev accuracy, no calibration rows) where this install does not know it."""
     try:
         from holoserve.data.tasks import get_task
 
-        task = get_task(art.task_name)
+        return get_task(art.task_name)
     except Exception as e:
         print(f"note: task {art.task_name!r} unknown ({e}): no dev accuracy or calibration rows", file=sys.stderr)
+        return None
 
-    # ---------------------------------------------------------------- OpenVINO INT8 baseline (NNCF PTQ)
-    nncf_ir = work / "dense.nncf-int8.xml"
-    calibration = {}
-    if "openvino_nncf_int8" not in skipped:
-        try:
-            samples, task = train_samples(art, tok, args.data_dir, args.calibration_rows)
-        except Exception as e:  # no data dir: nothing to calibrate on
-            skipped["openvino_nncf_int8"] = f"no {art.task_name} training rows to calibrate on ({str(e)[:300]})"
-            print(f"skipping {LABELS['openvino_nncf_int8']}: {skipped['openvino_nncf_int8']}", flush=True)
-        else:
-            print(f"NNCF post-training quantization of the dense model on {len(samples)} {task.name} training rows ...",
-                  flush=True)
-            t0 = time.perf_counter()
-            nncf_int8(ov, nncf, plain_fp32_onnx, samples, nncf_ir)
-            calibration = {"rows": len(samples), "split": "train", "task": task.name, "first_rows": True,
-                           "seconds": round(time.perf_counter() - t0, 1)}
-            sizes["openvino_nncf_int8_ir_bytes"] = nncf_ir.stat().st_size + nncf_ir.with_suffix(".bin").stat().st_size
-    skip_static_rows(skipped)
-    engines = [k for k in ENGINES if k not in skipped]
-    onnx_of = {"ort_fp32": fp32_onnx, "ort_dynamic_int8": dyn_onnx, "ours_qdq_int8": ours}
-    openvino_of = {"openvino_fp32": (plain_fp32_onnx, False), "openvino_nncf_int8": (nncf_ir, False),  # (model,
-                   **{k: (ours_ov, k == "ours_openvino_sparse") for k in OURS_OPENVINO},  # sparse decompression)
-                   "also_openvino": (also_ov, False)}
 
-    def compile_ov(key: str, threads: int):
-        from holoserve.backends.openvino import compile_model
+def nncf_baseline(args, art, tok, ov, nncf, base: Baselines, skipped: dict, sizes: dict) -> None:
+    """OpenVINO's INT8 baseline: NNCF post-training quantization of the dense model on the first training rows,
+    or the engine skipped where there are none."""
+    if "openvino_nncf_int8" in skipped:
+        return
+    try:
+        samples, task = train_samples(art, tok, args.data_dir, args.calibration_rows)
+    except Exception as e:  # no data dir: nothing to calibrate on
+        skipped["openvino_nncf_int8"] = f"no {art.task_name} training rows to calibrate on ({str(e)[:300]})"
+        print(f"skipping {LABELS['openvino_nncf_int8']}: {skipped['openvino_nncf_int8']}", flush=True)
+        return
+    print(f"NNCF post-training quantization of the dense model on {len(samples)} {task.name} training rows ...",
+          flush=True)
+    t0 = time.perf_counter()
+    nncf_int8(ov, nncf, base.plain_fp32_onnx, samples, base.nncf_ir)
+    base.calibration = {"rows": len(samples), "split": "train", "task": task.name, "first_rows": True,
+                        "seconds": round(time.perf_counter() - t0, 1)}
+    sizes["openvino_nncf_int8_ir_bytes"] = base.nncf_ir.stat().st_size + base.nncf_ir.with_suffix(".bin").stat().st_size
 
-        path, sparse = openvino_of[key]
-        compiled, note = compile_model(path, threads=threads, sparse=sparse, precision=PRECISION_OF.get(key, "auto"),
-                                       kernels="on" if key in KERNEL_ROWS else "off")
-        return compiled, note
 
-    def static_runner(key: str, threads: int, batch: int, seq: int):
-        """feed -> logits for a static-shape row, compiled for this one cell."""
-        from holoserve.backends.openvino import OpenVinoBackend, compile_model
-
-        if key != "openvino_nncf_int8_static":  # ours: the product path, the backend with --openvino-shapes
-            backend = OpenVinoBackend(art_also if key == "also_openvino_static" else art, threads=threads, shapes=[(batch, seq)],
-                                      precision=PRECISION_OF.get(key, "auto"),
-                                      kernels="on" if key in KERNEL_ROWS else "off")
-            run = (lambda feed: backend.infer(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"]))
-            return run, backend
-        return openvino_runner(compile_model(nncf_ir, threads=threads, sparse=False, shape=(batch, seq))[0]), None
-
-    def runners(threads: int) -> dict:
-        out = {}
-        for k in engines:
-            if k in onnx_of:
-                out[k] = ort_runner(ort_session(onnx_of[k], threads))
-            elif k in openvino_of:
-                out[k] = openvino_runner(compile_ov(k, threads)[0])
-        return out
-
-    openvino_info = {}
-    if ov is not None and any(k in engines for k in OPENVINO_ENGINES):
-        openvino_info = {"version": ov.__version__, "nncf": getattr(nncf, "__version__", None),
-                         "config": "PERFORMANCE_HINT LATENCY, INFERENCE_NUM_THREADS = threads"}
-        for k in OPENVINO_ENGINES:
-            if k in engines:
-                compiled, note = compile_ov(k, 1)
-                openvino_info[k] = {"gemm_precisions": int8_gemms(compiled), "sparse_weights_decompression": note,
-                                    "inference_precision": openvino_inference_precision(compiled)}
-
-    # ---------------------------------------------------------------- accuracy (dev, through ORT)
+def dev_accuracy(args, art, tok, task, engines: EngineSet) -> dict:
+    """Dev accuracy of every engine with a dynamic-shape model, or why it was not measured."""
     acc = {}
     try:
         from holoserve.data.glue import read_split
+        from holoserve.export.reference import encode_batches
 
         if task is None:
             raise RuntimeError(f"no task for {art.task_name!r}")
@@ -433,109 +257,163 @@ def main(argv=None) -> int:
         order = np.concatenate([np.asarray(i) for i, _ in idx_b])
         labels = np.asarray([r.label for r in rows])[order]
         batches = [b for _, b in idx_b]
-        for key, run in runners(2).items():
+        for key, run in engines.runners(2).items():
             acc[key] = accuracy(run, batches, labels)
         acc["task"], acc["rows"] = task.name, len(rows)
         acc["max_seq_length"] = art.max_seq_length
         print("dev accuracy:", {k: v for k, v in acc.items()}, flush=True)
     except Exception as e:  # no data dir: latency only
         acc = {"skipped": str(e)}
+    return acc
 
-    # ---------------------------------------------------------------- latency
-    batches_ = [int(x) for x in args.batches.split(",")]
-    seqs = [int(x) for x in args.seqs.split(",")]
-    threads_ = [int(x) for x in args.threads.split(",")]
+
+def time_cells(args, dense, tok, engines: EngineSet) -> list[dict]:
+    """One row per (threads, batch, seq) cell: every engine's median and p90 and its speed-ups."""
+    import torch
+
     rng = np.random.default_rng(0)
     vocab = dense.config.vocab_size
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     results = []
-    for th in threads_:
+    for th in [int(x) for x in args.threads.split(",")]:
         torch.set_num_threads(th)
-        engine_runs = runners(th)
-        for b in batches_:
-            for s in seqs:
+        engine_runs = engines.runners(th)
+        for b in [int(x) for x in args.batches.split(",")]:
+            for s in [int(x) for x in args.seqs.split(",")]:
                 feed = random_rows(rng, vocab, b, s, cls_id, sep_id)
-                tfeed = {k: torch.from_numpy(v) for k, v in feed.items()}
+                results.append(time_cell(args, dense, engines, engine_runs, feed, th))
+    return results
 
-                def run_torch():
-                    with torch.inference_mode():
-                        dense(**tfeed)
 
-                fns = {"pytorch_fp32": run_torch}
-                static_backends = {}
-                for k in engines:
-                    if k in STATIC_OF:
-                        run, static_backends[k] = static_runner(k, th, b, s)
-                        engine_runs[k] = run
-                for k in engines[1:]:
-                    fns[k] = (lambda run=engine_runs[k]: run(feed))
-                for fn in fns.values():
-                    for _ in range(args.warmup):
-                        fn()
-                times = {k: [] for k in fns}
-                order = list(fns.items())
-                for i in range(args.runs):
-                    # interleaved, so background load hits every engine alike, and in reverse order every
-                    # other round: an engine timed right after a similar one ran up to 12 % faster at batch 1
-                    # on a 2-core Xeon (docs/results/2026-11-24-openvino.md), a bias the reversal cancels
-                    for k, fn in (order if i % 2 == 0 else order[::-1]):
-                        t0 = time.perf_counter()
-                        fn()
-                        times[k].append((time.perf_counter() - t0) * 1000.0)
-                row = {"threads": th, "batch": b, "seq": s}
-                for k, backend in static_backends.items():
-                    if backend is not None and backend.runs["static"] == 0:  # the cell must have run static
-                        raise RuntimeError(f"{LABELS[k]} never ran its static model: {backend.runs}")
-                for k in engines:
-                    row[k] = {"median_ms": round(percentile(times[k], 50), 3), "p90_ms": round(percentile(times[k], 90), 3)}
-                base = row["pytorch_fp32"]["median_ms"]
-                row["speedup_vs_pytorch_fp32"] = {k: round(base / row[k]["median_ms"], 2) for k in engines}
-                if INT8_REFERENCE in engines:
-                    ref = row[INT8_REFERENCE]["median_ms"]
-                    row[f"speedup_vs_{INT8_REFERENCE}"] = {k: round(ref / row[k]["median_ms"], 2) for k in engines}
-                results.append(row)
-                print(f"threads {th} batch {b:>2} seq {s:>3}: " + "  ".join(
-                    f"{k} {row[k]['median_ms']:.1f}ms (x{row['speedup_vs_pytorch_fp32'][k]})" for k in engines), flush=True)
+def time_cell(args, dense, engines: EngineSet, engine_runs: dict, feed: dict, th: int) -> dict:
+    """Every engine timed on `feed`, interleaved; the static-shape rows compiled for its shape first."""
+    import torch
 
+    b, s = feed["input_ids"].shape
+    tfeed = {k: torch.from_numpy(v) for k, v in feed.items()}
+
+    def run_torch():
+        with torch.inference_mode():
+            dense(**tfeed)
+
+    fns = {"pytorch_fp32": run_torch}
+    static_backends = {}
+    for k in engines.names:
+        if k in STATIC_OF:
+            run, static_backends[k] = engines.static_runner(k, th, b, s)
+            engine_runs[k] = run
+    for k in engines.names[1:]:
+        fns[k] = (lambda run=engine_runs[k]: run(feed))
+    times = interleaved(fns, args.runs, args.warmup)
+    row = {"threads": th, "batch": b, "seq": s}
+    for k, backend in static_backends.items():
+        if backend is not None and backend.runs["static"] == 0:  # the cell must have run static
+            raise RuntimeError(f"{LABELS[k]} never ran its static model: {backend.runs}")
+    for k in engines.names:
+        row[k] = {"median_ms": round(percentile(times[k], 50), 3), "p90_ms": round(percentile(times[k], 90), 3)}
+    base = row["pytorch_fp32"]["median_ms"]
+    row["speedup_vs_pytorch_fp32"] = {k: round(base / row[k]["median_ms"], 2) for k in engines.names}
+    if INT8_REFERENCE in engines.names:
+        ref = row[INT8_REFERENCE]["median_ms"]
+        row[f"speedup_vs_{INT8_REFERENCE}"] = {k: round(ref / row[k]["median_ms"], 2) for k in engines.names}
+    print(f"threads {th} batch {b:>2} seq {s:>3}: " + "  ".join(
+        f"{k} {row[k]['median_ms']:.1f}ms (x{row['speedup_vs_pytorch_fp32'][k]})" for k in engines.names), flush=True)
+    return row
+
+
+def interleaved(fns: dict, runs: int, warmup: int) -> dict[str, list[float]]:
+    """{name: ms per timed run}: `warmup` untimed runs of each, then `runs` rounds of one run of each."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {k: [] for k in fns}
+    order = list(fns.items())
+    for i in range(runs):
+        # interleaved, so background load hits every engine alike, and in reverse order every
+        # other round: an engine timed right after a similar one runs faster at batch 1
+        # (docs/results/2026-11-24-openvino.md), a bias the reversal cancels
+        for k, fn in (order if i % 2 == 0 else order[::-1]):
+            t0 = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - t0) * 1000.0)
+    return times
+
+
+def record(args, cps: Checkpoints, base: Baselines, dense_dir: Path, started: datetime, before: dict,
+           engines: EngineSet, skipped: dict, openvino_info: dict, sizes: dict, acc: dict, results: list) -> dict:
+    """The run's JSON record."""
     import onnxruntime
+    import torch
 
-    report = {
+    return {
         "benchmark": "cpu_latency",
         "date": started.date().isoformat(),
         "started": started.isoformat(timespec="seconds"),
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": describe_cpu(),
-        "load": {"uptime_before": uptime_before, "uptime_after": uptime_text(), "loadavg_before": load_before,
+        "load": {"uptime_before": before["uptime"], "uptime_after": uptime_text(), "loadavg_before": before["loadavg"],
                  "loadavg_after": load_avg(),
                  "note": "shared machine: other jobs may have been running during the measurement"},
         "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "python": platform.python_version(),
                      **({"openvino": openvino_info["version"], "nncf": openvino_info["nncf"]} if openvino_info else {})},
-        "checkpoint": art.path.name,
-        "also_checkpoint": art_also.path.name if art_also is not None else None,
+        "checkpoint": cps.art.path.name,
+        "also_checkpoint": cps.art_also.path.name if cps.art_also is not None else None,
         "dense_baseline": dense_dir.name,
         "method": {"runs": args.runs, "warmup": args.warmup, "inputs": "random token ids, full-length rows (no padding)",
                    "interleaved": "every round, the order reversed every other round", "dynamic_int8": "onnxruntime.quantization.quantize_dynamic(weight_type=QInt8)",
-                   "baseline_attention": baseline_attention,
-                   "baseline_classifier_row": baseline_classifier_row,
+                   "baseline_attention": base.attention,
+                   "baseline_classifier_row": base.classifier_row,
                    "openvino_baselines": "the dense fp32 ONNX as exported (standard ops, no ORT rewrites), compiled "
                                          "by OpenVINO; INT8: nncf.quantize(model_type=TRANSFORMER, subset_size="
                                          f"{args.calibration_rows}) on the first training rows, dense weights",
                    "static_shape_rows": "compiled for each cell's (batch, seq) alone; ours through the OpenVINO "
                                         "backend's static shapes (--openvino-shapes), NNCF's IR reshaped to the "
                                         "cell; no dev accuracy (the same models as their dynamic rows)",
-                   "nncf_calibration": calibration},
-        "engines": engines,
+                   "nncf_calibration": base.calibration},
+        "engines": engines.names,
         "skipped_engines": skipped,
         "openvino": openvino_info,
         "sizes": sizes,
         "dev_accuracy": acc,
         "results": results,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    from holoserve.core.files import atomic_write_json, atomic_write_text
 
-    atomic_write_json(args.out / f"{args.name}.json", report)
-    atomic_write_text(args.out / f"{args.name}.md", markdown(report))
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    skipped = requested_skips(args)  # engine -> why it was not run
+    if args.runs < 30:
+        print("note: fewer than 30 timed runs per cell", file=sys.stderr)
+    from transformers import AutoModelForSequenceClassification
+
+    from holoserve.export.reference import make_tokenizer
+
+    cps = open_checkpoints(args, skipped)
+    ov, nncf = openvino_or_skip(skipped)
+    dense_dir = args.dense or cps.art.path
+    started = datetime.now(timezone.utc)
+    before = {"uptime": uptime_text(), "loadavg": load_avg()}
+    work = Path(tempfile.mkdtemp(prefix="holoserve-bench-"))
+    base = export_baselines(args, dense_dir, work, skipped)
+    # PyTorch as users run it: default attention implementation, eval mode, inference_mode
+    dense = AutoModelForSequenceClassification.from_pretrained(str(dense_dir), local_files_only=True).eval()
+    sizes = {
+        "fp32_onnx_bytes": base.fp32_onnx.stat().st_size,
+        "dynamic_int8_onnx_bytes": base.dyn_onnx.stat().st_size if base.dyn_onnx.is_file() else None,
+        "ours_onnx_bytes": cps.ours.stat().st_size,
+        "ours_openvino_onnx_bytes": cps.ours_ov.stat().st_size if "ours_openvino" not in skipped else None,
+        "also_openvino_onnx_bytes": cps.also_ov.stat().st_size if cps.also_ov is not None else None,
+    }
+    tok = make_tokenizer(cps.art)
+    task = known_task(cps.art)
+    nncf_baseline(args, cps.art, tok, ov, nncf, base, skipped, sizes)
+    skip_static_rows(skipped)
+    engines = EngineSet([k for k in ENGINES if k not in skipped], cps, base)
+    openvino_info = engines.openvino_info(ov, nncf)
+    acc = dev_accuracy(args, cps.art, tok, task, engines)
+    results = time_cells(args, dense, tok, engines)
+    report = record(args, cps, base, dense_dir, started, before, engines, skipped, openvino_info, sizes, acc, results)
+    write_record(report, args.out, args.name, markdown)
     plot(report, args.out / f"{args.name}.png")
     print(f"wrote {args.out / args.name}.{{json,md,png}}")
     shutil.rmtree(work, ignore_errors=True)
@@ -582,55 +460,49 @@ def markdown(r: dict) -> str:
              "openvino_nncf_int8_ir_bytes": "NNCF INT8 IR", "ours_onnx_bytes": "ours (model.onnx)",
              "ours_openvino_onnx_bytes": "ours (model.ov.onnx)", "also_openvino_onnx_bytes": "second (model.ov.onnx)"}
     lines += ["Sizes: " + ", ".join(f"{names.get(k, k)} {v / 1e6:.1f} MB" for k, v in s.items() if v) + ".", ""]
-    ref = f"speedup_vs_{INT8_REFERENCE}"
-    has_ref = any(ref in x for x in r["results"])
     for th in sorted({x["threads"] for x in r["results"]}):
-        lines += [f"## {th} thread{'s' if th > 1 else ''} — median ms (p90 ms), speed-up vs PyTorch fp32"
-                  + (f" / vs {LABELS[INT8_REFERENCE]}" if has_ref else ""), "",
-                  "| batch | seq | " + " | ".join(LABELS[k] for k in engines) + " |",
-                  "|---:|---:|" + "---:|" * len(engines)]
-        for x in r["results"]:
-            if x["threads"] != th:
-                continue
-            cells = [f"{x[k]['median_ms']:.1f} ({x[k]['p90_ms']:.1f}) ×{x['speedup_vs_pytorch_fp32'][k]:.2f}"
-                     + (f" / ×{x[ref][k]:.2f}" if ref in x else "") for k in engines]
-            lines.append(f"| {x['batch']} | {x['seq']} | " + " | ".join(cells) + " |")
-        lines.append("")
-        peer = "openvino_nncf_int8_static"
-        for ours_static in ("ours_openvino_static", "ours_openvino_static_f32", "ours_openvino_static_kernels",
-                            "also_openvino_static"):
-            pair = [x for x in r["results"] if x["threads"] == th and peer in x and ours_static in x]
-            if pair:  # the like-for-like ratio: both compiled for the cell's shape
-                lines += [f"{LABELS[ours_static]} vs {LABELS[peer]}: " + ", ".join(
-                    f"batch {x['batch']} seq {x['seq']} ×{x[peer]['median_ms'] / x[ours_static]['median_ms']:.2f}"
-                    for x in pair) + ".", ""]
+        lines += threads_section(r, engines, th)
     return "\n".join(lines)
 
 
+def threads_section(r: dict, engines: list[str], th: int) -> list[str]:
+    """One thread count's table, then ours' static-shape rows against NNCF's static one."""
+    ref = f"speedup_vs_{INT8_REFERENCE}"
+    has_ref = any(ref in x for x in r["results"])
+    rows = [[x["batch"], x["seq"], *(f"{x[k]['median_ms']:.1f} ({x[k]['p90_ms']:.1f}) ×{x['speedup_vs_pytorch_fp32'][k]:.2f}"
+                                     + (f" / ×{x[ref][k]:.2f}" if ref in x else "") for k in engines)]
+            for x in r["results"] if x["threads"] == th]
+    lines = [f"## {th} thread{'s' if th > 1 else ''} — median ms (p90 ms), speed-up vs PyTorch fp32"
+             + (f" / vs {LABELS[INT8_REFERENCE]}" if has_ref else ""), "",
+             *table(["batch", "seq", *(LABELS[k] for k in engines)], rows), ""]
+    peer = "openvino_nncf_int8_static"
+    for ours_static in ("ours_openvino_static", "ours_openvino_static_f32", "ours_openvino_static_kernels",
+                        "also_openvino_static"):
+        pair = [x for x in r["results"] if x["threads"] == th and peer in x and ours_static in x]
+        if pair:  # the like-for-like ratio: both compiled for the cell's shape
+            lines += [f"{LABELS[ours_static]} vs {LABELS[peer]}: " + ", ".join(
+                f"batch {x['batch']} seq {x['seq']} ×{x[peer]['median_ms'] / x[ours_static]['median_ms']:.2f}"
+                for x in pair) + ".", ""]
+    return lines
+
+
 def plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     engines = report_engines(r)
     ths = sorted({x["threads"] for x in r["results"]})
-    fig, axes = plt.subplots(1, len(ths), figsize=(7 * len(ths), 4.4), squeeze=False)
-    for ax, th in zip(axes[0], ths):
-        rows = [x for x in r["results"] if x["threads"] == th]
-        xs = np.arange(len(rows))
-        w = 0.8 / len(engines)
-        for i, k in enumerate(engines):
-            ax.bar(xs + (i - (len(engines) - 1) / 2) * w, [x["speedup_vs_pytorch_fp32"][k] for x in rows], w,
-                   label=LABELS[k])
-        ax.set_xticks(xs, [f"b{x['batch']}\ns{x['seq']}" for x in rows])
-        ax.axhline(1.0, color="k", lw=0.6)
-        ax.set_title(f"{th} thread{'s' if th > 1 else ''}")
-        ax.set_ylabel("speed-up vs PyTorch fp32 (median)")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"CPU latency, {r['machine']}, {r['date']}", fontsize=10)
-    fig.tight_layout()
-    atomic_savefig(fig, path, dpi=110)
+    with figure(path, figsize=(7 * len(ths), 4.4), dpi=110, nrows=1, ncols=len(ths), squeeze=False) as (fig, axes):
+        for ax, th in zip(axes[0], ths):
+            rows = [x for x in r["results"] if x["threads"] == th]
+            xs = np.arange(len(rows))
+            w = 0.8 / len(engines)
+            for i, k in enumerate(engines):
+                ax.bar(xs + (i - (len(engines) - 1) / 2) * w, [x["speedup_vs_pytorch_fp32"][k] for x in rows], w,
+                       label=LABELS[k])
+            ax.set_xticks(xs, [f"b{x['batch']}\ns{x['seq']}" for x in rows])
+            ax.axhline(1.0, color="k", lw=0.6)
+            ax.set_title(f"{th} thread{'s' if th > 1 else ''}")
+            ax.set_ylabel("speed-up vs PyTorch fp32 (median)")
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"CPU latency, {r['machine']}, {r['date']}", fontsize=10)
 
 
 if __name__ == "__main__":
