@@ -70,7 +70,8 @@ def check_m1(run, model, layers) -> dict:
     out = {}
     for name in layers:
         w = model.get_submodule(name).weight.detach().double()
-        res_a, res_b = admm_prune(w, h_a[name], importance=imp_a[name]), admm_prune(w, h_b[name], importance=imp_b[name])
+        res_a, res_b = (admm_prune(w, h_a[name], importance=imp_a[name]),
+                        admm_prune(w, h_b[name], importance=imp_b[name]))
         moves_a, moves_b = res_a.mask != mask_a[name], res_b.mask != mask_b[name]
         both = int((moves_a & moves_b).sum())
         grid = lambda v, mk: project(v.double(), mask=mk).z  # noqa: E731
@@ -260,8 +261,8 @@ def markdown(r: dict) -> str:
         if "m6" in next(iter(models.values())):
             keys = list(next(iter(models.values()))["m6"])
             lines += ["## M6: activation ranges (INT8 activations, no training)", "",
-                      f"Dev {primary} ×100 with the encoder Linears' inputs on INT8, ranges calibrated on the projected "
-                      "model; in brackets the median ratio of the ranges to the default calibration's "
+                      f"Dev {primary} ×100 with the encoder Linears' inputs on INT8, ranges calibrated on the "
+                      "projected model; in brackets the median ratio of the ranges to the default calibration's "
                       f"({r['meta']['calib_batches']} batches, percentile {r['meta']['calib_percentile']}) on the same "
                       "model.", "", *table(["projection", *keys], [
                           [row, *(f"{100 * x['m6'][k]['dev']:.2f} ({x['m6'][k]['amax_vs_default_median']:.2f})"
@@ -282,7 +283,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", required=True, help="GLUE shortcut: sst2, mrpc, cola or stsb")
     ap.add_argument("--data-dir", required=True, help="the GLUE folder")
-    ap.add_argument("--teacher", required=True, help="a fine-tuned teacher folder (a compress run's <out>.state/teacher)")
+    ap.add_argument("--teacher", required=True,
+                    help="a fine-tuned teacher folder (a compress run's <out>.state/teacher)")
     ap.add_argument("--preset", default="quick")
     ap.add_argument("--seed", type=int, default=0, help="the run's seed: the calibration order (default 0)")
     ap.add_argument("--checks", default=",".join(CHECKS), help="comma-separated: m1, m2, m6 (default: all)")
@@ -334,7 +336,8 @@ def main(argv=None) -> int:
                 metrics, _ = _dev(run, projected)
                 entry = {"projection": record, "dev": metrics[run.task.primary_metric]}
                 if "m2" in checks:
-                    entry["m2_noise"] = check_m2_noise(run, projected, layers, [float(s) for s in args.noise.split(",")],
+                    entry["m2_noise"] = check_m2_noise(run, projected, layers,
+                                                       [float(s) for s in args.noise.split(",")],
                                                        args.draws, args.seed)
                 if "m6" in checks:
                     entry["m6"], ranges = check_m6(run, projected, layers, obs_ranges)

@@ -162,13 +162,16 @@ def compare(obs_dir: Path, admm_dir: Path) -> str:
     ms = [json.loads((Path(d) / "manifest.json").read_text()) for d in (obs_dir, admm_dir)]
     (po, pa), (mo, ma) = [m["training"]["phases"]["projection"] for m in ms], [m["metrics"] for m in ms]
     primary = mo["primary"]
-    ratios = {name: pa["layers"][name]["heldout_vs_nearest"] / o["heldout_vs_nearest"] for name, o in po["layers"].items()}
+    ratios = {name: pa["layers"][name]["heldout_vs_nearest"] / o["heldout_vs_nearest"]
+              for name, o in po["layers"].items()}
     mo_med, ma_med = (statistics.median(d["heldout_vs_nearest"] for d in p["layers"].values()) for p in (po, pa))
     lines = [f"{obs_dir} vs {admm_dir}: held-out output error relative to the nearest projection's", "",
              *table(["Linear", "OBS", "ADMM", "ADMM / OBS"],
-                    [*([short(name), f"{o['heldout_vs_nearest']:.3f}", f"{pa['layers'][name]['heldout_vs_nearest']:.3f}",
+                    [*([short(name), f"{o['heldout_vs_nearest']:.3f}",
+                        f"{pa['layers'][name]['heldout_vs_nearest']:.3f}",
                         f"{ratios[name]:.2f}"] for name, o in po["layers"].items()),
-                     ["**median**", f"**{mo_med:.3f}**", f"**{ma_med:.3f}**", f"**{statistics.median(ratios.values()):.2f}**"]]),
+                     ["**median**", f"**{mo_med:.3f}**", f"**{ma_med:.3f}**",
+                      f"**{statistics.median(ratios.values()):.2f}**"]]),
              "",
              f"dev {primary}: dense {100 * mo['dense'][primary]:.2f}; right after the projection OBS "
              f"{100 * mo['after_projection'][primary]:.2f}, ADMM {100 * ma['after_projection'][primary]:.2f}; "

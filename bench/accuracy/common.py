@@ -13,7 +13,8 @@ from bench.lib.report import write_record
 
 
 def export_file(art, checkpoint: Path, target: str, file: str, flag: str = "") -> Path:
-    """The checkpoint's export for `target`, or exit with the `holoserve export` command (plus `flag`) that writes it."""
+    """The checkpoint's export for `target`, or exit with the `holoserve export` command (plus `flag`)
+    that writes it."""
     path = art.export_path(target)
     if path is None or not path.is_file():
         raise SystemExit(f"{checkpoint} has no {file}: run `holoserve export {checkpoint}{flag}` first")

@@ -10,7 +10,8 @@ difference of about 1e-6 in the first LayerNorm turns into whole-step code chang
 run is ONNX Runtime again, on the same graph with the position-embedding table × (1 + EPS · N(0, 1)) (as
 rounding_noise.py does): the same cascade from one rounding-sized change, for scale. Writes a table and a plot.
 
-    python -m bench.accuracy.layer_divergence runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/<today>-layer-divergence-sst2-s0
+    python -m bench.accuracy.layer_divergence runs/minilm-sst2 --data-dir "$GLUE_DIR" \\
+        --results bench/results/<today>-layer-divergence-sst2-s0
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def markdown(r: dict) -> str:
              f"{m['logits_median_abs_diff']:.3g}, largest {m['logits_max_abs_diff']:.3g}, {m['changed_predictions']} "
              "predictions changed.", "",
              *table(["tensor", "INT8 codes changed", "largest step", "LayerNorm mean \\|Δ\\| (of mean \\|x\\|)"],
-                    [[short(t["tensor"]), f"{100 * t['changed_share']:.3g} %", t["max_step"], ""] if t["kind"] == "codes"
+                    [[short(t["tensor"]), f"{100 * t['changed_share']:.3g} %", t["max_step"], ""]
+                     if t["kind"] == "codes"
                      else [short(t["tensor"]), "", "", f"{t['mean_abs_diff']:.2g} ({100 * t['relative']:.2g} %)"]
                      for t in r["tensors"]]),
              "", f"Command: `{m['command']}` ({m['seconds']:.0f} s)."]
@@ -150,7 +152,8 @@ def main(argv=None) -> int:
     meta = {"checkpoint": args.checkpoint.name, "task": task.name, "rows": len(rows), "tokens": int(mask.sum()),
             "against": against, "machine": describe_cpu(),
             "date": time.strftime("%Y-%m-%d"), "seconds": time.time() - t0,
-            "logits_median_abs_diff": float(np.median(np.abs(a - b))), "logits_max_abs_diff": float(np.abs(a - b).max()),
+            "logits_median_abs_diff": float(np.median(np.abs(a - b))),
+            "logits_max_abs_diff": float(np.abs(a - b).max()),
             "changed_predictions": int((a.argmax(1) != b.argmax(1)).sum()) if a.shape[1] > 1 else None,
             "command": command(sys.argv[1:] if argv is None else argv, "bench.accuracy.layer_divergence")}
     report = {"meta": meta, "tensors": rows_out}

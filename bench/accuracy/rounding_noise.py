@@ -16,7 +16,8 @@ metric's difference (mean, sd, largest, and how many draws move it by more than 
 how many draws `holoserve export`'s own check (holoserve.data.metrics.prediction_check) would accept.
 The plot puts every draw and every runtime on one axis, mean |Δlogit| against Δ metric.
 
-    python -m bench.accuracy.rounding_noise runs/minilm-sst2 --data-dir "$GLUE_DIR" --results bench/results/<today>-rounding-noise-sst2
+    python -m bench.accuracy.rounding_noise runs/minilm-sst2 --data-dir "$GLUE_DIR" \\
+        --results bench/results/<today>-rounding-noise-sst2
 """
 from __future__ import annotations
 
@@ -150,7 +151,8 @@ def perturbed_draws(model, k: int, dev: DevSet, ref: np.ndarray, ref_metric: flo
             draws = []
             for seed in range(args.repeats):
                 noise = np.random.default_rng(seed).standard_normal(table_.shape)
-                model.graph.initializer[k].CopyFrom(numpy_helper.from_array((table_ * (1 + e * noise)).astype(np.float32), name))
+                model.graph.initializer[k].CopyFrom(
+                    numpy_helper.from_array((table_ * (1 + e * noise)).astype(np.float32), name))
                 onnx.save(model, str(file))
                 draws.append(difference(dev.task, dev.ort_logits(file, args.threads), ref, dev.labels, ref_metric)
                              | {"seed": seed})
@@ -180,8 +182,10 @@ def openvino_runs(art, dev: DevSet, ref: np.ndarray, ref_metric: float, args) ->
             runtimes[key] = {"skipped": str(e)}
             continue
         req = compiled.create_infer_request()
-        out = dev.logits(lambda f: req.infer(f)[compiled.outputs[0]].copy(), {i.get_any_name() for i in compiled.inputs})
-        runtimes[key] = difference(dev.task, out, ref, dev.labels, ref_metric) | {"inference_precision": inference_precision(compiled)}
+        out = dev.logits(lambda f: req.infer(f)[compiled.outputs[0]].copy(),
+                         {i.get_any_name() for i in compiled.inputs})
+        runtimes[key] = (difference(dev.task, out, ref, dev.labels, ref_metric)
+                         | {"inference_precision": inference_precision(compiled)})
         print(f"  {key} ({runtimes[key]['inference_precision']}): {runtimes[key]}", flush=True)
     return runtimes
 

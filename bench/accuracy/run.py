@@ -82,7 +82,8 @@ METHODS = {  # row key -> (label, extra CLI arguments); the order is the run ord
     "oneshot_act05_admm_fixed": ("one-shot 2:4 ∩ INT8 (layer-wise ADMM on the default's mask) + QAT, activation-aware "
                                  "mask (‖x‖^0.5)", recipe("oneshot", *ACT05, "projection=admm_fixed_mask")),
     # ADMM end to end: the layer-wise ADMM projection, then QAT with the ADMM penalty kept on (--method admm_guided)
-    "admm_guided": ("layer-wise ADMM + ADMM-guided QAT, activation-aware mask (‖x‖^0.5)", recipe("admm_guided", *ACT05)),
+    "admm_guided": ("layer-wise ADMM + ADMM-guided QAT, activation-aware mask (‖x‖^0.5)",
+                    recipe("admm_guided", *ACT05)),
     # the default recipe with QAT also training the TensorRT placement's extra quantizers (for model.trt.onnx)
     "oneshot_act05_trtqat": ("one-shot 2:4 ∩ INT8 + QAT, activation-aware mask (‖x‖^0.5), TensorRT QAT",
                              recipe("oneshot", *ACT05, "tensorrt_qat=true", NEAREST)),
@@ -91,8 +92,8 @@ PEER = "nncf_ptq"  # NNCF INT8 PTQ of the same teacher (dense weights)
 LABELS = {"dense": "dense teacher", PEER: "NNCF INT8 PTQ (dense W)", **{k: v[0] for k, v in METHODS.items()}}
 COLUMNS = ("dense", PEER, "magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "admm_sparse",
            "admm_int8", "admm_act_int8", "admm_act05_int8", "oneshot_act05_obs", "oneshot_act05_obs_aug1",
-           "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp", "oneshot_obs_sal", "admm_act05_obs", "admm_init_obs", "oneshot_act05_admm",
-           "oneshot_act05_admm_fixed", "admm_guided", "oneshot_act05_trtqat")
+           "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp", "oneshot_obs_sal", "admm_act05_obs",
+           "admm_init_obs", "oneshot_act05_admm", "oneshot_act05_admm_fixed", "admm_guided", "oneshot_act05_trtqat")
 BASELINES = ("magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "oneshot_act05_obs",
              "oneshot_act05_obs_aug1", "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp",
              "oneshot_obs_sal")  # the 2:4 ∩ INT8 recipes ADMM has to beat
@@ -302,7 +303,8 @@ def steps_row(r: dict, trained: list[str]) -> list[str]:
             continue
         steps = {p: n for p, n in (st.get("steps") or {}).items() if p != "dense" and n}
         cells.append(" + ".join(f"{n} {p}" for p, n in steps.items()) + f"; {st.get('wall_seconds')} s")
-    return [r["task"], f"{(teacher.get('steps') or {}).get('dense', '—')} / {teacher.get('dense_seconds', '—')}", *cells]
+    return [r["task"], f"{(teacher.get('steps') or {}).get('dense', '—')} / {teacher.get('dense_seconds', '—')}",
+            *cells]
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -322,22 +324,26 @@ def markdown(rows: list[dict], meta: dict) -> str:
     ov = meta.get("overall") or {}
     means = [["**mean over tasks**", "", *(fmt(ov["means"].get(k)) for k in shown)]] \
         if ov.get("means") and len(rows) > 1 else []
-    lines += table(["task", "metric", *(LABELS[k] for k in shown)], [*(task_row(r, shown, seeds) for r in rows), *means])
+    lines += table(["task", "metric", *(LABELS[k] for k in shown)],
+                   [*(task_row(r, shown, seeds) for r in rows), *means])
     if ov.get("best_2to4_int8"):
         lines += ["", f"Best 2:4 ∩ INT8 recipe on the mean: **{LABELS[ov['best_2to4_int8']]}**."
                   + (f" ADMM's margin over the best baseline: {100 * ov['admm_margin_over_best_baseline']:+.2f} points."
                      if "admm_margin_over_best_baseline" in ov else "")
-                  + ("".join(f" Compared on the seeds every column ran ({r['task']}: {', '.join(map(str, r['common_seeds']))})."
+                  + ("".join(f" Compared on the seeds every column ran "
+                             f"({r['task']}: {', '.join(map(str, r['common_seeds']))})."
                              for r in rows if r.get("common_seeds") is not None and r["common_seeds"] != r["seeds"]))]
     pair = paired(rows)
     if pair.get("rows"):
         tasks = [r["task"] for r in rows]
         lines += ["", f"Paired by seed against **{LABELS[pair['base']]}** (the row minus it on the same seed, teacher "
                   "and dev rows; ×100, mean ± std [seeds]):", "",
-                  *table(["row", *tasks, "mean over tasks"], [paired_row(key, p, tasks) for key, p in pair["rows"].items()])]
+                  *table(["row", *tasks, "mean over tasks"],
+                         [paired_row(key, p, tasks) for key, p in pair["rows"].items()])]
     lines += ["", "Steps per phase after the teacher and mean wall time per run (s; the dense teacher, "
               "trained once per task and seed, is in the first method's time and listed apart):", "",
-              *table(["task", "teacher steps / s", *(LABELS[k] for k in trained)], [steps_row(r, trained) for r in rows])]
+              *table(["task", "teacher steps / s", *(LABELS[k] for k in trained)],
+                     [steps_row(r, trained) for r in rows])]
     peer = meta.get("peer") or {}
     if peer:
         lines += ["", f"NNCF row: the same teacher exported to ONNX, `nncf.quantize` (transformer preset) on the first "
@@ -346,8 +352,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     variants = meta.get("variants") or []
     if variants:
         lines += ["", "Other ADMM 2:4 ∩ INT8 runs (the same dense teacher; schedule = steps @ peak lr):", "",
-                  *table(["task", "run", "ADMM", "QAT", "after ADMM (fp32)", "after hard projection", "final (INT8 W+A)",
-                          "wall s"],
+                  *table(["task", "run", "ADMM", "QAT", "after ADMM (fp32)", "after hard projection",
+                          "final (INT8 W+A)", "wall s"],
                          [[v["task"], v["name"], v["admm"], v["qat"], fmt(v.get("after_admm")),
                            fmt(v.get("after_projection")), fmt(v["value"]), v["wall_seconds"]] for v in variants])]
     lines += ["", "INT8 rows are scored by `holoserve eval` (int8 × int8 products summed exactly, as the exported "
@@ -475,7 +481,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--model", type=Path, help="base model folder (default: all-MiniLM-L6-v2 from its package)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), help="passed to holoserve compress")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="preset override passed to every run")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="preset override passed to every run")
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "runs" / "bench-accuracy")
     ap.add_argument("--results", type=Path, help="output folder (default bench/results/<today>-accuracy)")
     ap.add_argument("--only", help=f"comma-separated rows to run (with --report-only: to report), of "

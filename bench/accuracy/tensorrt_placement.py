@@ -66,7 +66,8 @@ def without(model, kinds):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.accuracy.tensorrt_placement", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.accuracy.tensorrt_placement",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--data-dir", required=True, help="the GLUE folder")
     args = ap.parse_args()

@@ -85,7 +85,8 @@ def runtime_version(name: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.compare", description=__doc__.splitlines()[0])
-    ap.add_argument("models", nargs="+", help="LABEL=PATH to an ONNX model (inputs input_ids, attention_mask, token_type_ids)")
+    ap.add_argument("models", nargs="+",
+                    help="LABEL=PATH to an ONNX model (inputs input_ids, attention_mask, token_type_ids)")
     shape_options(ap, batch=32)
     timing_options(ap, 40, "timed runs per model and round")
     ap.add_argument("--rounds", type=int, default=2)

@@ -85,7 +85,9 @@ class EngineSet:
             backend = OpenVinoBackend(art, threads=threads, shapes=[(batch, seq)],
                                       precision=PRECISION_OF.get(key, "auto"),
                                       kernels="on" if key in KERNEL_ROWS else "off")
-            run = (lambda feed: backend.infer(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"]))
+            def run(feed):
+                return backend.infer(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"])
+
             return run, backend
         return openvino_runner(compile_model(self.nncf_ir, threads=threads, sparse=False, shape=(batch, seq))[0]), None
 

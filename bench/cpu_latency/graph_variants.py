@@ -13,7 +13,8 @@ which `holoserve export` applies, to learn whether it should:
   is computed (q_h·bk_h is the same for every key and Softmax ignores it). Exact in real arithmetic;
   about 3 % fewer multiply-adds on MiniLM at seq 128.
 - `int8_attention`: QuantizeLinear/DequantizeLinear pairs on both inputs of the attention MatMuls
-  (Q, K and V symmetric int8, K before its head split; the softmax output uint8 with scale 1/255), the others' scales from
+  (Q, K and V symmetric int8, K before its head split; the softmax output uint8 with scale 1/255),
+  the others' scales from
   their largest magnitude over --calibration-batches random batches through ONNX Runtime. Not
   exact: this tells the speed only.
 
@@ -85,7 +86,8 @@ def fuse_qkv(model) -> int:
             base = f"{ms[0].output[0]}/qkv_fused"
             consts = {".w": np.concatenate([w[0] for w in ws], 1),
                       ".s": np.concatenate([np.broadcast_to(w[1], (w[0].shape[1],)) for w in ws]).astype(np.float32),
-                      ".z": np.concatenate([np.broadcast_to(w[2], (w[0].shape[1],)) for w in ws]).astype(ws[0][2].dtype),
+                      ".z": np.concatenate([np.broadcast_to(w[2], (w[0].shape[1],))
+                                            for w in ws]).astype(ws[0][2].dtype),
                       ".b": bias.astype(np.float32), ".split": np.asarray([w[0].shape[1] for w in ws], np.int64)}
             g.initializer.extend(numpy_helper.from_array(v, base + k) for k, v in consts.items())
             plan[id(ms[0])] = [
@@ -360,7 +362,8 @@ def markdown(r: dict) -> str:
              *table(["rewrite", "batch", "unchanged ms", "rewritten ms", "unchanged / rewritten", "max abs Δlogit",
                      "argmax agreement"],
                     [[x["variant"], x["batch"], f"{x['unchanged_ms']:.3f}", f"{x['variant_ms']:.3f}",
-                      f"{x['unchanged_over_variant']:.3f}", f"{x['max_abs_dlogit']:.3g}", f"{x['argmax_agreement']:.2%}"]
+                      f"{x['unchanged_over_variant']:.3f}", f"{x['max_abs_dlogit']:.3g}",
+                      f"{x['argmax_agreement']:.2%}"]
                      for x in r["rows"]])]
     return "\n".join(lines) + "\n"
 

@@ -104,7 +104,8 @@ def main(argv=None) -> int:
 
 
 def markdown(r: dict) -> str:
-    lines = [f"# OpenVINO INT8 GEMM rate ({r['date']}, {r['machine']}, {r['threads']} thread(s), OpenVINO {r['openvino']})",
+    lines = [f"# OpenVINO INT8 GEMM rate ({r['date']}, {r['machine']}, {r['threads']} thread(s), "
+             f"OpenVINO {r['openvino']})",
              "", "One QuantizeLinear/DequantizeLinear -> MatMul (int8 weights per output channel) per shape, static, "
              "LATENCY hint; median wall time of one inference, which includes the call's fixed cost (tens of "
              "microseconds: it understates the small shapes) and the input's quantization.", "",

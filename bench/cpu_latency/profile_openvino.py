@@ -7,7 +7,8 @@ Both engines are built as `bench/cpu_latency/run.py` builds them (ours: the chec
 export; the peer: `nncf.quantize`, transformer preset, on the first --calibration-rows training rows
 of the dense model's plain fp32 ONNX export) and compiled with PERF_COUNT on; with --static both are
 compiled for the one [batch, seq] shape, as `--openvino-shapes` and run.py's static rows do. The two run
-interleaved, one run of each per round; each timed run reads OpenVINO's per-node profiling counters; the report sums them per operation class (quantized GEMMs,
+interleaved, one run of each per round; each timed run reads OpenVINO's per-node profiling counters;
+the report sums them per operation class (quantized GEMMs,
 fused attention, everything else) and per (node type, kernel), beside the wall-clock median of the
 same runs. Writes bench/results/<today>-NAME/NAME.{json,md} (--out).
 """
@@ -83,7 +84,8 @@ def markdown(r: dict) -> str:
     keys = [k for k in ENGINES if k in e]
     ours = [k for k in keys if k != "openvino_nncf_int8"]
     rows = [[label, *(f"{e[k][key]:.2f}" for k in keys), *(f"{e[k][key] / peer[key]:.2f}" for k in ours)]
-            for label, key in (("wall clock, median (ms)", "wall_median_ms"), ("sum of node times (ms)", "node_sum_ms"))]
+            for label, key in (("wall clock, median (ms)", "wall_median_ms"),
+                               ("sum of node times (ms)", "node_sum_ms"))]
     for c in ("gemm", "attention", "other"):
         ms = {k: e[k]["per_class_ms"].get(c, 0.0) for k in keys}
         rows.append([f"{c} (ms, share)", *(f"{ms[k]:.2f} ({100 * ms[k] / e[k]['node_sum_ms']:.0f} %)" for k in keys),
@@ -106,7 +108,8 @@ def markdown(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.profile_openvino", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.profile_openvino",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--dense", type=Path, required=True, help="the dense fine-tuned HF folder NNCF quantizes")
     ap.add_argument("--data-dir", default=None, help="GLUE data dir for the NNCF calibration rows")

@@ -1,4 +1,4 @@
-"""CPU latency, side by side in one run: PyTorch fp32 eager, ORT fp32 and dynamic INT8, OpenVINO fp32 and NNCF INT8, ours.
+"""CPU latency in one run: PyTorch fp32 eager, ORT fp32 and dynamic INT8, OpenVINO fp32 and NNCF INT8, ours.
 
     python -m bench.cpu_latency.run CHECKPOINT [--dense HF_FOLDER] [--data-dir GLUE_DIR]
 
@@ -35,8 +35,8 @@
   token ids; median and p90 over --runs timed runs after --warmup runs, the engines interleaved
   per shape so that background load hits them alike. Also SST-2 (or the checkpoint's task) dev
   accuracy of every engine but PyTorch eager (whose weights the ORT fp32 export holds).
-Writes bench/results/<today>-NAME/NAME.{json,md,png} (--name, default cpu_latency; --out). The machine is shared: `uptime` load averages
-before and after are recorded.
+Writes bench/results/<today>-NAME/NAME.{json,md,png} (--name, default cpu_latency; --out). The machine
+is shared: `uptime` load averages before and after are recorded.
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def parse_args(argv) -> argparse.Namespace:
                     help="a second compressed checkpoint of the same task whose OpenVINO export is timed beside ours")
     ap.add_argument("--dense", type=Path, default=None,
                     help="dense fine-tuned HF folder for the baselines (default: the checkpoint's own fp32 weights)")
-    ap.add_argument("--data-dir", default=None, help="GLUE data dir for dev accuracy and the NNCF calibration rows (or $HOLOSERVE_DATA_DIR)")
+    ap.add_argument("--data-dir", default=None,
+                    help="GLUE data dir for dev accuracy and the NNCF calibration rows (or $HOLOSERVE_DATA_DIR)")
     output_options(ap, "cpu_latency")
     timing_options(ap, 30)
     ap.add_argument("--batches", default="1,8,32")
@@ -354,13 +355,17 @@ def record(args, cps: Checkpoints, base: Baselines, dense_dir: Path, started: da
         "load": {"uptime_before": before["uptime"], "uptime_after": uptime_text(), "loadavg_before": before["loadavg"],
                  "loadavg_after": load_avg(),
                  "note": "shared machine: other jobs may have been running during the measurement"},
-        "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "python": platform.python_version(),
-                     **({"openvino": openvino_info["version"], "nncf": openvino_info["nncf"]} if openvino_info else {})},
+        "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+                     "python": platform.python_version(),
+                     **({"openvino": openvino_info["version"], "nncf": openvino_info["nncf"]}
+                        if openvino_info else {})},
         "checkpoint": cps.art.path.name,
         "also_checkpoint": cps.art_also.path.name if cps.art_also is not None else None,
         "dense_baseline": dense_dir.name,
-        "method": {"runs": args.runs, "warmup": args.warmup, "inputs": "random token ids, full-length rows (no padding)",
-                   "interleaved": "every round, the order reversed every other round", "dynamic_int8": "onnxruntime.quantization.quantize_dynamic(weight_type=QInt8)",
+        "method": {"runs": args.runs, "warmup": args.warmup,
+                   "inputs": "random token ids, full-length rows (no padding)",
+                   "interleaved": "every round, the order reversed every other round",
+                   "dynamic_int8": "onnxruntime.quantization.quantize_dynamic(weight_type=QInt8)",
                    "baseline_attention": base.attention,
                    "baseline_classifier_row": base.classifier_row,
                    "openvino_baselines": "the dense fp32 ONNX as exported (standard ops, no ORT rewrites), compiled "
@@ -469,7 +474,8 @@ def threads_section(r: dict, engines: list[str], th: int) -> list[str]:
     """One thread count's table, then ours' static-shape rows against NNCF's static one."""
     ref = f"speedup_vs_{INT8_REFERENCE}"
     has_ref = any(ref in x for x in r["results"])
-    rows = [[x["batch"], x["seq"], *(f"{x[k]['median_ms']:.1f} ({x[k]['p90_ms']:.1f}) ×{x['speedup_vs_pytorch_fp32'][k]:.2f}"
+    rows = [[x["batch"], x["seq"], *(f"{x[k]['median_ms']:.1f} ({x[k]['p90_ms']:.1f}) "
+                                     f"×{x['speedup_vs_pytorch_fp32'][k]:.2f}"
                                      + (f" / ×{x[ref][k]:.2f}" if ref in x else "") for k in engines)]
             for x in r["results"] if x["threads"] == th]
     lines = [f"## {th} thread{'s' if th > 1 else ''} — median ms (p90 ms), speed-up vs PyTorch fp32"

@@ -141,12 +141,15 @@ def main(argv: list[str] | None = None) -> int:
                          "--backend torch-cuda on the GPU")
     ap.add_argument("--cslt", action="store_true",
                     help="also fetch nvmath-python and its cuda-python packages into .whl-cslt/, for "
-                         "kernel 'cslt_fused' and tests/gpu/test_cslt_epilogue.py (pip install 'holoserve[gpu]' here first)")
-    ap.add_argument("--cslt-wheels", default=str(ROOT / ".whl-cslt"), help="its folder (default .whl-cslt, git-ignored)")
+                         "kernel 'cslt_fused' and tests/gpu/test_cslt_epilogue.py "
+                         "(pip install 'holoserve[gpu]' here first)")
+    ap.add_argument("--cslt-wheels", default=str(ROOT / ".whl-cslt"),
+                    help="its folder (default .whl-cslt, git-ignored)")
     ap.add_argument("--exact-embeddings", action="store_true",
                     help="keep the embedding tables in FP32 too, for a bit-identical checkpoint (a larger bundle)")
     ap.add_argument("--max-mib", type=float, default=SIZE_LIMIT_MIB,
-                    help=f"exit with status 1 when the checkout plus these folders exceed this (default {SIZE_LIMIT_MIB:.0f})")
+                    help="exit with status 1 when the checkout plus these folders exceed this "
+                         f"(default {SIZE_LIMIT_MIB:.0f})")
     ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"),
                     help="GLUE folder (default $HOLOSERVE_DATA_DIR); its dev split is bundled for the parity check")
     args = ap.parse_args(argv)

@@ -52,7 +52,8 @@ def pack_base(src: Path, dest: Path) -> dict:
         else:
             out[key] = v
     atomic_write_bytes(dest / "model.safetensors", save(out, metadata={"format": "pt"}))
-    atomic_write_bytes(dest / "FP16.txt", b"weights rounded to FP16 for travel; holoserve compress loads them as float32\n")
+    atomic_write_bytes(dest / "FP16.txt",
+                       b"weights rounded to FP16 for travel; holoserve compress loads them as float32\n")
     return {"tensors": len(out), "fp16_max_abs_error": worst}
 
 
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheel-script", help="script that downloads GPU wheels into --wheels (default: pip download)")
     ap.add_argument("--no-wheels", action="store_true", help="skip downloading wheels")
     ap.add_argument("--max-mib", type=float, default=SIZE_LIMIT_MIB,
-                    help=f"exit with status 1 when the checkout plus these folders exceed this (default {SIZE_LIMIT_MIB:.0f})")
+                    help="exit with status 1 when the checkout plus these folders exceed this "
+                         f"(default {SIZE_LIMIT_MIB:.0f})")
     args = ap.parse_args(argv)
     if not args.data_dir:
         ap.error("--data-dir (or HOLOSERVE_DATA_DIR) is required")

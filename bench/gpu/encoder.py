@@ -325,7 +325,8 @@ def section_profile(run: Run) -> dict[str, Any]:
     b, iters = max(run.args.batch_list), 5
     inp = token_batch(torch, b, run.args.seq, int(cfg["vocab_size"]), run.device, seed=7)
     acts = [ProfilerActivity.CPU] if run.smoke else [ProfilerActivity.CUDA]
-    res: dict[str, Any] = {"batch": b, "seq": run.args.seq, "iters": iters, "model": "BERT-base shapes (random weights)",
+    res: dict[str, Any] = {"batch": b, "seq": run.args.seq, "iters": iters,
+                           "model": "BERT-base shapes (random weights)",
                            "timer": "operator self time on the CPU" if run.smoke else "CUDA kernel time (CUPTI)",
                            "variants": {}}
     for name in (n for n in variants if "eager" in n or "ours, CPU" in n):
@@ -381,7 +382,8 @@ def _encoder_pass(run: Run, plan, *, risky_pass: bool) -> None:
                 if run.over_budget():
                     entry["variants"][name] = {"error": "skipped: time budget reached"}
                     continue
-                r = guarded(name, lambda build=build, graphs=graphs, vocab=vocab: _bench_variant(run, build, graphs, vocab))
+                r = guarded(name,
+                            lambda build=build, graphs=graphs, vocab=vocab: _bench_variant(run, build, graphs, vocab))
                 entry["variants"][name] = r
                 log(f"  {name}: " + ", ".join(
                     f"b{b} {r[b]['median_ms']:.3f} ms" for b in map(str, run.args.batch_list)

@@ -63,8 +63,10 @@ def main() -> int:
     with np.errstate(all="ignore"):
         for s in scales:
             s = F32(s)
-            bits = rng.integers(0, 0x7F000000, args.per_scale, dtype=np.uint32).view(F32) * rng.choice([F32(1), F32(-1)])
-            v = np.concatenate([every_half, rng.standard_normal(args.per_scale).astype(F32) * F32(rng.uniform(0.01, 60)),
+            bits = (rng.integers(0, 0x7F000000, args.per_scale, dtype=np.uint32).view(F32)
+                    * rng.choice([F32(1), F32(-1)]))
+            v = np.concatenate([every_half,
+                                rng.standard_normal(args.per_scale).astype(F32) * F32(rng.uniform(0.01, 60)),
                                 bits])
             want = np.divide(v, s, dtype=F32)
             got = fma_divide(v, s)

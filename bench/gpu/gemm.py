@@ -29,7 +29,8 @@ def sh(cmd: str, timeout: float = 30) -> dict[str, Any]:
 
 
 def section_env(run: Run) -> dict[str, Any]:
-    env: dict[str, Any] = {"python": platform.python_version(), "cpu": f"{os.cpu_count()}-core {platform.machine()} CPU",
+    env: dict[str, Any] = {"python": platform.python_version(),
+                           "cpu": f"{os.cpu_count()}-core {platform.machine()} CPU",
                            "platform": platform.platform()}
     try:
         import torch
@@ -116,12 +117,14 @@ def section_peak(run: Run) -> dict[str, Any]:
             out[f"{key}_tops"] = 2 * n**3 / (r["median_ms"] * 1e-3) / 1e12
     a16 = b16 = a8 = b8 = b8_rows = None  # free the GPU memory before the next section
     torch.cuda.empty_cache()
-    log(f"peak: fp16 {out.get('fp16_tflops', float('nan')):.0f} TFLOP/s, int8 {out.get('int8_tops', float('nan')):.0f} TOPS "
+    log(f"peak: fp16 {out.get('fp16_tflops', float('nan')):.0f} TFLOP/s, "
+        f"int8 {out.get('int8_tops', float('nan')):.0f} TOPS "
         f"(row-major B: {out.get('int8_row_major_b_tops', float('nan')):.0f})")
     return out
 
 
-MODEL_SHAPES = [(768, 768), (768, 3072), (3072, 768), (384, 384), (384, 1536), (1536, 384)]  # (K, N) of BERT-base, MiniLM
+# (K, N) of BERT-base, MiniLM
+MODEL_SHAPES = [(768, 768), (768, 3072), (3072, 768), (384, 384), (384, 1536), (1536, 384)]
 
 
 def shape_rank(kn: tuple[int, int]) -> int:
@@ -188,7 +191,8 @@ def section_gemm(run: Run) -> dict[str, Any]:
         for M in args.m_list:
             row: dict[str, Any] = {"K": K, "N": N, "M": M}
             xs = {
-                "fp16": None if run.smoke else [torch.randn(M, K, device="cuda", generator=gen).half() for _ in range(inner)],
+                "fp16": None if run.smoke else [torch.randn(M, K, device="cuda", generator=gen).half()
+                                                for _ in range(inner)],
                 "int8": None if run.smoke else [_rand_nonzero_int8((M, K), "cuda", gen) for _ in range(inner)],
                 "fp32": [torch.randn(M, K, generator=gen) for _ in range(inner)] if run.smoke else None,
             }
@@ -285,7 +289,8 @@ def _gemm_ratios(row: dict[str, Any]) -> None:
     def t(name):
         return row.get(name, {}).get("median_ms")
 
-    for a, b in (("sparse_int8", "dense_int8"), ("sparse_int8_search", "dense_int8"), ("sparse_fp16", "dense_fp16"), ("sparse_int8", "dense_fp16"),
+    for a, b in (("sparse_int8", "dense_int8"), ("sparse_int8_search", "dense_int8"),
+                 ("sparse_fp16", "dense_fp16"), ("sparse_int8", "dense_fp16"),
                  ("dense_int8", "dense_fp16"), ("int8_reference_cpu", "dense_fp32_cpu")):
         if t(a) and t(b):
             row[f"{a}_over_{b}"] = t(b) / t(a)

@@ -91,7 +91,8 @@ def measure(run: Run, fn: Callable[[int], Any], *, warmup: int | None = None, it
         times = [s.elapsed_time(e) for s, e in events]
     times = [t / per_call for t in times]
     q = sorted(times)
-    return {"median_ms": statistics.median(times), "p10_ms": q[len(q) // 10], "p90_ms": q[min(len(q) - 1, (9 * len(q)) // 10)],
+    return {"median_ms": statistics.median(times), "p10_ms": q[len(q) // 10],
+            "p90_ms": q[min(len(q) - 1, (9 * len(q)) // 10)],
             "n": len(times)}
 
 

@@ -20,8 +20,8 @@ def load_packed_checkpoint(run: Run):
     else:
         packed = Path(run.args.carry) / "checkpoint"
         if not (packed / WEIGHTS).is_file():
-            raise FileNotFoundError(f"{packed} has no packed checkpoint: run python -m bench.gpu.bundle CHECKPOINT first "
-                                    "and copy .carry here")
+            raise FileNotFoundError(f"{packed} has no packed checkpoint: run python -m bench.gpu.bundle CHECKPOINT "
+                                    "first and copy .carry here")
     art = unpack(packed, tmp / "ckpt")
     return load_artifact(art.path), packed
 

@@ -165,7 +165,8 @@ def section_parity(run: Run) -> dict[str, Any]:
         return {"error": "no implementation produced logits", "variants": variants}
     head = variants[head_name]
     res = {
-        "data": source, "ours": head_name, "reference": "checkpoint fake-quant model, integer-exact GEMMs (compress.quant.input_quantizers, exact=True)",
+        "data": source, "ours": head_name,
+        "reference": "checkpoint fake-quant model, integer-exact GEMMs (compress.quant.input_quantizers, exact=True)",
         "rows": int(len(y)), "max_abs_logit_diff": head["max_abs_logit_diff"],
         "mean_abs_logit_diff": head["mean_abs_logit_diff"], "argmax_agreement": head["argmax_agreement"],
         "accuracy_ours": head["accuracy"], "accuracy_reference": float((w.argmax(-1) == y).mean()),

@@ -31,7 +31,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, evaluated on what was measured (None where not measured)."""
     out = []
     enc = report["sections"].get("encoder", {}).get("models", {})
-    bert = next((v for k, v in enc.items() if k.startswith("BERT-base") and isinstance(v, dict) and "variants" in v), None)
+    bert = next((v for k, v in enc.items()
+                 if k.startswith("BERT-base") and isinstance(v, dict) and "variants" in v), None)
 
     def cell(variant, b="128"):
         if not bert:
@@ -62,7 +63,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     gemm = report["sections"].get("gemm", {}).get("rows", [])
     if gemm:
         big = max(r["M"] for r in gemm)
-        ratios = [r.get("sparse_int8_over_dense_int8") for r in gemm if r["M"] == big and r.get("sparse_int8_over_dense_int8")]
+        ratios = [r.get("sparse_int8_over_dense_int8") for r in gemm
+                  if r["M"] == big and r.get("sparse_int8_over_dense_int8")]
         out.append({"target": f"per-GEMM 2:4 INT8 >= 1.5x dense INT8 at M={big} (median over K,N)",
                     "value": statistics.median(ratios) if ratios else None, "threshold": 1.5})
         searched = [r.get("sparse_int8_search_over_dense_int8") for r in gemm
@@ -142,10 +144,12 @@ def _md_head(report: dict[str, Any]) -> list[str]:
     if report.get("merged_from"):
         L += [f"Merged from {len(report['merged_from'])} runs on the same machine kind, started at "
               + ", ".join(f"{str(d)[11:16]}" for d in report["merged_from"])
-              + " UTC (`python -m bench.gpu.run --merge`): sections and GEMM rows each come whole from one run; an encoder "
+              + " UTC (`python -m bench.gpu.run --merge`): sections and GEMM rows each come whole "
+              "from one run; an encoder "
               "variant marked with a run's time was measured in that run, not beside the rest of its table.", ""]
     if report.get("rerendered"):
-        L += ["Rendered again from this run's results.json by a later `python -m bench.gpu.run --merge`: the measurements are the "
+        L += ["Rendered again from this run's results.json by a later "
+              "`python -m bench.gpu.run --merge`: the measurements are the "
               "run's own; the targets are judged as that version of the script judges them.", ""]
     if "targets" in report:
         L += ["## Targets", "", "| target | measured | threshold | met |", "| --- | --- | --- | --- |"]
@@ -200,7 +204,8 @@ def _md_gemm(report: dict[str, Any]) -> list[str]:
             q = r["quantize"]
             same = next((x for x in gm["rows"] if x["K"] == r["K"] and x["N"] == r["K"] and x["M"] == r["M"]), {})
             L.append(f"| {r['K']} | {r['M']} | {fmt(q.get('torch_ops', {}).get('median_ms'))} | "
-                     f"{fmt(q.get('triton', {}).get('median_ms'))} | {fmt(q.get('triton', {}).get('gb_per_s_min_traffic'))} | "
+                     f"{fmt(q.get('triton', {}).get('median_ms'))} | "
+                     f"{fmt(q.get('triton', {}).get('gb_per_s_min_traffic'))} | "
                      f"{fmt(same.get('sparse_int8', {}).get('median_ms'))} |")
         L.append("")
     return L
@@ -216,7 +221,8 @@ def _md_encoder(report: dict[str, Any]) -> list[str]:
             continue
         bs = [str(b) for b in en.get("batches", [])]
         L += [f"## Whole encoder: {label}, seq {en.get('seq')}", "",
-              f"Shape: {m['config']}. Cells: median latency ms / sequences per s / speed-up over FP eager (transformers); "
+              f"Shape: {m['config']}. Cells: median latency ms / sequences per s / "
+              "speed-up over FP eager (transformers); "
               "vs best dense: the fastest dense peer's median at that batch over this one's (above 1: faster than "
               "every dense peer).",
               "", "| variant | kind | " + " | ".join(f"batch {b} | vs best dense" for b in bs) + " |",
@@ -260,7 +266,8 @@ def _md_parity(report: dict[str, Any]) -> list[str]:
         if "error" in par:
             L.append(f"not measured: {par['error']}")
         else:
-            L += [f"Reference: {par['reference']}, on {par['data']}: accuracy {100 * par['accuracy_reference']:.2f}%.", "",
+            L += [f"Reference: {par['reference']}, on {par['data']}: "
+                  f"accuracy {100 * par['accuracy_reference']:.2f}%.", "",
                   "| implementation | argmax agreement | max abs Δlogit | mean abs Δlogit | accuracy | export check |",
                   "| --- | --- | --- | --- | --- | --- |"]
             for name, v in (par.get("variants") or {par["ours"]: {
@@ -270,7 +277,8 @@ def _md_parity(report: dict[str, Any]) -> list[str]:
                     L.append(f"| {name} | {v['error']} | | | | |")
                     continue
                 L.append(f"| {name} | {100 * v['argmax_agreement']:.2f}% | {v['max_abs_logit_diff']:.4f} | "
-                         f"{v['mean_abs_logit_diff']:.5f} | {100 * v['accuracy']:.2f}% | {_check_cell(v.get('check'))} |")
+                         f"{v['mean_abs_logit_diff']:.5f} | {100 * v['accuracy']:.2f}% | "
+                         f"{_check_cell(v.get('check'))} |")
             L += ["", "Target: argmax agreement ≥ 99.5% for the served configuration (the first row). Export check: "
                   "the rule `holoserve export` applies (FP32: at most 1 % of the predictions change; FP16, a precision "
                   "change on purpose: the changed rows may not change the accuracy, McNemar p ≥ 0.05)."]
@@ -285,7 +293,8 @@ def _md_tail(report: dict[str, Any]) -> list[str]:
          f"- `python3 -c \"import tensorrt\"`: rc {env.get('tensorrt_import', {}).get('rc')} — "
          f"{_last_line(env.get('tensorrt_import', {}).get('out'))}",
          f"- `ldconfig -p | grep nvinfer`: {_last_line(env.get('nvinfer_libs', {}).get('out')) or '(nothing)'}"
-         + (f" ({len(env['nvinfer_libs']['out'].splitlines())} lines)" if env.get('nvinfer_libs', {}).get('out') else ""),
+         + (f" ({len(env['nvinfer_libs']['out'].splitlines())} lines)"
+            if env.get('nvinfer_libs', {}).get('out') else ""),
          f"- trtexec: {env.get('trtexec') or '(not on PATH)'}", ""]
     if env.get("tensorrt_engine"):
         L.append(env["tensorrt_engine"])
@@ -313,7 +322,8 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
     gm = report["sections"].get("gemm", {}).get("rows", [])
     if gm:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        pairs = [("sparse_int8_over_dense_int8", "2:4 INT8 / dense INT8"), ("sparse_fp16_over_dense_fp16", "2:4 FP16 / dense FP16")]
+        pairs = [("sparse_int8_over_dense_int8", "2:4 INT8 / dense INT8"),
+                 ("sparse_fp16_over_dense_fp16", "2:4 FP16 / dense FP16")]
         if report["mode"] == "cpu-smoke":
             pairs = [("int8_reference_cpu_over_dense_fp32_cpu", "INT8 reference / FP32 (CPU)")] * 2
         for ax, (key, title) in zip(axes, pairs):
@@ -342,7 +352,8 @@ def write_plots(report: dict[str, Any], out: Path) -> list[str]:
             for i, (name, r) in enumerate(m["variants"].items()):
                 if not isinstance(r, dict):
                     continue
-                pts = [(int(b), c["seq_per_s"]) for b, c in r.items() if b.isdigit() and isinstance(c, dict) and "seq_per_s" in c]
+                pts = [(int(b), c["seq_per_s"]) for b, c in r.items()
+                       if b.isdigit() and isinstance(c, dict) and "seq_per_s" in c]
                 if pts:
                     pts.sort()
                     ours = "ours" in name or "backend" in name  # ours solid, the baselines dashed
@@ -438,7 +449,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     enc = out["sections"].get("encoder", {})
     for entry in (enc.get("models") or {}).values():  # best dense over the merged variants (older runs: added)
         if isinstance(entry, dict) and "variants" in entry:
-            batches = sorted({int(b) for r in entry["variants"].values() if isinstance(r, dict) for b in r if b.isdigit()})
+            batches = sorted({int(b) for r in entry["variants"].values() if isinstance(r, dict)
+                              for b in r if b.isdigit()})
             encoder_ratios(entry, batches, enc.get("seq"))
     rows = out["sections"].get("gemm", {}).get("rows", [])
     rows.sort(key=lambda x: (shape_rank((x["K"], x["N"])), x["K"], x["N"], x["M"]))

@@ -79,7 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=128, help="encoder sequence length")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--gemm-inner", type=int, default=8, help="distinct input buffers per GEMM timing (graph of N calls)")
+    ap.add_argument("--gemm-inner", type=int, default=8,
+                    help="distinct input buffers per GEMM timing (graph of N calls)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip remaining work after this many seconds")
     ap.add_argument("--no-torchao", action="store_true", help="leave out the torchao variants")
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
@@ -88,7 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "cpu-smoke: default)")
     ap.add_argument("--models", default=",".join(ENCODER_MODELS),
                     help="encoder models: checkpoint (the one in --carry, MiniLM), bert-base (random weights)")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no CUDA calls (tests the pipeline)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="tiny shapes on the CPU, no CUDA calls (tests the pipeline)")
     args = ap.parse_args(argv)
     args.kn_list = [int(x) for x in args.kn.split(",") if x]
     args.m_list = [int(x) for x in args.m.split(",") if x]

@@ -292,7 +292,8 @@ def bounded_failures(res: dict) -> dict[str, int]:
         add(f"{name}: neighbour request failed", n["failed"])
         add(f"{name}: a neighbour waited over {MAX_WAIT_MS:g} ms", n["max_ms"] > MAX_WAIT_MS)
         add(f"{name}: peak RSS over {MAX_PEAK_MB:g} MB", r["rss_peak_mb"] > MAX_PEAK_MB)
-        add(f"{name}: RSS after more than {MAX_AFTER_MB:g} MB over idle", r["rss_after_mb"] - r["rss_idle_mb"] > MAX_AFTER_MB)
+        add(f"{name}: RSS after more than {MAX_AFTER_MB:g} MB over idle",
+            r["rss_after_mb"] - r["rss_idle_mb"] > MAX_AFTER_MB)
         if name == "non_reader":
             add("non_reader: closed more or less than once", sum(r["closed"].values()) != 1)
     return out

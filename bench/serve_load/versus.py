@@ -134,7 +134,8 @@ def measure(args: argparse.Namespace, texts: list[str], out_dir: Path) -> dict:
             dense_rps = level["dense"]["throughput_rps"]
             level["throughput_ratio"] = round(level["ours"]["throughput_rps"] / dense_rps, 3) if dense_rps else None
             res["levels"].append(level)
-            print(f"clients {c:4d}: ours {level['ours']['throughput_rps']:9.1f} req/s (p50 {level['ours'].get('p50_ms')} "
+            print(f"clients {c:4d}: ours {level['ours']['throughput_rps']:9.1f} req/s "
+                  f"(p50 {level['ours'].get('p50_ms')} "
                   f"ms)  {_dense_label(args)} {dense_rps:9.1f} req/s (p50 {level['dense'].get('p50_ms')} ms)  "
                   f"ratio {level['throughput_ratio']}", flush=True)
     return res
@@ -176,7 +177,8 @@ def markdown(res: dict) -> str:
              f"Ours: {res['servers']['ours']['checkpoint']}, {ours_info.get('backend')}"
              + (f", route {ours_info.get('route')}: buckets on dense INT8: {dense_buckets(ours_info) or 'none'}"
                 if "routes" in ours_info else "") + ".", "",
-             "| clients | ours req/s | dense req/s | ratio | ours p50 / p99 ms | dense p50 / p99 ms | mean batch ours / dense "
+             "| clients | ours req/s | dense req/s | ratio | ours p50 / p99 ms | dense p50 / p99 ms "
+             "| mean batch ours / dense "
              "| non-200 ours / dense |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for lv in res["levels"]:
         o, d = lv["ours"], lv["dense"]
