@@ -258,7 +258,8 @@ class GuidedAdmm:
     d_j = importance_j^2 / mean(importance^2): the metric whose 2:4 choice (|w| x importance) makes the Z-step,
     so Z is the minimiser, over the set, of the penalty it enters. ρ is constant (cfg.guide_rho). Every
     cfg.interval steps, until cfg.guide_until of the steps, Z = Π(W + U) (2:4 by that metric, then the row's
-    INT8 grid), U += W - Z, and the forward's mask becomes Z's; after that the mask stays, so the last steps train the final mask. The masks at
+    INT8 grid), U += W - Z, and the forward's mask becomes Z's; after that the mask stays, so the last steps train
+    the final mask. The masks at
     the end are Z's (no mask rebuilt from W). Same interface as Admm (penalty_loss, penalty_step, update, state).
     """
 

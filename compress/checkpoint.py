@@ -83,7 +83,8 @@ def save_checkpoint(
     set_label_config(model, task)
     sparsity = None
     if sparse_layers:
-        sparsity = {"pattern": f"{nm[0]}:{nm[1]}", "n": nm[0], "m": nm[1], "axis": "input", "layers": list(sparse_layers)}
+        sparsity = {"pattern": f"{nm[0]}:{nm[1]}", "n": nm[0], "m": nm[1], "axis": "input",
+                    "layers": list(sparse_layers)}
     quantization = None
     if weight_scales:
         quantization = Quantization(
@@ -105,9 +106,11 @@ def save_checkpoint(
     )
     with tempfile.TemporaryDirectory(prefix="holoserve-save-") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        files: dict[str, Any] = {"config.json": Path(tmp) / "config.json", "model.safetensors": Path(tmp) / "model.safetensors"}
+        files: dict[str, Any] = {"config.json": Path(tmp) / "config.json",
+                                 "model.safetensors": Path(tmp) / "model.safetensors"}
         if not files["model.safetensors"].is_file():
-            raise ArtifactError("save_pretrained did not write a single model.safetensors (sharded models are not supported)")
+            raise ArtifactError("save_pretrained did not write a single model.safetensors "
+                                "(sharded models are not supported)")
         for name in TOKENIZER_FILES:
             if (tokenizer_dir / name).is_file():
                 files[name] = tokenizer_dir / name

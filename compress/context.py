@@ -339,7 +339,8 @@ class CompressionContext:
             if meta_path.is_file():
                 meta = json.loads(meta_path.read_text())
                 if meta.get("task") != self.task.name:
-                    raise HoloServeError(f"--teacher {folder} was fine-tuned on {meta.get('task')!r}, not {self.task.name!r}")
+                    raise HoloServeError(f"--teacher {folder} was fine-tuned on {meta.get('task')!r}, "
+                                         f"not {self.task.name!r}")
                 metrics = meta["dev"]
                 phases["dense"] = {**meta.get("result", {}), "reused": True}
                 if request.dev_limit:  # a different dev subset: measure again

@@ -12,7 +12,13 @@ from pathlib import Path
 
 from holoserve import HoloServeError
 from holoserve.cli_options import advanced
-from holoserve.core.choices import EVAL_BACKEND_ALIASES, EVAL_BACKENDS, OPENVINO_KERNELS, OPENVINO_KERNELS_DEFAULT, OPENVINO_PRECISIONS
+from holoserve.core.choices import (
+    EVAL_BACKEND_ALIASES,
+    EVAL_BACKENDS,
+    OPENVINO_KERNELS,
+    OPENVINO_KERNELS_DEFAULT,
+    OPENVINO_PRECISIONS,
+)
 from holoserve.core.manifest import ONNXRUNTIME, TENSORRT_ONNX
 
 

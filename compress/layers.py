@@ -140,7 +140,8 @@ def ffn_activation_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
     _, stack = encoder_layer_stack(model)
     slots = []
     for layer in stack:
-        found = [(m, a) for m in layer.modules() for a in _FFN_ACTIVATION_ATTRS if isinstance(getattr(m, a, None), nn.Module)]
+        found = [(m, a) for m in layer.modules() for a in _FFN_ACTIVATION_ATTRS
+                 if isinstance(getattr(m, a, None), nn.Module)]
         if len(found) != 1:
             raise _refuse(model, f"found {len(found)} FFN activations in one encoder layer, expected 1")
         slots.append(found[0])

@@ -178,7 +178,8 @@ class AdmmMethod(_TeacherStudentMethod):
                 amax = ctx.calibrate(student, layers, tensorrt=False)  # the TensorRT ranges come after projection
                 quantized_inputs = lambda: input_quantizers(student, amax, layers)  # noqa: E731
             res = train_phase("admm", student, p.admm, ctx.kd_train, p, request.seed + 1, ctx.state_dir,
-                              ctx.train_options(teacher=teacher, distill=p.distill, admm=admm, context=quantized_inputs))
+                              ctx.train_options(teacher=teacher, distill=p.distill, admm=admm,
+                                                context=quantized_inputs))
             resid = admm.residual()
             pre = ctx.dev_metrics(student)
             moves = admm.mask_moves

@@ -86,7 +86,8 @@ def check_preset_settings(preset: Preset, method: str) -> None:
         raise HoloServeError("activation_ramp needs activation (e.g. --set activation=relu): without it the student "
                              "keeps the teacher's activation and there is nothing to ramp")
     if ramp and not get_method(method).qat:
-        raise HoloServeError(f"activation_ramp moves the activation during QAT, and --method {method} has no QAT phase: "
+        raise HoloServeError(f"activation_ramp moves the activation during QAT, and --method {method} "
+                             "has no QAT phase: "
                              "use --method oneshot or admm, or set activation_ramp=0")
     d = preset.distill
     if d.augment < 0:

@@ -338,9 +338,9 @@ def calibrate_tensorrt_amax(model: nn.Module, layers: Iterable[str],
     observe(residual_only=False)
     unseen = [a for a in sites.attention if softmax_key(a) not in seen]
     if unseen:
-        raise HoloServeError(f"tensorrt_qat: the attention of {type(model).__name__} does not run through transformers' "
-                             f"attention interface, so its softmax cannot be quantized in QAT ({unseen[0]}); "
-                             "leave tensorrt_qat off for this model")
+        raise HoloServeError(f"tensorrt_qat: the attention of {type(model).__name__} does not run through "
+                             "transformers' attention interface, so its softmax cannot be quantized in QAT "
+                             f"({unseen[0]}); leave tensorrt_qat off for this model")
     measure[0] = True
     observe(residual_only=True)
     sqnr = {k: sqnr_db(*sums[k]) for k in sites.residual_keys()}

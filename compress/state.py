@@ -23,7 +23,8 @@ def _contiguous(t: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().clone() for k, v in t.items()}
 
 
-def save_state(folder: str | os.PathLike, name: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+def save_state(folder: str | os.PathLike, name: str, tensors: Mapping[str, torch.Tensor],
+               meta: Mapping[str, Any]) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tpath = folder / f"{name}.safetensors"

@@ -99,7 +99,8 @@ class StepProfiler:
             report.update({"kernel_ms_per_step": round(device_us / 1000 / steps, 3),
                            "kernels_per_step": round(kernels / steps, 1),
                            "top_kernels": [{"name": k[:120], "ms_per_step": round(us / 1000 / steps, 4),
-                                            "calls_per_step": round(c / steps, 1)} for us, k, c in sorted(top)[::-1][:12]]})
+                                            "calls_per_step": round(c / steps, 1)}
+                                           for us, k, c in sorted(top)[::-1][:12]]})
         out = Path(os.environ.get(PROFILE_DIR_ENV) or ".") / f"{self.name}-profile.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         from holoserve.core.files import atomic_write_json
@@ -268,7 +269,8 @@ def train_phase(
             if admm is not None:
                 post["rho"] = f"{admm.rho:.2g}"
             bar.update(1, **post)
-            if state_dir is not None and preset.save_every and (step + 1) % preset.save_every == 0 and step + 1 < cfg.steps:
+            if (state_dir is not None and preset.save_every and (step + 1) % preset.save_every == 0
+                    and step + 1 < cfg.steps):
                 checkpoint(step + 1, time.perf_counter() - t0)
     bar.close()
     tail = losses[-50:]  # empty for a skipped (0-step) phase: no loss, not NaN (the manifest is strict JSON)

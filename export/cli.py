@@ -159,14 +159,16 @@ def run(args: argparse.Namespace) -> int:
     for t in targets:
         e = res.entries[MANIFEST_KEYS[t]]
         emb = "int8" if isinstance(e.get("word_embeddings"), dict) else "fp32"
-        print(f"{t}: {res.out_dir / e['file']}  {e['bytes'] / 1e6:.1f} MB ({e['size_ratio_vs_fp32']}x smaller than fp32), "
-              f"{e['activation_qdq_pairs']} activation Q/DQ, {e['weight_dequantize']} int8 weights, {emb} word embeddings")
+        print(f"{t}: {res.out_dir / e['file']}  {e['bytes'] / 1e6:.1f} MB ({e['size_ratio_vs_fp32']}x smaller "
+              f"than fp32), {e['activation_qdq_pairs']} activation Q/DQ, {e['weight_dequantize']} int8 weights, "
+              f"{emb} word embeddings")
         if isinstance(e.get("attention"), dict):
             print(f"  attention: {e['attention']['blocks']} blocks fused into {e['attention']['op']}")
         ops = e.get("fused_ops") or {}
         if ops.get("integer_matmuls"):
             mm = ops["integer_matmuls"]
-            print(f"  Linears: {mm['matmuls']} written as MatMulIntegerToFloat, {mm['bias_folded']} with the bias folded in")
+            print(f"  Linears: {mm['matmuls']} written as MatMulIntegerToFloat, "
+                  f"{mm['bias_folded']} with the bias folded in")
         if ops.get("fast_gelu"):
             print(f"  tanh GELU: {ops['fast_gelu']} written as FastGelu")
         if ops.get("classifier_row", {}).get("row_nodes"):
@@ -185,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
         if "dev_metric_ort" in v:
             print(f"  dev metric ORT {v['dev_metric_ort']} vs PyTorch fake-quant {v['dev_metric_pytorch_fakequant']}")
         if "changed_predictions" in v:
-            print(f"  dev predictions changed: {v['changed_predictions']} (allowed {v['allowed_changed_predictions']}); "
+            print(f"  dev predictions changed: {v['changed_predictions']} "
+                  f"(allowed {v['allowed_changed_predictions']}); "
                   f"right only here {v['right_here_only']}, only in the PyTorch model {v['right_in_reference_only']} "
                   f"(McNemar p = {v['mcnemar_exact_p']:.3g})")
         if "parity_vs_pytorch_tensorrt_qat" in v:
@@ -197,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
                 line += f"; their dev metric {v['dev_metric_pytorch_tensorrt_qat']}"
             print(line)
         if "dev_metric_checkpoint_numerics" in v:
-            print(f"  (int8 word embeddings: the checkpoint's own numerics score {v['dev_metric_checkpoint_numerics']})")
+            print(f"  (int8 word embeddings: the checkpoint's own numerics score "
+                  f"{v['dev_metric_checkpoint_numerics']})")
         if "dev_metric_openvino" in v or "parity_openvino_vs_pytorch_fakequant" in v:
             po = v["parity_openvino_vs_pytorch_fakequant"]
             print(f"  OpenVINO: dev metric {v.get('dev_metric_openvino')}, argmax agreement "
@@ -205,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
                   f"sparse weights {v['openvino_sparse_weights']}")
             rows = v.get("openvino_vs_pytorch_fakequant_rows", {})
             if "mcnemar_exact_p" in rows:
-                print(f"  OpenVINO vs PyTorch fake-quant, row by row: right only in OpenVINO {rows['right_here_only']}, "
+                print(f"  OpenVINO vs PyTorch fake-quant, row by row: right only in OpenVINO "
+                      f"{rows['right_here_only']}, "
                       f"only in PyTorch {rows['right_in_reference_only']} (McNemar p {rows['mcnemar_exact_p']:.2f})")
         elif "openvino" in v:
             print(f"  OpenVINO: {v['openvino']}")

@@ -163,7 +163,7 @@ def _logger(trt, lines: list[str], verbose: bool):
         def __init__(self):
             trt.ILogger.__init__(self)
 
-        def log(self, severity, msg):  # noqa: A003 - TensorRT's interface
+        def log(self, severity, msg):  # the name and signature TensorRT calls
             lines.append(f"[{str(severity).rsplit('.', 1)[-1]}] {msg}")
             if verbose and severity in (trt.ILogger.Severity.ERROR, trt.ILogger.Severity.INTERNAL_ERROR):
                 print(msg)

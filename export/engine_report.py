@@ -345,7 +345,8 @@ def precision_summary(flavour: Flavour, fp16: bool, graph_types: Mapping[str, in
     elif engine_types:
         text = head + f"; outside Q/DQ the engine runs {runs_in(engine_types)} (FP16 allowed, chosen per layer)"
     else:
-        text = head + "; outside Q/DQ FP16 is allowed and the builder chooses per layer (layer information not available)"
+        text = head + ("; outside Q/DQ FP16 is allowed and the builder chooses per layer "
+                       "(layer information not available)")
     if flavour.precision_flags_deprecated:
         text += "; the INT8/FP16 builder flags are deprecated since TensorRT 10.12"
     return text

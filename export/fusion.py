@@ -305,7 +305,8 @@ def _reads(node) -> set[str]:
     out = {i for i in node.input if i}
     for a in node.attribute:
         for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-            inner = {o for n in sub.node for o in n.output} | {i.name for i in sub.input} | {t.name for t in sub.initializer}
+            inner = ({o for n in sub.node for o in n.output} | {i.name for i in sub.input}
+                     | {t.name for t in sub.initializer})
             out |= {t for n in sub.node for t in _reads(n)} - inner
     return out
 

@@ -191,7 +191,8 @@ def quantize_weight(model, site: LinearSite, scales: np.ndarray) -> None:
     q = weight_codes(w, scales)
     qb = q.T if site.transposed else q
     base = site.layer
-    qname, sname, zname, dq_out = f"{base}.weight_int8", f"{base}.weight_scale", f"{base}.weight_zero_point", f"{base}.weight_dq"
+    qname, sname, zname, dq_out = (f"{base}.weight_int8", f"{base}.weight_scale", f"{base}.weight_zero_point",
+                                   f"{base}.weight_dq")
     g.initializer.remove(init)
     g.initializer.extend(
         [
@@ -322,7 +323,8 @@ def residual_tensors(model, sites: list[LinearSite]) -> list[str]:
     return list(dict.fromkeys(t for n in residual_adds(model, sites) for t in n.input))
 
 
-def tensorrt_extra_tensors(model, sites: list[LinearSite], float_tensors: Iterable[str] = ()) -> list[tuple[str, str, int]]:
+def tensorrt_extra_tensors(model, sites: list[LinearSite],
+                           float_tensors: Iterable[str] = ()) -> list[tuple[str, str, int]]:
     """(tensor, consumer node name, input index) for each extra QDQBERT quantization point: the attention
     MatMul inputs and the residual Adds' inputs, less the residual inputs in `float_tensors`."""
     keep_float = set(float_tensors)
@@ -365,7 +367,8 @@ def apply_placement(
     for s in sites:
         key = act_key(s.layer)
         if key not in act_amax:
-            raise ValueError(f"the manifest has no activation range {key!r}; re-run calibration in `holoserve compress`")
+            raise ValueError(f"the manifest has no activation range {key!r}; "
+                             "re-run calibration in `holoserve compress`")
         groups.setdefault((s.activation, float(act_amax[key])), []).append(s)
     for (tensor, amax), members in groups.items():
         uses = []

@@ -202,7 +202,8 @@ def verify_exports(art: Artifact, model, opts: ExportOptions, built: BuiltExport
             if built.lossy_embeddings:
                 v["dev_metric_checkpoint_numerics"] = ckpt_metric  # what `holoserve eval` computes
                 v["reference_note"] = "PyTorch fake-quant reference uses the same int8 word-embedding table"
-        if t == "tensorrt" and built.tensorrt_qat:  # the numerics TensorRT QAT trained: model.trt.onnx must compute them
+        # the numerics TensorRT QAT trained: model.trt.onnx must compute them
+        if t == "tensorrt" and built.tensorrt_qat:
             ref_trt = reference_logits(model, art, batches, tensorrt=True)
             v["parity_vs_pytorch_tensorrt_qat"] = checks.parity(got, ref_trt) | {"rows_source": rows.source}
             if labels is not None:

@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'auto' (the one `holoserve serve --backend auto` would pick)")
     p.add_argument("--batch", type=_ints, default=[1, 8, 32], help="batch sizes, comma-separated (default 1,8,32)")
     p.add_argument("--seq", type=_ints, default=None,
-                   help="sequence lengths, comma-separated (default 128, or the checkpoint's max_seq_length if shorter)")
+                   help="sequence lengths, comma-separated (default 128, or the checkpoint's max_seq_length "
+                        "if shorter)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per configuration (default 5)")
     p.add_argument("--iters", type=int, default=30, help="timed calls per configuration (default 30)")
     p.add_argument("--seed", type=int, default=0)
@@ -254,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(md)
     if not args.no_save:
-        out = Path(args.out) if args.out else Path("bench/results") / f"{datetime.now(timezone.utc):%Y-%m-%d}-holoserve-bench"
+        out = (Path(args.out) if args.out
+               else Path("bench/results") / f"{datetime.now(timezone.utc):%Y-%m-%d}-holoserve-bench")
         stem = args.name or f"holoserve-bench-{art.path.name}"
         atomic_write_json(out / f"{stem}.json", report)
         atomic_write_text(out / f"{stem}.md", md + "\n")

@@ -14,9 +14,11 @@ from . import HoloServeError, __version__
 # subcommand -> (module, help). The module provides add_arguments(parser) and run(args) -> int.
 COMMANDS = {
     "compress": ("holoserve.compress.cli", "fine-tune a BERT-family model into a 2:4 sparse INT8 checkpoint"),
-    "eval": ("holoserve.compress.evaluate_cli", "score a checkpoint on labelled dev rows (its own, --dev FILE or a GLUE split) with the export's numerics"),
+    "eval": ("holoserve.compress.evaluate_cli", "score a checkpoint on labelled dev rows (its own, --dev FILE or a "
+                                                "GLUE split) with the export's numerics"),
     "export": ("holoserve.export.cli", "export a checkpoint to ONNX with QDQ nodes"),
-    "build-engine": ("holoserve.export.engine_cli", "build a TensorRT engine (INT8 + sparse weights) from ONNX or a checkpoint"),
+    "build-engine": ("holoserve.export.engine_cli", "build a TensorRT engine (INT8 + sparse weights) "
+                                                    "from ONNX or a checkpoint"),
     "tune": ("holoserve.tune_cli", "time this machine's CPU backends on the checkpoint's dev texts and write the "
                                    "serving profile that `serve --backend auto` follows without timing at start-up"),
     "serve": ("holoserve.serve_cli", "serve a checkpoint over HTTP (POST /predict)"),

@@ -13,7 +13,8 @@ from .server.config import TOKEN_ENV, ServerConfig, choices_of, env_name
 
 
 def flag_name(name: str) -> str:
-    """The flag of a ServerConfig field: --max-batch-size for max_batch_size, --graceful-timeout for graceful_timeout_s."""
+    """The flag of a ServerConfig field: --max-batch-size for max_batch_size,
+    --graceful-timeout for graceful_timeout_s."""
     return "--" + name.replace("_", "-").removesuffix("-s")
 
 
@@ -71,7 +72,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         if v is not None and f.name != "api_token":
             setattr(cfg, f.name, v)
     if not cfg.artifact_dir:
-        raise HoloServeError(f"give the checkpoint folder: holoserve serve ARTIFACT_DIR (or set {env_name('artifact_dir')})")
+        raise HoloServeError("give the checkpoint folder: holoserve serve ARTIFACT_DIR "
+                             f"(or set {env_name('artifact_dir')})")
     backends = choices_of(_field("backend"))
     if cfg.backend not in backends:
         raise HoloServeError(f"unknown backend {cfg.backend!r}: choose one of {', '.join(backends)}")

@@ -54,8 +54,8 @@ def _precheck(name: str, artifact: Artifact, gpu: bool, options: dict[str, Any] 
         except BackendUnavailable as e:
             return str(e)
         if TENSORRT_ENGINE not in exports and mode == "never" and not trt_backend.engines_on_disk(artifact, options):
-            return ("the checkpoint has no TensorRT engine (holoserve build-engine, or HOLOSERVE_BUILD_ENGINE=if-missing "
-                    "to build one at start-up)")
+            return ("the checkpoint has no TensorRT engine (holoserve build-engine, or "
+                    "HOLOSERVE_BUILD_ENGINE=if-missing to build one at start-up)")
         if not gpu:
             return "no NVIDIA GPU visible"
     if name == "torch-cuda":
@@ -260,7 +260,8 @@ def _kernels_note(backend: Backend) -> str:
     return f" with the 2:4 kernels {status}" if status else ""
 
 
-def select_backend(artifact: Artifact, *, order: tuple[str, ...] = ORDER, **options: Any) -> tuple[Backend, dict[str, Any]]:
+def select_backend(artifact: Artifact, *, order: tuple[str, ...] = ORDER,
+                   **options: Any) -> tuple[Backend, dict[str, Any]]:
     """Load the first backend in `order` that works here. Returns (backend, decision)."""
     gpu = nvidia_gpu_visible()
     skipped: dict[str, str] = {}

@@ -142,12 +142,14 @@ def read_sidecar(path: Path) -> dict[str, Any]:
 
 
 def runtime_module(sidecar: Mapping[str, Any]) -> tuple[str, str]:
-    """(flavour, Python module) that must load this plan: ("tensorrt", "tensorrt") or ("tensorrt-rtx", "tensorrt_rtx")."""
+    """(flavour, Python module) that must load this plan: ("tensorrt", "tensorrt") or
+    ("tensorrt-rtx", "tensorrt_rtx")."""
     built = sidecar.get("tensorrt") or {}
     flavour = str(built.get("flavour") or "")
     module = str(built.get("module") or flavour.replace("-", "_"))
     if module not in LIBRARIES or flavour not in ("tensorrt", "tensorrt-rtx"):
-        raise BackendUnavailable(f"the engine sidecar names an unknown TensorRT flavour {flavour!r}; rebuild the engine")
+        raise BackendUnavailable(f"the engine sidecar names an unknown TensorRT flavour {flavour!r}; "
+                                 "rebuild the engine")
     return flavour, module
 
 

@@ -340,11 +340,13 @@ def verify_weights(path: Path, manifest: Manifest) -> None:
                 _require(
                     is_on_int8_grid(w, np.asarray(scales, dtype=np.float32)),
                     path,
-                    f"layer {layer!r} is not exactly int8 x per-channel scale in {WEIGHTS}; re-run `holoserve compress`",
+                    f"layer {layer!r} is not exactly int8 x per-channel scale in {WEIGHTS}; "
+                    "re-run `holoserve compress`",
                 )
         for table, entry in sorted(tables.items()):
             key = f"{table}.weight"
-            _require(key in keys, path, f"embedding {table!r} is listed in manifest.json but {key!r} is not in {WEIGHTS}")
+            _require(key in keys, path, f"embedding {table!r} is listed in manifest.json but {key!r} "
+                                        f"is not in {WEIGHTS}")
             w = f.get_tensor(key)
             _require(
                 len(entry.scales) == w.shape[0],

@@ -204,7 +204,8 @@ def _slug(text: str) -> str:
 
 
 def engine_cache_key(flavour: str, version: str, target: Mapping[str, Any]) -> str:
-    """Folder name for one TensorRT build + GPU: "tensorrt-10.5.0.18-sm86-nvidia-a10", "tensorrt-rtx-1.7.1.116-portable"."""
+    """Folder name for one TensorRT build + GPU: "tensorrt-10.5.0.18-sm86-nvidia-a10",
+    "tensorrt-rtx-1.7.1.116-portable"."""
     if target.get("portable"):
         ccs = [normalize_cc(c) for c in target.get("compute_capabilities") or RTX_PORTABLE]
         cc = "portable" if tuple(ccs) == RTX_PORTABLE else "+".join(ccs)

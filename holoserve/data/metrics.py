@@ -125,7 +125,8 @@ def prediction_check(task, got: np.ndarray, ref: np.ndarray, labels: np.ndarray,
     runs at a lower float precision on purpose) the changed rows may be more, but their accuracy may not
     differ (McNemar p >= MIN_MCNEMAR_P). `max_metric_diff` adds a fixed bound (points) on the primary metric.
     (record, why it fails or None)."""
-    return _check(task, got, ref, labels, compare_predictions(task, got, ref, labels), max_metric_diff, precision_change)
+    return _check(task, got, ref, labels, compare_predictions(task, got, ref, labels), max_metric_diff,
+                  precision_change)
 
 
 def compare_within_rounding(task, logits: np.ndarray, ref_logits: np.ndarray, labels: np.ndarray) -> dict:

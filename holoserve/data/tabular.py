@@ -82,8 +82,8 @@ def _tsv_header(src: Source) -> list[str]:
         with open(src.path, encoding=src.encoding, newline="") as f:
             first = next(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), None)
     except UnicodeDecodeError as e:
-        raise HoloServeError(f"{src.path}: not {src.encoding.upper()} text ({e.reason} at byte {e.start}); save the file "
-                             "as UTF-8") from None
+        raise HoloServeError(f"{src.path}: not {src.encoding.upper()} text ({e.reason} at byte {e.start}); "
+                             "save the file as UTF-8") from None
     if not first:
         raise HoloServeError(f"{src.path} is empty: it needs a header line and at least one row")
     return first if src.header else [str(i) for i in range(len(first))]
@@ -134,7 +134,8 @@ def read_table(src: Source) -> Table:
         except HoloServeError:
             raise
         except UnicodeDecodeError as e:
-            raise HoloServeError(f"{path}: not {src.encoding.upper()} text ({e.reason}); save the file as UTF-8") from None
+            raise HoloServeError(f"{path}: not {src.encoding.upper()} text ({e.reason}); "
+                                 "save the file as UTF-8") from None
         except Exception as e:  # datasets/pyarrow/pandas raise many types for a malformed file
             msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             if "utf-8" in msg.lower() or "decode" in msg.lower():

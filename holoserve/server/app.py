@@ -3,7 +3,8 @@ Protocol's /v2 routes (kserve.py).
 
 `create_app` wires the pieces: the settings, the `ClassifierService` (service.py) that holds the
 model, the routers (routes.py), the edge middleware (middleware.py: request ids, auth, HTTP
-metrics, access log; bodies.py: body limits and decompression) and the error handlers. Bad input always gets a 4xx JSON error of
+metrics, access log; bodies.py: body limits and decompression) and the error handlers. Bad input always
+gets a 4xx JSON error of
 one shape: {"error": {"code", "type", "message"}, "request_id"} (protocol.py).
 """
 from __future__ import annotations

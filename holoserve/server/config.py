@@ -161,7 +161,8 @@ class ServerConfig:
         if self.max_items < 1:
             problems.append("max items must be >= 1")
         if self.max_queue_size < self.max_items:
-            problems.append(f"max queue size ({self.max_queue_size}) must be >= max items per request ({self.max_items})")
+            problems.append(f"max queue size ({self.max_queue_size}) must be >= max items per request "
+                            f"({self.max_items})")
         if self.max_text_bytes < 1 or self.max_body_bytes < 64:
             problems.append("byte limits must be positive (body limit >= 64)")
         if self.max_buffered_body_bytes < self.max_body_bytes:

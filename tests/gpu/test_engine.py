@@ -23,7 +23,7 @@ pytestmark = [
 SMALL = ShapeProfile((1, 1), (4, 16), (8, 32))
 
 
-def test_datacenter_tensorrt_builds_and_reports_per_gemm(trt_export, tmp_path):  # noqa: F811
+def test_datacenter_tensorrt_builds_and_reports_per_gemm(trt_export, tmp_path):
     from holoserve.core.sidecar import current_gpu
     from holoserve.export.engine import build_engine
 
@@ -55,22 +55,25 @@ def test_datacenter_tensorrt_builds_and_reports_per_gemm(trt_export, tmp_path): 
         assert not (tmp_path / "req.plan").exists()
 
 
-def test_timing_cache_is_reused_and_a_foreign_one_replaced(trt_export, tmp_path):  # noqa: F811
+def test_timing_cache_is_reused_and_a_foreign_one_replaced(trt_export, tmp_path):
     from holoserve.export.engine import build_engine
 
     cache = tmp_path / "timing.cache"
     onnx = trt_export / "model.trt.onnx"
-    first = build_engine(onnx, tmp_path / "a.plan", EngineOptions(flavour="tensorrt", profile=SMALL, timing_cache=cache))
+    first = build_engine(onnx, tmp_path / "a.plan",
+                         EngineOptions(flavour="tensorrt", profile=SMALL, timing_cache=cache))
     assert first.sidecar["timing_cache"] == "timing.cache: created" and cache.stat().st_size > 0
-    second = build_engine(onnx, tmp_path / "b.plan", EngineOptions(flavour="tensorrt", profile=SMALL, timing_cache=cache))
+    second = build_engine(onnx, tmp_path / "b.plan",
+                          EngineOptions(flavour="tensorrt", profile=SMALL, timing_cache=cache))
     assert second.sidecar["timing_cache"] == "timing.cache: reused"
     foreign = tmp_path / "foreign.cache"
     foreign.write_bytes(b"not a cache from this GPU" * 40)
-    third = build_engine(onnx, tmp_path / "c.plan", EngineOptions(flavour="tensorrt", profile=SMALL, timing_cache=foreign))
+    third = build_engine(onnx, tmp_path / "c.plan",
+                         EngineOptions(flavour="tensorrt", profile=SMALL, timing_cache=foreign))
     assert third.sidecar_path.is_file() and "fresh cache" in third.sidecar["timing_cache"]
 
 
-def test_engine_serves_like_onnxruntime(trt_ckpt, tmp_path):  # noqa: F811
+def test_engine_serves_like_onnxruntime(trt_ckpt, tmp_path):
     from holoserve.backends import load_backend
     from holoserve.cli import main
     from holoserve.core.artifact import load_artifact
@@ -91,7 +94,7 @@ def test_engine_serves_like_onnxruntime(trt_ckpt, tmp_path):  # noqa: F811
     assert be.mem.closed
 
 
-def test_engine_built_at_start_up_and_reused(trt_ckpt, tmp_path):  # noqa: F811
+def test_engine_built_at_start_up_and_reused(trt_ckpt, tmp_path):
     from holoserve.backends import load_backend
     from holoserve.core.artifact import load_artifact
 

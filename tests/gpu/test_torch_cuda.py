@@ -136,7 +136,8 @@ def test_gpu_relu_checkpoint_takes_the_code_table_by_default(tmp_path):
     backend = load_backend("torch-cuda", load_artifact(art.path))
     info = backend.info()
     assert info["activation_table"] == "on" and info["gelu_quant_fused"], info
-    assert load_backend("torch-cuda", load_artifact(art.path), activation_table="off").info()["activation_table"] == "off"
+    assert load_backend("torch-cuda", load_artifact(art.path),
+                        activation_table="off").info()["activation_table"] == "off"
     for batch in _batches(model.config.vocab_size, n=2, b=5, s=20, seed=6):
         with torch.no_grad(), input_quantizers(model, amax, layers):
             want = model(**batch).logits.numpy()

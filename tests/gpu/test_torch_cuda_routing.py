@@ -42,7 +42,8 @@ def _load(art, **options):
 def test_gpu_auto_route_times_both_and_reports_every_bucket(art):
     backend = _load(art, route="auto")
     info = backend.info()
-    print("routes:", info["routes"], "\nroute_ms:", info["route_ms"], "\n", info["route_note"], info["route_seconds"], "s")
+    print("routes:", info["routes"], "\nroute_ms:", info["route_ms"], "\n",
+          info["route_note"], info["route_seconds"], "s")
     assert info["route"] == "auto" and info["kernel"] == "cslt"
     assert set(info["routes"]) == {f"{b}x{n}" for b in BATCHES for n in SEQS}
     assert set(info["routes"].values()) <= {"cslt", "int_mm"}

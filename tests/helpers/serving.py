@@ -70,7 +70,8 @@ def make_tiny_checkpoint(root: Path, task_name: str = "sst2", max_seq_length: in
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     tok.enable_padding()
     encs = tok.encode_batch(["the movie was good", "a dog is playing with the cat", "i hated it"])
-    batch = {"input_ids": torch.tensor([e.ids for e in encs]), "attention_mask": torch.tensor([e.attention_mask for e in encs]),
+    batch = {"input_ids": torch.tensor([e.ids for e in encs]),
+             "attention_mask": torch.tensor([e.attention_mask for e in encs]),
              "token_type_ids": torch.tensor([e.type_ids for e in encs])}
     amax = calibrate_amax(model, names, [batch])
     out = root / f"ckpt-{task_name}"
@@ -102,7 +103,8 @@ def wait_ready(url: str, timeout: float = 60.0, path: str = "/readyz", proc: sub
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read().decode() if proc.stderr else ''}")
+            raise RuntimeError(f"server exited with {proc.returncode}: "
+                               f"{proc.stderr.read().decode() if proc.stderr else ''}")
         try:
             if httpx.get(url + path, timeout=2).status_code == 200:
                 return

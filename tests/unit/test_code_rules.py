@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # the installed packages and the folders they come from (pyproject.toml, [tool.setuptools.package-dir])
-PACKAGES = {"holoserve": ROOT / "holoserve", "holoserve.compress": ROOT / "compress", "holoserve.export": ROOT / "export"}
+PACKAGES = {"holoserve": ROOT / "holoserve", "holoserve.compress": ROOT / "compress",
+            "holoserve.export": ROOT / "export"}
 MAX_PARAMS = 8  # self and cls not counted; keyword-only counted; *args and **kwargs not counted
 
 

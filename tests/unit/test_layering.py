@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = {"holoserve": ROOT / "holoserve", "holoserve.compress": ROOT / "compress", "holoserve.export": ROOT / "export"}
+FOLDERS = {"holoserve": ROOT / "holoserve", "holoserve.compress": ROOT / "compress",
+           "holoserve.export": ROOT / "export"}
 
 # package -> the holoserve packages it may import (besides itself and the top-level holoserve/__init__)
 ALLOWED = {

@@ -1,4 +1,4 @@
-"""The tree passes the linter's checks (ruff.toml: Python's own errors and pyflakes'). .ci/setup installs the
+"""The tree passes the linter's checks (pyproject.toml [tool.ruff] says which). .ci/setup installs the
 pinned ruff, so CI runs this; elsewhere `pip install ruff` first."""
 from __future__ import annotations
 

@@ -52,7 +52,13 @@ from .encoder import (
     make_linear,
 )
 from .graphs import GraphRunner
-from .kernels import QUANT_BLOCK, activation_code_table, add_layer_norm_quant, quantize_activation_triton, quantize_by_table
+from .kernels import (
+    QUANT_BLOCK,
+    activation_code_table,
+    add_layer_norm_quant,
+    quantize_activation_triton,
+    quantize_by_table,
+)
 from .layers import (
     CSLT_DENSE_MULTIPLE,
     CSLT_SPARSE_MULTIPLE,

@@ -169,7 +169,8 @@ def _route(runner: GraphRunner, opts: TorchCudaOptions, kernel: str, dense: Enco
             "route_note": f"per token count (batch x padded length) up to {opts.route_max_tokens}, median ms per "
                           f"call with CUDA events; dense INT8 where it is faster by more than {ROUTE_MARGIN:.0%}, "
                           "2:4 otherwise and above the timed counts"
-                          + (f"; timed {len(timings)} of {len(plan)} counts within the budget" if len(timings) < len(plan) else "")
+                          + (f"; timed {len(timings)} of {len(plan)} counts within the budget"
+                             if len(timings) < len(plan) else "")
                           + ("; the dense INT8 weights were freed: no bucket takes them" if freed else ""),
             "route_seconds": round(time.perf_counter() - t0, 2)}
 
@@ -210,7 +211,8 @@ def load(artifact: Artifact, **options: Any) -> TorchCudaBackend:
                                   dense=opts.route == "auto" and kernel == SPARSE and opts.route_max_tokens > 0)
     kinds = _kernel_counts(model)
     wants_table = activation_table == "on" or (activation_table == "auto" and model.shape.act != "gelu")
-    table_note = _code_tables([m for m in (model, dense) if m is not None], fp16 and quantizer == "triton" and wants_table,
+    table_note = _code_tables([m for m in (model, dense) if m is not None],
+                              fp16 and quantizer == "triton" and wants_table,
                               bool(quant_probe.get("table_fused")))
     limit = artifact.max_seq_length
     seqs = sorted({s for s in (opts.seq_buckets or DEFAULT_SEQ_BUCKETS) if s < limit}
@@ -221,7 +223,8 @@ def load(artifact: Artifact, **options: Any) -> TorchCudaBackend:
     weights = {kernel: _weight_mib(model)} | ({DENSE: _weight_mib(dense)} if dense is not None else {})
     routing = _route(runner, opts, kernel, dense)
     extra = {"device": rep, "kernel": kernel, "precision": precision, "epilogue": epilogue.name if epilogue else None,
-             "epilogue_probe": tried, "alg_search": opts.alg_search, "quantizer": quantizer, "gelu_quant_fused": model.gelu_quant,
+             "epilogue_probe": tried, "alg_search": opts.alg_search, "quantizer": quantizer,
+             "gelu_quant_fused": model.gelu_quant,
              "activation_table": table_note,
              "ln_quant_fused": model.ln_quant, "quantizer_probe": quant_probe, "gemm_kernels": kinds,
              **routing, "weight_mib_at_load": weights, "load_seconds": round(time.perf_counter() - t0, 2)}

@@ -110,7 +110,8 @@ class Encoder(Module):  # type: ignore[misc]
             self.layers.append(block)
             self.lns.append(((t(f"{lp}attention.output.LayerNorm.weight"), t(f"{lp}attention.output.LayerNorm.bias")),
                              (t(f"{lp}output.LayerNorm.weight"), t(f"{lp}output.LayerNorm.bias"))))
-        self.pooler = (t(f"{p}pooler.dense.weight"), t(f"{p}pooler.dense.bias")) if f"{p}pooler.dense.weight" in state else None
+        self.pooler = ((t(f"{p}pooler.dense.weight"), t(f"{p}pooler.dense.bias"))
+                       if f"{p}pooler.dense.weight" in state else None)
         self.classifier = (t("classifier.weight"), t("classifier.bias"))
 
     def use_code_tables(self, on: bool = True) -> None:

@@ -160,7 +160,8 @@ class GraphRunner:
     @staticmethod
     def _fill(static, input_ids, attention_mask, token_type_ids):
         b, n = input_ids.shape
-        for key, src in (("input_ids", input_ids), ("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+        for key, src in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                         ("token_type_ids", token_type_ids)):
             dst = static[key]
             if dst.shape != src.shape:
                 dst.zero_()

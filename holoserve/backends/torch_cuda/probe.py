@@ -80,7 +80,8 @@ def choose_epilogue(device="cuda", dtype=None) -> tuple[Epilogue, list[dict[str,
     # FP32 output is not on cuSPARSELt's INT8 menu: that precision takes INT32 and dequantizes after
     for e in (EPILOGUES if dtype != torch.float32 else [e for e in EPILOGUES if not e.alpha]):
         try:
-            lin = QuantLinear(codes.to(device), scales.to(device), act, bias, kernel="cslt", dtype=dtype, tuning=Tuning(epilogue=e))
+            lin = QuantLinear(codes.to(device), scales.to(device), act, bias, kernel="cslt", dtype=dtype,
+                              tuning=Tuning(epilogue=e))
             got = lin(x.to(device, dtype)).float().cpu()
             torch.cuda.synchronize()
             err = float((got - want).abs().max() / want.abs().max())
@@ -140,7 +141,8 @@ def choose_quantizer(device="cuda") -> tuple[str, dict[str, Any]]:
         diff = (got_q[:96].int() - want_q.int()).abs()
         probe["ln_max_abs_err"] = herr
         probe["ln_code_mismatches"] = int((diff > 0).sum())
-        probe["ln_fused"] = bool(herr <= 1e-2 and int(diff.max()) <= 1 and probe["ln_code_mismatches"] <= diff.numel() // 500
+        probe["ln_fused"] = bool(herr <= 1e-2 and int(diff.max()) <= 1
+                                 and probe["ln_code_mismatches"] <= diff.numel() // 500
                                  and not got_q[96:].any())
     except Exception as e:  # noqa: BLE001
         probe["ln_fused"] = False

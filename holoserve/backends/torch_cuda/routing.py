@@ -75,7 +75,8 @@ def bucket_name(b: int, n: int) -> str:
     return f"{b}x{n}"
 
 
-def timing_plan(batch_buckets: Iterable[int], seq_buckets: Iterable[int], max_tokens: int) -> dict[int, tuple[int, int]]:
+def timing_plan(batch_buckets: Iterable[int], seq_buckets: Iterable[int],
+                max_tokens: int) -> dict[int, tuple[int, int]]:
     """The bucket each token count up to `max_tokens` is timed at (its smallest batch), smallest count first."""
     plan: dict[int, tuple[int, int]] = {}
     for b in sorted(batch_buckets):

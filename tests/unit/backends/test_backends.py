@@ -115,7 +115,8 @@ def test_auto_picks_onnxruntime_on_a_cpu_machine_without_importing_torch(sst2):
         "from holoserve.core.artifact import load_artifact\n"
         "from holoserve.backends.auto import select_backend\n"
         f"b, d = select_backend(load_artifact({str(sst2)!r}))\n"
-        "print(json.dumps({'name': b.name, 'd': d, 'torch': 'torch' in sys.modules, 'trt': any(m.startswith('tensorrt') for m in sys.modules)}))\n"
+        "print(json.dumps({'name': b.name, 'd': d, 'torch': 'torch' in sys.modules, "
+        "'trt': any(m.startswith('tensorrt') for m in sys.modules)}))\n"
     )
     env = server_env(CUDA_VISIBLE_DEVICES="")  # as on a CPU-only machine, even if a GPU were present
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)

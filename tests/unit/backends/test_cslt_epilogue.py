@@ -18,7 +18,8 @@ E = cslt.HEADER_FACTS["enums"]
 
 def _module_values() -> dict[tuple[str, str], int]:
     """(header enum type, enumerator) -> the value cslt_epilogue passes."""
-    v = {("cusparseOrder_t", "CUSPARSE_ORDER_COL"): ce.ORDER_COL, ("cusparseOrder_t", "CUSPARSE_ORDER_ROW"): ce.ORDER_ROW,
+    v = {("cusparseOrder_t", "CUSPARSE_ORDER_COL"): ce.ORDER_COL,
+         ("cusparseOrder_t", "CUSPARSE_ORDER_ROW"): ce.ORDER_ROW,
          ("cusparseOperation_t", "CUSPARSE_OPERATION_NON_TRANSPOSE"): ce.OP_NON_TRANSPOSE,
          ("cusparseOperation_t", "CUSPARSE_OPERATION_TRANSPOSE"): ce.OP_TRANSPOSE,
          ("cusparseComputeType", "CUSPARSE_COMPUTE_32I"): ce.COMPUTE_32I,

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("openvino")
 
-from holoserve import kernels  # noqa: E402
-from holoserve.kernels import KernelsUnavailable  # noqa: E402
+from holoserve import kernels
+from holoserve.kernels import KernelsUnavailable
 
 if shutil.which("g++") is None:
     pytest.skip("no g++ to build the kernels with", allow_module_level=True)
@@ -65,7 +65,8 @@ def test_the_build_key_covers_the_compiler(built, tmp_path, monkeypatch):
 def test_a_failed_or_killed_build_leaves_nothing(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("HOLOSERVE_KERNEL_CACHE", str(cache))
-    monkeypatch.setenv("CXX", str(fake_compiler(tmp_path, 'echo "half a library" > "$out"; echo "error: boom" >&2; exit 1')))
+    monkeypatch.setenv("CXX", str(fake_compiler(tmp_path,
+                                                'echo "half a library" > "$out"; echo "error: boom" >&2; exit 1')))
     stale = cache / "0123456789abcdef" / ".build-killed.so"  # what a killed build leaves
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"partial")

@@ -232,7 +232,8 @@ def test_backend_with_kernels_agrees_with_onnxruntime(checkpoints, library, prec
         # at least as close to it as OpenVINO's own GEMMs
         assert np.abs(a - r).max() < 0.25 * scale, (act, precision)
         if precision == "f32":
-            assert np.abs(a - r).max() <= np.abs(p - r).max() + 0.02 * scale, (act, np.abs(a - r).max(), np.abs(p - r).max())
+            assert np.abs(a - r).max() <= np.abs(p - r).max() + 0.02 * scale, (act, np.abs(a - r).max(),
+                                                                               np.abs(p - r).max())
 
 
 def test_kernels_off_auto_and_on_without_a_compiler(checkpoints, monkeypatch, tmp_path):

@@ -5,13 +5,13 @@ import pytest
 
 pytest.importorskip("openvino")
 
-from holoserve.backends import load_backend  # noqa: E402
-from holoserve.backends.auto import select_backend  # noqa: E402
-from holoserve.backends.openvino import OpenVinoBackend  # noqa: E402
-from holoserve.backends.profile import batch_sizes  # noqa: E402
-from holoserve.core.artifact import load_artifact  # noqa: E402
-from holoserve.core.tokenizer import TextEncoder, pad_batch  # noqa: E402
-from tests.unit.export.test_export import exported  # noqa: E402,F401  (the fixture: a calibrated tiny checkpoint)
+from holoserve.backends import load_backend
+from holoserve.backends.auto import select_backend
+from holoserve.backends.openvino import OpenVinoBackend
+from holoserve.backends.profile import batch_sizes
+from holoserve.core.artifact import load_artifact
+from holoserve.core.tokenizer import TextEncoder, pad_batch
+from tests.unit.export.test_export import exported  # noqa: F401  (the fixture: a calibrated tiny checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -216,7 +216,8 @@ def test_a_profile_for_another_machine_is_ignored_with_the_reason_logged(both, t
         assert "does not match this machine" in logged and "cpu_model: 'Another CPU' in the profile" in logged
         assert "the export files differ" in logged and f"holoserve tune {both}" in logged
         assert decision["serving_profile"].startswith("written for another setup: ")
-        assert "timed at start-up on GLUE SST-2 dev set" in decision["reason"] and "holoserve tune" in decision["reason"]
+        assert ("timed at start-up on GLUE SST-2 dev set" in decision["reason"]
+                and "holoserve tune" in decision["reason"])
         # another thread count is another setup too
         caplog.clear()
         _write(path, prof)

@@ -168,7 +168,8 @@ all_ones = float(np.nextafter(np.float32(0.0625), np.float32(0)))  # significand
 for scale in (0.05, 0.0123, 3.0 / 127, all_ones):
     s = torch.tensor(scale)
     ties = ((torch.arange(-300, 300, dtype=torch.float32) + 0.5) * s).half()
-    x = torch.cat([ties[: (ties.numel() // 64) * 64].reshape(-1, 64), every_half, (torch.randn(64, 64, generator=g) * 3).half()])
+    x = torch.cat([ties[: (ties.numel() // 64) * 64].reshape(-1, 64), every_half,
+                   (torch.randn(64, 64, generator=g) * 3).half()])
     want = tc.quantize_activation(x, s)
     interp.InterpreterBuilder.create_fma = broken_fma
     broken = tc.quantize_activation_triton(x, s)

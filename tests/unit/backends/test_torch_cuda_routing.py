@@ -121,7 +121,8 @@ def test_share_float_params_refuses_another_shape(tiny, tmp_path):
     assert none is None  # every quantized layer already runs dense INT8: nothing to route to
     with pytest.raises(ValueError, match="same shape and dtype"):
         tc.share_float_params(wide, sparse)
-    assert tc.build_variants(art, linear=tc.LinearOptions(kernel="reference", dtype=torch.float32), dense=False)[1] is None
+    assert tc.build_variants(art, linear=tc.LinearOptions(kernel="reference", dtype=torch.float32),
+                             dense=False)[1] is None
 
 
 def _calls(model):

@@ -125,7 +125,8 @@ def test_int8_peer_linear_is_the_fake_quant_linear():
 def test_engine_kinds_and_best_dense_ratio():
     encoder, peers = gpu_module("encoder"), gpu_module("peers")
     kinds = {"FP16 eager (transformers)": "dense", "FP16 + CUDA graphs (holoserve encoder)": "dense",
-             "dense INT8 + CUDA graphs (_int_mm)": "dense", "FP16 torch.compile max-autotune (transformers, SDPA)": "dense",
+             "dense INT8 + CUDA graphs (_int_mm)": "dense",
+             "FP16 torch.compile max-autotune (transformers, SDPA)": "dense",
              "dense INT8 torch.compile max-autotune (transformers, _int_mm, per-channel weights)": "dense",
              "2:4 INT8 + CUDA graphs (ours)": "ours", "2:4 INT8 eager (ours) (run of 09:58 UTC)": "ours",
              "torch-cuda backend end to end (host arrays, perf_counter)": "ours",
@@ -139,7 +140,8 @@ def test_engine_kinds_and_best_dense_ratio():
         "torch-cuda backend end to end (host arrays, perf_counter, seq 64)": {"seq": 64, "1": {"median_ms": 0.1}}}}
     encoder.encoder_ratios(entry, [1, 8], 128)
     v = entry["variants"]
-    assert entry["best_dense"] == {"1": {"engine": "FP16 torch.compile max-autotune (transformers, SDPA)", "median_ms": 2.0},
+    assert entry["best_dense"] == {"1": {"engine": "FP16 torch.compile max-autotune (transformers, SDPA)",
+                                         "median_ms": 2.0},
                                    "8": {"engine": "FP16 eager (transformers)", "median_ms": 6.0}}
     assert v["2:4 INT8 + CUDA graphs (ours)"]["1"]["vs_best_dense"] == pytest.approx(2.0)
     assert v["2:4 INT8 + CUDA graphs (ours)"]["8"]["vs_best_dense"] == pytest.approx(2.0)
@@ -164,7 +166,8 @@ def test_pack_round_trip_is_exact_and_smaller(tiny_ckpt, tmp_path):
     assert set(a) == set(b)
     for key in a:  # the tiny model has no tensor large enough for fp16: everything is exact
         assert np.array_equal(a[key], b[key]), key
-    assert (tmp_path / "packed" / packing.WEIGHTS).stat().st_size < (Path(tiny_ckpt) / "model.safetensors").stat().st_size
+    assert ((tmp_path / "packed" / packing.WEIGHTS).stat().st_size
+            < (Path(tiny_ckpt) / "model.safetensors").stat().st_size)
 
 
 def test_pack_stores_large_tables_as_fp16(tiny_ckpt, tmp_path, monkeypatch):
@@ -265,8 +268,8 @@ def test_merge_combines_split_runs_and_marks_borrowed_variants(tmp_path):
     b = _report(ours_ms=9.0, eager_ms=9.0, ao_ms=9.0, ratio=1.1, agree=0.999, acc_delta=-0.001)
     b.update(date="2026-01-01T09:58:00+00:00", errors=[], mode="gpu", method=method)
     b["sections"]["gemm"]["rows"].append({"K": 3072, "N": 768, "M": 16384, "sparse_int8_over_dense_int8": 2.0})
-    b["sections"]["encoder"]["models"]["BERT-base shapes (RANDOM weights)"]["variants"]["torchao 2:4 INT8 + CUDA graphs"] = \
-        {"128": {"median_ms": 4.5}}
+    b["sections"]["encoder"]["models"]["BERT-base shapes (RANDOM weights)"]["variants"][
+        "torchao 2:4 INT8 + CUDA graphs"] = {"128": {"median_ms": 4.5}}
     m = report.merge_reports([a, b])
     assert m["merged_from"] == [a["date"], b["date"]]
     assert m["sections"]["parity"] == b["sections"]["parity"]  # a failed section is taken from the other run
@@ -276,7 +279,8 @@ def test_merge_combines_split_runs_and_marks_borrowed_variants(tmp_path):
     assert variants["2:4 INT8 + CUDA graphs (ours)"]["128"]["median_ms"] == 4.0
     assert "torchao 2:4 INT8 + CUDA graphs (run of 09:58 UTC)" in variants
     # the ratios against the best dense peer cover the borrowed variants too
-    assert variants["torchao 2:4 INT8 + CUDA graphs (run of 09:58 UTC)"]["128"]["vs_best_dense"] == pytest.approx(10 / 4.5)
+    assert (variants["torchao 2:4 INT8 + CUDA graphs (run of 09:58 UTC)"]["128"]["vs_best_dense"]
+            == pytest.approx(10 / 4.5))
     assert m["targets"][0]["value"] == pytest.approx(2.5) and m["targets"][2]["value"] == pytest.approx(1.8)
     assert a["sections"]["parity"] == {"error": "ModuleNotFoundError: x"}  # the inputs are left as they were
     for i, r in enumerate((a, b)):  # the command line (its encoder and parity tables need fields these lack)
@@ -325,7 +329,8 @@ def test_kernel_instructions_counts_the_compiled_kernels(capsys, monkeypatch):
     than the plain one in every kernel, and the path counted stops at the first unconditional EXIT."""
     mod = gpu_module("kernel_instructions")
     sass = "\n".join(["        /*0000*/                   MOV R1, c[0x0][0x28] ;",
-                      "        /*0010*/              @!P0 EXIT ;", "        /*0020*/                   FFMA R2, R3, R4, R5 ;",
+                      "        /*0010*/              @!P0 EXIT ;",
+                      "        /*0020*/                   FFMA R2, R3, R4, R5 ;",
                       "        /*0030*/                   EXIT ;", "        /*0040*/                   BRA 0x40 ;"])
     assert mod.main_path(sass) == ["MOV R1, c[0x0][0x28]", "@!P0 EXIT", "FFMA R2, R3, R4, R5", "EXIT"]
     monkeypatch.setattr(sys, "argv", ["kernel_instructions.py"])

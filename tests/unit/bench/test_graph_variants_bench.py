@@ -12,7 +12,7 @@ from tests.unit.export.test_export import _feeds, exported  # noqa: F401  (the f
 
 
 @pytest.fixture(scope="module")
-def ov_export(exported):  # noqa: F811
+def ov_export(exported):
     from holoserve.export.onnx_export import export_checkpoint
 
     ckpt, _ = exported

@@ -23,7 +23,8 @@ def test_rounding_noise_records_each_draw_and_why_a_runtime_did_not_run(exported
     for row in r["perturbed"]:
         s = row["summary"]
         diffs = np.asarray([d["metric_diff_points"] for d in row["draws"]])
-        assert s["metric_diff_mean"] == pytest.approx(diffs.mean()) and s["past_threshold"] == int((abs(diffs) > 0.2).sum())
+        assert (s["metric_diff_mean"] == pytest.approx(diffs.mean())
+                and s["past_threshold"] == int((abs(diffs) > 0.2).sum()))
         assert all(0 <= d["flipped_predictions"] <= 8 for d in row["draws"])
     # the fixture has no openvino export: both OpenVINO rows say so instead of vanishing
     assert all("--target openvino" in r["runtimes"][k]["skipped"] for k in ("OpenVINO f32", "OpenVINO auto"))
@@ -31,8 +32,9 @@ def test_rounding_noise_records_each_draw_and_why_a_runtime_did_not_run(exported
     assert "| eps 1e-06 |" in md and "| eps 0.1 |" in md and "Not run: OpenVINO f32: no openvino export" in md
     assert (out / "rounding_noise.png").stat().st_size > 0
     assert small["summary"]["export_check_passes"] == 2  # 1e-6 changes nothing the export check would refuse
-    assert r["meta"]["command"].startswith('python -m bench.accuracy.rounding_noise ') and \
-        '--data-dir "$GLUE_DIR"' in r["meta"]["command"] and str(tmp_path) not in r["meta"]["command"].replace(str(out), "")
+    assert (r["meta"]["command"].startswith('python -m bench.accuracy.rounding_noise ')
+            and '--data-dir "$GLUE_DIR"' in r["meta"]["command"]
+            and str(tmp_path) not in r["meta"]["command"].replace(str(out), ""))
 
 
 def test_rounding_noise_refuses_bad_options(exported, tmp_path):
@@ -58,7 +60,8 @@ def test_layer_divergence_compares_every_quantizer_and_layernorm(exported, tmp_p
     glue = _tiny_sst2_dir(tmp_path)
     for extra, name in (([], "ov"), (["--perturb", "0"], "zero"), (["--perturb", "0.05"], "noisy")):
         assert mod.main([str(ckpt), "--data-dir", str(glue), "--results", str(tmp_path / name), *extra]) == 0
-    ov, zero, noisy = (json.loads((tmp_path / n / "layer_divergence.json").read_text()) for n in ("ov", "zero", "noisy"))
+    ov, zero, noisy = (json.loads((tmp_path / n / "layer_divergence.json").read_text())
+                       for n in ("ov", "zero", "noisy"))
     kinds = [t["kind"] for t in ov["tensors"]]
     layers = 2  # make_calibrated_checkpoint's default: 4 activation quantizers and 2 LayerNorms per layer
     assert kinds.count("codes") == 4 * layers and kinds.count("layernorm") == 1 + 2 * layers
@@ -66,4 +69,5 @@ def test_layer_divergence_compares_every_quantizer_and_layernorm(exported, tmp_p
     assert all(t["changed_share"] == 0 for t in zero["tensors"] if t["kind"] == "codes")
     assert zero["meta"]["logits_max_abs_diff"] == 0.0
     assert any(t["changed_share"] > 0 for t in noisy["tensors"] if t["kind"] == "codes")
-    assert '--data-dir "$GLUE_DIR"' in noisy["meta"]["command"] and (tmp_path / "noisy" / "layer_divergence.png").is_file()
+    assert ('--data-dir "$GLUE_DIR"' in noisy["meta"]["command"]
+            and (tmp_path / "noisy" / "layer_divergence.png").is_file())

@@ -19,7 +19,8 @@ def ckpt(tmp_path):
 
 def test_defaults_are_the_gpu_comparison(ckpt):
     args = versus.parse_args(["--checkpoint", str(ckpt)])
-    assert (args.backend, args.route, args.dense_precision, args.dense_compile) == ("torch-cuda", "sparse", "fp16", False)
+    assert ((args.backend, args.route, args.dense_precision, args.dense_compile)
+            == ("torch-cuda", "sparse", "fp16", False))
     assert args.levels == [1, 32, 128] and args.batch_size == 32
 
 
@@ -67,7 +68,8 @@ def test_summary_reads_the_ratio_at_32_clients_against_the_target():
     s = versus.summary({"levels": [_level(1, 100, 100), _level(32, 300, 150)]})
     assert s["throughput_ratio_32"] == 2.0 and s["target_met"] and s["non_200_or_transport_errors"] == 0
     s = versus.summary({"levels": [_level(32, 140, 100, {"200": 5, "503": 2})]})
-    assert s["throughput_ratio_32"] == 1.4 and not s["target_met"] and s["non_200_or_transport_errors"] == 4  # 2 per server
+    assert (s["throughput_ratio_32"] == 1.4 and not s["target_met"]
+            and s["non_200_or_transport_errors"] == 4)  # 2 per server
     assert "throughput_ratio_32" not in versus.summary({"levels": [_level(1, 100, 100)]})
     info = {"routes": {"16x64": "int_mm", "1x16": "int_mm", "2x16": "cslt"}}
     assert versus.dense_buckets(info) == ["1x16", "16x64"] and versus.dense_buckets({}) == []

@@ -111,7 +111,8 @@ def test_bench_bad_batch_list_is_rejected(checkpoint):
 
 
 def test_bench_cli_module_is_light():
-    code = "import sys, holoserve.bench_cli; bad = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    code = ("import sys, holoserve.bench_cli; bad = [m for m in ('torch', 'numpy', 'transformers') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

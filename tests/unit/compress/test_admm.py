@@ -224,5 +224,6 @@ def test_layerwise_admm_on_the_default_masks_keeps_them_and_writes_grid_points(s
                 assert is_nm_sparse(w.numpy()) and not (w[~default[name]] != 0).any()
                 assert grid_codes(w.numpy(), p.scales.numpy()) is not None
                 assert diag[name]["mask_moved_vs_start"] == 0 and diag[name]["iters"] >= 1
-    worse = [k for k in projected["obs"] if projected["admm"][k]["fit_vs_nearest"] > projected["obs"][k]["fit_vs_nearest"]]
+    worse = [k for k in projected["obs"]
+             if projected["admm"][k]["fit_vs_nearest"] > projected["obs"][k]["fit_vs_nearest"]]
     assert not worse, worse

@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from holoserve import HoloServeError  # noqa: E402
-from holoserve.cli import main  # noqa: E402
-from tests.helpers.tiny import WORDS, make_tokenizer_dir  # noqa: E402
+from holoserve import HoloServeError
+from holoserve.cli import main
+from tests.helpers.tiny import WORDS, make_tokenizer_dir
 
 FAST = ["--max-steps", "4", "--no-progress", "--threads", "1", "--set", "batch_size=8", "--set", "calib_batches=2"]
 FAMILIES = ["bert", "roberta", "xlm-roberta", "electra", "distilbert", "mpnet"]
@@ -223,7 +223,8 @@ def test_activation_ramp_blends_every_family_ffn(family, tmp_path):
     with torch.no_grad():
         gelu_logits, relu_logits = model(input_ids=ids).logits, relu(input_ids=ids).logits
     blends = blend_ffn_activations(model, "relu")
-    assert len(blends) == 2 and all(isinstance(getattr(m, a), BlendedActivation) for m, a in ffn_activation_slots(model))
+    assert len(blends) == 2 and all(isinstance(getattr(m, a), BlendedActivation)
+                                    for m, a in ffn_activation_slots(model))
     assert blend_ffn_activations(model, "relu") == blends  # idempotent: a blend is not wrapped again
     x = torch.linspace(-4, 4, 101)
     with torch.no_grad():

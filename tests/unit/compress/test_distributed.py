@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from holoserve.core.artifact import load_artifact  # noqa: E402
-from tests.helpers.checkpoints import check_saved_checkpoint, write_glue  # noqa: E402
-from tests.helpers.tiny import make_tiny_bert  # noqa: E402
+from holoserve.core.artifact import load_artifact
+from tests.helpers.checkpoints import check_saved_checkpoint, write_glue
+from tests.helpers.tiny import make_tiny_bert
 
 REPO = Path(__file__).resolve().parents[3]
 

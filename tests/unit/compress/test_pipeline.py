@@ -368,7 +368,8 @@ def test_admm_on_the_default_mask_projection(admm_ckpt, env, caplog):
     the damping 0.1, then the default's QAT; the masks never move, the checkpoint keeps the contract, and the
     manifest records what ran (activation ranges still from calib_batches)."""
     out, teacher, m = _projected(admm_ckpt, env, caplog, "admm-fixed-mask", "admm_fixed_mask")
-    assert "ADMM_FIXED_MASK 2:4 projection (masks by activation) over 64 calibration batches, damping 0.1" in caplog.text
+    assert ("ADMM_FIXED_MASK 2:4 projection (masks by activation) over 64 calibration batches, damping 0.1"
+            in caplog.text)
     t = m["training"]
     proj = t["phases"]["projection"]
     assert t["method"] == "oneshot" and proj["method"] == "admm_fixed_mask"
@@ -386,7 +387,8 @@ def test_admm_on_the_default_mask_projection(admm_ckpt, env, caplog):
 
 def test_bad_projection_fit_settings_are_refused(admm_ckpt, env, capsys):
     teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
-    for setting, said in (("projection_damp=-1", "projection_damp=-1.0"), ("projection_batches=0", "projection_batches=0")):
+    for setting, said in (("projection_damp=-1", "projection_damp=-1.0"),
+                          ("projection_batches=0", "projection_batches=0")):
         assert compress(env, env["root"] / "never", "--teacher", str(teacher), "--set", setting) == 2
         assert said in capsys.readouterr().err
     assert compress(env, env["root"] / "never", "--teacher", str(teacher), "--set", "projection=admm_fixed_mask",
@@ -470,7 +472,8 @@ def test_distillation_can_read_perturbed_copies_of_the_rows(admm_ckpt, env, caps
     qat = training["phases"]["qat"]
     plain = json.loads((admm_ckpt / "manifest.json").read_text())["training"]["phases"]
     assert qat["teacher_only_rows"] == 2 * training["train_rows"] and "teacher_only_rows" not in plain["qat"]
-    assert qat["steps"] == plain["admm"]["steps"] + plain["qat"]["steps"]  # one-shot's QAT: the ADMM + QAT budget, rows aside
+    # one-shot's QAT: the ADMM + QAT budget, rows aside
+    assert qat["steps"] == plain["admm"]["steps"] + plain["qat"]["steps"]
     for setting, message in (("distill.augment=-1", "distill.augment=-1: the number of perturbed copies"),
                              ("distill.augment_rate=0", "distill.augment_rate=0.0: use a per-token probability")):
         assert compress(env, env["root"] / "bad-augment", "--teacher", str(teacher), "--set", "distill.augment=1",
@@ -483,9 +486,9 @@ def test_distillation_can_read_perturbed_copies_of_the_rows(admm_ckpt, env, caps
 
 
 def test_the_student_can_swap_gelu_for_relu(admm_ckpt, env, capsys):
-    """activation=relu, activation_ramp=0: the student (not the teacher) computes ReLU in its FFN from the projection on; the
-    checkpoint says so in config.json, `holoserve eval` reproduces its metric, and the export computes ReLU
-    (no Erf left) with every prediction as in `holoserve eval`."""
+    """activation=relu, activation_ramp=0: the student (not the teacher) computes ReLU in its FFN from the
+    projection on; the checkpoint says so in config.json, `holoserve eval` reproduces its metric, and the export
+    computes ReLU (no Erf left) with every prediction as in `holoserve eval`."""
     import onnx
 
     teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"

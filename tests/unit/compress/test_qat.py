@@ -372,7 +372,8 @@ def test_task_loss_reads_only_the_labelled_rows():
     logits = torch.randn(6, 3, requires_grad=True)
     labels = torch.tensor([0, 2, UNLABELED, 1, UNLABELED, 0])
     keep = labels != UNLABELED
-    assert torch.allclose(task_loss(logits, labels, False), torch.nn.functional.cross_entropy(logits[keep], labels[keep]))
+    assert torch.allclose(task_loss(logits, labels, False),
+                          torch.nn.functional.cross_entropy(logits[keep], labels[keep]))
     none = task_loss(logits, torch.full((6,), UNLABELED), False)
     none.backward()
     assert none.item() == 0.0 and logits.grad is not None and not logits.grad.any()

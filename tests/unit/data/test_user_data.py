@@ -7,11 +7,11 @@ import pytest
 
 pytest.importorskip("datasets")
 
-from holoserve import HoloServeError  # noqa: E402
-from holoserve.cli import main  # noqa: E402
-from holoserve.data.sources import DataOptions, load_for_training  # noqa: E402
-from holoserve.data.tabular import Columns  # noqa: E402
-from tests.helpers.tiny import WORDS, make_tiny_bert  # noqa: E402
+from holoserve import HoloServeError
+from holoserve.cli import main
+from holoserve.data.sources import DataOptions, load_for_training
+from holoserve.data.tabular import Columns
+from tests.helpers.tiny import WORDS, make_tiny_bert
 
 FAST = ["--max-steps", "4", "--no-progress", "--threads", "1", "--set", "batch_size=8", "--set", "calib_batches=2"]
 
@@ -112,11 +112,15 @@ def _opts(tmp_path, **kw):
 
 
 @pytest.mark.parametrize("setup,match", [
-    (lambda p: _write_csv(p / "a.csv", [("x", "1")], header=("words", "label")), r"no text column among 'words', 'label'; pass --text-column"),
+    (lambda p: _write_csv(p / "a.csv", [("x", "1")], header=("words", "label")),
+     r"no text column among 'words', 'label'; pass --text-column"),
     (lambda p: (p / "a.csv").write_text("") and None or p / "a.csv", r"a.csv is empty"),
-    (lambda p: _write_csv(p / "a.csv", [("good", "pos"), ("bad", "pos")], header=("text", "label")), r"every training row has the label 'pos'"),
-    (lambda p: _write_csv(p / "a.csv", [("good", "pos"), ("bad", "3")], header=("text", "label")), r"mixes label types: row 1 is text, row 2 is a number"),
-    (lambda p: _write_csv(p / "a.csv", [("good", "pos"), ("  ", "neg")], header=("text", "label")), r"row 2 has an empty text in column 'text'"),
+    (lambda p: _write_csv(p / "a.csv", [("good", "pos"), ("bad", "pos")], header=("text", "label")),
+     r"every training row has the label 'pos'"),
+    (lambda p: _write_csv(p / "a.csv", [("good", "pos"), ("bad", "3")], header=("text", "label")),
+     r"mixes label types: row 1 is text, row 2 is a number"),
+    (lambda p: _write_csv(p / "a.csv", [("good", "pos"), ("  ", "neg")], header=("text", "label")),
+     r"row 2 has an empty text in column 'text'"),
     (lambda p: (p / "a.csv").write_bytes(b"text,label\n\xff\xfe bad,1\nok,0\n") and None or p / "a.csv", r"not UTF-8"),
 ])
 def test_bad_data_is_one_clear_error(setup, match, tmp_path):

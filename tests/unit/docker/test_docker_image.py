@@ -151,7 +151,8 @@ class Container:
                 pass
             state = self.inspect()["State"]
             if not state["Running"]:
-                raise AssertionError(f"the container exited ({state['ExitCode']}) before /readyz:\n{self.logs()[-3000:]}")
+                raise AssertionError(f"the container exited ({state['ExitCode']}) before /readyz:\n"
+                                     f"{self.logs()[-3000:]}")
             time.sleep(0.2)
         raise AssertionError(f"/readyz not 200 after {timeout} s:\n{self.logs()[-3000:]}")
 
@@ -205,7 +206,8 @@ def expected_kernels() -> str:
 # The server's settings that force the 2:4 kernels on (holoserve.server.config: `serve --backend openvino
 # --openvino-kernels on`), with the float ops in f32, the checkpoint's numerics, so that the predictions can
 # be held against ONNX Runtime's.
-KERNELS_ON = {"HOLOSERVE_BACKEND": "openvino", "HOLOSERVE_OPENVINO_KERNELS": "on", "HOLOSERVE_OPENVINO_PRECISION": "f32"}
+KERNELS_ON = {"HOLOSERVE_BACKEND": "openvino", "HOLOSERVE_OPENVINO_KERNELS": "on",
+              "HOLOSERVE_OPENVINO_PRECISION": "f32"}
 
 
 @pytest.fixture(scope="module")

@@ -151,7 +151,8 @@ def test_engine_cache_folders():
     d = engine_cache_dir("/cache", "ab" * 32, "tensorrt-rtx", "1.7.1.116", {"portable": True})
     assert d.name == "tensorrt-rtx-1.7.1.116-portable"
     two = {"portable": True, "compute_capabilities": ["SM86", "SM89"]}
-    assert engine_cache_dir("/c", "ab" * 32, "tensorrt-rtx", "1.7.1.116", two).name == "tensorrt-rtx-1.7.1.116-sm86+sm89"
+    assert (engine_cache_dir("/c", "ab" * 32, "tensorrt-rtx", "1.7.1.116", two).name
+            == "tensorrt-rtx-1.7.1.116-sm86+sm89")
 
 
 def test_parse_sparsity_log():
@@ -164,11 +165,20 @@ def test_parse_sparsity_log():
     assert parse_sparsity_log(["nothing"]) == {"reported": False, "eligible": [], "picked_sparse": []}
 
 
-LAYER_TEXT = """Layers:
-Name: emb, LayerType: kgen, Inputs: [ { Name: input_ids, Dimensions: [-1,-1], Datatype: Int64, Format: x }], Constants: [ { Name: w, Dimensions: [10,4], Datatype: Int8, Format: x }], Outputs: [ { Name: e, Dimensions: [-1,4], Datatype: Float, Format: x }], TacticName: __myl_Gather_0x1, StreamId: 0, Metadata: [ONNX Layer: word_embeddings/Gather]
-Name: a/MatMul+b/MatMul, LayerType: gemm, Inputs: [ { Name: q, Dimensions: [-1,4], Datatype: Int8, Format: x }], Constants: [ { Name: wq, Dimensions: [4,4], Datatype: Int8, Format: x }], Outputs: [ { Name: o, Dimensions: [-1,4], Datatype: Int8, Format: x }], TacticName: sm80_xmma_sparse_gemm_i8i8, StreamId: 0, Metadata: [ONNX Layer: a/MatMul][ONNX Layer: b/MatMul]
-Name: c/MatMul, LayerType: gemm, Inputs: [ { Name: o, Dimensions: [-1,4], Datatype: Int8, Format: x }], Constants: [], Outputs: [ { Name: y, Dimensions: [-1,4], Datatype: Float, Format: x }], TacticName: __myelin_CASK_STUB, StreamId: 0, Metadata: [ONNX Layer: c/MatMul]
-"""
+LAYER_TEXT = (
+    "Layers:\n"
+    "Name: emb, LayerType: kgen, Inputs: [ { Name: input_ids, Dimensions: [-1,-1], Datatype: Int64, Format: x }], "
+    "Constants: [ { Name: w, Dimensions: [10,4], Datatype: Int8, Format: x }], Outputs: [ { Name: e, "
+    "Dimensions: [-1,4], Datatype: Float, Format: x }], TacticName: __myl_Gather_0x1, StreamId: 0, "
+    "Metadata: [ONNX Layer: word_embeddings/Gather]\n"
+    "Name: a/MatMul+b/MatMul, LayerType: gemm, Inputs: [ { Name: q, Dimensions: [-1,4], Datatype: Int8, "
+    "Format: x }], Constants: [ { Name: wq, Dimensions: [4,4], Datatype: Int8, Format: x }], Outputs: [ { Name: o, "
+    "Dimensions: [-1,4], Datatype: Int8, Format: x }], TacticName: sm80_xmma_sparse_gemm_i8i8, StreamId: 0, "
+    "Metadata: [ONNX Layer: a/MatMul][ONNX Layer: b/MatMul]\n"
+    "Name: c/MatMul, LayerType: gemm, Inputs: [ { Name: o, Dimensions: [-1,4], Datatype: Int8, Format: x }], "
+    "Constants: [], Outputs: [ { Name: y, Dimensions: [-1,4], Datatype: Float, Format: x }], "
+    "TacticName: __myelin_CASK_STUB, StreamId: 0, Metadata: [ONNX Layer: c/MatMul]\n"
+)
 
 
 def test_parse_layer_information():
@@ -281,7 +291,8 @@ def test_tensorrt_rtx_parses_and_builds_sm80_engine(trt_export, tmp_path):
     assert side["parser"]["accepted"] and not side["parser"]["errors"]
     assert side["parser"]["layer_types"]["QUANTIZE"] == n_q
     assert side["parser"]["layer_types"]["DEQUANTIZE"] == n_dq
-    assert side["tensorrt"] == {"flavour": "tensorrt-rtx", "module": "tensorrt_rtx", "version": tensorrt_rtx.__version__}
+    assert side["tensorrt"] == {"flavour": "tensorrt-rtx", "module": "tensorrt_rtx",
+                                "version": tensorrt_rtx.__version__}
     assert side["target"]["compute_capability"] == "SM80"
     assert side["builder_flags"] == ["SPARSE_WEIGHTS"] and side["network_flags"] == ["STRONGLY_TYPED"]
     assert side["profiles"][0]["input_ids"] == {"min": [1, 1], "opt": [4, 16], "max": [8, 32]}
@@ -310,7 +321,8 @@ def trt_fp16_export(trt_export, tmp_path_factory):
     from holoserve.export.onnx_export import export_checkpoint
 
     out = tmp_path_factory.mktemp("engine-fp16")
-    export_checkpoint(trt_export, ["tensorrt"], progress=False, polygraphy=False, out_dir=out, tensorrt_precision="fp16")
+    export_checkpoint(trt_export, ["tensorrt"], progress=False, polygraphy=False, out_dir=out,
+                      tensorrt_precision="fp16")
     return out / "model.trt.onnx"
 
 

@@ -103,7 +103,7 @@ def test_timing_cache_calls_on_a_real_builder_config(tmp_path):
 
 
 @needs_rtx
-def test_rtx_build_leaves_a_foreign_timing_cache_alone(trt_export, tmp_path):  # noqa: F811
+def test_rtx_build_leaves_a_foreign_timing_cache_alone(trt_export, tmp_path):
     cache = tmp_path / "from-another-build.cache"
     cache.write_bytes(b"ptrt" + bytes(range(200)))
     res = build_engine(trt_export / "model.trt.onnx", tmp_path / "e.plan",
@@ -117,7 +117,7 @@ def test_rtx_build_leaves_a_foreign_timing_cache_alone(trt_export, tmp_path):  #
 
 
 @needs_rtx
-def test_cached_engine_is_keyed_by_tensorrt_and_target_and_reused(trt_export, tmp_path):  # noqa: F811
+def test_cached_engine_is_keyed_by_tensorrt_and_target_and_reused(trt_export, tmp_path):
     import tensorrt_rtx
 
     onnx_path = trt_export / "model.trt.onnx"
@@ -145,7 +145,7 @@ def test_cached_engine_is_keyed_by_tensorrt_and_target_and_reused(trt_export, tm
 
 
 @needs_rtx
-def test_cli_cache_dir_leaves_the_checkpoint_alone(trt_export, tmp_path, capsys):  # noqa: F811
+def test_cli_cache_dir_leaves_the_checkpoint_alone(trt_export, tmp_path, capsys):
     from holoserve.cli import main
 
     manifest = (trt_export / "manifest.json").read_bytes()
@@ -163,7 +163,7 @@ def test_cli_cache_dir_leaves_the_checkpoint_alone(trt_export, tmp_path, capsys)
 
 
 @needs_rtx
-def test_require_sparse_fails_without_confirmed_sparse_kernels(trt_export, tmp_path, capsys):  # noqa: F811
+def test_require_sparse_fails_without_confirmed_sparse_kernels(trt_export, tmp_path, capsys):
     from holoserve.cli import main
 
     out = tmp_path / "e.plan"
@@ -179,7 +179,7 @@ def test_require_sparse_fails_without_confirmed_sparse_kernels(trt_export, tmp_p
 
 
 @needs_rtx
-def test_build_engine_needs_neither_torch_nor_onnx(trt_export, tmp_path):  # noqa: F811
+def test_build_engine_needs_neither_torch_nor_onnx(trt_export, tmp_path):
     """What the GPU image has: TensorRT and the base install, no [export] extra."""
     code = (
         "import sys, json\n"

@@ -132,11 +132,22 @@ def test_split_datatype_and_format_keys():
 
 
 def test_oneline_and_old_verbose_forms():
-    text = """Layers:
-Name: emb, LayerType: kgen, Inputs: [ { Name: input_ids, Dimensions: [-1,-1], Datatype: Int64, Format: x }], Constants: [ { Name: w, Dimensions: [10,4], Datatype: Int8, Format: x }], Outputs: [ { Name: e, Dimensions: [-1,4], Datatype: Float, Format: x }], TacticName: __myl_Gather_0x1, StreamId: 0, Metadata: [ONNX Layer: word_embeddings/Gather]
-Name: a/MatMul+b/MatMul, LayerType: gemm, Inputs: [ { Name: q, Dimensions: [-1,4], Datatype: Int8, Format: (Arbitrary) Format with stride order = [1,2,0] }], Constants: [ { Name: wq, Dimensions: [4,4], Datatype: Int8, Format: x }], Outputs: [ { Name: o, Dimensions: [-1,4], Datatype: Int8, Format: x }], TacticName: sm80_xmma_sparse_gemm_i8i8, StreamId: 0, Metadata: [ONNX Layer: a/MatMul][ONNX Layer: b/MatMul]
-Name: c/MatMul, LayerType: CaskGemmMatrixMultiply, Inputs: [ { Name: o, Location: Device, Dimensions: [-1,4], Format/Datatype: Thirty-two wide channel vectorized row major Int8 format }], Outputs: [ { Name: y, Location: Device, Dimensions: [-1,4], Format/Datatype: Row major linear FP32 format }], ParameterType: MatrixMultiply, TacticValue: 0x1f, StreamId: 0, Metadata: [ONNX Layer: c/MatMul]
-"""
+    text = (
+        "Layers:\n"
+        "Name: emb, LayerType: kgen, Inputs: [ { Name: input_ids, Dimensions: [-1,-1], Datatype: Int64, "
+        "Format: x }], Constants: [ { Name: w, Dimensions: [10,4], Datatype: Int8, Format: x }], "
+        "Outputs: [ { Name: e, Dimensions: [-1,4], Datatype: Float, Format: x }], TacticName: __myl_Gather_0x1, "
+        "StreamId: 0, Metadata: [ONNX Layer: word_embeddings/Gather]\n"
+        "Name: a/MatMul+b/MatMul, LayerType: gemm, Inputs: [ { Name: q, Dimensions: [-1,4], Datatype: Int8, "
+        "Format: (Arbitrary) Format with stride order = [1,2,0] }], Constants: [ { Name: wq, Dimensions: [4,4], "
+        "Datatype: Int8, Format: x }], Outputs: [ { Name: o, Dimensions: [-1,4], Datatype: Int8, Format: x }], "
+        "TacticName: sm80_xmma_sparse_gemm_i8i8, StreamId: 0, Metadata: [ONNX Layer: a/MatMul][ONNX Layer: b/MatMul]\n"
+        "Name: c/MatMul, LayerType: CaskGemmMatrixMultiply, Inputs: [ { Name: o, Location: Device, "
+        "Dimensions: [-1,4], Format/Datatype: Thirty-two wide channel vectorized row major Int8 format }], "
+        "Outputs: [ { Name: y, Location: Device, Dimensions: [-1,4], "
+        "Format/Datatype: Row major linear FP32 format }], ParameterType: MatrixMultiply, TacticValue: 0x1f, "
+        "StreamId: 0, Metadata: [ONNX Layer: c/MatMul]\n"
+    )
     layers = parse_layer_info(text)
     assert [x["name"] for x in layers] == ["emb", "a/MatMul+b/MatMul", "c/MatMul"]
     assert layers[1]["input_types"] == ["Int8"] and layers[1]["constant_types"] == ["Int8"]

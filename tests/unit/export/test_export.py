@@ -29,10 +29,12 @@ def make_calibrated_checkpoint(root: Path, *, layers: int = 2, task_name: str = 
     from tests.helpers.tiny import make_tiny_bert
 
     task = get_task(task_name)
-    src = make_tiny_bert(root / f"src-{name}", num_labels=task.num_labels, layers=layers, hidden_act=hidden_act or "gelu")
+    src = make_tiny_bert(root / f"src-{name}", num_labels=task.num_labels, layers=layers,
+                         hidden_act=hidden_act or "gelu")
     model = AutoModelForSequenceClassification.from_pretrained(str(src), local_files_only=True).eval()
     names = encoder_linear_names(model)
-    if tensorrt_qat or biases:  # non-zero biases, as in a trained model (zero ones are folded away and leave no bias Add)
+    # non-zero biases, as in a trained model (zero ones are folded away and leave no bias Add)
+    if tensorrt_qat or biases:
         g0 = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for n in names:
@@ -997,7 +999,8 @@ def test_tanh_gelu_model_exports_fast_gelu(tmp_path, act):
 def _gelu_graph(pow_form: bool = False, c: float = 0.044715, read_inner: bool = False):
     from onnx import TensorProto, helper
 
-    k = lambda name, v: helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.FLOAT, [], [v]))  # noqa: E731
+    k = lambda name, v: helper.make_node("Constant", [], [name],  # noqa: E731
+                                         value=helper.make_tensor(name, TensorProto.FLOAT, [], [v]))
     nodes = [k("c", c), k("s", 0.7978845608), k("one", 1.0), k("half", 0.5), k("three", 3.0)]
     if pow_form:  # the gelu_new spelling: 0.5 * x * (1 + tanh(s * (x + c * x^3)))
         nodes += [helper.make_node("Pow", ["x", "three"], ["x3"])]
@@ -1313,8 +1316,9 @@ def test_export_refuses_a_graph_that_changes_dev_predictions(exported, tmp_path,
     shutil.copy(glue / "SST-2" / "dev.tsv", glue / "SST-2" / "train.tsv")
     real = verify.reference_logits
     monkeypatch.setattr(verify, "reference_logits", lambda *a, **k: -real(*a, **k))  # every class order reversed
-    with pytest.raises(ExportVerificationError, match=r"does not reproduce the checkpoint: on dev through ONNX "
-                                                      r"Runtime .* 8 of 8 predictions changed \(allowed 1.*--no-verify"):
+    with pytest.raises(ExportVerificationError,
+                       match=r"does not reproduce the checkpoint: on dev through ONNX "
+                             r"Runtime .* 8 of 8 predictions changed \(allowed 1.*--no-verify"):
         export_checkpoint(ckpt, ["onnxruntime"], data_dir=glue, progress=False, polygraphy=False)
     assert (ckpt / "manifest.json").read_bytes() == before
     res = export_checkpoint(ckpt, ["onnxruntime"], data_dir=glue, progress=False, polygraphy=False,

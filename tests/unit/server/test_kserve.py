@@ -126,10 +126,12 @@ def _post(srv, body, name=None, path="infer"):
 @pytest.mark.parametrize("body,code,needle", [
     (b"{not json", 400, "not valid JSON"),
     ({"inputs": []}, 400, "'inputs' must be a non-empty list"),
-    ({"inputs": [{"name": "WORDS", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}, 400, "unexpected input 'WORDS'"),
+    ({"inputs": [{"name": "WORDS", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}, 400,
+     "unexpected input 'WORDS'"),
     ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "FP32", "data": [1.0]}]}, 400, "takes BYTES"),
     ({"inputs": [{"name": "TEXT", "shape": [2], "datatype": "BYTES", "data": ["x"]}]}, 400, "but 1 elements"),
-    ({"inputs": [{"name": "TEXT", "shape": [1, 2], "datatype": "BYTES", "data": ["x", "y"]}]}, 400, "send [n] or [n, 1]"),
+    ({"inputs": [{"name": "TEXT", "shape": [1, 2], "datatype": "BYTES", "data": ["x", "y"]}]}, 400,
+     "send [n] or [n, 1]"),
     ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["   "]}]}, 400, "TEXT[0] is empty"),
     ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": [7]}]}, 400, "not a string"),
     ({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": "x"}]}, 400, "must be a list of strings"),
@@ -155,7 +157,8 @@ def _post(srv, body, name=None, path="infer"):
      "'id' is int; send a string"),
     (b'{"id": NaN, "inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}', 400,
      "NaN is not a JSON value"),
-    (b'{"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}], "parameters": {"p": -Infinity}}',
+    (b'{"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}], '
+     b'"parameters": {"p": -Infinity}}',
      400, "-Infinity is not a JSON value"),
     # The echoed id counts in the response's size: 3,000 non-ASCII characters are 18,000 bytes of JSON.
     (json.dumps({"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}], "id": "\u00e9" * 3000},
@@ -199,7 +202,8 @@ def test_body_limit_and_metrics_shared(server):
     def value(text, prefix):
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
-    assert value(after, "holoserve_inference_request_success_total") == value(before, "holoserve_inference_request_success_total") + 1
+    assert (value(after, "holoserve_inference_request_success_total")
+            == value(before, "holoserve_inference_request_success_total") + 1)
     assert value(after, "holoserve_inference_count_total") == value(before, "holoserve_inference_count_total") + 3
     assert 'route="/v2/models/{name}/infer"' in after
     assert 'reason="body_too_large"' in after
@@ -241,7 +245,8 @@ def test_pairs():
         r = _post(srv, {"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}, name=name)
         assert r.status_code == 400 and "missing input TEXT_PAIR" in r.json()["error"]
         r = _post(srv, {"inputs": [{"name": "TEXT", "shape": [1], "datatype": "BYTES", "data": ["x"]},
-                                   {"name": "TEXT_PAIR", "shape": [2], "datatype": "BYTES", "data": ["y", "z"]}]}, name=name)
+                                   {"name": "TEXT_PAIR", "shape": [2], "datatype": "BYTES", "data": ["y", "z"]}]},
+                  name=name)
         assert r.status_code == 400 and "TEXT_PAIR has 2" in r.json()["error"]
 
 
@@ -299,7 +304,8 @@ def test_response_bound_covers_the_largest_answer(server):
     name = model_name(server)
     for outputs in ([("LOGITS", False), ("LABEL", False)], [("LOGITS", True), ("LABEL", True)],
                     [("LABEL", False)], [("LOGITS", True)]):
-        body = {"id": "\u00e9x" * 50, "inputs": [{"name": "TEXT", "shape": [8], "datatype": "BYTES", "data": TEXTS * 2}],
+        body = {"id": "\u00e9x" * 50,
+                "inputs": [{"name": "TEXT", "shape": [8], "datatype": "BYTES", "data": TEXTS * 2}],
                 "outputs": [{"name": n, "parameters": {"binary_data": b}} for n, b in outputs]}
         r = _post(server, body, name=name)
         assert r.status_code == 200, r.text

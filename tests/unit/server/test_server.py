@@ -244,7 +244,8 @@ def test_batching_merges_concurrent_requests_and_routes_results(sst2):
     assert all(r.status_code == 200 for r in resps), [r.text for r in resps]
     for r, e in zip(resps, exp):  # every caller gets the answer for its own text
         assert r.json()["predictions"][0]["scores"]["negative"] == pytest.approx(e[0], abs=1e-4)
-    execs = metric(after, "holoserve_inference_batch_size_count") - metric(before, "holoserve_inference_batch_size_count")
+    execs = (metric(after, "holoserve_inference_batch_size_count")
+             - metric(before, "holoserve_inference_batch_size_count"))
     seqs = metric(after, "holoserve_inference_batch_size_sum") - metric(before, "holoserve_inference_batch_size_sum")
     singles = (metric(after, "holoserve_inference_batch_size_bucket", le="1.0")
                - metric(before, "holoserve_inference_batch_size_bucket", le="1.0"))

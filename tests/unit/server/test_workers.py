@@ -97,7 +97,8 @@ def test_two_workers_one_set_of_metrics(monkeypatch):
             assert metric(text, "holoserve_inference_request_duration_seconds_count") == n
             assert metric(text, "holoserve_model_ready") == 1  # every worker ready, not a sum of 2
             assert metric(text, "holoserve_http_requests_in_flight") == 1  # just this scrape
-            http = [line for line in text.splitlines() if line.startswith("holoserve_http_request_duration_seconds_count")
+            http = [line for line in text.splitlines()
+                    if line.startswith("holoserve_http_request_duration_seconds_count")
                     and 'route="/predict"' in line]
             assert sum(float(line.rsplit(" ", 1)[1]) for line in http) == n
             workers.add(httpx.get(url + "/healthz", timeout=10).headers["x-request-id"][:12])
