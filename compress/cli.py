@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from holoserve.cli_options import add_data_arguments, advanced
+from holoserve.core.choices import COMPRESS_METHODS, DEFAULT_METHOD
 
 
 DESCRIPTION = (
@@ -51,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per row, in training and when served (default: the length that holds 99%% of the "
                         "tokenized training rows, rounded up to a multiple of 32, at most the preset's 64 (quick) "
                         "or 128 (full), which --set max_seq_length=N changes)")
-    p.add_argument("--method", default="oneshot", choices=["oneshot", "admm", "admm_guided", "magnitude", "ptq"],
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=COMPRESS_METHODS,
                    help="oneshot (default): one-shot projection onto 2:4 ∩ INT8 (masks by |w|·‖x‖^0.5, kept weights "
                         "updated by OBS), then QAT with distillation; admm: a fine-tune with the ADMM penalty "
                         "toward 2:4 ∩ INT8 and distillation, then the projection and QAT, for the same steps; "

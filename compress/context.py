@@ -27,6 +27,7 @@ from torch import nn
 
 from holoserve import HoloServeError
 from holoserve.core.artifact import MANIFEST
+from holoserve.core.choices import DEFAULT_METHOD
 from holoserve.core.files import atomic_write_json
 from holoserve.core.numerics import RESIDUAL_MIN_SQNR_DB
 from holoserve.core.progress import current as current_progress
@@ -80,7 +81,7 @@ class CompressRequest:
     data_dir: str | None = None
     model: Path | None = None  # base model (admm/magnitude) or model to quantize (ptq)
     preset: str = "quick"
-    method: str = "oneshot"  # the default recipe; why: docs/results/2026-11-24-admm-search.md
+    method: str = DEFAULT_METHOD
     quant: bool = True
     max_steps: int | None = None
     train_limit: int | None = None

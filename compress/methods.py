@@ -30,6 +30,7 @@ from torch import nn
 
 from holoserve import HoloServeError
 from holoserve.core.artifact import MANIFEST
+from holoserve.core.choices import COMPRESS_METHODS
 
 from .admm import Admm, GuidedAdmm
 from .config import Preset
@@ -48,6 +49,9 @@ METHODS: dict[str, type] = {}
 
 
 def register(name: str) -> Callable[[type], type]:
+    if name not in COMPRESS_METHODS:  # the CLI lists the names from holoserve.core.choices
+        raise ValueError(f"method {name!r} is not in holoserve.core.choices.COMPRESS_METHODS")
+
     def add(cls: type) -> type:
         cls.name = name
         METHODS[name] = cls

@@ -32,3 +32,12 @@ def test_the_help_says_where_admm_is_offered_and_why_it_is_not_the_default(help_
         assert where in help_text, where
     assert "docs/results/2026-11-28-admm-checks.md" in help_text.replace("- ", "-")  # argparse wraps at hyphens
     assert "oneshot (default)" in help_text
+
+
+def test_the_method_choices_are_the_registered_recipes(help_text):
+    """--method lists what compress/methods.py registers, from the one list the light CLI can read."""
+    from holoserve.compress.methods import METHODS
+    from holoserve.core.choices import COMPRESS_METHODS, DEFAULT_METHOD
+
+    assert sorted(METHODS) == sorted(COMPRESS_METHODS) and DEFAULT_METHOD in METHODS
+    assert "{" + ",".join(COMPRESS_METHODS) + "}" in help_text
