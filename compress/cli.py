@@ -24,7 +24,8 @@ DESCRIPTION = (
     "mask frozen. The default does not use ADMM. ADMM is offered, opt-in: --method admm (ADMM during a "
     "fine-tune, then the projection and QAT), --method admm_guided (the layer-wise ADMM projection, then QAT with "
     "the ADMM penalty kept on), --set projection=admm (the layer-wise ADMM projection, mask free, then the default's "
-    "QAT) and --set projection=admm_fixed_mask (ADMM on the default's mask, then the default's QAT). None of them "
+    "QAT), --set projection=admm_fixed_mask (ADMM on the default's mask, then the default's QAT) and --set "
+    "projection=admm_stable (the mask free but held near the default's by a hysteresis). None of them "
     "is the default: the ADMM recipes compared so far trail it after the same QAT, though the layer-wise ADMM "
     "projection is closer to the teacher before training, and admm_fixed_mask awaits that comparison "
     "(docs/results/2026-11-27-admm-paired-quick.md, docs/results/2026-11-28-admm-checks.md)."
@@ -69,8 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     adv.add_argument("--dev-limit", type=int, help="evaluate on the first N dev rows only (for smoke tests)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a preset field, e.g. --set qat.lr=1e-4 --set admm_cfg.rho_end=0.1 (repeatable); "
-                        "the one-shot projection's solver: --set projection=obs (default), nearest, admm or "
-                        "admm_fixed_mask, fitted with --set projection_damp=D --set projection_batches=N")
+                        "the one-shot projection's solver: --set projection=obs (default), nearest, admm, "
+                        "admm_fixed_mask or admm_stable, fitted with --set projection_damp=D --set "
+                        "projection_batches=N (admm_stable's hysteresis: --set projection_tau=T)")
     p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic for a given seed)")
     p.add_argument("--teacher", type=Path,
                    help="reuse a fine-tuned dense model (e.g. <out>.state/teacher of an earlier run) "

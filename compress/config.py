@@ -42,10 +42,15 @@ class DistillConfig:
 
 
 ADMM_INITS = ("teacher", "projection")  # AdmmConfig.init: where W starts
-PROJECTIONS = ("nearest", "obs", "admm", "admm_fixed_mask")  # Preset.projection
+PROJECTIONS = ("nearest", "obs", "admm", "admm_fixed_mask", "admm_stable")  # Preset.projection
 # What Preset.projection_damp and Preset.projection_batches are when unset, per projection: (damping of the
 # layer Hessians, calibration batches the projection is fitted on; None = Preset.calib_batches)
-PROJECTION_FIT = {"nearest": (0.01, None), "obs": (0.01, None), "admm": (0.01, None), "admm_fixed_mask": (0.1, 64)}
+PROJECTION_FIT = {"nearest": (0.01, None), "obs": (0.01, None), "admm": (0.01, None), "admm_fixed_mask": (0.1, 64),
+                  "admm_stable": (0.1, 64)}
+# projection=admm_stable's Z-step hysteresis toward the mask metric's mask (Preset.projection_tau when unset),
+# chosen by how many of its mask moves reproduce on other calibration batches (bench/accuracy/admm_checks.py m1)
+STABLE_TAU = 0.1
+STABLE_RAMP = 9  # its iterations over which the Z-step's sparsity ramps up to 2:4 (three checks)
 # Preset.activation: the FFN activations a student may be given (each one the export, ONNX Runtime, OpenVINO
 # and the torch-cuda backend compute; the config key is `hidden_act`, DistilBERT's `activation`)
 STUDENT_ACTIVATIONS = ("gelu", "relu")
@@ -113,6 +118,9 @@ class Preset:
     #              keeps that mask and rounds the kept values onto the row's INT8 grid; each row ends on the
     #              least-squares solve on the mask, rounded, or on an ADMM iterate, whichever fits better
     #              (compress.project.admm_on_mask); fitted with more damping and on more batches (below)
+    #   "admm_stable"  ADMM with the mask free but stable: the Z-step favours the metric's mask by projection_tau
+    #              (a hysteresis: 0 is "admm"'s free mask), its sparsity ramps up over the first iterations
+    #              (Boža's gradual mask) and rho follows ALPS's schedule; fitted as admm_fixed_mask is
     # Why obs, and why the ADMM projections are not the default: docs/results/2026-11-25-obs-projection.md,
     # docs/results/2026-11-27-admm-paired-quick.md, docs/results/2026-11-28-admm-checks.md
     projection: str = "obs"
@@ -122,6 +130,7 @@ class Preset:
     # the activation ranges keep calib_batches). None: the projection's own (PROJECTION_FIT).
     projection_damp: float | None = None
     projection_batches: int | None = None
+    projection_tau: float | None = None  # admm_stable's hysteresis (None: STABLE_TAU)
     calib_batches: int = 16  # training batches used to calibrate activation ranges (and the mask metric's norms)
     calib_percentile: float | None = 99.99  # None = plain max
     # The word-embedding table is the largest tensor the optimizer would update, and it is neither pruned
@@ -157,6 +166,10 @@ class Preset:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def stable_tau(self) -> float:
+        """projection=admm_stable's hysteresis: the preset's, else STABLE_TAU."""
+        return STABLE_TAU if self.projection_tau is None else float(self.projection_tau)
 
     def projection_fit(self) -> tuple[float, int]:
         """(damping, calibration batches) the projection is fitted with: the preset's, else PROJECTION_FIT's."""

@@ -36,7 +36,7 @@ from holoserve.data.tasks import Task
 
 from .admm import ProjectionOptions, layerwise_projection
 from .checkpoint import TOKENIZER_FILES, set_label_config
-from .config import Preset
+from .config import STABLE_RAMP, Preset
 from .data import Encoded, train_batches
 from .distributed import Processes
 from .evaluate import EVAL_ROW_COST, evaluate, format_metrics
@@ -429,9 +429,12 @@ class CompressionContext:
         if p.projection == "nearest":
             return chosen
         damp, fit_batches = p.projection_fit()
-        method, fixed = ("admm", True) if p.projection == "admm_fixed_mask" else (p.projection, False)
-        options = ProjectionOptions(method=method, quant=self.request.quant, fixed_mask=fixed,
-                                    solver=AdmmSolverOptions(damp=damp))
+        method, fixed = ("admm", True) if p.projection == "admm_fixed_mask" else (
+            ("admm", False) if p.projection == "admm_stable" else (p.projection, False))
+        solver = AdmmSolverOptions(damp=damp)
+        if p.projection == "admm_stable":
+            solver = AdmmSolverOptions(damp=damp, hysteresis=p.stable_tau(), ramp=STABLE_RAMP, schedule="alps")
+        options = ProjectionOptions(method=method, quant=self.request.quant, fixed_mask=fixed, solver=solver)
         t0, c0 = time.monotonic(), time.process_time()
         masks, diag = layerwise_projection(model, layers, self.calibration_batches(count=fit_batches),
                                            self.calibration_batches(start=fit_batches), options,

@@ -58,9 +58,12 @@ def check_preset_settings(preset: Preset, method: str) -> None:
                              "relative to its mean, e.g. 0.01 or 0.1)")
     if batches < 1:
         raise HoloServeError(f"projection_batches={batches}: the projection needs 1 calibration batch or more")
-    if preset.projection == "admm_fixed_mask" and preset.mask_metric == "saliency":
-        raise HoloServeError("projection=admm_fixed_mask solves on the mask metric's mask: use mask_metric=activation "
-                             "or magnitude (saliency is chosen inside the OBS projection)")
+    if preset.projection in ("admm_fixed_mask", "admm_stable") and preset.mask_metric == "saliency":
+        raise HoloServeError(f"projection={preset.projection} starts from the mask metric's mask: use "
+                             "mask_metric=activation or magnitude (saliency is chosen inside the OBS projection)")
+    if not (math.isfinite(preset.stable_tau()) and preset.stable_tau() >= 0):
+        raise HoloServeError(f"projection_tau={preset.projection_tau}: use a number >= 0 (0: the mask moves freely; "
+                             "larger keeps more of the mask metric's mask)")
     if preset.mask_metric not in ("activation", "magnitude", "saliency"):
         raise HoloServeError(f"mask_metric={preset.mask_metric!r}: choose activation, magnitude or saliency "
                              "(projection=obs only)")

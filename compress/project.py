@@ -34,12 +34,15 @@ def _nm_shape(w: torch.Tensor, n: int, m: int) -> tuple[int, int]:
     return out_f, in_f
 
 
-def nm_mask(w: torch.Tensor, n: int = 2, m: int = 4, importance: torch.Tensor | None = None) -> torch.Tensor:
+def nm_mask(w: torch.Tensor, n: int = 2, m: int = 4, importance: torch.Tensor | None = None, *,
+            favour: torch.Tensor | None = None, tau: float = 0.0) -> torch.Tensor:
     """Keep the n largest |w| in every group of m along the last (input) dimension.
 
     With `importance` (one non-negative value per input channel), keep the n largest |w_ij| * importance_j
     instead: with importance_j = ||x_j||, the input channel's norm over sample data, that is the 2:4 mask
     closest to w in the output-error metric sum_j ||x_j||^2 (w_ij - z_ij)^2 (Wanda's score).
+    With `favour` (a mask of w's shape) and tau > 0, the entries it keeps score (1 + tau) times as much: a
+    hysteresis that leaves an entry of `favour` only when another beats it by that factor.
     """
     out_f, in_f = _nm_shape(w, n, m)
     score = w.detach().abs()
@@ -47,6 +50,8 @@ def nm_mask(w: torch.Tensor, n: int = 2, m: int = 4, importance: torch.Tensor | 
         if importance.shape != (in_f,):
             raise ValueError(f"importance has shape {tuple(importance.shape)}, expected ({in_f},): one value per input")
         score = score * importance.to(score.device, score.dtype)
+    if favour is not None and tau > 0:
+        score = score * (1 + tau * favour.to(score.device, score.dtype))
     groups = score.reshape(out_f, in_f // m, m)
     idx = groups.topk(n, dim=-1, sorted=False).indices
     mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, idx, True)
@@ -215,11 +220,19 @@ class AdmmSolverOptions:
     stop: float = 1e-3
     growth: tuple[float, float] = (1.2, 1.5)
     ls_tol: float = 1e-3  # relative residual of the final least-squares solve
+    # The stable free mask (projection=admm_stable): the Z-step favours the starting mask by `hysteresis` (tau:
+    # 0 is the free mask, a large tau keeps the start, see nm_mask); over the first `ramp` iterations the share
+    # it prunes grows to (m - n) of m on Zhu & Gupta's cubic schedule, so the mask forms while W moves; and
+    # with schedule "alps" rho follows the support change relative to the kept count every `check` iterations
+    # (more than 10 %: x1.3, more than 0.5 %: x1.2, any: x1.1; none: stop), as ALPS does, instead of `settle`.
+    hysteresis: float = 0.0
+    ramp: int = 0
+    schedule: str = "settle"
 
 
 def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *, quant: bool = True,
                mask: torch.Tensor | None = None, importance: torch.Tensor | None = None,
-               solver: AdmmSolverOptions = AdmmSolverOptions()) -> AdmmSolve:
+               solver: AdmmSolverOptions = AdmmSolverOptions(), start: torch.Tensor | None = None) -> AdmmSolve:
     """min_V ||X w^T - X V^T||^2 s.t. V ∈ 2:4 ∩ per-row INT8 grid, by ADMM (scaled form), for one Linear.
 
     H = X^T X (`hessian`, scaled to mean diagonal 1 and damped by `damp`) is factorised once, H = Q diag(λ) Q^T:
@@ -234,7 +247,8 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
     mask (masked_least_squares, to a residual of `ls_tol`); the caller rounds them onto the grid
     (compress.sparsify.finalize). The factorisation and the iterations run in float32 on the CPU. With a given
     `mask` the mask stays fixed and the same iterations solve for the values on it (admm_on_mask). The
-    settings named here are `solver`'s (AdmmSolverOptions).
+    settings named here are `solver`'s (AdmmSolverOptions); with its hysteresis, ramp or "alps" schedule the
+    Z-step favours `start` (default: the metric's mask of w), ramps its sparsity, and rho follows ALPS.
     """
     damp, rho, max_iters, check = solver.damp, solver.rho, solver.max_iters, solver.check
     settle, stop, growth, ls_tol = solver.settle, solver.stop, solver.growth, solver.ls_tol
@@ -252,12 +266,22 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
     imp = importance.detach().to("cpu", torch.float32) if importance is not None else None
     if mask is not None:
         return _admm_on_mask(w, hessian, H, mask.detach().to("cpu", torch.bool), n, m, quant, solver)
+    if solver.schedule not in ("settle", "alps"):
+        raise ValueError(f"admm_prune: schedule {solver.schedule!r} is not settle or alps")
+    tau, ramp = solver.hysteresis, solver.ramp
+    favour = None
+    if tau > 0:
+        favour = (start if start is not None else nm_mask(W0.float(), n, m, imp)).detach().to("cpu", torch.float32)
 
-    def z_step(v: torch.Tensor) -> Projection:
-        return project(v, n, m, quant=quant, importance=imp)
+    def z_step(v: torch.Tensor, it: int) -> Projection:
+        # the entries kept per group: m at the start of a ramp, n from its end on (Zhu & Gupta's cubic schedule)
+        k = n if it >= ramp else m - round((m - n) * (1 - (1 - it / ramp) ** 3))
+        if favour is None and k == n:
+            return project(v, n, m, quant=quant, importance=imp)
+        return project(v, n, m, quant=quant, mask=nm_mask(v, k, m, imp, favour=favour, tau=tau))
 
     W = W0.float()
-    p = z_step(W)
+    p = z_step(W, 0)
     Z, keep = p.z, p.mask
     U = torch.zeros_like(W)
     last = keep
@@ -266,20 +290,32 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
     while it < max_iters:
         it += 1
         W = ((WH + rho * (Z - U)) @ Q32 / (ev32 + rho)) @ Q32.T
-        p = z_step(W + U)
+        p = z_step(W + U, it)
         Z, keep = p.z, p.mask
         U += W - Z
         if it % check == 0:
             moved = float((keep != last).float().mean())
-            moves.append(moved)
             last = keep
-            if moved < stop:
+            if it <= ramp:  # the mask is still forming: no verdict, rho as it is
+                continue
+            moves.append(moved)
+            grow = _rho_growth(moved * m / n) if solver.schedule == "alps" else (
+                0.0 if moved < stop else growth[1] if moved < settle else growth[0])
+            if grow == 0.0:
                 break
-            grow = growth[1] if moved < settle else growth[0]
             rho *= grow
             U /= grow  # scaled dual: rho * U unchanged
     w_ls = masked_least_squares(W0, hessian, keep, damp=damp, start=W, tol=ls_tol)
     return AdmmSolve(w_ls.to(w.device, w.dtype), keep.to(w.device), Z.to(w.device, w.dtype), it, rho, moves)
+
+
+def _rho_growth(change: float) -> float:
+    """ALPS's rho factor for a support change `change` (relative to the kept count) since the last check; 0: stop."""
+    if change > 0.1:
+        return 1.3
+    if change > 0.005:
+        return 1.2
+    return 1.1 if change > 0 else 0.0
 
 
 def admm_on_mask(w: torch.Tensor, hessian: torch.Tensor, mask: torch.Tensor, n: int = 2, m: int = 4, *,

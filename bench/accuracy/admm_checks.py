@@ -16,6 +16,11 @@ cause on a fine-tuned teacher, with the pipeline's own rows, calibration order a
       mask free. (b) The default's, the ADMM and the admm_fixed_mask projection of the whole teacher (the
       pipeline's sequential pass), each perturbed by Gaussian noise on its kept weights (a share --noise of the
       row's RMS, --draws draws): the drop of the dev metric and how far the logits move, float activations.
+  r2  R2's hysteresis tau (projection=admm_stable), chosen by m1's test rather than by a dev score: the stable
+      free mask (damping 0.1, the ramp, ALPS's rho) solved on batches 0-15 (A) and 16-31 (B) at each of --taus,
+      and per tau the share of the weights moved, the share of A's moves B makes too, and the held-out error on
+      32-47. The choice: the smallest tau at which at least --reproduce of A's moves (median over the Linears)
+      are made by B too, i.e. the moves left are the data's, not the batches'.
   m6  the activation ranges are calibrated once, on the projected model, over calib_batches. On each of those
       three projected models: the dev metric with INT8 activations calibrated on 16 and on 64 batches, with the
       preset's percentile and with the plain max, and how far those ranges are from the default calibration's.
@@ -35,7 +40,7 @@ from pathlib import Path
 from bench.accuracy.admm_layerwise import _ratio, open_teacher, short
 from bench.lib.report import table, write_record
 
-CHECKS = ("m1", "m2", "m6")
+CHECKS = ("m1", "m2", "m6", "r2")
 BATCHES = 16  # the quick preset's calib_batches: the size of each split of the calibration order the checks use
 # the projections of the whole teacher that m2 (b) and m6 compare: row name -> preset settings
 PROJECTIONS = {"default (obs)": {"projection": "obs"}, "admm": {"projection": "admm"},
@@ -93,6 +98,47 @@ def check_m1(run, model, layers) -> dict:
         del w, res_a, res_b
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return out
+
+
+def check_r2(run, model, layers, taus: list[float]) -> dict:
+    """The stable free mask at each tau, solved on batches 0-15 (A) and 16-31 (B), scored on 32-47 (C)."""
+    from holoserve.compress.config import PROJECTION_FIT, STABLE_RAMP
+    from holoserve.compress.project import AdmmSolverOptions, admm_prune, project
+
+    (imp_a, mask_a, h_a), (imp_b, mask_b, h_b) = (_masks_and_hessians(run, model, layers, _split(run, i))
+                                                  for i in (0, 1))
+    _, _, h_c = _masks_and_hessians(run, model, layers, _split(run, 2))
+    out: dict = {}
+    for tau in taus:
+        solver = AdmmSolverOptions(damp=PROJECTION_FIT["admm_stable"][0], hysteresis=tau, ramp=STABLE_RAMP,
+                                   schedule="alps")
+        rows = {}
+        for name in layers:
+            w = model.get_submodule(name).weight.detach().double()
+            res_a, res_b = (admm_prune(w, h[name], importance=imp[name], start=mk[name], solver=solver)
+                            for imp, mk, h in ((imp_a, mask_a, h_a), (imp_b, mask_b, h_b)))
+            moves_a, moves_b = res_a.mask != mask_a[name], res_b.mask != mask_b[name]
+            nearest = project(w, mask=mask_a[name]).z
+            rows[name] = {"moved_a": float(moves_a.float().mean()), "moved_b": float(moves_b.float().mean()),
+                          "reproduced": int((moves_a & moves_b).sum()) / max(1, int(moves_a.sum())),
+                          "iters_a": res_a.iters,
+                          "heldout_c": _ratio(w, project(res_a.w.double(), mask=res_a.mask).z, h_c[name])
+                          / _ratio(w, nearest, h_c[name])}
+        out[f"{tau:g}"] = rows
+        med = {k: statistics.median(x[k] for x in rows.values()) for k in ("moved_a", "reproduced", "heldout_c")}
+        print(f"r2 tau {tau:g}: moved {100 * med['moved_a']:.2f} %, reproduced {100 * med['reproduced']:.1f} %, "
+              f"held-out C {med['heldout_c']:.3f}", flush=True)
+    return out
+
+
+def choose_tau(r2: dict, reproduce: float) -> float | None:
+    """The smallest tau at which the median share of A's moves that B makes too is at least `reproduce`, among
+    the taus that still move the mask (None: no such tau)."""
+    for tau, rows in sorted(r2.items(), key=lambda kv: float(kv[0])):
+        moved = statistics.median(x["moved_a"] for x in rows.values())
+        if moved > 0 and statistics.median(x["reproduced"] for x in rows.values()) >= reproduce:
+            return float(tau)
+    return None
 
 
 def check_m2_layers(run, model, layers, damps: list[float]) -> dict:
@@ -234,6 +280,18 @@ def markdown(r: dict) -> str:
         lines += ["", "Fit (on A) against held out (on C), medians: " + ", ".join(
             f"{k} {med(lambda x, k=k: x['fit_a'][k]):.3f} → {med(lambda x, k=k: x['heldout_c'][k]):.3f}"
             for k in ("obs_a", "ls_a", "admm_a")), ""]
+    if "r2" in r:
+        med = lambda rows, k: statistics.median(x[k] for x in rows.values())  # noqa: E731
+        lines += ["## R2: the stable free mask's hysteresis tau, chosen by M1's reproducibility test", "",
+                  "projection=admm_stable's solve (damping 0.1, the ramp, ALPS's rho) on batches 0-15 (A) and 16-31 "
+                  "(B), each starting from its own metric mask; medians over the Linears. Held-out error on "
+                  "batches 32-47 relative to the nearest projection's.", "",
+                  *table(["tau", "moved A", "moved B", "A's moves B makes too", "iterations (A)", "held-out error"],
+                         [[tau, f"{100 * med(rows, 'moved_a'):.2f} %", f"{100 * med(rows, 'moved_b'):.2f} %",
+                           f"{100 * med(rows, 'reproduced'):.1f} %", f"{med(rows, 'iters_a'):.0f}",
+                           f"{med(rows, 'heldout_c'):.3f}"] for tau, rows in r["r2"].items()]), "",
+                  f"Chosen: tau = {r['r2_choice']} (the smallest with at least {100 * m['reproduce']:.0f} % of A's "
+                  "moves reproduced).", ""]
     if "m2_layers" in r:
         keys = ["obs", "ls", "admm_fixed_mask", "admm"]
         lines += ["## M2 (a): damping, each Linear fitted on batches 0-15, scored on 16-31", "",
@@ -292,6 +350,9 @@ def main(argv=None) -> int:
     ap.add_argument("--noise", default="0.05,0.1,0.2",
                     help="m2: noise levels, as shares of each row's RMS (default 0.05,0.1,0.2)")
     ap.add_argument("--draws", type=int, default=3, help="m2: noise draws per level (default 3)")
+    ap.add_argument("--taus", default="0,0.05,0.1,0.2,0.5", help="r2: the hysteresis values compared")
+    ap.add_argument("--reproduce", type=float, default=0.9,
+                    help="r2: the share of A's mask moves B must make too for a tau to be chosen (default 0.9)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--results", required=True, help="folder for results.json and results.md")
     args = ap.parse_args(argv)
@@ -314,6 +375,7 @@ def main(argv=None) -> int:
     res: dict = {"meta": {"task": args.task, "teacher": str(teacher), "seed": args.seed, "preset": args.preset,
                           "primary": run.task.primary_metric, "calib_batches": run.preset.calib_batches,
                           "calib_percentile": run.preset.calib_percentile, "draws": args.draws,
+                          "reproduce": args.reproduce,
                           "machine": machine(), "threads": args.threads, "torch": torch.__version__,
                           "command": "python -m bench.accuracy.admm_checks " + " ".join(
                               sys.argv[1:] if argv is None else argv)}}
@@ -325,6 +387,10 @@ def main(argv=None) -> int:
     with torch.no_grad():
         if "m1" in checks:
             res["m1"] = check_m1(run, model, layers)
+            save()
+        if "r2" in checks:
+            res["r2"] = check_r2(run, model, layers, [float(t) for t in args.taus.split(",")])
+            res["r2_choice"] = choose_tau(res["r2"], args.reproduce)
             save()
         if "m2" in checks:
             res["m2_layers"] = check_m2_layers(run, model, layers, [float(d) for d in args.damps.split(",")])

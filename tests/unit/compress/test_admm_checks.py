@@ -29,6 +29,27 @@ def test_the_admm_checks_run_on_a_tiny_teacher(tmp_path, capsys):
     assert "## M1" in md and "## M2 (a)" in md and "## M2 (b)" in md and "## M6" in md
 
 
+def test_the_r2_check_sweeps_tau_and_chooses_by_reproducibility(tmp_path):
+    """r2: the stable free mask at each tau moves no more of the mask as tau grows, and the choice is the
+    smallest tau whose moves reproduce enough (choose_tau's rule, checked on a record of known numbers)."""
+    from bench.accuracy.admm_checks import choose_tau, main
+    from tests.helpers.checkpoints import write_glue
+    from tests.helpers.tiny import make_tiny_bert
+
+    teacher = make_tiny_bert(tmp_path / "tiny", hidden=32, intermediate=64)
+    glue = write_glue(tmp_path / "glue", train_rows=600)
+    out = tmp_path / "out"
+    assert main(["--task", "sst2", "--data-dir", str(glue), "--teacher", str(teacher), "--checks", "r2",
+                 "--taus", "0,0.5,1000", "--results", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())
+    moved = {tau: sum(x["moved_a"] for x in rows.values()) for tau, rows in r["r2"].items()}
+    assert moved["0"] >= moved["0.5"] >= moved["1000"] == 0 and moved["0"] > 0
+    assert "## R2" in (out / "results.md").read_text() and "r2_choice" in r
+    rows = lambda moved, rep: {"L": {"moved_a": moved, "reproduced": rep}}  # noqa: E731
+    record = {"0": rows(0.2, 0.7), "0.1": rows(0.1, 0.92), "0.2": rows(0.05, 0.95), "5": rows(0.0, 0.0)}
+    assert choose_tau(record, 0.9) == 0.1 and choose_tau(record, 0.99) is None
+
+
 def test_the_admm_checks_help_and_bad_checks(capsys):
     import pytest
 

@@ -385,6 +385,25 @@ def test_admm_on_the_default_mask_projection(admm_ckpt, env, caplog):
     assert "over 8 calibration batches, damping 1" in caplog.text
 
 
+def test_admm_stable_mask_projection(admm_ckpt, env, caplog):
+    """projection=admm_stable: ADMM with the mask free to move from the default's, held by the hysteresis
+    projection_tau, fitted as admm_fixed_mask is (64 batches, damping 0.1), then the default's QAT; the manifest
+    records the tau, and a larger tau moves no more of the mask."""
+    out, teacher, m = _projected(admm_ckpt, env, caplog, "admm-stable", "admm_stable")
+    assert "ADMM_STABLE 2:4 projection (masks by activation) over 64 calibration batches, damping 0.1" in caplog.text
+    t = m["training"]
+    proj = t["phases"]["projection"]
+    assert t["method"] == "oneshot" and proj["method"] == "admm_stable"
+    assert "hysteresis of 0.1 toward that mask" in t["recipe"]
+    loose = sum(d["mask_moved_vs_start"] for d in proj["layers"].values())
+    tight = env["root"] / "admm-stable-tight"
+    assert compress(env, tight, "--teacher", str(teacher), "--set", "projection=admm_stable",
+                    "--set", "projection_tau=1000") == 0
+    layers = json.loads((tight / "manifest.json").read_text())["training"]["phases"]["projection"]["layers"]
+    assert sum(d["mask_moved_vs_start"] for d in layers.values()) <= loose
+    assert all(d["mask_moved_vs_start"] == 0 for d in layers.values())
+
+
 def test_bad_projection_fit_settings_are_refused(admm_ckpt, env, capsys):
     teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
     for setting, said in (("projection_damp=-1", "projection_damp=-1.0"),
@@ -394,6 +413,9 @@ def test_bad_projection_fit_settings_are_refused(admm_ckpt, env, capsys):
     assert compress(env, env["root"] / "never", "--teacher", str(teacher), "--set", "projection=admm_fixed_mask",
                     "--set", "mask_metric=saliency") == 2
     assert "mask metric's mask" in capsys.readouterr().err
+    assert compress(env, env["root"] / "never", "--teacher", str(teacher), "--set", "projection=admm_stable",
+                    "--set", "projection_tau=-1") == 2
+    assert "projection_tau=-1" in capsys.readouterr().err
     assert not (env["root"] / "never").exists()
 
 

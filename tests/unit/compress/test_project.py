@@ -200,6 +200,35 @@ def test_admm_prune_with_a_fixed_mask_keeps_it(w):
     assert torch.equal(res.z, admm_on_mask(w, x.T @ x, mask).z)
 
 
+def test_admm_stable_mask_hysteresis_ramp_and_alps_schedule(w):
+    """projection=admm_stable's solve: the hysteresis tau keeps more of the starting mask as it grows (0: the
+    free mask's moves; a large tau: none), the ramp and ALPS's schedule still end on 2:4 ∩ INT8, and a schedule
+    that does not exist is refused."""
+    from holoserve.compress.project import AdmmSolverOptions, admm_prune
+
+    x = _inputs()
+    h = x.T @ x
+    start = nm_mask(w)
+
+    def moved(tau: float) -> float:
+        res = admm_prune(w, h, start=start, solver=AdmmSolverOptions(hysteresis=tau, ramp=6, schedule="alps"))
+        assert (res.mask.reshape(24, 16, 4).sum(-1) == 2).all() and _on_2to4_int8(project(res.w, mask=res.mask).z,
+                                                                                    res.mask)
+        return float((res.mask != start).float().mean())
+
+    free, some, most = moved(0.0), moved(0.3), moved(1e6)
+    assert free > some > most and most == 0.0
+    assert free > 0.0
+    with pytest.raises(ValueError, match="schedule"):
+        admm_prune(w, h, solver=AdmmSolverOptions(schedule="cosine"))
+
+
+def test_the_alps_rho_schedule_follows_the_support_change():
+    from holoserve.compress.project import _rho_growth
+
+    assert [_rho_growth(c) for c in (0.2, 0.05, 0.001, 0.0)] == [1.3, 1.2, 1.1, 0.0]
+
+
 def _on_2to4_int8(v, mask):
     """v is zero off `mask`, 2:4, and each row is int8 codes x its own scale (max |v| / 127), bit for bit."""
     scales = channel_scales(v)
