@@ -49,7 +49,7 @@ PROJECTION_FIT = {"nearest": (0.01, None), "obs": (0.01, None), "admm": (0.01, N
                   "admm_stable": (0.1, 64)}
 # projection=admm_stable's Z-step hysteresis toward the mask metric's mask (Preset.projection_tau when unset),
 # chosen by how many of its mask moves reproduce on other calibration batches (bench/accuracy/admm_checks.py m1)
-STABLE_TAU = 0.1
+STABLE_TAU = 0.0
 STABLE_RAMP = 9  # its iterations over which the Z-step's sparsity ramps up to 2:4 (three checks)
 # Preset.activation: the FFN activations a student may be given (each one the export, ONNX Runtime, OpenVINO
 # and the torch-cuda backend compute; the config key is `hidden_act`, DistilBERT's `activation`)

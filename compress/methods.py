@@ -81,8 +81,8 @@ def _projection_words(p: Preset, quant: bool) -> str:
     values = {"nearest": "kept as they are", "obs": "updated by OBS (SparseGPT) on the calibration inputs",
               "admm": "solved by layer-wise ADMM, the mask free to move",
               "admm_fixed_mask": "solved by layer-wise ADMM on that mask",
-              "admm_stable": f"solved by layer-wise ADMM, the mask free to move with a hysteresis of "
-                             f"{p.stable_tau():g} toward that mask"}
+              "admm_stable": f"solved by layer-wise ADMM, the mask free to move (formed gradually, ALPS's rho, "
+                             f"a hysteresis of {p.stable_tau():g} toward that mask)"}
     return (f"2:4{' ∩ INT8' if quant else ''} (masks {masks.get(p.mask_metric, p.mask_metric)}, kept weights "
             f"{values.get(p.projection, p.projection)}; projection={p.projection})")
 

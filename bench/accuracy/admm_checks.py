@@ -20,7 +20,8 @@ cause on a fine-tuned teacher, with the pipeline's own rows, calibration order a
       free mask (damping 0.1, the ramp, ALPS's rho) solved on batches 0-15 (A) and 16-31 (B) at each of --taus,
       and per tau the share of the weights moved, the share of A's moves B makes too, and the held-out error on
       32-47. The choice: the smallest tau at which at least --reproduce of A's moves (median over the Linears)
-      are made by B too, i.e. the moves left are the data's, not the batches'.
+      are made by B too, i.e. the moves left are the data's, not the batches'; where none reaches it, the tau
+      whose moves reproduce most.
   m6  the activation ranges are calibrated once, on the projected model, over calib_batches. On each of those
       three projected models: the dev metric with INT8 activations calibrated on 16 and on 64 batches, with the
       preset's percentile and with the plain max, and how far those ranges are from the default calibration's.
@@ -131,14 +132,23 @@ def check_r2(run, model, layers, taus: list[float]) -> dict:
     return out
 
 
-def choose_tau(r2: dict, reproduce: float) -> float | None:
-    """The smallest tau at which the median share of A's moves that B makes too is at least `reproduce`, among
-    the taus that still move the mask (None: no such tau)."""
+def choose_tau(r2: dict, reproduce: float) -> tuple[float | None, str]:
+    """(tau, why): the smallest tau at which the median share of A's moves that B makes too is at least
+    `reproduce`, among the taus that still move the mask; where none reaches it, the tau whose moves reproduce
+    most (the smallest on a tie); None where no tau moves the mask."""
+    medians = []
     for tau, rows in sorted(r2.items(), key=lambda kv: float(kv[0])):
-        moved = statistics.median(x["moved_a"] for x in rows.values())
-        if moved > 0 and statistics.median(x["reproduced"] for x in rows.values()) >= reproduce:
-            return float(tau)
-    return None
+        if statistics.median(x["moved_a"] for x in rows.values()) > 0:
+            medians.append((float(tau), statistics.median(x["reproduced"] for x in rows.values())))
+    for tau, rep in medians:
+        if rep >= reproduce:
+            return tau, f"the smallest with at least {100 * reproduce:.0f} % of A's moves reproduced"
+    if not medians:
+        return None, "no tau moves the mask"
+    best = max(rep for _, rep in medians)
+    tau = next(t for t, rep in medians if rep == best)
+    return tau, (f"none reaches {100 * reproduce:.0f} % of A's moves reproduced: the one whose moves reproduce "
+                 f"most ({100 * best:.1f} %)")
 
 
 def check_m2_layers(run, model, layers, damps: list[float]) -> dict:
@@ -290,8 +300,7 @@ def markdown(r: dict) -> str:
                          [[tau, f"{100 * med(rows, 'moved_a'):.2f} %", f"{100 * med(rows, 'moved_b'):.2f} %",
                            f"{100 * med(rows, 'reproduced'):.1f} %", f"{med(rows, 'iters_a'):.0f}",
                            f"{med(rows, 'heldout_c'):.3f}"] for tau, rows in r["r2"].items()]), "",
-                  f"Chosen: tau = {r['r2_choice']} (the smallest with at least {100 * m['reproduce']:.0f} % of A's "
-                  "moves reproduced).", ""]
+                  f"Chosen: tau = {r['r2_choice']} ({r['r2_why']}).", ""]
     if "m2_layers" in r:
         keys = ["obs", "ls", "admm_fixed_mask", "admm"]
         lines += ["## M2 (a): damping, each Linear fitted on batches 0-15, scored on 16-31", "",
@@ -390,7 +399,7 @@ def main(argv=None) -> int:
             save()
         if "r2" in checks:
             res["r2"] = check_r2(run, model, layers, [float(t) for t in args.taus.split(",")])
-            res["r2_choice"] = choose_tau(res["r2"], args.reproduce)
+            res["r2_choice"], res["r2_why"] = choose_tau(res["r2"], args.reproduce)
             save()
         if "m2" in checks:
             res["m2_layers"] = check_m2_layers(run, model, layers, [float(d) for d in args.damps.split(",")])

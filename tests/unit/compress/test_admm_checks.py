@@ -47,7 +47,10 @@ def test_the_r2_check_sweeps_tau_and_chooses_by_reproducibility(tmp_path):
     assert "## R2" in (out / "results.md").read_text() and "r2_choice" in r
     rows = lambda moved, rep: {"L": {"moved_a": moved, "reproduced": rep}}  # noqa: E731
     record = {"0": rows(0.2, 0.7), "0.1": rows(0.1, 0.92), "0.2": rows(0.05, 0.95), "5": rows(0.0, 0.0)}
-    assert choose_tau(record, 0.9) == 0.1 and choose_tau(record, 0.99) is None
+    assert choose_tau(record, 0.9)[0] == 0.1
+    assert choose_tau(record, 0.99) == (0.2, "none reaches 99 % of A's moves reproduced: the one whose moves "
+                                              "reproduce most (95.0 %)")
+    assert choose_tau({"5": rows(0.0, 0.0)}, 0.9)[0] is None
 
 
 def test_the_admm_checks_help_and_bad_checks(capsys):

@@ -389,12 +389,14 @@ def test_admm_stable_mask_projection(admm_ckpt, env, caplog):
     """projection=admm_stable: ADMM with the mask free to move from the default's, held by the hysteresis
     projection_tau, fitted as admm_fixed_mask is (64 batches, damping 0.1), then the default's QAT; the manifest
     records the tau, and a larger tau moves no more of the mask."""
+    from holoserve.compress.config import STABLE_TAU
+
     out, teacher, m = _projected(admm_ckpt, env, caplog, "admm-stable", "admm_stable")
     assert "ADMM_STABLE 2:4 projection (masks by activation) over 64 calibration batches, damping 0.1" in caplog.text
     t = m["training"]
     proj = t["phases"]["projection"]
     assert t["method"] == "oneshot" and proj["method"] == "admm_stable"
-    assert "hysteresis of 0.1 toward that mask" in t["recipe"]
+    assert f"hysteresis of {STABLE_TAU:g} toward that mask" in t["recipe"]
     loose = sum(d["mask_moved_vs_start"] for d in proj["layers"].values())
     tight = env["root"] / "admm-stable-tight"
     assert compress(env, tight, "--teacher", str(teacher), "--set", "projection=admm_stable",
