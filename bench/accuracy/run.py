@@ -81,6 +81,10 @@ METHODS = {  # row key -> (label, extra CLI arguments); the order is the run ord
     # Z rounds onto the INT8 grid on that mask; its own damping and calibration batches), then the same QAT
     "oneshot_act05_admm_fixed": ("one-shot 2:4 ∩ INT8 (layer-wise ADMM on the default's mask) + QAT, activation-aware "
                                  "mask (‖x‖^0.5)", recipe("oneshot", *ACT05, "projection=admm_fixed_mask")),
+    # the default recipe with R2's stable free mask (projection=admm_stable: a gradual mask, ALPS's rho, fitted
+    # as admm_fixed_mask is), then the same QAT
+    "oneshot_act05_admm_stable": ("one-shot 2:4 ∩ INT8 (layer-wise ADMM, stable free mask) + QAT, activation-aware "
+                                  "mask (‖x‖^0.5)", recipe("oneshot", *ACT05, "projection=admm_stable")),
     # ADMM end to end: the layer-wise ADMM projection, then QAT with the ADMM penalty kept on (--method admm_guided)
     "admm_guided": ("layer-wise ADMM + ADMM-guided QAT, activation-aware mask (‖x‖^0.5)",
                     recipe("admm_guided", *ACT05)),
@@ -93,12 +97,13 @@ LABELS = {"dense": "dense teacher", PEER: "NNCF INT8 PTQ (dense W)", **{k: v[0] 
 COLUMNS = ("dense", PEER, "magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "admm_sparse",
            "admm_int8", "admm_act_int8", "admm_act05_int8", "oneshot_act05_obs", "oneshot_act05_obs_aug1",
            "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp", "oneshot_obs_sal", "admm_act05_obs",
-           "admm_init_obs", "oneshot_act05_admm", "oneshot_act05_admm_fixed", "admm_guided", "oneshot_act05_trtqat")
+           "admm_init_obs", "oneshot_act05_admm", "oneshot_act05_admm_fixed", "oneshot_act05_admm_stable",
+           "admm_guided", "oneshot_act05_trtqat")
 BASELINES = ("magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "oneshot_act05_obs",
              "oneshot_act05_obs_aug1", "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp",
              "oneshot_obs_sal")  # the 2:4 ∩ INT8 recipes ADMM has to beat
 ADMM_ROWS = ("admm_int8", "admm_act_int8", "admm_act05_int8", "admm_act05_obs", "admm_init_obs", "oneshot_act05_admm",
-             "oneshot_act05_admm_fixed", "admm_guided")
+             "oneshot_act05_admm_fixed", "oneshot_act05_admm_stable", "admm_guided")
 
 
 def run_one(task: str, seed: int, key: str, args, teacher: Path | None) -> Path | None:
