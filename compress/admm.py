@@ -202,7 +202,7 @@ def layerwise_projection(model: nn.Module, layers: list[str], batches: list[Mapp
                 final = project(new.to("cpu", torch.float64), n, m, quant=quant, mask=out_masks[name].cpu()).z
             else:
                 res = admm_prune(w, h, n, m, quant=quant, mask=given if fixed_mask else None, importance=imp,
-                                 solver=options.solver, start=given)
+                                 solver=options.solver)
                 out_masks[name] = res.mask
                 if fixed_mask and given is not None:  # already the grid point (or, without quant, the solve)
                     final = res.z.to("cpu", torch.float64)

@@ -220,7 +220,7 @@ class AdmmSolverOptions:
     stop: float = 1e-3
     growth: tuple[float, float] = (1.2, 1.5)
     ls_tol: float = 1e-3  # relative residual of the final least-squares solve
-    # The stable free mask (projection=admm_stable): the Z-step favours the starting mask by `hysteresis` (tau:
+    # The stable free mask (projection=admm_stable): the Z-step favours the mask metric's mask by `hysteresis` (tau:
     # 0 is the free mask, a large tau keeps the start, see nm_mask); over the first `ramp` iterations the share
     # it prunes grows to (m - n) of m on Zhu & Gupta's cubic schedule, so the mask forms while W moves; and
     # with schedule "alps" rho follows the support change relative to the kept count every `check` iterations
@@ -232,7 +232,7 @@ class AdmmSolverOptions:
 
 def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *, quant: bool = True,
                mask: torch.Tensor | None = None, importance: torch.Tensor | None = None,
-               solver: AdmmSolverOptions = AdmmSolverOptions(), start: torch.Tensor | None = None) -> AdmmSolve:
+               solver: AdmmSolverOptions = AdmmSolverOptions()) -> AdmmSolve:
     """min_V ||X w^T - X V^T||^2 s.t. V ∈ 2:4 ∩ per-row INT8 grid, by ADMM (scaled form), for one Linear.
 
     H = X^T X (`hessian`, scaled to mean diagonal 1 and damped by `damp`) is factorised once, H = Q diag(λ) Q^T:
@@ -248,7 +248,7 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
     (compress.sparsify.finalize). The factorisation and the iterations run in float32 on the CPU. With a given
     `mask` the mask stays fixed and the same iterations solve for the values on it (admm_on_mask). The
     settings named here are `solver`'s (AdmmSolverOptions); with its hysteresis, ramp or "alps" schedule the
-    Z-step favours `start` (default: the metric's mask of w), ramps its sparsity, and rho follows ALPS.
+    Z-step favours the metric's mask of w (nm_mask by |w| x importance), ramps its sparsity, and rho follows ALPS.
     """
     damp, rho, max_iters, check = solver.damp, solver.rho, solver.max_iters, solver.check
     settle, stop, growth, ls_tol = solver.settle, solver.stop, solver.growth, solver.ls_tol
@@ -271,7 +271,7 @@ def admm_prune(w: torch.Tensor, hessian: torch.Tensor, n: int = 2, m: int = 4, *
     tau, ramp = solver.hysteresis, solver.ramp
     favour = None
     if tau > 0:
-        favour = (start if start is not None else nm_mask(W0.float(), n, m, imp)).detach().to("cpu", torch.float32)
+        favour = nm_mask(W0.float(), n, m, imp).to(torch.float32)
 
     def z_step(v: torch.Tensor, it: int) -> Projection:
         # the entries kept per group: m at the start of a ramp, n from its end on (Zhu & Gupta's cubic schedule)

@@ -116,8 +116,8 @@ def check_r2(run, model, layers, taus: list[float]) -> dict:
         rows = {}
         for name in layers:
             w = model.get_submodule(name).weight.detach().double()
-            res_a, res_b = (admm_prune(w, h[name], importance=imp[name], start=mk[name], solver=solver)
-                            for imp, mk, h in ((imp_a, mask_a, h_a), (imp_b, mask_b, h_b)))
+            res_a, res_b = (admm_prune(w, h[name], importance=imp[name], solver=solver)
+                            for imp, h in ((imp_a, h_a), (imp_b, h_b)))
             moves_a, moves_b = res_a.mask != mask_a[name], res_b.mask != mask_b[name]
             nearest = project(w, mask=mask_a[name]).z
             rows[name] = {"moved_a": float(moves_a.float().mean()), "moved_b": float(moves_b.float().mean()),

@@ -211,7 +211,7 @@ def test_admm_stable_mask_hysteresis_ramp_and_alps_schedule(w):
     start = nm_mask(w)
 
     def moved(tau: float) -> float:
-        res = admm_prune(w, h, start=start, solver=AdmmSolverOptions(hysteresis=tau, ramp=6, schedule="alps"))
+        res = admm_prune(w, h, solver=AdmmSolverOptions(hysteresis=tau, ramp=6, schedule="alps"))
         assert (res.mask.reshape(24, 16, 4).sum(-1) == 2).all() and _on_2to4_int8(project(res.w, mask=res.mask).z,
                                                                                     res.mask)
         return float((res.mask != start).float().mean())
