@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -62,11 +61,6 @@ def load_avg() -> list[float]:
         return []
 
 
-def uptime_text() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 def ort_session(path: Path, threads: int):

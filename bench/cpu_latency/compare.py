@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.cpu_latency.common import (load_avg, ort_session, output_options, parse, percentile, random_rows, save,
-                                      shape_options, timing_options, uptime_text)
-from bench.lib.report import table
+                                      shape_options, timing_options)
+from bench.lib.report import table, uptime_text
 from holoserve.core.machine import describe_cpu
 
 

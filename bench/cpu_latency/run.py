@@ -54,11 +54,11 @@ from typing import Any
 import numpy as np
 
 from bench.cpu_latency.common import (accuracy, kernels_missing, load_avg, nncf_int8, openvino_modules, output_options,
-                                      parse, percentile, random_rows, timing_options, train_samples, uptime_text)
+                                      parse, percentile, random_rows, timing_options, train_samples)
 from bench.cpu_latency.engines import (ENGINES, INT8_REFERENCE, LABELS, OPENVINO_ENGINES, OURS_OPENVINO, STATIC_OF,
                                        EngineSet, skip_static_rows)
 from bench.cpu_latency.engines import KERNEL_ROWS  # noqa: F401  (re-exported with the rest of the engine table)
-from bench.lib.report import figure, table, write_record
+from bench.lib.report import figure, table, uptime_text, write_record
 from holoserve.core.machine import describe_cpu
 
 

@@ -48,8 +48,15 @@ def figure(path: Path, figsize: tuple[float, float] = (8, 4), dpi: int = 120, **
         plt.close(fig)
 
 
+def uptime_text() -> str:
+    """`uptime`'s line (the load averages a shared machine had), "" where it cannot run."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def machine() -> dict:
     """The CPU, core count, architecture, Python and the load when the run started."""
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "arch": platform.machine(), "python": platform.python_version(),
-            "uptime_at_start": uptime, "load_avg_at_start": os.getloadavg()}
+            "uptime_at_start": uptime_text(), "load_avg_at_start": os.getloadavg()}

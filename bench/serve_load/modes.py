@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.report import machine, write_record
+from bench.lib.report import machine, uptime_text, write_record
 from bench.serve_load.load import alternate_rounds, fleet, warm
 from bench.serve_load.report import docker_markdown, tokens_markdown
 from holoserve.core.artifact import load_artifact
@@ -20,10 +20,6 @@ from holoserve.core.artifact import load_artifact
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-
-
-def _uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def token_lengths(ckpt: Path, texts: list[str]) -> dict:
@@ -61,7 +57,7 @@ def token_budget_main(args, ckpt: Path, texts: list[str], text_source: str, out_
                 res["modes"][mode]["levels"].append(lv)
                 print(f"{mode:12s} clients {c:4d}: {lv['throughput_rps']:8.1f} req/s  p50 {lv.get('p50_ms')} "
                       f"p99 {lv.get('p99_ms')} ms  mean batch {lv['mean_batch']}  {lv['status_counts']}", flush=True)
-    res["machine"]["uptime_at_end"] = _uptime()
+    res["machine"]["uptime_at_end"] = uptime_text()
     _, md = write_record(res, out_dir, f"{args.name}_tokens", tokens_markdown)
     print(md.read_text())
     return 0
@@ -132,7 +128,7 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
                                                       / by["onnxruntime"][32]["throughput_rps"], 3)
     if 1 in levels:
         res["summary"]["p50_ratio_1"] = round(by["default"][1]["p50_ms"] / by["onnxruntime"][1]["p50_ms"], 3)
-    res["machine"]["uptime_at_end"] = _uptime()
+    res["machine"]["uptime_at_end"] = uptime_text()
     write_record(res, out_dir, f"{args.name}_docker", docker_markdown)
     print(json.dumps(res["summary"], indent=2))
     return 0

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -35,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import dated_results
-from bench.lib.report import machine, write_record
+from bench.lib.report import machine, uptime_text, write_record
 from bench.serve_load.load import REPO, alternate_rounds, fleet, load_texts, run_load, sequential, summarize, warm
 from bench.serve_load.modes import docker_main, token_budget_main
 from bench.serve_load.report import backend_desc, markdown, plot
@@ -258,13 +257,13 @@ def full_benchmark(args, ckpt: Path, texts: list, text_source: str, out_dir: Pat
         for c in (int(x) for x in args.clients.split(",")):
             got = alternate_rounds({m: s.port for m, s in servers.items()}, texts, c, args)
             for mode, lv in got.items():
-                lv["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+                lv["uptime_after"] = uptime_text()
                 res["modes"][mode]["levels"].append(lv)
                 print(f"batching {mode:3s} clients {c:4d}: {lv['throughput_rps']:8.1f} req/s  p50 {lv.get('p50_ms')} "
                       f"p99 {lv.get('p99_ms')} ms  mean batch {lv['mean_batch']}  {lv['status_counts']}", flush=True)
     res["overload"] = overload(args, ckpt, texts, out_dir)
     res["summary"] = summary(res)
-    res["machine"]["uptime_at_end"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    res["machine"]["uptime_at_end"] = uptime_text()
     return res
 
 
