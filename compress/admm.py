@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from .config import AdmmConfig
-from .layers import encoder_layer_stack, get_linear
+from .layers import get_linear
 from .project import AdmmSolverOptions, admm_prune, obs_prune, project
-from .quant import input_hessians
+from .sequential import LayerInputs, layer_blocks
 
 
 class Admm:
@@ -178,16 +178,13 @@ def layerwise_projection(model: nn.Module, layers: list[str], batches: list[Mapp
     damp = options.solver.damp
     if method not in ("obs", "admm"):
         raise ValueError(f"layerwise_projection: method {method!r} is not obs or admm")
-    stack, _ = encoder_layer_stack(model)
-    blocks: dict[str, list[str]] = {}
-    for name in layers:
-        rest = name[len(stack) + 1:] if name.startswith(f"{stack}.") else name
-        blocks.setdefault(rest.split(".")[0], []).append(name)
+    blocks, in_order = layer_blocks(model, layers)
+    inputs = LayerInputs(model, [batches, heldout] if heldout else [batches], sequential=in_order)
     out_masks: dict[str, torch.Tensor] = {}
     diag: dict[str, dict[str, float]] = {}
-    for names in blocks.values():
-        hessians = input_hessians(model, names, batches)
-        held = input_hessians(model, names, heldout) if heldout else None
+    for index, names in blocks:
+        hessians, *rest = inputs.hessians(index, names)
+        held = rest[0] if rest else None
         for name in names:
             lin = get_linear(model, name)
             w = lin.weight.detach()

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .layers import encoder_layer_stack, encoder_linear_names, get_linear
+from .layers import encoder_linear_names, get_linear
 from .project import channel_scales, nm_mask, obs_prune, project, to_grid
-from .quant import fake_quant_weight, input_hessians
+from .quant import fake_quant_weight
+from .sequential import LayerInputs, layer_blocks
 
 
 # --------------------------------------------------------------------------- frozen mask (+ fake quant)
@@ -57,15 +58,12 @@ def obs_masks(model: nn.Module, layers: list[str], batches: list[Mapping[str, to
     Returns (masks, each layer's output error on its inputs relative to keeping the same mask's weights as
     they are, the nearest projection's: tr((W - Z) H (W - Z)^T) over the same for W * mask).
     """
-    stack, _ = encoder_layer_stack(model)
-    blocks: dict[str, list[str]] = {}
-    for name in layers:
-        rest = name[len(stack) + 1:] if name.startswith(f"{stack}.") else name
-        blocks.setdefault(rest.split(".")[0], []).append(name)
+    blocks, in_order = layer_blocks(model, layers)
+    inputs = LayerInputs(model, [batches], sequential=in_order)
     given, masks = masks, {}
     ratios: dict[str, float] = {}
-    for names in blocks.values():
-        hessians = input_hessians(model, names, batches)
+    for index, names in blocks:
+        (hessians,) = inputs.hessians(index, names)
         for name in names:
             lin = get_linear(model, name)
             dense, h = lin.weight.detach().to("cpu", torch.float64), hessians[name]
