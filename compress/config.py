@@ -131,6 +131,10 @@ class Preset:
     projection_damp: float | None = None
     projection_batches: int | None = None
     projection_tau: float | None = None  # admm_stable's hysteresis (None: STABLE_TAU)
+    # Equal wall time against the default projection, the paired benchmark's rule: with the default recipe's QAT
+    # seconds per step, a projection other than obs gives up as many QAT steps as its extra seconds over the obs
+    # projection (timed on a copy of the model in the same run) would train (compress/equal_time.py). None: off.
+    equal_time_step_seconds: float | None = None
     calib_batches: int = 16  # training batches used to calibrate activation ranges (and the mask metric's norms)
     calib_percentile: float | None = 99.99  # None = plain max
     # The word-embedding table is the largest tensor the optimizer would update, and it is neither pruned

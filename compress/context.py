@@ -224,6 +224,14 @@ def _progress_phase(name: str, kind: str):
 # --------------------------------------------------------------------------- the context
 
 
+def _settled(fp: Any) -> Any:
+    """A job fingerprint without its unset (None) settings, so a setting a later version adds, left unset,
+    still matches the state an earlier version saved."""
+    if isinstance(fp, dict):
+        return {k: _settled(v) for k, v in fp.items() if v is not None}
+    return fp
+
+
 @dataclass(frozen=True)
 class CompressionContext:
     """One run's settled facts and the steps every method shares. Frozen: a method that runs with other
@@ -290,9 +298,9 @@ class CompressionContext:
         exists = path.is_file()
         self.procs.wait()  # every process has looked before the main one writes
         if exists:
-            old = json.loads(path.read_text())
-            if old != json.loads(json.dumps(fp)):
-                diff = sorted(k for k in set(old) | set(fp) if old.get(k) != json.loads(json.dumps(fp)).get(k))
+            old, new = _settled(json.loads(path.read_text())), _settled(json.loads(json.dumps(fp)))
+            if old != new:
+                diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
                 raise HoloServeError(
                     f"the saved training state in {self.state_dir} belongs to a different job (differs in: "
                     f"{', '.join(diff)}); pass --restart to discard it or choose another --out"

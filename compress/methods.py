@@ -32,6 +32,7 @@ from holoserve import HoloServeError
 from holoserve.core.artifact import MANIFEST
 from holoserve.core.choices import COMPRESS_METHODS
 
+from . import equal_time
 from .admm import Admm, GuidedAdmm
 from .config import Preset
 from .context import (DEFAULT_MODEL_NAME, CompressedModel, CompressionContext, CompressRequest, ModelSource,
@@ -209,7 +210,9 @@ def _project_and_finetune(ctx: CompressionContext, student: nn.Module, teacher: 
     frozen mask (compress.admm.GuidedAdmm: Z and U from the projection on, the masks at the end are Z's).
     Returns (scales, amax, extra metrics)."""
     request, p = ctx.request, ctx.preset
+    equal_time.time_reference(ctx, student, layers)
     masks = ctx.project_masks(student, layers)
+    cfg = equal_time.held_to_reference(ctx, cfg)
     finalize(student, masks, quant=request.quant)
     if request.quant:
         ctx.quantize_embeddings(student)

@@ -64,6 +64,10 @@ def check_preset_settings(preset: Preset, method: str) -> None:
     if not (math.isfinite(preset.stable_tau()) and preset.stable_tau() >= 0):
         raise HoloServeError(f"projection_tau={preset.projection_tau}: use a number >= 0 (0: the mask moves freely; "
                              "larger keeps more of the mask metric's mask)")
+    q = preset.equal_time_step_seconds
+    if q is not None and not (math.isfinite(q) and q > 0):
+        raise HoloServeError(f"equal_time_step_seconds={q}: use the default recipe's QAT seconds per step (> 0), "
+                             "or leave it unset")
     if preset.mask_metric not in ("activation", "magnitude", "saliency"):
         raise HoloServeError(f"mask_metric={preset.mask_metric!r}: choose activation, magnitude or saliency "
                              "(projection=obs only)")

@@ -125,6 +125,20 @@ def test_state_of_another_job_is_refused(admm_ckpt, env, capsys):
     assert rc == 2 and "belongs to a different job" in capsys.readouterr().err
 
 
+def test_state_saved_before_a_new_setting_existed_still_resumes(admm_ckpt, env, caplog):
+    """A setting a later version adds, left unset, does not orphan the state an earlier version saved; set, the
+    job is a different one."""
+    job = admm_ckpt.with_name("admm.state") / "job.json"
+    saved = json.loads(job.read_text())
+    assert saved["preset"]["equal_time_step_seconds"] is None
+    del saved["preset"]["equal_time_step_seconds"]
+    job.write_text(json.dumps(saved))
+    with caplog.at_level("INFO", logger="holoserve.compress"):
+        assert compress(env, admm_ckpt, "--method", "admm", "--overwrite") == 0
+    assert "[qat] already done" in caplog.text
+    assert compress(env, admm_ckpt, "--method", "admm", "--overwrite", "--set", "equal_time_step_seconds=1") == 2
+
+
 def test_no_quant_and_reused_teacher(admm_ckpt, env):
     out = env["root"] / "sparse"
     assert compress(env, out, "--no-quant", "--teacher", str(admm_ckpt.with_name("admm.state") / "teacher")) == 0
@@ -404,6 +418,46 @@ def test_admm_stable_mask_projection(admm_ckpt, env, caplog):
     layers = json.loads((tight / "manifest.json").read_text())["training"]["phases"]["projection"]["layers"]
     assert sum(d["mask_moved_vs_start"] for d in layers.values()) <= loose
     assert all(d["mask_moved_vs_start"] == 0 for d in layers.values())
+
+
+def test_equal_time_gives_up_the_slower_projections_extra_seconds_in_qat(admm_ckpt, env, caplog):
+    """equal_time_step_seconds (the paired benchmark's rule): a projection other than obs times the default (obs)
+    projection on a copy of the model, and QAT gives up round(extra seconds / step seconds) of its steps, as the
+    projection's record says; the state folder keeps them, so a resumed run trains the same schedule; obs itself
+    trains all its steps."""
+    teacher = admm_ckpt.with_name(admm_ckpt.name + ".state") / "teacher"
+    base = env["root"] / "equal-time-obs"
+    with caplog.at_level("INFO"):
+        assert compress(env, base, "--teacher", str(teacher), "--set", "equal_time_step_seconds=0.001") == 0
+    assert "[equal-time]" not in caplog.text
+    phases = json.loads((base / "manifest.json").read_text())["training"]["phases"]
+    total = phases["qat"]["steps"]
+    assert "equal_time" not in phases["projection"] and total > 1
+    out = env["root"] / "equal-time-admm"
+    args = ("--teacher", str(teacher), "--set", "projection=admm_fixed_mask", "--set", "equal_time_step_seconds=0.001")
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert compress(env, out, *args) == 0
+    assert "[equal-time] timing the default projection (obs)" in caplog.text
+    phases = json.loads((out / "manifest.json").read_text())["training"]["phases"]
+    e = phases["projection"]["equal_time"]
+    assert e["reference"] == "obs" and e["reference_seconds"] > 0 and e["step_seconds"] == 0.001
+    assert e["projection_seconds"] == phases["projection"]["seconds"]
+    over = max(0.0, e["projection_seconds"] - e["reference_seconds"])
+    assert e["steps_given_up"] == min(total, round(over / 0.001))
+    assert phases["qat"]["steps"] == total - e["steps_given_up"] == e["qat_steps"]
+    state = out.with_name(out.name + ".state")
+    kept = json.loads((state / "equal-time.json").read_text())
+    (state / "equal-time.json").write_text(json.dumps({**kept, "steps_given_up": 1}))
+    for f in state.glob("qat-done*"):
+        f.unlink()
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert compress(env, out, *args, "--overwrite") == 0
+    assert "timing the default projection" not in caplog.text
+    phases = json.loads((out / "manifest.json").read_text())["training"]["phases"]
+    assert phases["qat"]["steps"] == total - 1 and phases["projection"]["equal_time"]["steps_given_up"] == 1
+    assert compress(env, env["root"] / "never", *args[:2], "--set", "equal_time_step_seconds=0") == 2
 
 
 def test_bad_projection_fit_settings_are_refused(admm_ckpt, env, capsys):
