@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import dated_results
+from bench.accuracy import decision
 from bench.lib.report import figure, table, write_record
 from holoserve.core.artifact import read_manifest
 from holoserve.core.manifest import Manifest
@@ -102,11 +103,14 @@ COLUMNS = ("dense", PEER, "magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "
 BASELINES = ("magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "oneshot_act05_obs",
              "oneshot_act05_obs_aug1", "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp",
              "oneshot_obs_sal")  # the 2:4 ∩ INT8 recipes ADMM has to beat
+# the rows whose projection is slower than the default's: with --equal-time (the default) their QAT gives up the
+# steps that extra time would train, so every row spends the default recipe's wall time
+EQUAL_TIME_ROWS = ("oneshot_act05_admm", "oneshot_act05_admm_fixed", "oneshot_act05_admm_stable", "admm_guided")
 ADMM_ROWS = ("admm_int8", "admm_act_int8", "admm_act05_int8", "admm_act05_obs", "admm_init_obs", "oneshot_act05_admm",
              "oneshot_act05_admm_fixed", "oneshot_act05_admm_stable", "admm_guided")
 
 
-def run_one(task: str, seed: int, key: str, args, teacher: Path | None) -> Path | None:
+def run_one(task: str, seed: int, key: str, args, teacher: Path | None, extra: tuple[str, ...] = ()) -> Path | None:
     out = args.runs_dir / f"{task}-s{seed}-{key}"
     if (out / "manifest.json").is_file():
         print(f"[{task}/s{seed}/{key}] reusing {out}", flush=True)
@@ -122,7 +126,7 @@ def run_one(task: str, seed: int, key: str, args, teacher: Path | None) -> Path 
     for flag in ("max_steps", "train_limit", "max_seq_length", "threads", "device"):
         if getattr(args, flag):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    for item in args.set:
+    for item in (*args.set, *extra):
         cmd += ["--set", item]
     print(f"[{task}/s{seed}/{key}] {' '.join(cmd[2:])}", flush=True)
     t0 = time.perf_counter()
@@ -171,7 +175,7 @@ def run_record(path: Path, data_dir: str | None) -> dict:
         "steps": {k: v.get("steps") for k, v in phases.items() if isinstance(v, dict) and "steps" in v},
         "dense_seconds": (phases.get("dense") or {}).get("seconds"),
         "wall_seconds": t.get("wall_seconds"), "machine": t.get("machine"), "train_rows": t.get("train_rows"),
-        "checkpoint": path.name,
+        "checkpoint": path.name, "equal_time": (phases.get("projection") or {}).get("equal_time"),
         "extra": m.metrics.model_dump(include={"after_projection", "one_shot", "sparse_fp32"}, exclude_none=True),
     }
 
@@ -344,7 +348,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines += ["", f"Paired by seed against **{LABELS[pair['base']]}** (the row minus it on the same seed, teacher "
                   "and dev rows; ×100, mean ± std [seeds]):", "",
                   *table(["row", *tasks, "mean over tasks"],
-                         [paired_row(key, p, tasks) for key, p in pair["rows"].items()])]
+                         [paired_row(key, p, tasks) for key, p in pair["rows"].items()]),
+                  *decision.markdown(meta.get("decision") or [], LABELS)]
     lines += ["", "Steps per phase after the teacher and mean wall time per run (s; the dense teacher, "
               "trained once per task and seed, is in the first method's time and listed apart):", "",
               *table(["task", "teacher steps / s", *(LABELS[k] for k in trained)],
@@ -425,12 +430,27 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
 def write_report(rows: list[dict], meta: dict, results: Path) -> None:
     meta["overall"] = overall([r for r in rows if r["columns"]])
     meta["paired"] = paired([r for r in rows if r["columns"]])
+    meta["decision"] = decision.decide(meta["paired"], meta.get("full_check"))
     write_record({"meta": meta, "rows": rows}, results, "accuracy", lambda r: markdown(r["rows"], r["meta"]))
     plot(rows, results / "accuracy.png", meta)
     print(markdown(rows, meta))
 
 
-def rebuild(sources: list[Path], results: Path) -> int:
+def full_check(path: Path | None) -> dict[str, float] | None:
+    """--full-check: each row's paired mean difference over the tasks of a full-preset accuracy.json (points)."""
+    if path is None:
+        return None
+    try:
+        rows = [r for r in json.loads(path.read_text())["rows"] if r["columns"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"--full-check {path}: not an accuracy.json written by this script ({type(e).__name__}: {e})")
+    if len(rows) < 2:
+        sys.exit(f"--full-check {path}: it holds {len(rows)} task(s); the rule's check needs two or more")
+    return {k: 100 * p["mean_over_tasks"] for k, p in paired(rows)["rows"].items()
+            if p.get("mean_over_tasks") is not None}
+
+
+def rebuild(sources: list[Path], results: Path, check: dict[str, float] | None = None) -> int:
     """The tables of one or more accuracy.json files summarized again from their per-seed run records.
 
     Several files (runs of the same preset made in separate calls, e.g. seeds 0-1 and then 2-3 on a GPU
@@ -463,6 +483,7 @@ def rebuild(sources: list[Path], results: Path) -> int:
                                 "seeds_taken": sorted({s for (_, s), j in origin.items() if j == i})}
                                for i, (src, m) in enumerate(zip(sources, metas))]
     rows = [summarize(task, dict(sorted(seeds.items()))) for task, seeds in per_task.items()]
+    meta["full_check"] = check if check is not None else meta.get("full_check")
     write_report(rows, meta, results)
     return 0
 
@@ -494,6 +515,11 @@ def parser() -> argparse.ArgumentParser:
                                    f"{', '.join([*METHODS, PEER])} (default: all)")
     ap.add_argument("--calibration-rows", type=int, default=256, help="NNCF row: training rows to calibrate on")
     ap.add_argument("--report-only", action="store_true", help="rebuild the tables from finished runs only")
+    ap.add_argument("--no-equal-time", dest="equal_time", action="store_false",
+                    help=f"let the ADMM projection rows ({', '.join(EQUAL_TIME_ROWS)}) keep every QAT step instead of "
+                         "giving up the ones their extra projection time would train")
+    ap.add_argument("--full-check", type=Path, metavar="ACCURACY_JSON",
+                    help="an accuracy.json of a full-preset run on two tasks or more: the decision rule's check")
     ap.add_argument("--notes", default="")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=CHECKPOINT",
                     help="also list this ADMM 2:4 ∩ INT8 checkpoint (e.g. a tuning run) in the variants table")
@@ -538,13 +564,26 @@ def seed_runs(task: str, seed: int, only: list[str], args) -> tuple[dict[str, di
         elif args.report_only or key not in only:
             ckpts[key] = path if (path / "manifest.json").is_file() else None
         else:
-            ckpts[key] = run_one(task, seed, key, args, teacher)
+            ckpts[key] = run_one(task, seed, key, args, teacher, equal_time(task, seed, key, ckpts, args))
         state = args.runs_dir / f"{task}-s{seed}-{key}.state" / "teacher"
         if teacher is None and (state / "teacher.json").is_file():
             teacher = state  # trained by this run: the other methods reuse it
     runs = {k: run_record(p, args.data_dir) for k, p in ckpts.items() if p is not None}
     peer = peer_row(task, seed, teacher, runs, args) if PEER in only and teacher is not None and runs else {}
     return runs, peer
+
+
+def equal_time(task: str, seed: int, key: str, ckpts: dict[str, Path | None], args) -> tuple[str, ...]:
+    """An ADMM projection row's equal-time setting: the default recipe's QAT seconds per step on this seed, so the
+    row's extra projection time comes out of its QAT steps (compress/equal_time.py); () for other rows."""
+    if key not in EQUAL_TIME_ROWS or not args.equal_time:
+        return ()
+    base = ckpts.get(PAIRED_BASE)
+    if base is None:
+        sys.exit(f"[{task}/s{seed}/{key}] the equal-time rule needs the default recipe's run on this seed first: add "
+                 f"{PAIRED_BASE} to --only (it is reused when finished), or pass --no-equal-time")
+    qat = read_manifest(base).training["phases"]["qat"]
+    return (f"equal_time_step_seconds={qat['seconds'] / qat['steps']:.4f}",)
 
 
 def peer_row(task: str, seed: int, teacher: Path, runs: dict[str, dict], args) -> dict:
@@ -590,7 +629,7 @@ def main() -> int:
     args = ap.parse_args()
     args.results = args.results or dated_results("accuracy")
     if args.from_json:
-        return rebuild(args.from_json, args.results)
+        return rebuild(args.from_json, args.results, full_check(args.full_check))
     only, seeds = rows_and_seeds(ap, args)
     args.runs_dir.mkdir(parents=True, exist_ok=True)
     rows, peer_meta = [], {}
@@ -600,7 +639,8 @@ def main() -> int:
             per_seed[seed], peer = seed_runs(task, seed, only, args)
             peer_meta = peer or peer_meta
         rows.append(summarize(task, per_seed))
-    write_report(rows, run_meta(rows, seeds, peer_meta, args), args.results)
+    write_report(rows, {**run_meta(rows, seeds, peer_meta, args), "full_check": full_check(args.full_check)},
+                 args.results)
     return 0
 
 
