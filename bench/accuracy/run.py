@@ -39,6 +39,8 @@ OBS = "projection=obs"
 MAGNITUDE = "mask_metric=magnitude"
 ACT = ("mask_metric=activation", "mask_activation_power=1")  # the 2:4 mask by |w| x input-channel norm
 ACT05 = ("mask_metric=activation", "mask_activation_power=0.5")  # |w| x sqrt(||x||) (RIA's exponent)
+# one-shot spends the admm and qat budgets on QAT: all of it in qat, one epoch, at most the quick preset's 500
+QAT1 = ("admm.epochs=0", "qat.epochs=1", "qat.max_steps=500")
 METHODS = {  # row key -> (label, extra CLI arguments); the order is the run order (the first trains the teacher)
     "admm_int8": ("ADMM 2:4 ∩ INT8 + QAT", recipe("admm", MAGNITUDE, NEAREST)),
     "oneshot_int8": ("one-shot 2:4 ∩ INT8 + QAT", recipe("oneshot", MAGNITUDE, NEAREST)),
@@ -86,6 +88,12 @@ METHODS = {  # row key -> (label, extra CLI arguments); the order is the run ord
     # as admm_fixed_mask is), then the same QAT
     "oneshot_act05_admm_stable": ("one-shot 2:4 ∩ INT8 (layer-wise ADMM, stable free mask) + QAT, activation-aware "
                                   "mask (‖x‖^0.5)", recipe("oneshot", *ACT05, "projection=admm_stable")),
+    # M4: the default recipe and R1 with QAT capped at one epoch of the training rows (at most the budget above)
+    "oneshot_act05_obs_qat1": ("one-shot 2:4 ∩ INT8 (OBS) + one epoch of QAT, activation-aware mask (‖x‖^0.5)",
+                               recipe("oneshot", *ACT05, OBS, *QAT1)),
+    "oneshot_act05_admm_fixed_qat1": ("one-shot 2:4 ∩ INT8 (layer-wise ADMM on the default's mask) + one epoch of "
+                                      "QAT, activation-aware mask (‖x‖^0.5)",
+                                      recipe("oneshot", *ACT05, "projection=admm_fixed_mask", *QAT1)),
     # ADMM end to end: the layer-wise ADMM projection, then QAT with the ADMM penalty kept on (--method admm_guided)
     "admm_guided": ("layer-wise ADMM + ADMM-guided QAT, activation-aware mask (‖x‖^0.5)",
                     recipe("admm_guided", *ACT05)),
@@ -99,15 +107,16 @@ COLUMNS = ("dense", PEER, "magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "
            "admm_int8", "admm_act_int8", "admm_act05_int8", "oneshot_act05_obs", "oneshot_act05_obs_aug1",
            "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp", "oneshot_obs_sal", "admm_act05_obs",
            "admm_init_obs", "oneshot_act05_admm", "oneshot_act05_admm_fixed", "oneshot_act05_admm_stable",
-           "admm_guided", "oneshot_act05_trtqat")
+           "oneshot_act05_obs_qat1", "oneshot_act05_admm_fixed_qat1", "admm_guided", "oneshot_act05_trtqat")
 BASELINES = ("magnitude_ptq", "oneshot_int8", "oneshot_act_int8", "oneshot_act05_int8", "oneshot_act05_obs",
              "oneshot_act05_obs_aug1", "oneshot_act05_obs_relu", "oneshot_act05_obs_relu_ramp",
-             "oneshot_obs_sal")  # the 2:4 ∩ INT8 recipes ADMM has to beat
+             "oneshot_obs_sal", "oneshot_act05_obs_qat1")  # the 2:4 ∩ INT8 recipes ADMM has to beat
 # the rows whose projection is slower than the default's: with --equal-time (the default) their QAT gives up the
 # steps that extra time would train, so every row spends the default recipe's wall time
-EQUAL_TIME_ROWS = ("oneshot_act05_admm", "oneshot_act05_admm_fixed", "oneshot_act05_admm_stable", "admm_guided")
+EQUAL_TIME_ROWS = ("oneshot_act05_admm", "oneshot_act05_admm_fixed", "oneshot_act05_admm_stable",
+                   "oneshot_act05_admm_fixed_qat1", "admm_guided")
 ADMM_ROWS = ("admm_int8", "admm_act_int8", "admm_act05_int8", "admm_act05_obs", "admm_init_obs", "oneshot_act05_admm",
-             "oneshot_act05_admm_fixed", "oneshot_act05_admm_stable", "admm_guided")
+             "oneshot_act05_admm_fixed", "oneshot_act05_admm_stable", "oneshot_act05_admm_fixed_qat1", "admm_guided")
 
 
 def run_one(task: str, seed: int, key: str, args, teacher: Path | None, extra: tuple[str, ...] = ()) -> Path | None:
