@@ -55,19 +55,17 @@ def held_to_reference(ctx: CompressionContext, cfg: PhaseConfig) -> PhaseConfig:
     projection phase's "equal_time")."""
     if not applies(ctx):
         return cfg
-    path = ctx.state_dir / STATE
-    with ctx.procs.main_first() as main:
+    path, steps, own = ctx.state_dir / STATE, cfg.steps or 0, ctx.record.phases["projection"]
+    with ctx.procs.main_first() as main:  # the others read it after the main process wrote it
         state: dict[str, Any] = json.loads(path.read_text())
         if main and "steps_given_up" not in state:
-            over = max(0.0, ctx.record.phases["projection"]["seconds"] - state["reference_seconds"])
-            state.update(projection_seconds=ctx.record.phases["projection"]["seconds"],
-                         seconds_over=round(over, 1),
-                         steps_given_up=min(cfg.steps or 0, round(over / state["step_seconds"])))
+            over = max(0.0, own["seconds"] - state["reference_seconds"])
+            state.update(projection_seconds=own["seconds"], seconds_over=round(over, 1),
+                         steps_given_up=min(steps, round(over / state["step_seconds"])))
             atomic_write_json(path, state)
-    state = json.loads(path.read_text())
     given_up = int(state["steps_given_up"])
-    ctx.record.phases["projection"]["equal_time"] = {**state, "qat_steps": (cfg.steps or 0) - given_up}
+    own["equal_time"] = {**state, "qat_steps": steps - given_up}
     log.info("[equal-time] the %s projection took %.0fs against the default's %.0fs: QAT gives up %d of its %d steps "
              "(%.2fs each)", ctx.preset.projection, state["projection_seconds"], state["reference_seconds"], given_up,
-             cfg.steps or 0, state["step_seconds"])
-    return replace(cfg, steps=(cfg.steps or 0) - given_up)
+             steps, state["step_seconds"])
+    return replace(cfg, steps=steps - given_up)

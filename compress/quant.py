@@ -125,13 +125,14 @@ def calibrate_amax(
     return out
 
 
-@torch.no_grad()
-def _input_sums(model: nn.Module, layers: Iterable[str], batches: Iterable[Mapping[str, torch.Tensor]], stat, what: str
-                ) -> dict[str, torch.Tensor]:
-    """sum over `batches` of stat(x) for each named Linear's input x [tokens, in] (non-padding tokens, float32)."""
+@contextmanager
+def summing_inputs(model: nn.Module, layers: Iterable[str], stat, what: str):
+    """Hooks that add stat(x) of each named Linear's input x [tokens, in] (non-padding tokens, float32) into
+    `sums` on every forward. Yields (sums, keep): before each forward, set keep[0] to the batch's attention mask
+    as bool (None: every token counts). The hooks come off on exit, and a Linear that saw no batch is an error."""
     layers = list(layers)
     sums: dict[str, torch.Tensor] = {}
-    keep: list[torch.Tensor | None] = [None]  # the current batch's attention mask [batch, seq] as bool, if any
+    keep: list[torch.Tensor | None] = [None]
 
     def hook(name):
         def fn(_m, args):
@@ -142,10 +143,22 @@ def _input_sums(model: nn.Module, layers: Iterable[str], batches: Iterable[Mappi
         return fn
 
     handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in layers]
-    _observe(model, _with_mask(batches, keep, model), handles)
+    try:
+        yield sums, keep
+    finally:
+        for h in handles:
+            h.remove()
     missing = [n for n in layers if n not in sums]
     if missing:
         raise ValueError(f"{what} saw no batches for {missing[:3]}")
+
+
+@torch.no_grad()
+def _input_sums(model: nn.Module, layers: Iterable[str], batches: Iterable[Mapping[str, torch.Tensor]], stat, what: str
+                ) -> dict[str, torch.Tensor]:
+    """sum over `batches` of stat(x) for each named Linear's input x [tokens, in] (non-padding tokens, float32)."""
+    with summing_inputs(model, layers, stat, what) as (sums, keep):
+        _observe(model, _with_mask(batches, keep, model), [])
     return sums
 
 
@@ -161,7 +174,12 @@ def input_hessians(model: nn.Module, layers: Iterable[str], batches: Iterable[Ma
                    ) -> dict[str, torch.Tensor]:
     """X^T X [in, in] of each named Linear's inputs over the non-padding tokens of `batches` (float64, on
     the CPU): the Hessian of the layer's squared output error, for compress.project.obs_prune."""
-    return _input_sums(model, layers, batches, lambda x: x.double().T @ x.double(), "input Hessians")
+    return _input_sums(model, layers, batches, xtx, "input Hessians")
+
+
+def xtx(x: torch.Tensor) -> torch.Tensor:
+    """X^T X in float64: a Linear's input Hessian over the tokens of x [tokens, in]."""
+    return x.double().T @ x.double()
 
 
 # ------------------------------------------------------- the TensorRT placement's extra tensors

@@ -17,7 +17,7 @@ from torch import nn
 
 from .data import to_device
 from .layers import encoder_layer_stack
-from .quant import input_hessians
+from .quant import input_hessians, summing_inputs, xtx
 
 log = logging.getLogger("holoserve.compress")
 
@@ -171,29 +171,11 @@ class LayerInputs:
 
     def _sums(self, names: Sequence[str], calls: list[Call], masks: list[torch.Tensor | None]
               ) -> dict[str, torch.Tensor]:
-        sums: dict[str, torch.Tensor] = {}
-        keep: list[torch.Tensor | None] = [None]
-
-        def hook(name):
-            def fn(_m, args):
-                x = args[0].detach().float()
-                x = x[keep[0]] if keep[0] is not None else x.reshape(-1, x.shape[-1])
-                s = (x.double().T @ x.double()).cpu()
-                sums[name] = sums[name] + s if name in sums else s
-            return fn
-
         layer = self.stack[self.index]
-        handles = [self.model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
-        try:
+        with summing_inputs(self.model, names, xtx, "input Hessians") as (sums, keep):
             for (args, kwargs), mask in zip(calls, masks):
                 keep[0] = mask
                 layer(*args, **kwargs)
-        finally:
-            for h in handles:
-                h.remove()
-        missing = [n for n in names if n not in sums]
-        if missing:
-            raise ValueError(f"input Hessians saw no batches for {missing[:3]} (are they in layer {self.index}?)")
         return sums
 
 
