@@ -325,6 +325,32 @@ def steps_row(r: dict, trained: list[str]) -> list[str]:
             *cells]
 
 
+def _seed_cell(rec: dict | None, base: dict | None) -> str:
+    """One run of the per-seed table: its score, its difference from the default on that seed, its score right after
+    the projection (as its manifest scored it) and the QAT steps the equal-time rule took from it."""
+    if rec is None:
+        return "—"
+    parts = [] if base is None or rec is base else [f"{100 * (rec['value'] - base['value']):+.2f}"]
+    after = ((rec.get("extra") or {}).get("after_projection") or {}).get(rec["metric"])
+    if after is not None:
+        parts.append(f"after proj {fmt(after)}")
+    if et := rec.get("equal_time"):
+        parts.append(f"{et['steps_given_up']} of {et['steps_given_up'] + et['qat_steps']} QAT steps given up")
+    return fmt(rec["value"]) + (f" ({'; '.join(parts)})" if parts else "")
+
+
+def seed_rows(rows: list[dict], keys: list[str], base: str = PAIRED_BASE) -> list[list[str]]:
+    """The per-seed table under the paired one: each task and seed with its teacher, the default recipe and every
+    row paired with it."""
+    out = []
+    for r in rows:
+        for seed, runs in sorted(r["per_seed"].items(), key=lambda kv: int(kv[0])):
+            b = runs.get(base)
+            first = next(iter(runs.values()))
+            out.append([r["task"], str(seed), fmt(first["dense"]), *(_seed_cell(runs.get(k), b) for k in keys)])
+    return out
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     rows = [r for r in rows if r["columns"]]
     seeds = sorted({s for r in rows for s in r["seeds"]})
@@ -358,7 +384,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
                   "and dev rows; ×100, mean ± std [seeds]):", "",
                   *table(["row", *tasks, "mean over tasks"],
                          [paired_row(key, p, tasks) for key, p in pair["rows"].items()]),
-                  *decision.markdown(meta.get("decision") or [], LABELS)]
+                  *decision.markdown(meta.get("decision") or [], LABELS),
+                  "", "Per seed (in brackets: the difference from the default on that seed, the score right after the "
+                  "projection as the manifest scored it, and the QAT steps the equal-time rule took):", "",
+                  *table(["task", "seed", "dense teacher", *(LABELS[k] for k in (pair["base"], *pair["rows"]))],
+                         seed_rows(rows, [pair["base"], *pair["rows"]], pair["base"]))]
     lines += ["", "Steps per phase after the teacher and mean wall time per run (s; the dense teacher, "
               "trained once per task and seed, is in the first method's time and listed apart):", "",
               *table(["task", "teacher steps / s", *(LABELS[k] for k in trained)],
@@ -436,12 +466,46 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1 if len(rows) < 3 else 3)
 
 
+def plot_paired(pair: dict, path: Path, meta: dict) -> None:
+    """Each paired row's per-seed differences from the default recipe, per task (dots), their mean (a bar) and the
+    decision rule's per-task floor (dashed): what the decision reads, at a glance."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None or not pair.get("rows"):
+        return
+    tasks = list(dict.fromkeys(t for p in pair["rows"].values() for t in p["tasks"]))
+    keys = list(pair["rows"])
+    width = 0.8 / len(keys)
+    with figure(path, figsize=(max(6.0, 1.5 + 1.8 * len(tasks)), 4.6)) as (fig, ax):
+        for i, key in enumerate(keys):
+            color = f"C{i}"
+            label = LABELS[key]  # once per row, on its first bar
+            for j, task in enumerate(tasks):
+                st = pair["rows"][key]["tasks"].get(task)
+                if not st:
+                    continue
+                x = j + (i - (len(keys) - 1) / 2) * width
+                ax.bar(x, 100 * st["mean"], width * 0.9, color=color, alpha=0.35, label=label)
+                label = None
+                ax.scatter([x] * st["n"], [100 * v for v in st["values"]], s=12, color=color, zorder=3)
+        for j, task in enumerate(tasks):
+            floor = decision.FLOOR.get(task, decision.TASK_FLOOR)
+            ax.hlines(floor, j - 0.45, j + 0.45, colors="grey", linestyles="dashed", lw=0.8,
+                      label="the decision rule's floor for the task" if j == 0 else None)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xticks(range(len(tasks)), tasks)
+        ax.set_ylabel("difference from the default recipe\non the same seed (points)")
+        ax.set_title(f"Paired by seed: {meta['model']}, preset {meta['preset']} — {meta['machine']}", fontsize=9)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1)
+
+
 def write_report(rows: list[dict], meta: dict, results: Path) -> None:
     meta["overall"] = overall([r for r in rows if r["columns"]])
     meta["paired"] = paired([r for r in rows if r["columns"]])
     meta["decision"] = decision.decide(meta["paired"], meta.get("full_check"))
     write_record({"meta": meta, "rows": rows}, results, "accuracy", lambda r: markdown(r["rows"], r["meta"]))
     plot(rows, results / "accuracy.png", meta)
+    plot_paired(meta["paired"], results / "paired.png", meta)
     print(markdown(rows, meta))
 
 

@@ -112,6 +112,14 @@ def test_a_column_missing_a_seed_is_paired_with_its_own_teachers(bench, tmp_path
     pair = mod.paired([row])["rows"]["magnitude_ptq"]
     assert pair["tasks"]["stsb"]["seeds"] == [0, 1] and pair["tasks"]["stsb"]["mean"] == pytest.approx(-0.04)
     assert "| magnitude 2:4 + fine-tune + PTQ | -4.00 ± 0.00 [0,1] |" in md
+    # per seed: the teacher, the default, and each row with its difference from the default on that seed
+    assert "| stsb | 1 | 82.00 | 86.00 | 82.00 (-4.00) |" in md and "| stsb | 2 | 90.00 | — | 88.00 |" in md
+    # a row the equal-time rule held: its score after the projection and the QAT steps it gave up
+    held = {**_rec(0.83, 0.80), "extra": {"after_projection": {"pearson": 0.75}},
+            "equal_time": {"steps_given_up": 20, "qat_steps": 80}}
+    assert mod.seed_rows([mod.summarize("stsb", {0: {"oneshot_act05_obs": _rec(0.84, 0.80), "magnitude_ptq": held}})],
+                         ["oneshot_act05_obs", "magnitude_ptq"])[0][-1] \
+        == "83.00 (-1.00; after proj 75.00; 20 of 100 QAT steps given up)"
     # the same tables rebuilt from the accuracy.json, as for runs made on another machine
     src = tmp_path / "accuracy.json"
     src.write_text(json.dumps({"meta": meta, "rows": [row]}))
@@ -120,6 +128,7 @@ def test_a_column_missing_a_seed_is_paired_with_its_own_teachers(bench, tmp_path
     again = json.loads((tmp_path / "out" / "accuracy.json").read_text())
     assert again["rows"][0]["columns"]["oneshot_act05_obs"]["kept"] == pytest.approx(cols["oneshot_act05_obs"]["kept"])
     assert (tmp_path / "out" / "accuracy.md").read_text() == md
+    assert (tmp_path / "out" / "paired.png").stat().st_size > 0  # the paired differences, plotted
     # a later call's file (seeds 2 and 3, every column, its own seed-2 teacher) joins it: its seed 2
     # replaces the first file's seed 2 whole, so no row is paired with another call's teacher
     later = mod.summarize("stsb", {2: {"magnitude_ptq": _rec(0.87, 0.89), "oneshot_act05_obs": _rec(0.90, 0.89)},
