@@ -15,7 +15,8 @@ from bench import RESULTS, dated_results
 ROOT = Path(__file__).resolve().parents[3]
 # What bench/results may hold in the tree: its README (a pointer to docs/results) and the plots a page
 # embeds. Everything else a run writes stays out of the tree (git history keeps the earlier runs).
-KEPT = {"bench/results/README.md", "bench/results/2026-11-21-accuracy/accuracy.png"}
+KEPT = {"bench/results/README.md", "bench/results/2026-11-21-accuracy/accuracy.png",
+        "bench/results/2026-11-28-admm-decisive/paired.png"}
 MAX_BYTES = 1_000_000  # tracked bytes under bench/results and docs/results together
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
