@@ -172,7 +172,7 @@ class LayerInputs:
     def _sums(self, names: Sequence[str], calls: list[Call], masks: list[torch.Tensor | None]
               ) -> dict[str, torch.Tensor]:
         layer = self.stack[self.index]
-        with summing_inputs(self.model, names, xtx, "input Hessians") as (sums, keep):
+        with summing_inputs(self.model, names, xtx, f"layer {self.index}'s input Hessians") as (sums, keep):
             for (args, kwargs), mask in zip(calls, masks):
                 keep[0] = mask
                 layer(*args, **kwargs)

@@ -380,6 +380,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     pair = paired(rows)
     if pair.get("rows"):
         tasks = [r["task"] for r in rows]
+        seed_keys = [pair["base"], *pair["rows"]]  # the per-seed table's columns: the default, then the paired rows
         lines += ["", f"Paired by seed against **{LABELS[pair['base']]}** (the row minus it on the same seed, teacher "
                   "and dev rows; ×100, mean ± std [seeds]):", "",
                   *table(["row", *tasks, "mean over tasks"],
@@ -387,8 +388,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
                   *decision.markdown(meta.get("decision") or [], LABELS),
                   "", "Per seed (in brackets: the difference from the default on that seed, the score right after the "
                   "projection as the manifest scored it, and the QAT steps the equal-time rule took):", "",
-                  *table(["task", "seed", "dense teacher", *(LABELS[k] for k in (pair["base"], *pair["rows"]))],
-                         seed_rows(rows, [pair["base"], *pair["rows"]], pair["base"]))]
+                  *table(["task", "seed", "dense teacher", *(LABELS[k] for k in seed_keys)],
+                         seed_rows(rows, seed_keys, pair["base"]))]
     lines += ["", "Steps per phase after the teacher and mean wall time per run (s; the dense teacher, "
               "trained once per task and seed, is in the first method's time and listed apart):", "",
               *table(["task", "teacher steps / s", *(LABELS[k] for k in trained)],
@@ -426,13 +427,21 @@ def variant(name: str, path: Path, data_dir: str | None = None) -> dict:
     }
 
 
-def plot(rows: list[dict], path: Path, meta: dict) -> None:
+def can_plot(path: Path) -> bool:
+    """Whether matplotlib is installed; says which plot is left out where it is not (e.g. a GPU image: the JSON
+    and Markdown carry everything)."""
     import importlib.util
 
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"matplotlib is not installed: no {path.name}", flush=True)
+        return False
+    return True
+
+
+def plot(rows: list[dict], path: Path, meta: dict) -> None:
     import numpy as np
 
-    if importlib.util.find_spec("matplotlib") is None:  # e.g. a GPU image: the JSON and Markdown carry everything
-        print(f"matplotlib is not installed: no {path.name}", flush=True)
+    if not can_plot(path):
         return
 
     rows = [r for r in rows if r["columns"]]
@@ -469,9 +478,7 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
 def plot_paired(pair: dict, path: Path, meta: dict) -> None:
     """Each paired row's per-seed differences from the default recipe, per task (dots), their mean (a bar) and the
     decision rule's per-task floor (dashed): what the decision reads, at a glance."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None or not pair.get("rows"):
+    if not pair.get("rows") or not can_plot(path):
         return
     tasks = list(dict.fromkeys(t for p in pair["rows"].values() for t in p["tasks"]))
     keys = list(pair["rows"])
