@@ -25,10 +25,11 @@ DESCRIPTION = (
     "fine-tune, then the projection and QAT), --method admm_guided (the layer-wise ADMM projection, then QAT with "
     "the ADMM penalty kept on), --set projection=admm (the layer-wise ADMM projection, mask free, then the default's "
     "QAT), --set projection=admm_fixed_mask (ADMM on the default's mask, then the default's QAT) and --set "
-    "projection=admm_stable (the mask free, formed gradually, with ALPS's rho). None of them "
-    "is the default: the ADMM recipes compared so far trail it after the same QAT, though the layer-wise ADMM "
-    "projection is closer to the teacher before training, and admm_fixed_mask awaits that comparison "
-    "(docs/results/2026-11-27-admm-paired-quick.md, docs/results/2026-11-28-admm-checks.md)."
+    "projection=admm_stable (the mask free, formed gradually, with ALPS's rho). None of them is the default: "
+    "after training each measured behind it on the mean of four GLUE tasks, paired by seed on the same teachers "
+    "(the decisive run, at equal wall time: docs/results/2026-11-28-admm-decisive.md). They are offered because "
+    "the layer-wise ADMM projection fits each layer's outputs more closely than OBS before any training, and to "
+    "reproduce the ADMM recipes."
 )
 
 

@@ -1,7 +1,7 @@
 """The hard projection onto 2:4 (∩ INT8) that every method ends with (for the default, `--method oneshot`, it
-follows the dense teacher directly; for `--method admm` it follows the ADMM fine-tune, compress/admm.py), the
-frozen-mask (+ fake-quant) weights used in QAT and masked fine-tuning, and post-training INT8 of weights and
-word embeddings."""
+follows the dense teacher directly, with no ADMM; for the opt-in `--method admm` it follows the ADMM fine-tune,
+compress/admm.py), the frozen-mask (+ fake-quant) weights used in QAT and masked fine-tuning, and post-training
+INT8 of weights and word embeddings."""
 from __future__ import annotations
 
 from typing import Mapping

@@ -12,8 +12,8 @@ OPENVINO_KERNELS = ("auto", "on", "off")  # HoloServe's 2:4 INT8 kernels (holose
 # auto: on where the CPU has AVX-512 VNNI + VBMI and no AMX, and the library builds (or is built)
 OPENVINO_KERNELS_DEFAULT = "auto"
 # `holoserve compress --method`: the recipes compress/methods.py registers, named here so that the CLI lists them
-# without importing torch. The default is one-shot OBS + QAT: ADMM has not earned it
-# (docs/results/2026-11-28-admm-checks.md).
+# without importing torch. The default is one-shot OBS + QAT, no ADMM: no ADMM recipe measured better after
+# training (docs/results/2026-11-28-admm-decisive.md).
 COMPRESS_METHODS = ("oneshot", "admm", "admm_guided", "magnitude", "ptq")
 DEFAULT_METHOD = "oneshot"
 # What `holoserve eval` scores through: `torch`, the PyTorch fake-quant model (the checkpoint's own numerics), or

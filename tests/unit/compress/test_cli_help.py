@@ -28,9 +28,9 @@ def test_the_help_names_the_default_method_and_what_it_does(help_text):
 
 def test_the_help_says_where_admm_is_offered_and_why_it_is_not_the_default(help_text):
     for where in ("--method admm ", "--method admm_guided",
-                  "--set projection=admm ", "--set projection=admm_fixed_mask"):
+                  "--set projection=admm ", "--set projection=admm_fixed_mask", "--set projection=admm_stable"):
         assert where in help_text, where
-    assert "docs/results/2026-11-28-admm-checks.md" in help_text.replace("- ", "-")  # argparse wraps at hyphens
+    assert "docs/results/2026-11-28-admm-decisive.md" in help_text.replace("- ", "-")  # argparse wraps at hyphens
     assert "oneshot (default)" in help_text
 
 
