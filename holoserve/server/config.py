@@ -86,7 +86,8 @@ class ServerConfig:
     max_seq_length: int = option(
         0, "tokens per sequence after truncation; 0 = the checkpoint's manifest value, which is also the most it "
         "accepts (the model was calibrated and exported for it; its position table bounds it too)")
-    threads: int = option(0, "backend intra-op threads; 0 = the library default")
+    threads: int = option(0, "backend intra-op threads; 0 = as many as a container's CPU quota or cpuset leaves "
+                             "the process (shared by the workers), where one limits it, else the library default")
     # auto: OpenVINO's own default; why: docs/results/2026-11-24-openvino.md
     openvino_precision: str = option(
         "auto", "openvino backend: precision of the float ops around the INT8 GEMMs; auto = OpenVINO's CPU default "

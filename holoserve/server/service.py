@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from .. import HoloServeError
 from holoserve.core.artifact import MANIFEST, Artifact
+from holoserve.core.machine import CpuBudget, cpu_budget
 from ..backends.base import Backend, load_backend
 from holoserve.core.tokenizer import Encoded, TextEncoder
 from .batcher import BatchPolicy, DynamicBatcher, InferenceFailed, QueueFull, Result, ShuttingDown
@@ -32,12 +34,24 @@ _INLINE_TOKENIZE_BYTES = 1024
 _READY = Status(status="ready")
 
 
+def threads_plan(config: ServerConfig) -> CpuBudget:
+    """The intra-op threads each worker's backend gets, and why: `--threads` when set; else, where a CPU quota
+    or cpuset limits the process (a container), the CPUs it may use (holoserve.core.machine.cpu_budget);
+    else the runtime's own default."""
+    if config.threads:
+        return CpuBudget(config.threads, f"{config.threads}, set by --threads (HOLOSERVE_THREADS)")
+    if os.environ.get("HOLOSERVE_ORT_THREADS"):  # the loaders read it themselves
+        return CpuBudget(None, f"{os.environ['HOLOSERVE_ORT_THREADS']} (HOLOSERVE_ORT_THREADS)")
+    return cpu_budget(config.workers)
+
+
 def backend_options(config: ServerConfig, artifact: Artifact) -> dict[str, Any]:
     """The options a backend's loader gets from the server's settings (`holoserve tune` loads with the same)."""
     # Loaders ignore options they do not use; torch-cuda sizes its CUDA graphs by max_batch.
     opts: dict[str, Any] = {"max_batch": config.max_batch_size}
-    if config.threads:
-        opts["threads"] = config.threads
+    threads = threads_plan(config).threads
+    if threads:
+        opts["threads"] = threads
     if config.openvino_precision != "auto":
         opts["openvino_precision"] = config.openvino_precision
     if config.openvino_shapes:
@@ -155,6 +169,7 @@ class ClassifierService:
         self.status = "loading"
         self.detail: str | None = None
         self.warmup_task: asyncio.Task | None = None
+        self.threads_why = threads_plan(config).why  # what backend_options gives the loaders, and why
 
     # ---- life cycle
     @property
@@ -231,7 +246,7 @@ class ClassifierService:
         return ModelInfo(
             name=self.name,
             version=self.version,
-            backend={**info, "selection": self.decision.get("reason")},
+            backend={**info, "selection": self.decision.get("reason"), "threads_why": self.threads_why},
             task=s["task"],
             labels=self.artifact.labels,
             max_seq_length=self.max_seq,

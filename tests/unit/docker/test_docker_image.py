@@ -3,16 +3,12 @@ mounted read-only at /model, the port published on loopback), and probe it over 
 
 Needs a Docker engine that answers `docker info` and the base image (`bash .ci/container-engine` installs
 and starts Debian's docker.io and builds python:3.11-slim-bookworm locally where no registry is
-reachable). HOLOSERVE_CONTAINER_TESTS decides what a missing engine means: `1` (CI sets it): the tests
-fail; `0`: they skip; unset: they run when an engine answers and skip otherwise.
+reachable); tests/helpers/containers.py finds the engine and builds the image.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
 import threading
 import time
 import uuid
@@ -20,113 +16,18 @@ import uuid
 import httpx
 import pytest
 
-from tests.helpers.serving import REPO, tiny_checkpoint, wait_metric
-
-IMAGE = "holoserve-test:cpu"
-BASE = "python:3.11-slim-bookworm"
-UID = 10001
-# The image's size, base image included, as `docker image inspect` reports it (the stand-in base built by
-# .ci/container-engine is 120 MB, about the official one's size). OpenVINO's CPU parts are about 115 MB of
-# it; a torch, a CUDA library or a compiler slipping into the final stage would blow far past the limit.
-MAX_IMAGE_MB = 480
-
-
-def _run(cmd: list[str], timeout: float = 60, env: dict[str, str] | None = None,
-         check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if check and r.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} -> {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r
-
-
-def _clients() -> list[str]:
-    """Every `docker` executable on PATH, in PATH order."""
-    seen, out = set(), []
-    for d in os.environ.get("PATH", "").split(os.pathsep):
-        exe = shutil.which("docker", path=d) if d else None
-        if exe and os.path.realpath(exe) not in seen:
-            seen.add(os.path.realpath(exe))
-            out.append(exe)
-    return out
-
-
-class Docker:
-    """A docker client that answers, and how to build with it: BuildKit through the buildx plugin where
-    the client has it, else through a client that has BuildKit built in (docker < 23, e.g. Debian's
-    20.10), else the classic builder."""
-
-    def __init__(self, exe: str, build_env: dict[str, str]):
-        self.exe, self.build_env = exe, build_env
-
-    def __call__(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
-        return _run([self.exe, *args], timeout=timeout, check=check)
-
-    def build(self, *args: str, timeout: float) -> subprocess.CompletedProcess:
-        return _run([self.exe, "build", *args], timeout=timeout, env={**os.environ, **self.build_env})
-
-    @classmethod
-    def find(cls) -> "Docker | str":
-        """A Docker, or why there is none."""
-        clients = _clients()
-        if not clients:
-            return "no docker client on PATH"
-        answering, why = [], ""
-        for exe in clients:
-            try:
-                r = _run([exe, "version", "--format", "{{.Client.Version}} {{.Server.Version}}"], timeout=20,
-                         check=False)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                why = why or f"{exe} version: {e}"
-                continue
-            if r.returncode == 0:
-                answering.append((exe, r.stdout.split()[0]))
-            else:
-                why = why or f"{exe} version: {r.stderr.strip()[-300:]}"
-        if not answering:
-            return f"no docker engine answers ({why})"
-        for exe, _ in answering:
-            if _run([exe, "buildx", "version"], timeout=20, check=False).returncode == 0:
-                return cls(exe, {"DOCKER_BUILDKIT": "1"})
-        for exe, version in answering:
-            if version.split(".")[0].isdigit() and int(version.split(".")[0]) < 23:
-                return cls(exe, {"DOCKER_BUILDKIT": "1"})
-        return cls(answering[0][0], {"DOCKER_BUILDKIT": "0"})
-
-
-@pytest.fixture(scope="module")
-def docker() -> Docker:
-    want = os.environ.get("HOLOSERVE_CONTAINER_TESTS", "")
-    if want == "0":
-        pytest.skip("HOLOSERVE_CONTAINER_TESTS=0")
-    found = Docker.find()
-    if isinstance(found, str):
-        if want == "1":
-            pytest.fail(f"HOLOSERVE_CONTAINER_TESTS=1 but {found}: run `bash .ci/container-engine` first")
-        pytest.skip(f"{found} (`bash .ci/container-engine` installs and starts one)")
-    return found
-
-
-@pytest.fixture(scope="module")
-def image(docker: Docker) -> dict:
-    """Build docker/Dockerfile from the repository (with .dockerignore) and return its inspect data."""
-    before = docker("image", "inspect", "-f", "{{.Id}}", IMAGE, check=False).stdout.strip()
-    t0 = time.monotonic()
-    docker.build("-f", str(REPO / "docker" / "Dockerfile"), "-t", IMAGE, str(REPO), timeout=1800)
-    info = json.loads(docker("image", "inspect", IMAGE).stdout)[0]
-    info["build_s"] = time.monotonic() - t0
-    if before and before != info["Id"]:  # the previous build of this tag, now untagged: not kept
-        docker("rmi", before, check=False)
-    return info
+from tests.helpers.containers import IMAGE, MAX_IMAGE_MB, UID, Docker
+from tests.helpers.serving import tiny_checkpoint, wait_metric
 
 
 class Container:
     """`docker run -d` of the image with a checkpoint mounted read-only at /model and port 8000 published
     on a free loopback port; removed (forcibly) at the end."""
 
-    def __init__(self, docker: Docker, ckpt, env: dict[str, str] | None = None):
+    def __init__(self, docker: Docker, ckpt, env: dict[str, str] | None = None, run_args: tuple[str, ...] = ()):
         self.docker = docker
         self.name = f"holoserve-test-{uuid.uuid4().hex[:10]}"
-        args = ["run", "-d", "--name", self.name, "-p", "127.0.0.1::8000", "-v", f"{ckpt}:/model:ro"]
+        args = ["run", "-d", "--name", self.name, "-p", "127.0.0.1::8000", "-v", f"{ckpt}:/model:ro", *run_args]
         for k, v in (env or {}).items():
             args += ["-e", f"{k}={v}"]
         docker(*args, IMAGE)
@@ -218,15 +119,16 @@ def sst2_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def containers(docker: Docker, image: dict, sst2_checkpoint):
     """Three containers started together: an SST-2 model (single texts, exported for both CPU backends) with
-    the image's defaults; an MRPC model (text pairs, ONNX Runtime only) whose long queue delay keeps a
-    request in flight long enough to stop it under load; and the SST-2 model with the 2:4 kernels forced on
-    (KERNELS_ON), which serves only on a CPU that runs them and refuses to start elsewhere, so it is left to
-    its test to wait for."""
+    the image's defaults; an MRPC model (text pairs, ONNX Runtime only) under a CPU quota of one CPU
+    (`--cpus 1`), whose long queue delay keeps a request in flight long enough to stop it under load; and the
+    SST-2 model with the 2:4 kernels forced on (KERNELS_ON), which serves only on a CPU that runs them and
+    refuses to start elsewhere, so it is left to its test to wait for."""
     started = []
     try:
         started.append(Container(docker, sst2_checkpoint))
         started.append(Container(docker, tiny_checkpoint("mrpc"), {"HOLOSERVE_MAX_BATCH_SIZE": "8",
-                                                                    "HOLOSERVE_MAX_QUEUE_DELAY_MS": "2000"}))
+                                                                    "HOLOSERVE_MAX_QUEUE_DELAY_MS": "2000"},
+                                 run_args=("--cpus", "1")))
         started.append(Container(docker, sst2_checkpoint, KERNELS_ON))
         for c in started[:2]:
             c.wait_ready()
@@ -409,6 +311,17 @@ def test_predict_pairs(containers):
     assert len(body["predictions"]) == 2 and body["model"]["backend"] == "onnxruntime"
     r = httpx.post(url + "/predict", json={"text": "one text"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "wrong_input_kind"
+
+
+def test_threads_follow_the_containers_cpu_quota(containers):
+    """`docker run --cpus 1` with no thread settings: ONNX Runtime gets one thread (its own default is one per
+    physical core of the machine, whatever the quota), and /v1/models says it came from the quota; without a
+    quota the runtime's default stands."""
+    backend = httpx.get(containers["mrpc"].url + "/v1/models").json()["models"][0]["backend"]
+    assert backend["intra_op_threads"] == 1, backend
+    assert backend["threads_why"].startswith("1 thread: a CPU quota of 1 CPU (cgroup)"), backend
+    backend = httpx.get(containers["sst2"].url + "/v1/models").json()["models"][0]["backend"]
+    assert backend["threads_why"].startswith("the runtime's default"), backend
 
 
 def test_runs_as_non_root(containers):
