@@ -4,6 +4,7 @@ Runtime (--docker)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import urllib.request
@@ -70,10 +71,12 @@ def _docker(*args: str, timeout: float = 120) -> str:
     return r.stdout.strip()
 
 
-def start_container(image: str, ckpt: Path, env: dict[str, str]) -> tuple[str, int, dict]:
-    """`docker run -d` of `image` as a user runs it (checkpoint read-only at /model, port on loopback):
-    (container id, host port, its /v1/models backend entry) once ready."""
+def start_container(image: str, ckpt: Path, env: dict[str, str], cpus: float | None = None) -> tuple[str, int, dict]:
+    """`docker run -d` of `image` as a user runs it (checkpoint read-only at /model, port on loopback, `--cpus`
+    when given): (container id, host port, its /v1/models backend entry) once ready."""
     args = ["run", "-d", "-p", "127.0.0.1::8000", "-v", f"{ckpt.resolve()}:/model:ro"]
+    if cpus is not None:
+        args += ["--cpus", f"{cpus:g}"]
     for k, v in env.items():
         args += ["-e", f"{k}={v}"]
     cid = _docker(*args, image)
@@ -92,23 +95,37 @@ def start_container(image: str, ckpt: Path, env: dict[str, str]) -> tuple[str, i
     raise TimeoutError("the container did not become ready in 300 s")
 
 
+def versus_env(versus: str) -> tuple[str, dict[str, str]]:
+    """The variant `docker run`'s defaults are held against: the same image forced to ONNX Runtime, or given
+    the thread count the runtimes pick by themselves (one per physical core of the machine, whatever a CPU
+    quota allows: what the server gave them before it followed the container's CPU budget)."""
+    if versus == "onnxruntime":
+        return "onnxruntime", {"HOLOSERVE_BACKEND": "onnxruntime"}
+    from holoserve.core.machine import physical_cores
+
+    cores = physical_cores(set(range(os.cpu_count() or 1)))
+    return "runtime_threads", {"HOLOSERVE_THREADS": str(cores)}
+
+
 def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: Path) -> int:
-    """The image as users meet it: `docker run` with no backend settings against HOLOSERVE_BACKEND=onnxruntime,
-    both containers up, alternating rounds at each --clients level, on the same texts."""
+    """The image as users meet it: `docker run` with no backend settings against a variant (--versus), both
+    containers up (under --cpus when given), alternating rounds at each --clients level, on the same texts."""
     levels = [int(x) for x in args.clients.split(",")]
-    variants = {"default": {}, "onnxruntime": {"HOLOSERVE_BACKEND": "onnxruntime"}}
+    other, other_env = versus_env(args.versus)
+    variants = {"default": {}, other: other_env}
     size = int(_docker("image", "inspect", "-f", "{{.Size}}", args.docker))
     res: dict = {"benchmark": "serve_load_docker", "date": _now(), "machine": machine(), "image": args.docker,
+                 "cpus": args.cpus, "versus": other,
                  "image_mb": round(size / 1e6), "checkpoint": ckpt.name, "texts": text_source,
                  "duration_s": args.duration, "rounds": args.rounds,
                  "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop", "variants": {}}
     running: dict[str, tuple[str, int]] = {}
     try:
         for name, env in variants.items():
-            cid, port, backend = start_container(args.docker, ckpt, env)
+            cid, port, backend = start_container(args.docker, ckpt, env, args.cpus)
             running[name] = (cid, port)
             res["variants"][name] = {"env": env, "backend": backend.get("backend"),
-                                     "selection": backend.get("selection"),
+                                     "selection": backend.get("selection"), "threads": backend.get("threads_why"),
                                      "kernels": (backend.get("kernels") or {}).get("status"), "levels": []}
             print(f"{name}: {backend.get('backend')} ({backend.get('selection')})", flush=True)
             warm(port, texts, 8, 2.0, 400)
@@ -125,9 +142,10 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
     res["summary"] = {}
     if 32 in levels:
         res["summary"]["throughput_ratio_32"] = round(by["default"][32]["throughput_rps"]
-                                                      / by["onnxruntime"][32]["throughput_rps"], 3)
+                                                      / by[other][32]["throughput_rps"], 3)
+        res["summary"]["p99_ratio_32"] = round(by["default"][32]["p99_ms"] / by[other][32]["p99_ms"], 3)
     if 1 in levels:
-        res["summary"]["p50_ratio_1"] = round(by["default"][1]["p50_ms"] / by["onnxruntime"][1]["p50_ms"], 3)
+        res["summary"]["p50_ratio_1"] = round(by["default"][1]["p50_ms"] / by[other][1]["p50_ms"], 3)
     res["machine"]["uptime_at_end"] = uptime_text()
     write_record(res, out_dir, f"{args.name}_docker", docker_markdown)
     print(json.dumps(res["summary"], indent=2))

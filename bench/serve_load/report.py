@@ -140,11 +140,14 @@ def tokens_markdown(res: dict) -> str:
 
 
 def docker_markdown(res: dict) -> str:
-    """The `docker run` default against the same image forced to ONNX Runtime."""
+    """The `docker run` default against the same image forced to ONNX Runtime (or given the runtimes' own
+    thread count)."""
     m = res["machine"]
     rows = [[n, v["backend"], lv["clients"], lv["throughput_rps"], lv.get("p50_ms"), lv.get("p99_ms"),
              lv["status_counts"]] for n, v in res["variants"].items() for lv in v["levels"]]
-    lines = [f"# `docker run` defaults vs ONNX Runtime, same image ({res['date']})", "",
+    versus = res.get("versus", "onnxruntime")
+    cpus = f" under `docker run --cpus {res['cpus']:g}`" if res.get("cpus") else ""
+    lines = [f"# `docker run` defaults vs {versus}, same image{cpus} ({res['date']})", "",
              f"Machine: {m.get('cpu', '')}; image `{res['image']}`, {res['image_mb']} MB; checkpoint "
              f"{res['checkpoint']}; {res['texts']}; {res['rounds']} alternating rounds, {res['duration_s']} s per "
              "level and variant.", "",
@@ -152,5 +155,6 @@ def docker_markdown(res: dict) -> str:
              "", f"Load average at the start and end: {m['uptime_at_start'].split('load average: ')[-1]}; "
              f"{m['uptime_at_end'].split('load average: ')[-1]}.",
              "", f"Default's selection: {res['variants']['default']['selection']}", "",
+             *(f"Threads, {n}: {v.get('threads')}" for n, v in res["variants"].items()), "",
              f"Summary: {json.dumps(res['summary'])}", ""]
     return "\n".join(lines)

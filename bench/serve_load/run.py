@@ -131,8 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", help="output folder (default bench/results/<today>-<name>)")
     ap.add_argument("--name", default="serve_load")
     ap.add_argument("--docker", metavar="IMAGE", default=None,
-                    help="compare two containers of IMAGE instead: its defaults (no backend flags) and "
-                         "HOLOSERVE_BACKEND=onnxruntime, at --clients (e.g. 1,32); writes NAME_docker.{json,md}")
+                    help="compare two containers of IMAGE instead: its defaults (no backend flags) and --versus, "
+                         "at --clients (e.g. 1,32); writes NAME_docker.{json,md}")
+    ap.add_argument("--versus", default="onnxruntime", choices=("onnxruntime", "runtime-threads"),
+                    help="with --docker: the second container is forced to ONNX Runtime (HOLOSERVE_BACKEND), or given "
+                         "the threads the runtimes would pick by themselves, one per physical core (HOLOSERVE_THREADS)")
+    ap.add_argument("--cpus", type=float, default=None,
+                    help="with --docker: run both containers under a CPU quota (docker run --cpus)")
     ap.add_argument("--token-budgets", default=None,
                     help="comma-separated --max-batch-tokens values: compare them with count-based batching "
                          "(clients default to 32) instead of the full benchmark")
