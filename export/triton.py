@@ -137,7 +137,8 @@ MODEL_PY = '''\
 Texts in (TEXT, and TEXT_PAIR for a pair task: BYTES, one UTF-8 string per batch row), LOGITS (FP32,
 [num_labels]) and LABEL (BYTES) out. It tokenizes with the checkpoint's tokenizer.json and runs the
 checkpoint's ONNX Runtime export through HoloServe's own backend, as `holoserve serve` does. Settings are
-the `parameters` of config.pbtxt: threads (ONNX Runtime intra-op threads, 0 = library default),
+the `parameters` of config.pbtxt: threads (ONNX Runtime intra-op threads; 0 = what a container's CPU
+quota or cpuset leaves each CPU instance, where one limits the process, else the library default),
 max_seq_length (0 = the manifest's), max_text_bytes, max_padding_waste. A request with a text that is not
 UTF-8, blank, or longer than max_text_bytes gets an error of its own; the rest of its batch is answered.
 """
@@ -149,6 +150,7 @@ import triton_python_backend_utils as pb_utils
 
 from holoserve.backends.onnxruntime import OrtBackend
 from holoserve.core.artifact import Artifact, check_config, read_manifest, verify_files
+from holoserve.core.machine import cpu_budget
 from holoserve.core.tokenizer import TextEncoder, pad_batch
 
 BUNDLE = Path(__file__).resolve().parent / "checkpoint"
@@ -182,7 +184,12 @@ class TritonPythonModel:
         self.max_padding_waste = float(params.get("max_padding_waste") or 0.25)
         self.encoder = TextEncoder(BUNDLE / "tokenizer.json", max_seq, pair=self.pair)
         device = "cuda" if args.get("model_instance_kind") == "GPU" else "cpu"
-        self.backend = OrtBackend(self.artifact, device=device, threads=int(params.get("threads") or 0))
+        threads = int(params.get("threads") or 0)
+        if threads == 0 and device == "cpu":  # the runtime's own pool would follow the machine's cores
+            instances = sum(int(g.get("count") or 1) for g in config.get("instance_group") or []
+                            if g.get("kind", "KIND_CPU") == "KIND_CPU")
+            threads = cpu_budget(max(1, instances)).threads or 0
+        self.backend = OrtBackend(self.artifact, device=device, threads=threads)
         self.num_labels = manifest.task.num_labels
 
     def _column(self, request, name):

@@ -262,7 +262,7 @@ def fake_pb_utils():
     return mod
 
 
-def load_model(repo_model: Path, monkeypatch, **params):
+def load_model(repo_model: Path, monkeypatch, instance_group: list | None = None, **params):
     """The written model.py, imported with a stand-in for Triton's module and initialized as Triton would."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
     spec = importlib.util.spec_from_file_location(f"triton_model_{repo_model.name}", repo_model / "1" / "model.py")
@@ -271,6 +271,8 @@ def load_model(repo_model: Path, monkeypatch, **params):
     model = mod.TritonPythonModel()
     cfg = {"name": repo_model.name, "parameters": {k: {"string_value": str(v)} for k, v in
                                                    {"threads": 1, "max_text_bytes": 10000, **params}.items()}}
+    if instance_group is not None:
+        cfg["instance_group"] = instance_group
     model.initialize({"model_config": json.dumps(cfg), "model_instance_kind": "CPU", "model_name": repo_model.name})
     return model
 
@@ -293,6 +295,28 @@ def test_model_py_matches_the_onnx_backend(sst2, tmp_path, monkeypatch):
     assert labels == [["negative", "positive"][k] for k in want.argmax(1)]
     assert all(r.outputs["LABEL"].shape == (len(r.outputs["LOGITS"]), 1) for r in out)
     assert out[0].outputs["LOGITS"].dtype == np.float32
+
+
+def test_model_py_threads_follow_the_cpu_budget(sst2, tmp_path, monkeypatch):
+    """threads 0: the CPU budget (holoserve.core.machine.cpu_budget) shared by the CPU instances, as `serve`
+    shares it by workers; where no limit applies, ONNX Runtime's default; a number given is kept."""
+    from holoserve.core import machine
+
+    seen = []
+
+    def budget(workers):
+        seen.append(workers)
+        return machine.CpuBudget(3, "3 threads: a CPU quota of 6 CPUs (cgroup), 8 physical cores")
+
+    monkeypatch.setattr(machine, "cpu_budget", budget)
+    write_triton_repo(sst2, tmp_path / "repo")
+    model = tmp_path / "repo" / "ckpt-sst2"
+    assert load_model(model, monkeypatch, threads=0).backend.threads == 3 and seen == [1]
+    load_model(model, monkeypatch, [{"count": 2, "kind": "KIND_CPU"}], threads=0)
+    assert seen[-1] == 2
+    assert load_model(model, monkeypatch, threads=2).backend.threads == 2 and len(seen) == 2
+    monkeypatch.setattr(machine, "cpu_budget", lambda workers: machine.CpuBudget(None, "the runtime's default"))
+    assert load_model(model, monkeypatch, threads=0).backend.threads == 0
 
 
 def test_model_py_groups_by_length_without_changing_answers(sst2, tmp_path, monkeypatch):
