@@ -185,7 +185,8 @@ class ClassifierService:
         cfg = self.config
         if self.backend is None:
             await asyncio.to_thread(self.load_backend)
-        log.info("serving %s (version %s) with backend %s", self.name, self.version, self.backend.name,
+        log.info("serving %s (version %s) with backend %s (threads: %s)", self.name, self.version,
+                 self.backend.name, self.threads_why,
                  extra={"backend": self.backend.info(), "selection": self.decision})
         self.model_ref = ModelRef(name=self.name, version=self.version, backend=self.backend.name)
         policy = BatchPolicy(max_batch_size=cfg.max_batch_size, max_queue_delay_ms=cfg.max_queue_delay_ms,
