@@ -95,24 +95,29 @@ def start_container(image: str, ckpt: Path, env: dict[str, str], cpus: float | N
     raise TimeoutError("the container did not become ready in 300 s")
 
 
-def versus_env(versus: str) -> tuple[str, dict[str, str]]:
-    """The variant `docker run`'s defaults are held against: the same image forced to ONNX Runtime, or given
-    the thread count the runtimes pick by themselves (one per physical core of the machine, whatever a CPU
-    quota allows: what the server gave them before it followed the container's CPU budget)."""
+def versus_variant(versus: str, image: str) -> tuple[str, str, dict[str, str]]:
+    """(name, image, environment) of the container `docker run`'s defaults are held against: the same image
+    forced to ONNX Runtime; the same image given the thread count the runtimes pick by themselves (one per
+    physical core of the machine, whatever a CPU quota allows); or `image:NAME`, another image (an earlier
+    build) with its own defaults."""
     if versus == "onnxruntime":
-        return "onnxruntime", {"HOLOSERVE_BACKEND": "onnxruntime"}
-    from holoserve.core.machine import physical_cores
+        return "onnxruntime", image, {"HOLOSERVE_BACKEND": "onnxruntime"}
+    if versus == "runtime-threads":
+        from holoserve.core.machine import physical_cores
 
-    cores = physical_cores(set(range(os.cpu_count() or 1)))
-    return "runtime_threads", {"HOLOSERVE_THREADS": str(cores)}
+        cores = physical_cores(set(range(os.cpu_count() or 1)))
+        return "runtime_threads", image, {"HOLOSERVE_THREADS": str(cores)}
+    if versus.startswith("image:") and versus[len("image:"):]:
+        return versus[len("image:"):], versus[len("image:"):], {}
+    raise SystemExit(f"--versus {versus!r}: use onnxruntime, runtime-threads or image:NAME")
 
 
 def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: Path) -> int:
     """The image as users meet it: `docker run` with no backend settings against a variant (--versus), both
     containers up (under --cpus when given), alternating rounds at each --clients level, on the same texts."""
     levels = [int(x) for x in args.clients.split(",")]
-    other, other_env = versus_env(args.versus)
-    variants = {"default": {}, other: other_env}
+    other, other_image, other_env = versus_variant(args.versus, args.docker)
+    variants = {"default": (args.docker, {}), other: (other_image, other_env)}
     size = int(_docker("image", "inspect", "-f", "{{.Size}}", args.docker))
     res: dict = {"benchmark": "serve_load_docker", "date": _now(), "machine": machine(), "image": args.docker,
                  "cpus": args.cpus, "versus": other,
@@ -121,10 +126,10 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
                  "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop", "variants": {}}
     running: dict[str, tuple[str, int]] = {}
     try:
-        for name, env in variants.items():
-            cid, port, backend = start_container(args.docker, ckpt, env, args.cpus)
+        for name, (image, env) in variants.items():
+            cid, port, backend = start_container(image, ckpt, env, args.cpus)
             running[name] = (cid, port)
-            res["variants"][name] = {"env": env, "backend": backend.get("backend"),
+            res["variants"][name] = {"image": image, "env": env, "backend": backend.get("backend"),
                                      "selection": backend.get("selection"), "threads": backend.get("threads_why"),
                                      "kernels": (backend.get("kernels") or {}).get("status"), "levels": []}
             print(f"{name}: {backend.get('backend')} ({backend.get('selection')})", flush=True)

@@ -133,9 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--docker", metavar="IMAGE", default=None,
                     help="compare two containers of IMAGE instead: its defaults (no backend flags) and --versus, "
                          "at --clients (e.g. 1,32); writes NAME_docker.{json,md}")
-    ap.add_argument("--versus", default="onnxruntime", choices=("onnxruntime", "runtime-threads"),
-                    help="with --docker: the second container is forced to ONNX Runtime (HOLOSERVE_BACKEND), or given "
-                         "the threads the runtimes would pick by themselves, one per physical core (HOLOSERVE_THREADS)")
+    ap.add_argument("--versus", default="onnxruntime",
+                    help="with --docker, the second container: onnxruntime (the same image forced to it), "
+                         "runtime-threads (given the threads the runtimes would pick by themselves, one per physical "
+                         "core) or image:NAME (another image, e.g. an earlier build, with its defaults)")
     ap.add_argument("--cpus", type=float, default=None,
                     help="with --docker: run both containers under a CPU quota (docker run --cpus)")
     ap.add_argument("--token-budgets", default=None,
