@@ -73,7 +73,7 @@ def test_the_runtime_follows_kserves_conventions_and_the_image():
     assert c["readinessProbe"]["httpGet"]["port"] == c["livenessProbe"]["httpGet"]["port"] == port
     assert int(spec["annotations"]["prometheus.kserve.io/port"]) == port
     sc = c["securityContext"]
-    assert sc["runAsNonRoot"] and sc["runAsUser"] == sc["runAsGroup"] == UID
+    assert sc["runAsNonRoot"] and sc["runAsUser"] == UID
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
 
 
@@ -100,7 +100,7 @@ def _docker_run_args(c: dict, ckpt, name: str) -> list[str]:
     sc, limits = c["securityContext"], c["resources"]["limits"]
     port = c["ports"][0]["containerPort"]
     args = ["run", "-d", "--name", name, "-p", f"127.0.0.1::{port}", "-v", f"{ckpt}:{MODEL_DIR}:ro",
-            "--user", f"{sc['runAsUser']}:{sc['runAsGroup']}", "--cpus", f"{_quantity(limits['cpu']):g}",
+            "--user", str(sc["runAsUser"]), "--cpus", f"{_quantity(limits['cpu']):g}",
             "--memory", limits["memory"].replace("Gi", "g").replace("Mi", "m")]
     if sc.get("readOnlyRootFilesystem"):
         args.append("--read-only")
