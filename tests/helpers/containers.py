@@ -6,11 +6,13 @@ skip; unset: they run when an engine answers and skip otherwise.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import time
+import uuid
 
 import pytest
 
@@ -109,3 +111,67 @@ def build_image(docker: Docker) -> dict:
     if before and before != info["Id"]:  # the previous build of this tag, now untagged: not kept
         docker("rmi", before, check=False)
     return info
+
+
+# ------------------------------------------------------------------ a Kubernetes container spec, run by Docker
+
+
+def cpu_quantity(cpu: str) -> float:
+    """A Kubernetes CPU quantity ("2", "500m") in CPUs."""
+    return float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+
+
+def env_of(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def kubelet_run_args(container: dict, mounts: list[tuple[str, str]], name: str) -> list[str]:
+    """`docker run` arguments for what the kubelet does with a container spec: the test image (IMAGE) with the
+    spec's args after the image's entrypoint (Kubernetes keeps it when the spec gives no command), its
+    environment, user, read-only root, privilege and capability settings, CPU and memory limits and first
+    port (published on loopback), and `mounts` (host path, container path) read-only."""
+    sc, limits = container.get("securityContext", {}), container["resources"]["limits"]
+    port = container["ports"][0]["containerPort"]
+    args = ["run", "-d", "--name", name, "-p", f"127.0.0.1::{port}",
+            "--cpus", f"{cpu_quantity(limits['cpu']):g}",
+            "--memory", limits["memory"].replace("Gi", "g").replace("Mi", "m")]
+    for host, path in mounts:
+        args += ["-v", f"{host}:{path}:ro"]
+    if "runAsUser" in sc:
+        args += ["--user", str(sc["runAsUser"])]
+    if sc.get("readOnlyRootFilesystem"):
+        args.append("--read-only")
+    if sc.get("allowPrivilegeEscalation") is False:
+        args += ["--security-opt", "no-new-privileges"]
+    args += [f"--cap-drop={cap}" for cap in sc.get("capabilities", {}).get("drop", [])]
+    for k, v in env_of(container).items():
+        args += ["-e", f"{k}={v}"]
+    return [*args, IMAGE, *container.get("args", [])]
+
+
+@contextlib.contextmanager
+def run_as_kubelet(docker: Docker, container: dict, mounts: list[tuple[str, str]], timeout: float = 120):
+    """The container spec run as kubelet_run_args says, until its readiness probe answers 200: yields
+    (container name, base URL of its first port); removed at the end."""
+    import httpx
+
+    name = f"holoserve-k8s-{uuid.uuid4().hex[:10]}"
+    docker(*kubelet_run_args(container, mounts, name))
+    try:
+        port = docker("port", name, f"{container['ports'][0]['containerPort']}/tcp").stdout.split()[0]
+        url, ready = "http://" + port, container["readinessProbe"]["httpGet"]["path"]
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(url + ready, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            state = json.loads(docker("inspect", name).stdout)[0]["State"]
+            logs = docker("logs", name, check=False)
+            assert state["Running"], f"exited ({state['ExitCode']}):\n{(logs.stdout + logs.stderr)[-3000:]}"
+            assert time.monotonic() < deadline, (logs.stdout + logs.stderr)[-3000:]
+            time.sleep(0.3)
+        yield name, url
+    finally:
+        docker("rm", "-f", name, check=False)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
-import uuid
 
 import httpx
 import numpy as np
@@ -21,7 +19,7 @@ import pytest
 import yaml
 
 from holoserve.core.manifest import SCHEMA_VERSION
-from tests.helpers.containers import IMAGE, UID
+from tests.helpers.containers import UID, cpu_quantity, env_of, run_as_kubelet
 from tests.helpers.serving import REPO, tiny_checkpoint
 
 RUNTIME = REPO / "deploy" / "kserve" / "servingruntime.yaml"
@@ -47,14 +45,6 @@ def _container(name: str = NAME) -> dict:
     return json.loads(text.replace("{{.Name}}", name))
 
 
-def _env(container: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
-
-
-def _quantity(cpu: str) -> float:
-    return float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
-
-
 def test_the_runtime_follows_kserves_conventions_and_the_image():
     rt = _runtime()
     assert rt["apiVersion"] == "serving.kserve.io/v1alpha1" and rt["kind"] == "ServingRuntime"
@@ -66,7 +56,7 @@ def test_the_runtime_follows_kserves_conventions_and_the_image():
     assert "v2" in spec["protocolVersions"]
     assert c["name"] == "kserve-container" and "command" not in c  # the image's entrypoint runs
     assert re.search(rf"docker build .* -t {re.escape(c['image'])} ", (REPO / "README.md").read_text()), c["image"]
-    env = _env(c)
+    env = env_of(c)
     assert env["HOLOSERVE_MODEL_DIR"] == MODEL_DIR
     port = int(env["HOLOSERVE_PORT"])
     assert [p["containerPort"] for p in c["ports"]] == [port]
@@ -75,6 +65,14 @@ def test_the_runtime_follows_kserves_conventions_and_the_image():
     sc = c["securityContext"]
     assert sc["runAsNonRoot"] and sc["runAsUser"] == UID
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+
+
+def test_the_runtime_container_follows_kubernetes_schema():
+    """The container spec is a core/v1 Container: strictly valid in a Pod (no unknown or mistyped field)."""
+    import kubernetes_validate
+
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": NAME}, "spec": {"containers": [_container()]}}
+    kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
 
 
 def test_the_args_are_holoserve_serve_options():
@@ -95,46 +93,11 @@ def test_the_inference_service_names_the_runtime():
     assert model["storageUri"].split("://")[0] in ("s3", "gs", "pvc", "https", "hf", "oci", "azure")
 
 
-def _docker_run_args(c: dict, ckpt, name: str) -> list[str]:
-    """`docker run` flags for what the kubelet would do with the container spec."""
-    sc, limits = c["securityContext"], c["resources"]["limits"]
-    port = c["ports"][0]["containerPort"]
-    args = ["run", "-d", "--name", name, "-p", f"127.0.0.1::{port}", "-v", f"{ckpt}:{MODEL_DIR}:ro",
-            "--user", str(sc["runAsUser"]), "--cpus", f"{_quantity(limits['cpu']):g}",
-            "--memory", limits["memory"].replace("Gi", "g").replace("Mi", "m")]
-    if sc.get("readOnlyRootFilesystem"):
-        args.append("--read-only")
-    if sc.get("allowPrivilegeEscalation") is False:
-        args += ["--security-opt", "no-new-privileges"]
-    args += [f"--cap-drop={cap}" for cap in sc["capabilities"]["drop"]]
-    for k, v in _env(c).items():
-        args += ["-e", f"{k}={v}"]
-    return [*args, IMAGE, *c.get("args", [])]
-
-
 @pytest.fixture(scope="module")
 def runtime_container(docker, image):
     c = _container()
-    name = f"holoserve-kserve-{uuid.uuid4().hex[:10]}"
-    docker(*_docker_run_args(c, tiny_checkpoint("sst2"), name))
-    try:
-        port = docker("port", name, f"{c['ports'][0]['containerPort']}/tcp").stdout.split()[0]
-        url = "http://" + port
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + c["readinessProbe"]["httpGet"]["path"], timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            state = json.loads(docker("inspect", name).stdout)[0]["State"]
-            logs = docker("logs", name, check=False)
-            assert state["Running"], f"exited ({state['ExitCode']}):\n{(logs.stdout + logs.stderr)[-3000:]}"
-            assert time.monotonic() < deadline, (logs.stdout + logs.stderr)[-3000:]
-            time.sleep(0.3)
+    with run_as_kubelet(docker, c, [(str(tiny_checkpoint("sst2")), MODEL_DIR)]) as (_, url):
         yield url, c
-    finally:
-        docker("rm", "-f", name, check=False)
 
 
 def test_the_runtime_container_serves_the_open_inference_protocol(runtime_container):
@@ -160,7 +123,7 @@ def test_the_runtime_container_serves_the_open_inference_protocol(runtime_contai
 
 def test_the_runtime_container_reports_its_cpu_limit_and_metrics(runtime_container):
     url, c = runtime_container
-    cpus = _quantity(c["resources"]["limits"]["cpu"])
+    cpus = cpu_quantity(c["resources"]["limits"]["cpu"])
     backend = httpx.get(url + "/v1/models").json()["models"][0]["backend"]
     assert f"a CPU quota of {cpus:g} CPU" in backend["threads_why"], backend
     path = _runtime()["spec"]["annotations"]["prometheus.kserve.io/path"]
