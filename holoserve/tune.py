@@ -34,6 +34,7 @@ class TuneOptions:
     duration: float = 60.0
     min_rounds: int = 5
     threads: int = 0
+    workers: int = 1
     max_batch_size: int = 32
     openvino_precision: str = "auto"
     openvino_kernels: str = "auto"
@@ -198,7 +199,8 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
         artifact = load_artifact(checkpoint, verify=True)
     except OSError as e:
         raise HoloServeError(f"cannot read the checkpoint {checkpoint}: {e}") from None
-    cfg = ServerConfig(artifact_dir=str(checkpoint), threads=opts.threads, max_batch_size=opts.max_batch_size,
+    cfg = ServerConfig(artifact_dir=str(checkpoint), threads=opts.threads, workers=opts.workers,
+                       max_batch_size=opts.max_batch_size,
                        openvino_precision=opts.openvino_precision, openvino_kernels=opts.openvino_kernels,
                        openvino_sparse_weights=opts.openvino_sparse_weights).validate()
     options = backend_options(cfg, artifact)

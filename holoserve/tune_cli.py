@@ -34,8 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", metavar="S", type=float, default=60.0,
                    help="seconds to time for, in rounds (at least 5 rounds however long they take; default 60)")
     p.add_argument("--threads", metavar="N", type=int, default=0,
-                   help="backend intra-op threads, as `serve --threads` will give them (0 = the library default; "
-                        "a profile applies only to a server with the same setting)")
+                   help="backend intra-op threads, as `serve --threads` will give them (0 = what a CPU quota or "
+                        "cpuset allows, else the library default; a profile applies only to a server with the same "
+                        "threads)")
+    p.add_argument("--workers", metavar="N", type=int, default=1,
+                   help="the server processes `serve --workers` will start: under a CPU quota or cpuset they share "
+                        "its threads, so the profile is timed with each one's share (default 1)")
     p.add_argument("--max-batch-size", metavar="N", type=int, default=32,
                    help="the largest batch the server will form (`serve --max-batch-size`); batches of 1, 2, 4, "
                         "... up to it are timed (default 32)")
@@ -68,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         problems.append(f"--duration {args.duration:g}: give 0 or more seconds")
     if args.threads < 0:
         problems.append(f"--threads {args.threads}: give 0 (the library default) or more")
+    if args.workers < 1:
+        problems.append(f"--workers {args.workers}: give 1 or more")
     if args.max_batch_size < 1:
         problems.append(f"--max-batch-size {args.max_batch_size}: give 1 or more")
     if args.min_rounds < 1:
@@ -75,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         raise HoloServeError("; ".join(problems))
     opts = TuneOptions(texts=args.texts, text_column=args.text_column, text_pair_column=args.text_pair_column,
-                       duration=args.duration, min_rounds=args.min_rounds, threads=args.threads,
+                       duration=args.duration, min_rounds=args.min_rounds, threads=args.threads, workers=args.workers,
                        max_batch_size=args.max_batch_size, openvino_precision=args.openvino_precision,
                        openvino_kernels=args.openvino_kernels, openvino_sparse_weights=args.openvino_sparse_weights,
                        static_shapes=not args.no_static_shapes)

@@ -130,6 +130,28 @@ def test_tune_writes_the_profile_with_its_key_timings_and_texts(both, tuned):
     assert prof["settings"]["max_batch_size"] == 32
 
 
+def test_tune_times_each_workers_share_of_a_cpu_limit(both, tmp_path, monkeypatch):
+    """`tune --workers N` with no --threads: the backends are timed with the threads each of N workers gets
+    under this process's CPU limit, and the key says so, as `serve --workers N` will compute it."""
+    import shutil
+
+    from holoserve.core.machine import CpuBudget
+    from holoserve.server import service
+    from holoserve.tune import TuneOptions, tune
+
+    seen = []
+
+    def budget(workers):
+        seen.append(workers)
+        return CpuBudget(4 // workers, f"{4 // workers} threads: a CPU quota of 4 CPUs (cgroup), 8 physical cores")
+
+    monkeypatch.delenv("HOLOSERVE_ORT_THREADS", raising=False)
+    monkeypatch.setattr(service, "cpu_budget", budget)
+    ckpt = shutil.copytree(both, tmp_path / "ckpt")
+    prof, _ = tune(ckpt, TuneOptions(**{**QUICK, "threads": 0, "workers": 2}), out=open(os.devnull, "w"))
+    assert seen and set(seen) == {2} and prof["key"]["threads"] == 2
+
+
 def test_profile_is_not_part_of_the_manifest_and_survives_export_checks(both, tuned):
     art = load_artifact(both, verify=True)  # an unlisted file breaks no checksum check
     assert profile.PROFILE_FILE not in art.manifest.files
