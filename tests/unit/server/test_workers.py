@@ -56,7 +56,9 @@ def test_a_worker_takes_connections_only_once_warm(workers):
 
 
 def test_prepare_multiprocess_dir(tmp_path, monkeypatch):
-    monkeypatch.delenv(MULTIPROC_ENV, raising=False)
+    # empty reads as unset; unlike delenv of an unset variable, setenv restores the environment afterwards,
+    # so the folder exported below does not leak into later tests' servers
+    monkeypatch.setenv(MULTIPROC_ENV, "")
     assert prepare_multiprocess_dir(1) == (None, False)  # one worker, nothing set: plain in-process metrics
     path, made = prepare_multiprocess_dir(2)
     try:
