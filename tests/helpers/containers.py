@@ -149,29 +149,40 @@ def kubelet_run_args(container: dict, mounts: list[tuple[str, str]], name: str) 
     return [*args, IMAGE, *container.get("args", [])]
 
 
+def wait_until_ready(docker: Docker, name: str, url: str | None, path: str = "/readyz",
+                     timeout: float = 90) -> float:
+    """Seconds until GET url+path answers 200; fails with the container's logs if it exits first or the
+    time runs out (`url` None: a container whose port was never published, which can only exit)."""
+    import httpx
+
+    def logs() -> str:
+        r = docker("logs", name, check=False)
+        return (r.stdout + r.stderr)[-3000:]
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if url and httpx.get(url + path, timeout=2).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        state = json.loads(docker("inspect", name).stdout)[0]["State"]
+        if not state["Running"]:
+            raise AssertionError(f"the container exited ({state['ExitCode']}) before {path}:\n{logs()}")
+        time.sleep(0.2)
+    raise AssertionError(f"{path} not 200 after {timeout} s:\n{logs()}")
+
+
 @contextlib.contextmanager
 def run_as_kubelet(docker: Docker, container: dict, mounts: list[tuple[str, str]], timeout: float = 120):
     """The container spec run as kubelet_run_args says, until its readiness probe answers 200: yields
     (container name, base URL of its first port); removed at the end."""
-    import httpx
-
     name = f"holoserve-k8s-{uuid.uuid4().hex[:10]}"
     docker(*kubelet_run_args(container, mounts, name))
     try:
         port = docker("port", name, f"{container['ports'][0]['containerPort']}/tcp").stdout.split()[0]
-        url, ready = "http://" + port, container["readinessProbe"]["httpGet"]["path"]
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(url + ready, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            state = json.loads(docker("inspect", name).stdout)[0]["State"]
-            logs = docker("logs", name, check=False)
-            assert state["Running"], f"exited ({state['ExitCode']}):\n{(logs.stdout + logs.stderr)[-3000:]}"
-            assert time.monotonic() < deadline, (logs.stdout + logs.stderr)[-3000:]
-            time.sleep(0.3)
+        url = "http://" + port
+        wait_until_ready(docker, name, url, container["readinessProbe"]["httpGet"]["path"], timeout)
         yield name, url
     finally:
         docker("rm", "-f", name, check=False)

@@ -16,7 +16,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.helpers.containers import IMAGE, MAX_IMAGE_MB, UID, Docker
+from tests.helpers.containers import IMAGE, MAX_IMAGE_MB, UID, Docker, wait_until_ready
 from tests.helpers.serving import tiny_checkpoint, wait_metric
 
 
@@ -43,19 +43,7 @@ class Container:
         return r.stdout + r.stderr
 
     def wait_ready(self, timeout: float = 90) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            try:
-                if self.url and httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            state = self.inspect()["State"]
-            if not state["Running"]:
-                raise AssertionError(f"the container exited ({state['ExitCode']}) before /readyz:\n"
-                                     f"{self.logs()[-3000:]}")
-            time.sleep(0.2)
-        raise AssertionError(f"/readyz not 200 after {timeout} s:\n{self.logs()[-3000:]}")
+        return wait_until_ready(self.docker, self.name, self.url, "/readyz", timeout)
 
     def wait_exit(self, timeout: float = 90) -> dict:
         """The container's State once it has stopped; fails if it still runs after `timeout` s."""
