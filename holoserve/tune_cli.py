@@ -51,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "sentence2 or sentence)")
     adv.add_argument("--openvino-precision", choices=OPENVINO_PRECISIONS, default="auto",
                      help="as `serve --openvino-precision` (default auto)")
-    adv.add_argument("--openvino-kernels", choices=OPENVINO_KERNELS, default="auto",
-                     help="as `serve --openvino-kernels` (default auto)")
+    adv.add_argument("--openvino-kernels", choices=[k for k in OPENVINO_KERNELS if k != "reference"], default="auto",
+                     help="as `serve --openvino-kernels` (default auto; not reference, which is for checks)")
     adv.add_argument("--openvino-sparse-weights", action="store_true",
                      help="as `serve --openvino-sparse-weights`")
     adv.add_argument("--no-static-shapes", action="store_true",

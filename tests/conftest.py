@@ -48,10 +48,9 @@ def stsb():
     return tiny_checkpoint("stsb")
 
 
-@pytest.fixture(scope="session")
-def kernel_build(tmp_path_factory):
-    """(cache folder, library): one real build of the 2:4 kernels for the whole run, made as a builder
-    without VBMI would make it (building never consults the CPU). Skips without OpenVINO or g++."""
+def _build_kernels(tmp_path_factory, flavour: str):
+    """(cache folder, library): one real build of the 2:4 kernels' `flavour` for the whole run, made as a
+    builder without VBMI would make it (building never consults the CPU). Skips without OpenVINO or g++."""
     import shutil
 
     pytest.importorskip("openvino")
@@ -59,10 +58,22 @@ def kernel_build(tmp_path_factory):
         pytest.skip("no g++ to build the 2:4 kernels with")
     from holoserve import kernels
 
-    cache = tmp_path_factory.mktemp("kernel-cache")
+    cache = tmp_path_factory.mktemp(f"kernel-cache-{flavour}")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(kernels.CACHE_ENV, str(cache))
         mp.delenv("CXX", raising=False)
         mp.setattr(kernels, "cpu_flags", lambda: set())
-        path = kernels.build()
+        path = kernels.build(flavour=flavour)
     return cache, path
+
+
+@pytest.fixture(scope="session")
+def kernel_build(tmp_path_factory):
+    """The AVX-512 build (the one served), built once per run: (cache folder, library)."""
+    return _build_kernels(tmp_path_factory, "avx512")
+
+
+@pytest.fixture(scope="session")
+def kernel_reference_build(tmp_path_factory):
+    """The portable reference build (runs on any x86-64 CPU), built once per run: (cache folder, library)."""
+    return _build_kernels(tmp_path_factory, "reference")

@@ -16,7 +16,9 @@ HoloServe's 2:4 kernels (`kernels="auto"`, the default; `--openvino-kernels`): o
 and VBMI and no AMX, the 2:4 INT8 Linears run on our own OpenVINO extension (holoserve.kernels), which
 skips the zeros (docs/results/2026-11-27-sparse24-kernels.md). Under `auto`, anything that keeps them from
 running (the CPU, no build, a library that does not load or compile) leaves OpenVINO's own GEMMs in
-charge; `info()["kernels"]` says whether they run and why.
+charge; `info()["kernels"]` says whether they run and why. `kernels="reference"` runs their portable scalar
+build on any x86-64 CPU: the same numbers, many times slower, to check a checkpoint's predictions through the
+kernels' graph on a machine that cannot run them.
 
 Static shapes (`shapes=[(batch, seq), ...]`, `--openvino-shapes 1x128,32x128`): OpenVINO's CPU plugin
 fuses the element-wise ops around the quantized GEMMs (LayerNorm's affine, the activation quantizers,
@@ -113,33 +115,46 @@ def kernels_plan(kernels: str, precision: str) -> tuple[Path | None, bool, str]:
     """(the kernels' library, or None to run OpenVINO's GEMMs; in bf16; why) for --openvino-kernels and the
     float precision.
     `on` raises HoloServeError where they cannot run; `auto` falls back to OpenVINO's GEMMs and says why,
-    and leaves CPUs with AMX to OpenVINO (its AMX int8 GEMMs are another class of speed than VNNI)."""
+    and leaves CPUs with AMX to OpenVINO (its AMX int8 GEMMs are another class of speed than VNNI).
+    `reference` runs their portable scalar build (holoserve.kernels.REFERENCE) on any x86-64 CPU, or raises."""
     check_kernels(kernels)
     if kernels == "off":
         return None, False, "off (--openvino-kernels off)"
-    from holoserve.kernels import KernelsUnavailable, locate
+    from holoserve.kernels import REFERENCE, KernelsUnavailable, locate
 
-    bf16 = precision == "bf16" or (precision == "auto" and cpu_has_bf16())
+    bf16 = precision in ("bf16", "auto") and cpu_has_bf16()  # elsewhere OpenVINO runs a bf16 hint in f32
     if kernels == "auto" and cpu_has_amx():
         return None, False, ("off: this CPU has AMX, whose int8 tiles OpenVINO's GEMMs use and the kernels "
                               "(AVX-512 VNNI) do not; --openvino-kernels on forces them")
     if precision == "f16":
         why = "off: the kernels read and write f32 or bf16, not f16"
-        if kernels == "on":
-            raise HoloServeError(f"--openvino-kernels on: {why[5:]}; use --openvino-precision auto, bf16 or f32")
+        if kernels != "auto":
+            raise HoloServeError(f"--openvino-kernels {kernels}: {why[5:]}; use --openvino-precision auto, bf16 "
+                                 "or f32")
         return None, False, why
-    try:
-        library = locate()  # checks the CPU's flags first; builds only where a compiler is present
+    try:  # the AVX-512 build checks the CPU's flags first; either builds only where a compiler is present
+        library = locate(REFERENCE) if kernels == REFERENCE else locate()
     except KernelsUnavailable as e:
-        if kernels == "on":
+        if kernels != "auto":
             raise
         return None, False, f"off: {e}"
-    return library, bf16, f"on (HoloServe's 2:4 INT8 kernels, {'bf16' if bf16 else 'f32'} in and out)"
+    precision_note = f"{'bf16' if bf16 else 'f32'} in and out"
+    if kernels == REFERENCE:
+        return library, bf16, (f"reference (HoloServe's 2:4 INT8 kernels from their portable reference build, "
+                               f"{precision_note}: the AVX-512 build's numbers, many times slower)")
+    return library, bf16, f"on (HoloServe's 2:4 INT8 kernels, {precision_note})"
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_has_bf16() -> bool:
-    """OpenVINO's CPU plugin runs the float ops in bf16 by default where the CPU has bf16 units."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    """Whether OpenVINO's CPU plugin runs bf16 here (its BF16 capability: the CPU has bf16 units). It runs the
+    float ops in bf16 by default where it can, and in f32 where it cannot, even when asked for bf16."""
+    try:
+        import openvino as ov
+
+        return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    except Exception:  # no OpenVINO, or a plugin without the property: the CPU's flags say the same
+        return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 @functools.lru_cache(maxsize=4)
@@ -207,7 +222,7 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = F
         compiled, counts = compile_with(library)
     except Exception as e:  # OpenVINO raises RuntimeError subclasses with long messages
         first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-        if library is None or kernels == "on":
+        if library is None or kernels != "auto":
             what = "with HoloServe's 2:4 kernels " if library is not None else ""
             raise BackendUnavailable(f"OpenVINO cannot compile {path} {what}({first})"
                                      + ("; --openvino-kernels auto falls back to OpenVINO's GEMMs" if what else "")

@@ -8,8 +8,9 @@ from __future__ import annotations
 # OpenVINO's INFERENCE_PRECISION_HINT for the float ops of model.ov.onnx: "auto" keeps the CPU plugin's
 # default (bf16 where the CPU has bf16 units), "f32" the checkpoint's numerics.
 OPENVINO_PRECISIONS = ("auto", "f32", "bf16", "f16")
-OPENVINO_KERNELS = ("auto", "on", "off")  # HoloServe's 2:4 INT8 kernels (holoserve.kernels)
-# auto: on where the CPU has AVX-512 VNNI + VBMI and no AMX, and the library builds (or is built)
+OPENVINO_KERNELS = ("auto", "on", "off", "reference")  # HoloServe's 2:4 INT8 kernels (holoserve.kernels)
+# auto: on where the CPU has AVX-512 VNNI + VBMI and no AMX, and the library builds (or is built); reference:
+# their portable scalar build (any x86-64 CPU, the same numbers, many times slower), for checks, not speed
 OPENVINO_KERNELS_DEFAULT = "auto"
 # `holoserve compress --method`: the recipes compress/methods.py registers, named here so that the CLI lists them
 # without importing torch. The default is one-shot OBS + QAT, no ADMM: no ADMM recipe measured better after

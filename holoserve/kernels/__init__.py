@@ -20,7 +20,10 @@ multiple of 32; anything else stays as it was.
 Building and loading are separate steps. `build()` compiles `sparse24_gemm.cpp` with the C++ compiler
 (`CXX`, else `g++`) against the installed OpenVINO's headers; the output ISA is fixed by CXXFLAGS, so any
 x86-64 machine with a compiler can build it (an image's builder stage, a CI runner) whatever its CPU.
-`locate()` finds the library to load and checks this CPU's flags first. Builds live in
+`locate()` finds the library to load and checks this CPU's flags first. The `reference` flavour compiles
+the same source as portable scalar code (any x86-64 CPU, the same outputs bit for bit, many times slower):
+`--openvino-kernels reference` runs it, to check the ops, the rewrite and a checkpoint's numbers on a machine
+that cannot run the AVX-512 build, and the tests check that build against it. Builds live in
 `$HOLOSERVE_KERNEL_CACHE` (default `~/.cache/holoserve/kernels`), one folder per build key (source,
 OpenVINO version, flags, compiler, C library), each with a `build.json` saying what it was built from;
 a machine without a compiler loads any build whose key matches on everything but the compiler. Concurrent
@@ -58,9 +61,14 @@ CACHE_ENV = "HOLOSERVE_KERNEL_CACHE"
 DOMAIN = "holoserve"
 TILE, WINDOW = 32, 64
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "avx512vbmi")
+AVX512, REFERENCE = "avx512", "reference"  # the served build; the portable scalar one that checks it
+FLAVOURS = (AVX512, REFERENCE)
 # portable across CPUs with the required flags, so a library built in one place runs in another
 CXXFLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi",
             "-Wno-uninitialized", "-Wno-maybe-uninitialized")
+# any x86-64 CPU; no contraction into fused multiply-adds the AVX-512 code does not make
+REFERENCE_CXXFLAGS = ("-O2", "-std=c++20", "-shared", "-fPIC", "-march=x86-64", "-ffp-contract=off",
+                      "-DHOLOSERVE_REFERENCE")
 
 
 class KernelsUnavailable(HoloServeError):
@@ -94,12 +102,13 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def _no_compiler() -> KernelsUnavailable:
+def _no_compiler(flavour: str = AVX512) -> KernelsUnavailable:
     cxx = os.environ.get("CXX", "g++")
-    return KernelsUnavailable(f"no build of the 2:4 kernels for this OpenVINO in {cache_dir()} and no C++ compiler "
-                              f"{cxx!r} to build one: install g++ (or set CXX) and run `python -m holoserve.kernels "
-                              "build`, point HOLOSERVE_KERNEL_CACHE at a folder with a build, or run without them "
-                              "(--openvino-kernels off)")
+    which, command = ("", "build") if flavour == AVX512 else (f"{flavour} ", f"build {flavour}")
+    return KernelsUnavailable(f"no {which}build of the 2:4 kernels for this OpenVINO in {cache_dir()} and no C++ "
+                              f"compiler {cxx!r} to build one: install g++ (or set CXX) and run `python -m "
+                              f"holoserve.kernels {command}`, point HOLOSERVE_KERNEL_CACHE at a folder with a build, "
+                              "or run without them (--openvino-kernels off)")
 
 
 @functools.lru_cache(maxsize=8)
@@ -118,13 +127,19 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "holoserve" / "kernels"
 
 
-def build_key(compiler: str | None) -> dict[str, str]:
+def _cxxflags(flavour: str) -> tuple[str, ...]:
+    if flavour not in FLAVOURS:
+        raise KernelsUnavailable(f"unknown build of the 2:4 kernels {flavour!r}: choose {' or '.join(FLAVOURS)}")
+    return CXXFLAGS if flavour == AVX512 else REFERENCE_CXXFLAGS
+
+
+def build_key(compiler: str | None, flavour: str = AVX512) -> dict[str, str]:
     """What a build depends on; `compiler` None leaves the compiler out (for matching without one)."""
     import openvino
 
     libc = " ".join(platform.libc_ver()).strip() or "unknown libc"
     key = {"source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest(), "openvino": openvino.__version__,
-           "cxxflags": " ".join(CXXFLAGS), "libc": libc, "machine": platform.machine()}
+           "flavour": flavour, "cxxflags": " ".join(_cxxflags(flavour)), "libc": libc, "machine": platform.machine()}
     if compiler is not None:
         key["compiler"] = compiler
     return key
@@ -148,27 +163,29 @@ def _matching_builds(key: dict[str, str]) -> list[Path]:
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
-def library_path() -> Path | None:
+def library_path(flavour: str = AVX512) -> Path | None:
     """The build this machine would load now (built or not, with a compiler; None without a compiler and
     no matching build)."""
     cxx = _compiler()
     if cxx is not None:
-        return _key_dir(build_key(_compiler_id(cxx))) / LIBRARY
-    found = _matching_builds(build_key(None))
+        return _key_dir(build_key(_compiler_id(cxx), flavour)) / LIBRARY
+    found = _matching_builds(build_key(None, flavour))
     return found[0] if found else None
 
 
-def locate() -> Path:
-    """The library to load here: checks the CPU, then takes this compiler's build (building it if needed)
-    or, without a compiler, a matching prebuilt one. Raises KernelsUnavailable saying why not."""
-    check_cpu()
+def locate(flavour: str = AVX512) -> Path:
+    """The library to load here: checks the CPU (the AVX-512 build's flags), then takes this compiler's build
+    (building it if needed) or, without a compiler, a matching prebuilt one. Raises KernelsUnavailable saying
+    why not."""
+    if flavour == AVX512:
+        check_cpu()
     _openvino_dir()
     if _compiler() is None:
-        found = _matching_builds(build_key(None))
+        found = _matching_builds(build_key(None, flavour))
         if not found:
-            raise _no_compiler()
+            raise _no_compiler(flavour)
         return found[0]
-    return build()
+    return build(flavour=flavour)
 
 
 # x86-64-v4, the level the library is compiled for (CXXFLAGS): its every function may use these
@@ -178,14 +195,15 @@ _LOAD = "import sys, openvino as ov; ov.Core().add_extension(sys.argv[1])"
 _LINK = "import ctypes, sys, openvino; ctypes.CDLL(sys.argv[1]).create_extensions"
 
 
-def _check_loads(path: str | os.PathLike) -> None:
+def _check_loads(path: str | os.PathLike, flavour: str = AVX512) -> None:
     """Raises KernelsUnavailable where the library does not load. Checked in a child process: OpenVINO loads it
-    and calls its entry point where this CPU has x86-64-v4 (loading runs none of the code that needs VBMI);
-    elsewhere that entry point would stop the process with an illegal instruction, so the check is that the
-    library links against this OpenVINO and exports the entry point (a builder need not run the kernels)."""
+    and calls its entry point where this CPU has x86-64-v4 (loading runs none of the code that needs VBMI) or
+    the build is the portable reference; elsewhere that entry point would stop the process with an illegal
+    instruction, so the check is that the library links against this OpenVINO and exports the entry point (a
+    builder need not run the kernels)."""
     from holoserve.core import machine
 
-    code = _LOAD if set(V4_FLAGS) <= machine.cpu_flags() else _LINK
+    code = _LOAD if flavour == REFERENCE or set(V4_FLAGS) <= machine.cpu_flags() else _LINK
     try:
         proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
@@ -195,15 +213,15 @@ def _check_loads(path: str | os.PathLike) -> None:
         raise KernelsUnavailable(f"OpenVINO cannot load the 2:4 kernels' library {path}: {lines[-1][:300]}")
 
 
-def build(verbose: bool = False) -> Path:
+def build(verbose: bool = False, flavour: str = AVX512) -> Path:
     """The extension's path, compiled first if this source, OpenVINO and compiler have no build yet. Needs
     a compiler, not a CPU that runs the kernels. Builds are serialised by a lock in the cache folder; the
     library is written under a temporary name and renamed, and a failed or interrupted build is removed."""
     ov_dir = _openvino_dir()
     cxx = _compiler()
     if cxx is None:
-        raise _no_compiler()
-    key = build_key(_compiler_id(cxx))
+        raise _no_compiler(flavour)
+    key = build_key(_compiler_id(cxx), flavour)
     folder = _key_dir(key)
     target = folder / LIBRARY
     if target.is_file():
@@ -227,10 +245,10 @@ def build(verbose: bool = False) -> Path:
             stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
         os.close(fd)
-        cmd = [cxx, *CXXFLAGS, f"-I{ov_dir / 'include'}", str(SOURCE), "-o", tmp,
+        cmd = [cxx, *_cxxflags(flavour), f"-I{ov_dir / 'include'}", str(SOURCE), "-o", tmp,
                f"-L{ov_dir / 'libs'}", *(f"-l:{found[-1].name}" for found in libs.values())]
-        log.info("building the 2:4 kernels once for OpenVINO %s with %s into %s (about a minute)",
-                 key["openvino"], key["compiler"], folder)
+        log.info("building the 2:4 kernels (%s) once for OpenVINO %s with %s into %s (about a minute)",
+                 flavour, key["openvino"], key["compiler"], folder)
         if verbose:
             print("building the 2:4 kernels:", " ".join(cmd), flush=True)
         t0 = time.monotonic()
@@ -241,7 +259,7 @@ def build(verbose: bool = False) -> Path:
             info_tmp = folder / f".build-{os.getpid()}.json"
             info_tmp.write_text(json.dumps({**key, "built_s": round(time.monotonic() - t0, 1)}, indent=1),
                                 encoding="utf-8")
-            _check_loads(tmp)
+            _check_loads(tmp, flavour)
             os.replace(tmp, target)
             os.replace(info_tmp, folder / BUILD_INFO)
         finally:

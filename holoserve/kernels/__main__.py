@@ -1,6 +1,7 @@
-"""python -m holoserve.kernels [build|check]: build the 2:4 kernels' OpenVINO extension ahead of serving (into
-$HOLOSERVE_KERNEL_CACHE, default ~/.cache/holoserve/kernels; needs a C++ compiler, not a CPU that runs the
-kernels), or say whether this machine can run them and which build it would load."""
+"""python -m holoserve.kernels [build [reference] | check]: build the 2:4 kernels' OpenVINO extension ahead of
+serving (into $HOLOSERVE_KERNEL_CACHE, default ~/.cache/holoserve/kernels; needs a C++ compiler, not a CPU that
+runs the kernels), or say whether this machine can run them and which build it would load. `build reference`
+builds the portable scalar reference that `--openvino-kernels reference` runs on any x86-64 CPU."""
 from __future__ import annotations
 
 import logging
@@ -10,13 +11,15 @@ from holoserve import HoloServeError
 
 from holoserve.core.machine import cpu_flags
 
-from . import build, cpu_missing, library_path
+from . import AVX512, REFERENCE, build, cpu_missing, library_path
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     command = args[0] if args else "check"
-    if command not in ("build", "check") or len(args) > 1:
+    flavour = args[1] if command == "build" and len(args) == 2 else AVX512
+    if command not in ("build", "check") or len(args) > (2 if command == "build" else 1) \
+            or flavour not in (AVX512, REFERENCE):
         print(__doc__.strip(), file=sys.stderr)
         return 2
     handler = logging.StreamHandler()
@@ -26,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     try:
         if command == "build":
-            print(build(verbose=True))
+            print(build(verbose=True, flavour=flavour))
             return 0
         missing = cpu_missing()
         path = library_path()

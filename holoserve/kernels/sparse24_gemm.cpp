@@ -15,11 +15,19 @@
 //   Sparse24Gemm -> one output per Linear: Linears sharing one input (Q, K and V), quantized once.
 //   Sparse24Ffn -> y: Linear, activation (exact GELU or ReLU), QuantizeLinear at `h_scale`, Linear. The
 //     hidden layer stays in uint8 codes in cache.
+//
+// Built with -DHOLOSERVE_REFERENCE, the arithmetic below is plain scalar C++ instead (any x86-64 CPU): the same
+// operations in the same order (one rounding per fused multiply-add, the same erf polynomial, the same
+// rounding to codes), so its outputs equal the AVX-512 build's bit for bit, many times slower. It checks the
+// ops, the graph rewrite and the numbers on CPUs that cannot run the AVX-512 build, and that build against it.
+#ifndef HOLOSERVE_REFERENCE
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -49,19 +57,6 @@ struct Linear {
     int64_t tile_bytes() const { return (K / 8) * kTile * 4; }
 };
 
-// out = float(acc - comp) * scale + bias for 16 columns
-static inline __m512 dequantize(__m512i acc, const Linear& L, int64_t col) {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(L.comp + col))),
-                           _mm512_loadu_ps(L.scale + col), _mm512_loadu_ps(L.bias + col));
-}
-
-// uint8 codes of 16 floats (already divided by the scale): round half to even, saturate, +128
-static inline __m128i codes(__m512 v) {
-    __m512i q = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-128)), _mm512_set1_epi32(127));
-    return _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128)));
-}
-
 // erf on 16 intervals of |v| in [0, 4), each by its Taylor polynomial of degree 6 about the interval's
 // centre c: erf(c + t) = erf(c) + sum_k 2/sqrt(pi) e^(-c^2) (-1)^(k-1) H_(k-1)(c) t^k / k!, with H the
 // Hermite polynomials. For |t| <= 1/8 the remainder is under 2e-8; erf(4) rounds to 1 in float32.
@@ -85,6 +80,23 @@ struct ErfTable {
 };
 static const ErfTable kErf;
 
+enum Activation { kGelu = 0, kRelu = 1 };
+
+#ifndef HOLOSERVE_REFERENCE
+
+// out = float(acc - comp) * scale + bias for 16 columns
+static inline __m512 dequantize(__m512i acc, const Linear& L, int64_t col) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_loadu_si512(L.comp + col))),
+                           _mm512_loadu_ps(L.scale + col), _mm512_loadu_ps(L.bias + col));
+}
+
+// uint8 codes of 16 floats (already divided by the scale): round half to even, saturate, +128
+static inline __m128i codes(__m512 v) {
+    __m512i q = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-128)), _mm512_set1_epi32(127));
+    return _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128)));
+}
+
 static inline __m512 erf_ps(__m512 v) {
     const __m512 z = _mm512_min_ps(_mm512_abs_ps(v), _mm512_set1_ps(3.99999976f));
     const __m512i idx = _mm512_cvttps_epi32(_mm512_mul_ps(z, _mm512_set1_ps(4.0f)));
@@ -96,8 +108,6 @@ static inline __m512 erf_ps(__m512 v) {
     return _mm512_castsi512_ps(_mm512_or_si512(
         _mm512_castps_si512(p), _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN))));
 }
-
-enum Activation { kGelu = 0, kRelu = 1 };
 
 // 32 columns of R rows: acc[i][j] for rows i, columns 16 j of the tile
 template <int R, class Store>
@@ -184,7 +194,7 @@ struct StoreCodes {
     const Linear* L;
     uint8_t* h;
     int64_t ldh, col0;
-    __m512 inv_scale;
+    float inv_scale;
     int act;
     inline void operator()(int i, int j, __m512i acc) const {
         const int64_t col = col0 + 16 * j;
@@ -195,7 +205,8 @@ struct StoreCodes {
             const __m512 e = erf_ps(_mm512_mul_ps(v, _mm512_set1_ps(0.707106781186547524f)));
             v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), _mm512_set1_ps(0.5f));
         }
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i * ldh + col), codes(_mm512_mul_ps(v, inv_scale)));
+        const __m128i q = codes(_mm512_mul_ps(v, _mm512_set1_ps(inv_scale)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i * ldh + col), q);
     }
 };
 
@@ -212,6 +223,125 @@ static void quantize_rows(const void* x, bool bf16, uint8_t* q, int64_t M, int64
         }
     });
 }
+
+#else  // HOLOSERVE_REFERENCE: each AVX-512 step above as scalar code, lane by lane
+
+// out = float(acc - comp) * scale + bias, rounded once as VFMADD does (int32 arithmetic wraps as VPSUBD's)
+static inline float dequantize(int32_t acc, const Linear& L, int64_t col) {
+    const int32_t a = static_cast<int32_t>(static_cast<uint32_t>(acc) - static_cast<uint32_t>(L.comp[col]));
+    return std::fma(static_cast<float>(a), L.scale[col], L.bias[col]);
+}
+
+// VCVTPS2DQ (round half to even; NaN and out-of-range give INT32_MIN), clamp to [-128, 127], +128
+static inline uint8_t code(float v) {
+    int32_t q = INT32_MIN;
+    if (v >= -2147483648.0f && v < 2147483648.0f) q = static_cast<int32_t>(std::nearbyint(v));
+    return static_cast<uint8_t>(std::min(std::max(q, -128), 127) + 128);
+}
+
+// erf_ps's steps: VMINPS returns its second operand unless the first is smaller (NaN included)
+static inline float erf_scalar(float v) {
+    const float a = std::fabs(v), z = a < 3.99999976f ? a : 3.99999976f;
+    const int idx = static_cast<int>(z * 4.0f);
+    const float t = std::fma(-static_cast<float>(idx), 0.25f, z) - 0.125f;
+    float p = kErf.coef[ErfTable::kDegree][idx];
+    for (int k = ErfTable::kDegree - 1; k >= 0; --k) p = std::fma(p, t, kErf.coef[k][idx]);
+    uint32_t pb, vb;  // v's sign bit ORed into p, as VPORD does
+    std::memcpy(&pb, &p, 4);
+    std::memcpy(&vb, &v, 4);
+    pb |= vb & 0x80000000u;
+    std::memcpy(&p, &pb, 4);
+    return p;
+}
+
+static inline float load_bf16(const uint16_t* p) {
+    const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+    float v;
+    std::memcpy(&v, &bits, 4);
+    return v;
+}
+static inline void store_bf16(uint16_t* p, float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    *p = static_cast<uint16_t>((bits + ((bits >> 16) & 1u) + 0x7FFFu) >> 16);
+}
+
+// rows [0, rows) of one 32-column tile `t` of L: each row's 32 sums of u8 x s8 products, as VPERMB (the low
+// six bits of each index byte pick a byte of the 64-k window) and VPDPBUSD (four products into an int32)
+template <class Make>
+static void tile_column(const uint8_t* xq, int64_t rows, const Linear& L, int64_t t, const Make& make) {
+    const int8_t* w = L.w + t * L.tile_bytes();
+    const uint8_t* idx = L.idx + t * L.tile_bytes();
+    for (int64_t m = 0; m < rows; ++m) {
+        const uint8_t* x = xq + m * L.K;
+        int32_t acc[kTile] = {};
+        for (int64_t kw = 0; kw < L.K; kw += kWindow) {
+            const int8_t* wc = w + (kw / 8) * kTile * 4;
+            const uint8_t* ic = idx + (kw / 8) * kTile * 4;
+            for (int c = 0; c < kWindow / 8; ++c)
+                for (int n = 0; n < kTile; ++n)
+                    for (int b = 0; b < 4; ++b) {
+                        const int64_t e = (c * kTile + n) * 4 + b;
+                        acc[n] += static_cast<int32_t>(x[kw + (ic[e] & 63)]) * static_cast<int32_t>(wc[e]);
+                    }
+        }
+        const auto store = make(m);
+        store(0, 0, acc);
+        store(0, 1, acc + 16);
+    }
+}
+
+// float results (f32 or bf16): y[row, col], row stride ldy
+struct StoreFloat {
+    const Linear* L;
+    void* y;
+    int64_t ldy, col0;
+    bool bf16;
+    inline void operator()(int i, int j, const int32_t* acc) const {
+        for (int l = 0; l < 16; ++l) {
+            const int64_t col = col0 + 16 * j + l;
+            const float v = dequantize(acc[l], *L, col);
+            if (bf16)
+                store_bf16(static_cast<uint16_t*>(y) + i * ldy + col, v);
+            else
+                static_cast<float*>(y)[i * ldy + col] = v;
+        }
+    }
+};
+
+// hidden codes: q(act(linear)) at 1 / h_scale into h[row, col] with row stride ldh
+struct StoreCodes {
+    const Linear* L;
+    uint8_t* h;
+    int64_t ldh, col0;
+    float inv_scale;
+    int act;
+    inline void operator()(int i, int j, const int32_t* acc) const {
+        for (int l = 0; l < 16; ++l) {
+            const int64_t col = col0 + 16 * j + l;
+            float v = dequantize(acc[l], *L, col);
+            if (act == kRelu)
+                v = v > 0.0f ? v : 0.0f;  // VMAXPS(v, 0)
+            else
+                v = v * (erf_scalar(v * 0.707106781186547524f) + 1.0f) * 0.5f;
+            h[i * ldh + col] = code(v * inv_scale);
+        }
+    }
+};
+
+static void quantize_rows(const void* x, bool bf16, uint8_t* q, int64_t M, int64_t K, float x_scale) {
+    const float inv = 1.0f / x_scale;
+    const int64_t chunks = (M + kRowChunk - 1) / kRowChunk;
+    ov::parallel_for(chunks, [&](int64_t c) {
+        const int64_t end = std::min(M, (c + 1) * kRowChunk) * K;
+        for (int64_t e = c * kRowChunk * K; e < end; ++e) {
+            const float v = bf16 ? load_bf16(static_cast<const uint16_t*>(x) + e) : static_cast<const float*>(x)[e];
+            q[e] = code(v * inv);
+        }
+    });
+}
+
+#endif  // HOLOSERVE_REFERENCE
 
 static std::vector<uint8_t>& scratch(int slot, size_t bytes) {
     thread_local std::vector<uint8_t> buffers[2];
@@ -413,7 +543,7 @@ public:
         char* y = static_cast<char*>(outputs[0].data());
         const int64_t row_bytes = down.N * (bf16 ? 2 : 4);
         const int act = m_activation == "relu" ? kRelu : kGelu;
-        const __m512 inv_h = _mm512_set1_ps(1.0f / m_h_scale);
+        const float inv_h = 1.0f / m_h_scale;
         // a block of rows at a time, so that its hidden codes stay in cache between the two Linears
         const int64_t block = 2 * kRowChunk, H = up.N;
         uint8_t* h = scratch(1, static_cast<size_t>(std::min(M, block) * H)).data();

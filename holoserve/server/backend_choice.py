@@ -62,7 +62,8 @@ def decide_for_workers(cfg: ServerConfig) -> dict[str, Any]:
     else:
         cfg.backend = got["backend"]
     if "openvino" in got["backend"].split("+"):
-        cfg.openvino_kernels = "on" if got["kernels"].startswith("on") else "off"
+        if cfg.openvino_kernels == "auto":  # what auto found, so that no worker finds otherwise
+            cfg.openvino_kernels = "on" if got["kernels"].startswith("on") else "off"
         cfg.openvino_shapes = ",".join(got.get("shapes") or []) or cfg.openvino_shapes
     os.environ[env_name("backend")] = cfg.backend
     os.environ[env_name("openvino_kernels")] = cfg.openvino_kernels

@@ -105,7 +105,8 @@ class ServerConfig:
         OPENVINO_KERNELS_DEFAULT, "openvino backend: run the 2:4 INT8 Linears on HoloServe's own kernels, which "
         "skip the zeros (AVX-512 VNNI + VBMI, no AMX; `python -m holoserve.kernels build` builds them ahead of "
         "time); auto = where this machine can, falling back to OpenVINO's GEMMs, on = fail where they cannot run, "
-        "off = OpenVINO's GEMMs", choices=OPENVINO_KERNELS)
+        "off = OpenVINO's GEMMs, reference = their portable scalar build on any x86-64 CPU (the same numbers, many "
+        "times slower: for checking predictions, not for speed)", choices=OPENVINO_KERNELS)
     # fp16: the GPU baseline bench/serve_load compares torch-cuda with.
     torch_precision: str = option(
         "fp32", "torch backend: float dtype; fp32 = the checkpoint's numerics, fp16 = how a GPU serves a dense "

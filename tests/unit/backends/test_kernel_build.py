@@ -129,3 +129,26 @@ def test_auto_falls_back_to_openvinos_gemms_when_the_library_fails(tmp_path, mon
     assert compiled.create_infer_request() is not None
     with pytest.raises(BackendUnavailable, match="with HoloServe's 2:4 kernels"):
         ovb.compile_model(art.path / "model.ov.onnx", threads=1, kernels="on")
+
+
+def test_the_reference_build_has_its_own_key_and_loads_on_any_cpu(built, kernel_reference_build, monkeypatch,
+                                                                  capsys):
+    """The portable build: another key (flavour, flags) than the served one, built for baseline x86-64, found
+    without a compiler on a CPU with none of the AVX-512 flags, where the AVX-512 build is refused."""
+    from holoserve.kernels.__main__ import main
+
+    cache, path = kernel_reference_build
+    info = json.loads((path.parent / kernels.BUILD_INFO).read_text())
+    served = json.loads((built[1].parent / kernels.BUILD_INFO).read_text())
+    assert info["flavour"] == kernels.REFERENCE and served["flavour"] == kernels.AVX512
+    assert "-DHOLOSERVE_REFERENCE" in info["cxxflags"] and "-march=x86-64 " in info["cxxflags"] + " "
+    assert "avx512" not in info["cxxflags"] and info["source_sha256"] == served["source_sha256"]
+    monkeypatch.setenv("HOLOSERVE_KERNEL_CACHE", str(cache))
+    monkeypatch.setenv("CXX", "no-such-compiler-holoserve")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: set())
+    assert kernels.locate(kernels.REFERENCE) == path == kernels.library_path(kernels.REFERENCE)
+    with pytest.raises(KernelsUnavailable, match="this CPU lacks avx512f"):
+        kernels.locate()
+    with pytest.raises(KernelsUnavailable, match="unknown build of the 2:4 kernels 'avx2'"):
+        kernels.locate("avx2")
+    assert main(["build", "avx2"]) == 2 and "build [reference]" in capsys.readouterr().err

@@ -1,6 +1,9 @@
 """HoloServe's 2:4 INT8 kernels for OpenVINO (holoserve.kernels): the packing, each operation against a
-numpy reference, the rewrite of a real export, and the backend's --openvino-kernels."""
+numpy reference, the rewrite of a real export, and the backend's --openvino-kernels. Each test that runs the
+kernels runs both builds: the AVX-512 one (served) where this CPU has AVX-512 VNNI + VBMI, and the portable
+reference build on any x86-64 CPU, so a CI machine of either kind runs the ops, the rewrite and the backend."""
 import math
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -13,19 +16,31 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from holoserve import kernels  # noqa: E402
 from holoserve.kernels import KernelsUnavailable, pack_24, unpack_24  # noqa: E402
 from holoserve.kernels.rewrite import rewrite  # noqa: E402
-
-if kernels.cpu_missing():
-    pytest.skip(f"the 2:4 kernels need AVX-512 VNNI and VBMI; this CPU lacks {kernels.cpu_missing()}",
-                allow_module_level=True)
+from holoserve.backends.openvino import cpu_has_bf16  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def library(kernel_build):
-    """The extension, built once per test run (tests/conftest.py), its cache in effect for this module."""
-    cache, path = kernel_build
+class Built(NamedTuple):
+    path: object  # the library
+    mode: str  # the --openvino-kernels value that serves it
+
+
+def skip_without_avx512():
+    if kernels.cpu_missing():
+        pytest.skip(f"the AVX-512 build of the 2:4 kernels needs AVX-512 VNNI and VBMI; this CPU lacks "
+                    f"{', '.join(kernels.cpu_missing())} (the reference build's tests run here instead)")
+
+
+@pytest.fixture(scope="module", params=[kernels.AVX512, kernels.REFERENCE])
+def library(request):
+    """Each build of the extension (built once per test run, tests/conftest.py), its cache in effect."""
+    if request.param == kernels.AVX512:
+        skip_without_avx512()
+        (cache, path), mode = request.getfixturevalue("kernel_build"), "on"
+    else:
+        (cache, path), mode = request.getfixturevalue("kernel_reference_build"), kernels.REFERENCE
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(kernels.CACHE_ENV, str(cache))
-        yield path
+        yield Built(path, mode)
 
 
 def random_24(rng, K, N, sparse_groups=0.2):
@@ -81,7 +96,7 @@ def compile_onnx(library, model):
     import openvino as ov
 
     core = ov.Core()
-    core.add_extension(str(library))
+    core.add_extension(str(library.path))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.onnx"
         onnx.save(model, str(path))
@@ -136,15 +151,16 @@ def test_ffn_matches_linear_activation_quantize_linear(library, activation):
     diff = np.abs(y.reshape(-1, 64) - reference(x))
     assert np.mean(diff > 1e-4) < 0.01 and diff.max() < 0.05, (diff.max(), np.mean(diff > 1e-4))
     # bf16 in and out (as OpenVINO runs the graph around the kernels in bf16): the same on bf16 inputs, to
-    # within bf16's rounding of the output (2^-8 relative)
+    # within bf16's rounding of the output (2^-8 relative). Where OpenVINO has no bf16 (a CPU without bf16
+    # units), it runs the casts in f32 and the kernels get the f32 input.
     node_bf16 = helper.make_node("Sparse24Ffn", ["xb", *names_up, *names_down], ["yb"], domain="holoserve",
                                  x_scale=s, h_scale=h, activation=activation)
     cast_in = helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16)
     cast_out = helper.make_node("Cast", ["yb"], ["y"], to=TensorProto.FLOAT)
     (yb,) = run_node(library, [cast_in, node_bf16, cast_out], inits_up + inits_down, x, ["y"])
     yb = yb.reshape(-1, 64)
-    ref_b = reference(bf16(x))
-    close = np.abs(yb - ref_b) <= 2.0 ** -8 * np.abs(ref_b) + 1e-4
+    ref_b = reference(bf16(x)) if cpu_has_bf16() else reference(x)
+    close = np.abs(yb - ref_b) <= (2.0 ** -8 if cpu_has_bf16() else 1e-5) * np.abs(ref_b) + 1e-4
     assert np.mean(~close) < 0.01, np.mean(~close)
 
 
@@ -170,7 +186,7 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def test_rewrite_puts_every_2_4_linear_on_the_kernels(checkpoints, library):
+def test_rewrite_puts_every_2_4_linear_on_the_kernels(checkpoints):
     for act, ckpt in checkpoints.items():
         model, counts = rewrite(onnx.load(str(ckpt / "model.ov.onnx")))
         ops = [n.op_type for n in model.graph.node]
@@ -216,11 +232,12 @@ def test_backend_with_kernels_agrees_with_onnxruntime(checkpoints, library, prec
 
     for act, ckpt in checkpoints.items():
         art = load_artifact(ckpt)
-        ours = load_backend("openvino", art, threads=1, openvino_kernels="on", openvino_precision=precision)
+        ours = load_backend("openvino", art, threads=1, openvino_kernels=library.mode, openvino_precision=precision)
         plain = load_backend("openvino", art, threads=1, openvino_kernels="off", openvino_precision=precision)
         ort = load_backend("onnxruntime", art, threads=1)
         info = ours.info()["kernels"]
-        assert info["status"].startswith("on") and f"{precision} in and out" in info["status"], info
+        runs = precision if cpu_has_bf16() else "f32"  # OpenVINO runs bf16 only where the CPU has bf16 units
+        assert info["status"].startswith(library.mode) and f"{runs} in and out" in info["status"], info
         assert plain.info()["kernels"]["status"].startswith("off")
         enc = TextEncoder(ckpt / "tokenizer.json", art.max_seq_length)
         texts = ["a good film", "the plot is thin and the acting is worse", "fun", "not bad at all, really"] * 3
@@ -242,12 +259,17 @@ def test_kernels_off_auto_and_on_without_a_compiler(checkpoints, monkeypatch, tm
     monkeypatch.setenv("HOLOSERVE_KERNEL_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("CXX", "no-such-compiler-holoserve")
     path = checkpoints["gelu"] / "model.ov.onnx"
-    with pytest.raises(KernelsUnavailable, match="no C\\+\\+ compiler .*install g\\+\\+"):
-        compile_model(path, threads=1, kernels="on")
+    with pytest.raises(KernelsUnavailable, match="no reference build .*no C\\+\\+ compiler .*install g\\+\\+.*"
+                                                 "holoserve.kernels build reference"):
+        compile_model(path, threads=1, kernels=kernels.REFERENCE)
+    if not kernels.cpu_missing():
+        with pytest.raises(KernelsUnavailable, match="no build .*no C\\+\\+ compiler .*install g\\+\\+"):
+            compile_model(path, threads=1, kernels="on")
     report = {}
     compile_model(path, threads=1, kernels="auto", report=report)
     # auto leaves CPUs with AMX to OpenVINO's own GEMMs before it looks for a build
-    expected = "off: this CPU has AMX" if cpu_has_amx() else "off: no build of the 2:4 kernels"
+    expected = "off: this CPU has AMX" if cpu_has_amx() else "off: this CPU lacks" if kernels.cpu_missing() \
+        else "off: no build of the 2:4 kernels"
     assert report["status"].startswith(expected), report
     with pytest.raises(Exception, match="--openvino-kernels"):
         compile_model(path, threads=1, kernels="sometimes")
@@ -310,3 +332,35 @@ def test_several_threads_calling_one_compiled_model_at_once(library):
         ref = reference(x)
         for y in outs:
             np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_the_avx512_build_equals_the_reference_bit_for_bit(kernel_build, kernel_reference_build):
+    """The served build against the portable one on the same graphs (Q/K/V-style Gemm, GELU FFN, f32 and bf16,
+    row counts off every block size): the same outputs, bit for bit, so the reference's checks hold for it."""
+    skip_without_avx512()
+    rng = np.random.default_rng(5)
+    s, h = 0.03, 0.02
+    names_a, inits_a, _ = linear_inputs(rng, "a", 192, 64, s)
+    names_b, inits_b, _ = linear_inputs(rng, "b", 192, 96, s)
+    names_up, inits_up, _ = linear_inputs(rng, "up", 192, 512, s)
+    names_down, inits_down, _ = linear_inputs(rng, "down", 512, 192, h)
+    x = rng.normal(0, 2, (3, 181, 192)).astype(np.float32)
+    cast_in = helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16)
+    graphs = {}
+    for name, xin, casts in (("f32", "x", []), ("bf16", "xb", [cast_in])):
+        nodes = [*casts,
+                 helper.make_node("Sparse24Gemm", [xin, *names_a, *names_b], ["ga", "gb"], domain="holoserve",
+                                  x_scale=s),
+                 helper.make_node("Sparse24Ffn", [xin, *names_up, *names_down], ["f"], domain="holoserve",
+                                  x_scale=s, h_scale=h, activation="gelu")]
+        outs = ["ga", "gb", "f"]
+        if casts:
+            nodes += [helper.make_node("Cast", [o], [o + "32"], to=TensorProto.FLOAT) for o in outs]
+            outs = [o + "32" for o in outs]
+        graphs[name] = (nodes, outs)
+    for name, (nodes, outs) in graphs.items():
+        inits = inits_a + inits_b + inits_up + inits_down
+        served = run_node(Built(kernel_build[1], "on"), nodes, inits, x, outs)
+        reference = run_node(Built(kernel_reference_build[1], kernels.REFERENCE), nodes, inits, x, outs)
+        for o, a, b in zip(outs, served, reference):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} {o}")

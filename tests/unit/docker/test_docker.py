@@ -111,7 +111,8 @@ def test_cpu_image_serves_auto_with_prebuilt_kernels_and_no_compiler():
     stages = re.split(r"^FROM ", text, flags=re.M)[1:]
     builder = next(s for s in stages if " AS kernels" in s.splitlines()[0])
     final = stages[-1]
-    assert "g++" in builder and "python -m holoserve.kernels build" in builder
+    assert "g++" in builder and "python -m holoserve.kernels build\n" in builder.replace(" \\\n", "\n")
+    assert "python -m holoserve.kernels build reference" in builder
     assert "g++" not in final and "apt-get" not in final
     assert "COPY --from=kernels" in final and "/opt/holoserve/kernels" in final
     import tomllib

@@ -97,6 +97,8 @@ def expected_kernels() -> str:
 # be held against ONNX Runtime's.
 KERNELS_ON = {"HOLOSERVE_BACKEND": "openvino", "HOLOSERVE_OPENVINO_KERNELS": "on",
               "HOLOSERVE_OPENVINO_PRECISION": "f32"}
+# The same on the kernels' portable reference build, which the image ships too and any x86-64 CPU runs.
+KERNELS_REFERENCE = {**KERNELS_ON, "HOLOSERVE_OPENVINO_KERNELS": "reference"}
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +110,10 @@ def sst2_checkpoint(tmp_path_factory):
 def containers(docker: Docker, image: dict, sst2_checkpoint):
     """Three containers started together: an SST-2 model (single texts, exported for both CPU backends) with
     the image's defaults; an MRPC model (text pairs, ONNX Runtime only) under a CPU quota of one CPU
-    (`--cpus 1`), whose long queue delay keeps a request in flight long enough to stop it under load; and the
+    (`--cpus 1`), whose long queue delay keeps a request in flight long enough to stop it under load; the
     SST-2 model with the 2:4 kernels forced on (KERNELS_ON), which serves only on a CPU that runs them and
-    refuses to start elsewhere, so it is left to its test to wait for."""
+    refuses to start elsewhere, so it is left to its test to wait for; and the SST-2 model on the kernels'
+    reference build (KERNELS_REFERENCE), which serves on any CPU."""
     started = []
     try:
         started.append(Container(docker, sst2_checkpoint))
@@ -118,9 +121,10 @@ def containers(docker: Docker, image: dict, sst2_checkpoint):
                                                                     "HOLOSERVE_MAX_QUEUE_DELAY_MS": "2000"},
                                  run_args=("--cpus", "1")))
         started.append(Container(docker, sst2_checkpoint, KERNELS_ON))
+        started.append(Container(docker, sst2_checkpoint, KERNELS_REFERENCE))
         for c in started[:2]:
             c.wait_ready()
-        yield {"sst2": started[0], "mrpc": started[1], "kernels_on": started[2]}
+        yield {"sst2": started[0], "mrpc": started[1], "kernels_on": started[2], "kernels_reference": started[3]}
     finally:
         for c in started:
             c.remove()
@@ -236,10 +240,7 @@ def test_kernels_forced_on_serve_where_the_cpu_runs_them_and_refuse_to_start_els
     """`--backend openvino --openvino-kernels on`: on a CPU with AVX-512 VNNI and VBMI (AMX or not) the server
     runs the 2:4 Linears on the prebuilt kernels and predicts as ONNX Runtime does; on any other CPU it
     refuses to start, naming the flags this CPU lacks and how to serve without them."""
-    from holoserve.backends import load_backend
-    from holoserve.core.artifact import load_artifact
     from holoserve.kernels import cpu_missing
-    from tests.helpers.serving import running
 
     c, missing = containers["kernels_on"], cpu_missing()
     if missing:
@@ -250,19 +251,37 @@ def test_kernels_forced_on_serve_where_the_cpu_runs_them_and_refuse_to_start_els
         assert error is not None and "Traceback" not in logs, logs[-3000:]
         assert all(flag in error for flag in missing) and "--openvino-kernels off" in error, error
         return
+    serves_on_the_kernels_as_onnxruntime_does(c, sst2_checkpoint, "on (HoloServe's 2:4 INT8 kernels, f32 in and out)")
+
+
+def test_the_kernels_reference_build_serves_on_any_cpu(containers, sst2_checkpoint):
+    """`--openvino-kernels reference`: the image's prebuilt portable build of the kernels serves on every CPU,
+    so the kernels' ops, the rewrite and their numbers are checked in the image wherever CI runs."""
+    c = containers["kernels_reference"]
+    serves_on_the_kernels_as_onnxruntime_does(
+        c, sst2_checkpoint, "reference (HoloServe's 2:4 INT8 kernels from their portable reference build, f32")
+
+
+def serves_on_the_kernels_as_onnxruntime_does(c, checkpoint, status: str) -> None:
+    """Container `c` serves OpenVINO with its 2:4 Linears on the prebuilt kernels (`status` says which build),
+    built nowhere at start-up, and predicts as ONNX Runtime does on `checkpoint`."""
+    from holoserve.backends import load_backend
+    from holoserve.core.artifact import load_artifact
+    from tests.helpers.serving import running
+
     c.wait_ready()
     backend = httpx.get(c.url + "/v1/models").json()["models"][0]["backend"]
     assert backend["backend"] == "openvino", backend
     kernels = backend["kernels"]
-    assert kernels["status"].startswith("on (HoloServe's 2:4 INT8 kernels, f32 in and out)"), kernels
+    assert kernels["status"].startswith(status), kernels
     assert kernels["Sparse24Ffn"] == 2 and kernels["Sparse24Gemm"] > 0, kernels
     assert "building the 2:4 kernels" not in c.logs()
     texts = ["loved it", "a dull mess", "the movie was good", "i hated it", "not bad at all, really"]
     r = httpx.post(c.url + "/predict", json={"texts": texts}, timeout=30)
     assert r.status_code == 200, r.text
     ours = r.json()["predictions"]
-    ort = load_backend("onnxruntime", load_artifact(sst2_checkpoint), threads=1)
-    with running(sst2_checkpoint, backend=ort) as srv:
+    ort = load_backend("onnxruntime", load_artifact(checkpoint), threads=1)
+    with running(checkpoint, backend=ort) as srv:
         theirs = httpx.post(srv.url + "/predict", json={"texts": texts}, timeout=30).json()["predictions"]
     # The tiny model's scores sit close to 0.5 and move little even when a Linear's weights are scrambled,
     # so the bound is tight: the kernels compute the Linears' integer products exactly, as ONNX Runtime
