@@ -364,3 +364,16 @@ def test_the_avx512_build_equals_the_reference_bit_for_bit(kernel_build, kernel_
         reference = run_node(Built(kernel_reference_build[1], kernels.REFERENCE), nodes, inits, x, outs)
         for o, a, b in zip(outs, served, reference):
             np.testing.assert_array_equal(a, b, err_msg=f"{name} {o}")
+
+
+def test_eval_scores_the_graph_the_kernels_serve(checkpoints, library, tmp_path):
+    """`holoserve eval --backend openvino --openvino-kernels on|reference --compare`: dev rows scored through
+    the kernels' graph, which predicts every row as the checkpoint's own numerics do."""
+    from holoserve.compress.evaluate import EvalOptions, evaluate_checkpoint
+    from tests.unit.export.test_export import _tiny_sst2_dir
+
+    got = evaluate_checkpoint(checkpoints["gelu"], EvalOptions(
+        data_dir=_tiny_sst2_dir(tmp_path), backend="openvino", openvino_precision="f32",
+        openvino_kernels=library.mode, threads=1, batch_size=3, compare=True))
+    assert f"2:4 kernels {library.mode} (HoloServe's 2:4 INT8 kernels" in got["numerics"], got["numerics"]
+    assert got["compare"]["identical_predictions"] == 1.0 and got["metrics"] == got["compare"]["reference_metrics"]
