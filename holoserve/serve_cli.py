@@ -88,13 +88,14 @@ def run(args: argparse.Namespace) -> int:
     from holoserve.core.artifact import load_artifact
     from .server.app import create_app, open_backend
     from .server.backend_choice import decide_for_workers
-    from .server.connections import fit_open_files, server_options
+    from .server.connections import check_listen, fit_open_files, server_options
     from .server.logs import setup_logging
     from .server.metrics import prepare_multiprocess_dir
     from .server.service import effective_max_seq_length
 
     cfg = config_from_args(args)
     setup_logging(cfg.log_level)
+    check_listen(cfg.host, cfg.port)  # before the model loads: a taken port fails in a moment
     fit = fit_open_files(cfg.max_connections)
     if fit < cfg.max_connections:
         logging.getLogger("holoserve.server").warning(

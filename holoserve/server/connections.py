@@ -42,13 +42,16 @@ metrics to the protocol through the lifespan state) and logged at most once per 
 """
 from __future__ import annotations
 
+import errno
 import http
 import logging
+import socket
 import struct
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .. import HoloServeError
 from .config import ServerConfig
 from .protocol import error_body, is_v2_path, v2_error_body
 
@@ -483,3 +486,33 @@ def fit_open_files(max_connections: int) -> int:
     if soft != inf and soft < need:
         return max(1, soft - FD_HEADROOM)
     return max_connections
+
+
+def check_listen(host: str, port: int) -> None:
+    """Raises HoloServeError, naming the fix, where the server could not listen on host:port: binds as uvicorn
+    will (SO_REUSEADDR, IPv6 for a host with a colon) and lets go. Run before the model loads, so that a
+    taken port or a wrong --host fails in a moment instead of after the load, warm-up and timing."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family=family) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except socket.gaierror as e:
+        raise HoloServeError(f"cannot listen on {where}: --host {host!r} is not an address ({e.strerror}); use "
+                             "0.0.0.0 for every interface, 127.0.0.1 for this machine only, or one of its "
+                             "addresses") from None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            fix = ("another process is listening there (another server, or an earlier holoserve still "
+                   "running): stop it, or pass another --port (HOLOSERVE_PORT)")
+        elif e.errno == errno.EACCES:
+            fix = ("ports below 1024 need root or CAP_NET_BIND_SERVICE: use --port 8000 or another port from "
+                   "1024 up")
+        elif e.errno == errno.EADDRNOTAVAIL:
+            fix = (f"{host} is not an address of this machine: use 0.0.0.0 for every interface, 127.0.0.1 for "
+                   "this machine only, or one of its addresses (--host, HOLOSERVE_HOST)")
+        else:
+            fix = "check --host and --port (HOLOSERVE_HOST, HOLOSERVE_PORT)"
+        why = (e.strerror or str(e))[:1].lower() + (e.strerror or str(e))[1:]
+        raise HoloServeError(f"cannot listen on {where}: {why}; {fix}") from None
