@@ -1,0 +1,185 @@
+"""The served CPU targets in one command: `docker run`'s defaults against the same image forced to ONNX Runtime
+on short sentences, 64–128-token texts and text pairs (1 and 32 clients), and against an earlier image on
+short sentences (32 clients); one table holds each ratio beside its target, with the machine named.
+
+    python -m bench.serve_load.targets --image holoserve:cpu --baseline-image holoserve:b4e76ba \\
+        --checkpoint runs/minilm-sst2 --pairs-checkpoint runs/minilm-mrpc --data-dir "$GLUE_DIR"
+
+First, as the README tells users, the image's `holoserve tune` writes each checkpoint's serving profile (skip
+it with --no-tune); the table says which backend each default container served and why. Each comparison is a
+`python -m bench.serve_load.run --docker` run (alternating rounds, both containers up), whose own record
+lands beside the table. The targets are for a CPU with AVX-512 VNNI + VBMI and no AMX, where the default serves
+OpenVINO on HoloServe's 2:4 kernels; the table says whether this CPU is one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench import dated_results
+from bench.lib.report import machine, table, write_record
+from bench.serve_load import run as serve_load
+
+# (texts, versus, summary key, comparison, target): what each run is held to. Pairs carry no target of their
+# own (text pairs are measured so that the two-segment path is seen), so their rows say "measured".
+TARGETS = (
+    ("long", "onnxruntime", "throughput_ratio_32", ">=", 1.3),
+    ("long", "onnxruntime", "p50_ratio_1", "<=", 1.0),
+    ("short", "onnxruntime", "throughput_ratio_32", ">=", 1.0),
+    ("short", "onnxruntime", "p50_ratio_1", "<=", 1.0),
+    ("pairs", "onnxruntime", "throughput_ratio_32", None, None),
+    ("pairs", "onnxruntime", "p50_ratio_1", None, None),
+    ("short", "baseline", "throughput_ratio_32", ">=", 1.3),
+)
+WHAT = {"throughput_ratio_32": "req/s at 32 clients", "p50_ratio_1": "p50 latency at 1 client"}
+TEXTS = {"short": "SST-2 dev sentences", "long": "three SST-2 dev sentences joined (64–128 tokens)",
+         "pairs": "MRPC dev pairs"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.serve_load.targets", description=__doc__.splitlines()[0])
+    ap.add_argument("--image", required=True, help="the image under test (docker build -f docker/Dockerfile)")
+    ap.add_argument("--baseline-image", required=True,
+                    help="an earlier image run with its own defaults, for the short-sentence comparison")
+    ap.add_argument("--checkpoint", required=True, help="an exported single-text checkpoint (short and long texts)")
+    ap.add_argument("--pairs-checkpoint", required=True, help="an exported text-pair checkpoint (e.g. MRPC)")
+    ap.add_argument("--data-dir", default=os.environ.get("HOLOSERVE_DATA_DIR"),
+                    help="GLUE folder (SST-2 and MRPC dev); default: built-in sentences, and no pairs run")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds per level and container, over --rounds")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating rounds per level")
+    ap.add_argument("--cpus", type=float, default=None, help="run every container under `docker run --cpus`")
+    ap.add_argument("--no-tune", dest="tune", action="store_false",
+                    help="do not run the image's `holoserve tune` on the checkpoints first")
+    ap.add_argument("--out", help="output folder (default bench/results/<today>-serve-targets)")
+    return ap
+
+
+def cpu_class() -> str:
+    """Whether this CPU is the one the targets name."""
+    from holoserve.core.machine import cpu_flags
+    from holoserve.kernels import cpu_missing
+
+    if "amx_int8" in cpu_flags():
+        return "a CPU with AMX (the 2:4 kernels are left to OpenVINO's AMX GEMMs): not the targets' CPU"
+    missing = cpu_missing()
+    if missing:
+        return f"a CPU without {', '.join(missing)}: not the targets' CPU (the 2:4 kernels cannot run)"
+    return "AVX-512 VNNI + VBMI, no AMX: the targets' CPU"
+
+
+def tune(image: str, ckpt: Path, cpus: float | None, data_dir: str | None) -> str:
+    """The image's `holoserve tune` on `ckpt` (mounted read-write, run as its owner, under the CPU quota the
+    servers get, which sets the threads a profile is written for; the GLUE folder, for its dev texts, mounted
+    read-only): the decision it wrote."""
+    st = ckpt.stat()
+    extra = ["--cpus", f"{cpus:g}"] if cpus else []
+    if data_dir:
+        extra += ["-v", f"{Path(data_dir).resolve()}:/data:ro", "-e", "HOLOSERVE_DATA_DIR=/data"]
+    r = subprocess.run(["docker", "run", "--rm", *extra, "-v", f"{ckpt.resolve()}:/model",
+                        "--user", f"{st.st_uid}:{st.st_gid}", "--entrypoint", "holoserve", image, "tune", "/model"],
+                       capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise SystemExit(f"holoserve tune in {image} failed on {ckpt}:\n{(r.stderr or r.stdout)[-2000:]}")
+    lines = r.stdout.strip().splitlines()
+    return next((line for line in lines if line.startswith("decision: ")), lines[-1] if lines else "")
+
+
+def runs(args) -> list[tuple[str, str]]:
+    """(texts, versus) of each comparison, each once; pairs only with GLUE data (MRPC has no built-in rows)."""
+    out = []
+    for texts, versus, *_ in TARGETS:
+        if (texts, versus) not in out and (texts != "pairs" or args.data_dir):
+            out.append((texts, versus))
+    return out
+
+
+def measure(args, out_dir: Path, texts: str, versus: str) -> dict:
+    """One `bench.serve_load.run --docker` comparison; its record."""
+    name = f"{texts}-vs-{'baseline' if versus == 'baseline' else versus}"
+    other = f"image:{args.baseline_image}" if versus == "baseline" else versus
+    ckpt = args.pairs_checkpoint if texts == "pairs" else args.checkpoint
+    argv = ["--checkpoint", str(ckpt), "--docker", args.image, "--versus", other, "--texts", texts,
+            "--clients", "32" if versus == "baseline" else "1,32", "--duration", str(args.duration),
+            "--rounds", str(args.rounds), "--out", str(out_dir), "--name", name]
+    if args.data_dir:
+        argv += ["--data-dir", str(args.data_dir)]
+    if args.cpus:
+        argv += ["--cpus", f"{args.cpus:g}"]
+    print(f"== {texts} texts, `docker run` defaults vs {other}", flush=True)
+    serve_load.main(argv)
+    return json.loads((out_dir / f"{name}_docker.json").read_text(encoding="utf-8"))
+
+
+def verdict(value: float | None, op: str | None, target: float | None) -> str:
+    if value is None:
+        return "not measured"
+    if op is None:
+        return "measured"
+    return "met" if (value >= target if op == ">=" else value <= target) else "not met"
+
+
+def rows(records: dict[tuple[str, str], dict]) -> list[dict]:
+    """One row per target: the measured ratio, the target and whether it is met, with what the default served."""
+    out = []
+    for texts, versus, key, op, target in TARGETS:
+        rec = records.get((texts, versus))
+        value = rec["summary"].get(key) if rec else None
+        default = rec["variants"]["default"] if rec else {}
+        out.append({"texts": texts, "versus": versus, "what": WHAT[key], "ratio": value,
+                    "target": f"{op} {target}" if op else "—", "verdict": verdict(value, op, target),
+                    "default_backend": default.get("backend"), "kernels": default.get("kernels")})
+    return out
+
+
+def markdown(res: dict) -> str:
+    m = res["machine"]
+    lines = [f"# Served CPU targets: `docker run` defaults ({res['date']})", "",
+             f"Machine: {m.get('cpu', '')}, {m.get('cores', '')} cores: {res['cpu_class']}. Image `{res['image']}`; "
+             f"baseline `{res['baseline_image']}`; checkpoints {res['checkpoint']} and {res['pairs_checkpoint']}; "
+             f"{res['rounds']} alternating rounds, {res['duration_s']} s per level and container"
+             + (f"; every container under `--cpus {res['cpus']:g}`" if res.get("cpus") else "") + ".", "",
+             f"`{res['command']}`", "",
+             *table(("texts", "against", "ratio of", "default / other", "target", "", "default served", "2:4 kernels"),
+                    ([TEXTS[r["texts"]], "the image forced to ONNX Runtime" if r["versus"] == "onnxruntime"
+                      else res["baseline_image"], r["what"], r["ratio"], r["target"], r["verdict"],
+                      r["default_backend"], r["kernels"] or "—"] for r in res["rows"])), ""]
+    if res.get("tuned"):
+        lines += ["`holoserve tune` in the image, first:", "", *(f"- {k}: {v}" for k, v in res["tuned"].items()), ""]
+    lines += ["Each comparison's own record (every level, p99, the default's selection) is beside this page: "
+              + ", ".join(f"`{n}_docker.md`" for n in res["runs"]) + ".", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for flag, path in (("--checkpoint", args.checkpoint), ("--pairs-checkpoint", args.pairs_checkpoint)):
+        if not (Path(path) / "manifest.json").is_file():
+            raise SystemExit(f"{flag} {path}: not a HoloServe checkpoint (no manifest.json)")
+    out_dir = Path(args.out) if args.out else dated_results("serve_targets")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res: dict = {"benchmark": "serve_targets", "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}",
+                 "machine": machine(), "cpu_class": cpu_class(), "image": args.image,
+                 "baseline_image": args.baseline_image, "checkpoint": Path(args.checkpoint).name,
+                 "pairs_checkpoint": Path(args.pairs_checkpoint).name, "duration_s": args.duration,
+                 "rounds": args.rounds, "cpus": args.cpus,
+                 "command": "python -m bench.serve_load.targets " + " ".join(sys.argv[1:] if argv is None else argv)}
+    if args.tune:
+        ckpts = {args.checkpoint, args.pairs_checkpoint} if args.data_dir else {args.checkpoint}
+        res["tuned"] = {Path(c).name: tune(args.image, Path(c), args.cpus, args.data_dir) for c in sorted(ckpts)}
+    records, res["runs"] = {}, []
+    for texts, versus in runs(args):
+        records[(texts, versus)] = measure(args, out_dir, texts, versus)
+        res["runs"].append(f"{texts}-vs-{versus}")
+    res["rows"] = rows(records)
+    _, md = write_record(res, out_dir, "targets", markdown)
+    print(md.read_text(encoding="utf-8"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""bench.serve_load.targets for real, briefly, on the image the tests build: the image's `holoserve tune` on each
+checkpoint, then `docker run`'s defaults against the image forced to ONNX Runtime on short, long and pair texts
+and against a baseline image (here the same image), and the table of ratios against the targets."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from tests.helpers.checkpoints import write_glue
+from tests.helpers.containers import IMAGE, Docker
+from tests.helpers.serving import tiny_checkpoint
+from tests.unit.docker.test_docker_image import both_cpu_exports
+
+
+def test_the_served_targets_run_end_to_end(docker: Docker, image, tmp_path, monkeypatch):
+    from bench.serve_load import targets
+
+    monkeypatch.setenv("PATH", os.path.dirname(docker.exe) + os.pathsep + os.environ.get("PATH", ""))
+    single = both_cpu_exports(tmp_path / "sst2")
+    pairs = tmp_path / "mrpc"
+    shutil.copytree(tiny_checkpoint("mrpc"), pairs)  # tune writes its profile into the checkpoint
+    glue = write_glue(tmp_path / "glue", train_rows=4, dev_rows=24)
+    out = tmp_path / "out"
+    assert targets.main(["--image", IMAGE, "--baseline-image", IMAGE, "--checkpoint", str(single),
+                         "--pairs-checkpoint", str(pairs), "--data-dir", str(glue), "--duration", "2",
+                         "--rounds", "1", "--out", str(out)]) == 0
+    res = json.loads((out / "targets.json").read_text())
+    assert [(r["texts"], r["versus"]) for r in res["rows"]] == [(t, v) for t, v, *_ in targets.TARGETS]
+    for row in res["rows"]:
+        assert isinstance(row["ratio"], float) and row["ratio"] > 0, row
+        assert row["verdict"] == ("measured" if row["texts"] == "pairs" else
+                                  "met" if (row["ratio"] >= 1.3 if row["target"] == ">= 1.3" else
+                                            row["ratio"] >= 1.0 if row["target"] == ">= 1.0" else
+                                            row["ratio"] <= 1.0) else "not met"), row
+        assert row["default_backend"] in ("onnxruntime", "openvino", "openvino+onnxruntime"), row
+    # tune ran in the image on both checkpoints and its profile is what the default containers served
+    assert len(res["tuned"]) == 2 and all(v.startswith("decision: ") for v in res["tuned"].values()), res["tuned"]
+    assert (single / "serving-profile.json").is_file() and (pairs / "serving-profile.json").is_file()
+    for name in res["runs"]:
+        record = json.loads((out / f"{name}_docker.json").read_text())
+        assert "serving profile" in record["variants"]["default"]["selection"], record["variants"]["default"]
+    page = (out / "targets.md").read_text()
+    assert res["cpu_class"] in page and "python -m bench.serve_load.targets --image" in page
