@@ -1,0 +1,36 @@
+"""bench.serve_load.targets' table: which runs it makes, and each ratio held to its target (the runs themselves
+are run for real by tests/unit/docker/test_serve_targets.py)."""
+from types import SimpleNamespace
+
+from bench.serve_load import targets
+
+
+def record(throughput: float, p50: float) -> dict:
+    return {"summary": {"throughput_ratio_32": throughput, "p50_ratio_1": p50},
+            "variants": {"default": {"backend": "openvino", "kernels": "on (HoloServe's 2:4 INT8 kernels"}}}
+
+
+def test_each_ratio_is_held_to_its_target_and_a_missing_run_is_said():
+    got = targets.rows({("long", "onnxruntime"): record(1.3, 1.0), ("short", "onnxruntime"): record(0.99, 1.01),
+                        ("pairs", "onnxruntime"): record(0.5, 2.0)}, targets.TARGETS)
+    verdicts = [(r["texts"], r["versus"], r["what"], r["verdict"]) for r in got]
+    assert verdicts == [
+        ("long", "onnxruntime", "req/s at 32 clients", "met"),
+        ("long", "onnxruntime", "p50 latency at 1 client", "met"),
+        ("short", "onnxruntime", "req/s at 32 clients", "not met"),
+        ("short", "onnxruntime", "p50 latency at 1 client", "not met"),
+        ("pairs", "onnxruntime", "req/s at 32 clients", "measured"),
+        ("pairs", "onnxruntime", "p50 latency at 1 client", "measured"),
+        ("short", "baseline", "req/s at 32 clients", "not measured")]
+    assert got[0]["default_backend"] == "openvino" and got[-1]["ratio"] is None
+    amx = targets.rows({("pairs", "onnxruntime"): record(0.99, 1.0)}, targets.AMX_TARGETS)
+    assert [r["verdict"] for r in amx if r["texts"] == "pairs"] == ["not met", "met"]
+    assert all(r["versus"] == "onnxruntime" for r in amx)
+
+
+def test_the_runs_follow_the_data_and_the_baseline_given():
+    full = SimpleNamespace(data_dir="glue", baseline_image="holoserve:old")
+    assert targets.runs(full, targets.TARGETS) == [("long", "onnxruntime"), ("short", "onnxruntime"),
+                                                    ("pairs", "onnxruntime"), ("short", "baseline")]
+    bare = SimpleNamespace(data_dir=None, baseline_image=None)
+    assert targets.runs(bare, targets.TARGETS) == [("long", "onnxruntime"), ("short", "onnxruntime")]
