@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         where = "no build, and no compiler to make one" if path is None else \
             f"{'built' if path.is_file() else 'not built yet'} at {path}"
         if missing:
-            print(f"no: this CPU lacks {', '.join(missing)} (library: {where})")
+            print(f"no: this CPU lacks {', '.join(missing)} (library: {where}); `--openvino-kernels reference` "
+                  "runs their portable build here, for checks (the same numbers, many times slower)")
             return 1
         amx = " (--openvino-kernels auto leaves this CPU, which has AMX, to OpenVINO's GEMMs; on forces them)" \
             if "amx_int8" in cpu_flags() else ""
