@@ -421,18 +421,18 @@ def test_a_client_that_reads_slowly_is_not_cut_off(sst2):
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.connect(("127.0.0.1", srv.port))
-            sender = threading.Thread(target=lambda: s.sendall((req + body) * 4), daemon=True)
+            sender = threading.Thread(target=lambda: s.sendall((req + body) * 2), daemon=True)
             sender.start()
             got = b""
             s.settimeout(10)
-            while got.count(b"HTTP/1.1 200") < 4 or not got.endswith(b"}"):
+            while got.count(b"HTTP/1.1 200") < 2 or not got.endswith(b"}"):
                 time.sleep(0.05)
                 chunk = s.recv(64 * 1024)  # at most ~1.3 MB/s
                 assert chunk, (f"the server closed the connection after {len(got)} bytes",
                                [x for x in httpx.get(srv.url + "/metrics").text.splitlines() if "closed_total{" in x])
                 got += chunk
             sender.join(10)
-        assert got.count(b'"id":"' + b"r" * 900_000 + b'"') == 4
+        assert got.count(b'"id":"' + b"r" * 900_000 + b'"') == 2
         m = httpx.get(srv.url + "/metrics").text
         assert metric(m, "holoserve_http_connections_closed_total", reason="send_timeout") == 0
 
