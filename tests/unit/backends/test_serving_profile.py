@@ -405,3 +405,44 @@ def test_random_ids_at_sentence_like_lengths_without_dev_texts(both):
     lengths = [it.length for it in items]
     assert len(items) == 64 and min(lengths) >= 4 and max(lengths) <= 32 and len(set(lengths)) > 5
     assert [it.length for it in profile.synthetic_items(load_artifact(both), n=64)] == lengths  # fixed seed
+
+
+def test_tune_and_serve_with_the_kernels_on_any_cpu(both, tmp_path, monkeypatch, kernel_reference_build):
+    """The path of a CPU with AVX-512 VNNI + VBMI and no AMX, run on any CPU, with the kernels' reference build
+    standing in for the AVX-512 one (the same numbers): tune times OpenVINO with the kernels on and keys its
+    profile on their build; a server following a profile that picks OpenVINO serves on the kernels, and
+    predicts as ONNX Runtime does."""
+    import shutil
+
+    import numpy as np
+
+    from holoserve import kernels
+    from holoserve.backends import load_backend
+    from holoserve.backends import openvino as ovb
+    from holoserve.core.tokenizer import TextEncoder, pad_batch
+    from holoserve.tune import TuneOptions, tune
+
+    _, library = kernel_reference_build
+    monkeypatch.setattr(kernels, "locate", lambda flavour=kernels.AVX512: library)
+    monkeypatch.setattr(ovb, "cpu_has_amx", lambda: False)
+    monkeypatch.setenv(ovb.PROBE_ENV, "exact")  # OpenVINO's own INT8 GEMMs taken as exact, as on such a CPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(both, ckpt)
+    (ckpt / profile.PROFILE_FILE).unlink(missing_ok=True)
+    with open(os.devnull, "w") as quiet:
+        prof, path = tune(ckpt, TuneOptions(**QUICK), out=quiet)
+    assert prof["decision"]["openvino_kernels"] == "on", prof["decision"]
+    assert prof["settings"]["openvino_kernels_status"].startswith("on (HoloServe's 2:4 INT8 kernels"), prof["settings"]
+    assert prof["key"]["kernels_build"] == kernels.build_key(None) and "openvino" in prof["timings"]["median_ms"]
+    _write(path, _with_decision(prof, backend="openvino", openvino_shapes=[]))
+    art = load_artifact(ckpt)
+    backend, decision = select_backend(art, threads=1, openvino_kernels="auto", max_batch=32)
+    assert decision["serving_profile"] == "used" and backend.name == "openvino", decision
+    status = backend.info()["kernels"]
+    assert status["status"].startswith("on (HoloServe's 2:4 INT8 kernels") and status["Sparse24Ffn"] == 2, status
+    enc = TextEncoder(ckpt / "tokenizer.json", art.max_seq_length)
+    batch = pad_batch(enc.encode(["a good film", "the plot is thin and the acting is worse", "fun"]), enc.pad_id)
+    ours, ort = backend.infer(*batch), load_backend("onnxruntime", art, threads=1).infer(*batch)
+    assert np.argmax(ours, -1).tolist() == np.argmax(ort, -1).tolist()
+    assert np.abs(ours - ort).max() < 0.05 * max(1.0, float(np.abs(ort).max())), (ours, ort)
