@@ -64,7 +64,8 @@ def token_budget_main(args, ckpt: Path, texts: list[str], text_source: str, out_
     return 0
 
 
-def _docker(*args: str, timeout: float = 120) -> str:
+def run_docker(*args: str, timeout: float = 120) -> str:
+    """`docker ARGS`: its stdout; RuntimeError with the end of its stderr where it fails."""
     r = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"docker {' '.join(args[:2])} failed: {r.stderr.strip()[-500:]}")
@@ -79,8 +80,8 @@ def start_container(image: str, ckpt: Path, env: dict[str, str], cpus: float | N
         args += ["--cpus", f"{cpus:g}"]
     for k, v in env.items():
         args += ["-e", f"{k}={v}"]
-    cid = _docker(*args, image)
-    port = int(_docker("port", cid, "8000/tcp").splitlines()[0].rsplit(":", 1)[1])
+    cid = run_docker(*args, image)
+    port = int(run_docker("port", cid, "8000/tcp").splitlines()[0].rsplit(":", 1)[1])
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
@@ -89,8 +90,8 @@ def start_container(image: str, ckpt: Path, env: dict[str, str], cpus: float | N
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as m:
                         return cid, port, json.loads(m.read())["models"][0]["backend"]
         except Exception:
-            if _docker("inspect", "-f", "{{.State.Running}}", cid) != "true":
-                raise RuntimeError(f"the container exited: {_docker('logs', cid)[-2000:]}")
+            if run_docker("inspect", "-f", "{{.State.Running}}", cid) != "true":
+                raise RuntimeError(f"the container exited: {run_docker('logs', cid)[-2000:]}")
             time.sleep(0.5)
     raise TimeoutError("the container did not become ready in 300 s")
 
@@ -118,7 +119,7 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
     levels = [int(x) for x in args.clients.split(",")]
     other, other_image, other_env = versus_variant(args.versus, args.docker)
     variants = {"default": (args.docker, {}), other: (other_image, other_env)}
-    size = int(_docker("image", "inspect", "-f", "{{.Size}}", args.docker))
+    size = int(run_docker("image", "inspect", "-f", "{{.Size}}", args.docker))
     res: dict = {"benchmark": "serve_load_docker", "date": _now(), "machine": machine(), "image": args.docker,
                  "cpus": args.cpus, "versus": other,
                  "image_mb": round(size / 1e6), "checkpoint": ckpt.name, "texts": text_source,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 from bench import dated_results
 from bench.lib.report import machine, table, write_record
 from bench.serve_load import run as serve_load
+from bench.serve_load.modes import run_docker
 
 # (texts, versus, summary key, comparison, target): what each run is held to on a CPU with AVX-512 VNNI + VBMI
 # and no AMX. Pairs carry no target of their own there (they are measured so that the two-segment path is
@@ -66,17 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def targets_here() -> tuple:
     """The targets for this CPU: AMX_TARGETS on a CPU with AMX, else TARGETS."""
-    from holoserve.core.machine import cpu_flags
+    from holoserve.backends.openvino import cpu_has_amx
 
-    return AMX_TARGETS if "amx_int8" in cpu_flags() else TARGETS
+    return AMX_TARGETS if cpu_has_amx() else TARGETS
 
 
 def cpu_class() -> str:
     """Whether this CPU is the one the targets name."""
-    from holoserve.core.machine import cpu_flags
+    from holoserve.backends.openvino import cpu_has_amx
     from holoserve.kernels import cpu_missing
 
-    if "amx_int8" in cpu_flags():
+    if cpu_has_amx():
         return ("a CPU with AMX (the 2:4 kernels are left to OpenVINO's AMX GEMMs): held to never slower than "
                 "ONNX Runtime")
     missing = cpu_missing()
@@ -93,12 +93,12 @@ def tune(image: str, ckpt: Path, cpus: float | None, data_dir: str | None) -> st
     extra = ["--cpus", f"{cpus:g}"] if cpus else []
     if data_dir:
         extra += ["-v", f"{Path(data_dir).resolve()}:/data:ro", "-e", "HOLOSERVE_DATA_DIR=/data"]
-    r = subprocess.run(["docker", "run", "--rm", *extra, "-v", f"{ckpt.resolve()}:/model",
-                        "--user", f"{st.st_uid}:{st.st_gid}", "--entrypoint", "holoserve", image, "tune", "/model"],
-                       capture_output=True, text=True, timeout=1800)
-    if r.returncode != 0:
-        raise SystemExit(f"holoserve tune in {image} failed on {ckpt}:\n{(r.stderr or r.stdout)[-2000:]}")
-    lines = r.stdout.strip().splitlines()
+    try:
+        out = run_docker("run", "--rm", *extra, "-v", f"{ckpt.resolve()}:/model", "--user", f"{st.st_uid}:{st.st_gid}",
+                      "--entrypoint", "holoserve", image, "tune", "/model", timeout=1800)
+    except RuntimeError as e:
+        raise SystemExit(f"holoserve tune in {image} failed on {ckpt}: {e}") from None
+    lines = out.splitlines()
     return next((line for line in lines if line.startswith("decision: ")), lines[-1] if lines else "")
 
 
@@ -112,9 +112,14 @@ def runs(args, targets: tuple) -> list[tuple[str, str]]:
     return out
 
 
+def run_name(texts: str, versus: str) -> str:
+    """The stem of one comparison's record (NAME_docker.{json,md} in the output folder)."""
+    return f"{texts}-vs-{versus}"
+
+
 def measure(args, out_dir: Path, texts: str, versus: str) -> dict:
     """One `bench.serve_load.run --docker` comparison; its record."""
-    name = f"{texts}-vs-{'baseline' if versus == 'baseline' else versus}"
+    name = run_name(texts, versus)
     other = f"image:{args.baseline_image}" if versus == "baseline" else versus
     ckpt = args.pairs_checkpoint if texts == "pairs" else args.checkpoint
     argv = ["--checkpoint", str(ckpt), "--docker", args.image, "--versus", other, "--texts", texts,
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     records, res["runs"], targets = {}, [], targets_here()
     for texts, versus in runs(args, targets):
         records[(texts, versus)] = measure(args, out_dir, texts, versus)
-        res["runs"].append(f"{texts}-vs-{versus}")
+        res["runs"].append(run_name(texts, versus))
     res["rows"] = rows(records, targets)
     _, md = write_record(res, out_dir, "targets", markdown)
     print(md.read_text(encoding="utf-8"))

@@ -514,5 +514,6 @@ def check_listen(host: str, port: int) -> None:
                    "this machine only, or one of its addresses (--host, HOLOSERVE_HOST)")
         else:
             fix = "check --host and --port (HOLOSERVE_HOST, HOLOSERVE_PORT)"
-        why = (e.strerror or str(e))[:1].lower() + (e.strerror or str(e))[1:]
+        why = e.strerror or str(e)
+        why = why[:1].lower() + why[1:]
         raise HoloServeError(f"cannot listen on {where}: {why}; {fix}") from None
