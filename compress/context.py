@@ -373,7 +373,7 @@ class CompressionContext:
         res = train_phase("dense", model, self.preset.dense, self.train, self.preset, request.seed, self.state_dir,
                           self.train_options())
         metrics = self.dev_metrics(model)
-        result = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
+        result = {"steps": res.steps, "seconds": round(res.seconds, 3), "loss": res.loss}
         self.log_phase("dense", result, metrics, model, layers)
         with self.procs.main_first() as main:
             if main:

@@ -69,7 +69,7 @@ def get_method(name: str):
 
 def _result(res, ctx: CompressionContext) -> dict[str, Any]:
     """A distilling phase's record; `teacher_only_rows`: the perturbed rows it also read (distill.augment)."""
-    out = {"steps": res.steps, "seconds": round(res.seconds, 1), "loss": res.loss}
+    out = {"steps": res.steps, "seconds": round(res.seconds, 3), "loss": res.loss}
     if len(ctx.kd_train) > len(ctx.train):
         out["teacher_only_rows"] = len(ctx.kd_train) - len(ctx.train)
     return out

@@ -663,7 +663,11 @@ def equal_time(task: str, seed: int, key: str, ckpts: dict[str, Path | None], ar
         sys.exit(f"[{task}/s{seed}/{key}] the equal-time rule needs the default recipe's run on this seed first: add "
                  f"{PAIRED_BASE} to --only (it is reused when finished), or pass --no-equal-time")
     qat = read_manifest(base).training["phases"]["qat"]
-    return (f"equal_time_step_seconds={qat['seconds'] / qat['steps']:.4f}",)
+    if not qat["steps"] or qat["seconds"] <= 0:
+        sys.exit(f"[{task}/s{seed}/{key}] the default recipe's run on this seed recorded {qat['seconds']} s over "
+                 f"{qat['steps']} QAT steps, too little to time a step by: rerun it with more --max-steps, or pass "
+                 "--no-equal-time")
+    return (f"equal_time_step_seconds={qat['seconds'] / qat['steps']:.6g}",)
 
 
 def peer_row(task: str, seed: int, teacher: Path, runs: dict[str, dict], args) -> dict:
