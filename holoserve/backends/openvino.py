@@ -55,6 +55,10 @@ SPARSE_RATE = 0.5  # every 2:4 weight is at least half zeros
 # A batch is padded up to a listed static shape only when that adds at most this share of its tokens: a
 # static shape saves more than that, so a little padding still pays and more would not.
 STATIC_PAD_SHARE = 0.10
+# The dynamic model's sequence lengths are padded up to a multiple of this (within the checkpoint's length):
+# OpenVINO prepares its kernels for each new input shape and keeps them for shapes it has seen, so few
+# lengths that recur cost less than every exact length once (docs/results/2026-11-29-amx-xeon-served.md).
+SEQ_MULTIPLE = 16
 PRECISIONS = OPENVINO_PRECISIONS  # INFERENCE_PRECISION_HINT values (holoserve.core.choices)
 KERNEL_CHOICES = OPENVINO_KERNELS
 DEFAULT_KERNELS = OPENVINO_KERNELS_DEFAULT
@@ -344,6 +348,7 @@ class OpenVinoBackend:
             raise BackendUnavailable(f"{self.path} has inputs {self.input_names}; expected a subset of {list(INPUTS)}")
         self.output = self.compiled.outputs[0]
         self.threads = threads
+        self.max_seq = artifact.max_seq_length
         # (batch, seq, infer request) per static shape, smallest first; what ran where, for info()
         self.static: list[tuple[int, int, Any]] = []
         for b, s in parse_shapes(shapes):
@@ -364,23 +369,22 @@ class OpenVinoBackend:
         budget = batch * seq * (1.0 + STATIC_PAD_SHARE)
         return next((x for x in self.static if x[0] >= batch and x[1] >= seq and x[0] * x[1] <= budget), None)
 
+    def dynamic_seq(self, seq: int) -> int:
+        """The length a [batch, seq] batch runs at on the dynamic model: seq rounded up to SEQ_MULTIPLE, at most
+        the checkpoint's length (a longer input is left as it is)."""
+        return max(seq, min(-(-seq // SEQ_MULTIPLE) * SEQ_MULTIPLE, self.max_seq))
+
     def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray) -> np.ndarray:
         feed = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
         batch, seq = np.shape(input_ids)
         hit = self.static_shape_for(batch, seq) if self.static else None
         if hit is None:
             self.runs["dynamic"] += 1
-            out = self.request.infer({n: np.ascontiguousarray(feed[n], dtype=np.int64) for n in self.input_names})
+            out = self.request.infer(_padded(feed, self.input_names, batch, self.dynamic_seq(seq)))
             return np.asarray(out[self.output], dtype=np.float32).copy()
         b, s, request = hit
         self.runs["static"] += 1
-        padded = {}
-        for n in self.input_names:
-            x = np.zeros((b, s), dtype=np.int64)  # extra positions: id 0, masked out, segment 0
-            x[:batch, :seq] = feed[n]
-            x[batch:] = x[0]  # extra rows: a copy of the first, dropped below
-            padded[n] = x
-        out = request.infer(padded)
+        out = request.infer(_padded(feed, self.input_names, b, s))
         return np.asarray(out[request.model_outputs[0]], dtype=np.float32)[:batch].copy()
 
     def info(self) -> dict[str, Any]:
@@ -392,7 +396,24 @@ class OpenVinoBackend:
                 "inference_precision": inference_precision(self.compiled),
                 "sparse_weights_decompression": self.sparse_note, "kernels": dict(self.kernels),
                 "static_shapes": [f"{b}x{s}" for b, s, _ in self.static], "runs": dict(self.runs),
+                "dynamic_seq_multiple": SEQ_MULTIPLE,
                 "int8_gemm": self.int8_gemm}
+
+
+def _padded(feed: dict[str, np.ndarray], names: Sequence[str], rows: int, seq: int) -> dict[str, np.ndarray]:
+    """The inputs `names` of `feed` as int64 [rows, seq]: extra positions id 0, masked out, segment 0; extra rows a
+    copy of the first (their outputs are dropped)."""
+    batch, length = np.shape(feed["input_ids"])
+    out = {}
+    for n in names:
+        if (batch, length) == (rows, seq):
+            out[n] = np.ascontiguousarray(feed[n], dtype=np.int64)
+            continue
+        x = np.zeros((rows, seq), dtype=np.int64)
+        x[:batch, :length] = feed[n]
+        x[batch:] = x[0]
+        out[n] = x
+    return out
 
 
 def load(artifact: Artifact, **options: Any) -> OpenVinoBackend:

@@ -41,6 +41,8 @@ from holoserve.core.machine import cpu_flags, cpu_name
 from holoserve.core.manifest import ONNXRUNTIME, OPENVINO
 from holoserve.core.tokenizer import Encoded, TextEncoder, pad_batch
 
+from .openvino import SEQ_MULTIPLE
+
 PROFILE_FILE = "serving-profile.json"
 FORMAT = "holoserve-serving-profile"
 VERSION = 1
@@ -53,7 +55,7 @@ STATIC = "openvino-static"  # the OpenVINO backend with a grid of static shapes,
 MARGIN = 0.05
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 TEXTS_PER_ROUND = 32  # texts each backend runs at each batch size per round (at least one batch)
-SHAPE_MULTIPLE = 16  # static shapes' sequence lengths are rounded up to this
+SHAPE_MULTIPLE = SEQ_MULTIPLE  # static shapes' sequence lengths are rounded up to it, as the dynamic model's
 
 
 # --------------------------------------------------------------------------- texts

@@ -183,6 +183,34 @@ def test_static_shapes_run_padded_batches_with_the_dynamic_models_logits(with_op
         open_backend(ServerConfig(artifact_dir=str(ckpt), backend="openvino", openvino_shapes=too_long), art)
 
 
+def test_the_dynamic_model_runs_lengths_padded_to_a_few_that_recur(with_openvino):
+    """OpenVINO prepares its kernels for each new input shape, so the dynamic model runs each batch padded up
+    to a multiple of SEQ_MULTIPLE tokens (never past the checkpoint's length, never cutting a longer input):
+    the logits are those of the exact length, and the shape that ran is the padded one."""
+    import json
+
+    from holoserve.backends.openvino import SEQ_MULTIPLE
+
+    ckpt, _ = with_openvino
+    art = load_artifact(ckpt)
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    dyn = load_backend("openvino", art, threads=1, openvino_precision="f32")
+    longest = art.max_seq_length
+    assert dyn.info()["dynamic_seq_multiple"] == SEQ_MULTIPLE == 16
+    assert [dyn.dynamic_seq(s) for s in (1, 16, 17)] == [16, 16, 32]
+    assert dyn.dynamic_seq(longest - 1) == longest and dyn.dynamic_seq(longest + 3) == longest + 3
+    exact = dyn.compiled.create_infer_request()
+    rng = np.random.default_rng(1)
+    for b, s in ((1, 5), (3, 17), (2, longest - 1)):
+        batch = _rows(rng, vocab, b, s)
+        want = exact.infer(dict(zip(("input_ids", "attention_mask", "token_type_ids"), batch)))
+        want = np.asarray(want[dyn.output], dtype=np.float32)
+        got = dyn.infer(*batch)
+        assert tuple(dyn.request.get_tensor("input_ids").shape) == (b, dyn.dynamic_seq(s))
+        assert got.shape == (b, art.num_labels)
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, float(np.abs(want).max())))
+
+
 def test_bad_openvino_shapes_say_what_to_write():
     from holoserve import HoloServeError
     from holoserve.backends.openvino import parse_shapes
