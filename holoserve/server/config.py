@@ -97,7 +97,8 @@ class ServerConfig:
     openvino_shapes: str = option(
         "", "openvino backend: BATCHxSEQ shapes to compile static models for, e.g. 1x128,32x128 (each compiled at "
         "start-up, one more copy of the model in memory); a batch that fits one with at most 10 % padding runs "
-        "there (OpenVINO fuses more with static shapes), every other batch on the dynamic model")
+        "there (OpenVINO fuses more with static shapes), every other batch on the dynamic model, its length padded to "
+        "a multiple of 16 tokens (OpenVINO prepares each new shape)")
     # Off, as it showed no consistent gain; why: docs/results/2026-11-24-openvino.md
     openvino_sparse_weights: bool = option(False, "openvino backend: let OpenVINO decompress the 2:4 INT8 weights "
                                            "(CPUs with AMX only; see docs/results/2026-11-24-openvino.md)")
