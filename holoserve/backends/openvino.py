@@ -359,6 +359,9 @@ class OpenVinoBackend:
             request.infer({n: ones if n != "token_type_ids" else ones * 0 for n in self.input_names})
             self.static.append((b, s, request))
         self.runs = {"static": 0, "dynamic": 0}
+        # how often each static shape ran, and each padded length of the dynamic model: what traffic brought
+        self.static_runs = {f"{b}x{s}": 0 for b, s, _ in self.static}
+        self.dynamic_lengths: dict[int, int] = {}
         self.int8_gemm = "saturates: " + INT8_SATURATES if int8_gemm_saturates() else "exact"
         if self.int8_gemm != "exact":
             log.warning("%s", INT8_SATURATES)
@@ -380,10 +383,13 @@ class OpenVinoBackend:
         hit = self.static_shape_for(batch, seq) if self.static else None
         if hit is None:
             self.runs["dynamic"] += 1
-            out = self.request.infer(_padded(feed, self.input_names, batch, self.dynamic_seq(seq)))
+            length = self.dynamic_seq(seq)
+            self.dynamic_lengths[length] = self.dynamic_lengths.get(length, 0) + 1
+            out = self.request.infer(_padded(feed, self.input_names, batch, length))
             return np.asarray(out[self.output], dtype=np.float32).copy()
         b, s, request = hit
         self.runs["static"] += 1
+        self.static_runs[f"{b}x{s}"] += 1
         out = request.infer(_padded(feed, self.input_names, b, s))
         return np.asarray(out[request.model_outputs[0]], dtype=np.float32)[:batch].copy()
 
@@ -396,7 +402,8 @@ class OpenVinoBackend:
                 "inference_precision": inference_precision(self.compiled),
                 "sparse_weights_decompression": self.sparse_note, "kernels": dict(self.kernels),
                 "static_shapes": [f"{b}x{s}" for b, s, _ in self.static], "runs": dict(self.runs),
-                "dynamic_seq_multiple": SEQ_MULTIPLE,
+                "static_shape_runs": dict(self.static_runs), "dynamic_seq_multiple": SEQ_MULTIPLE,
+                "dynamic_length_runs": {str(n): c for n, c in sorted(self.dynamic_lengths.items())},
                 "int8_gemm": self.int8_gemm}
 
 

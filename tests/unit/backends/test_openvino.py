@@ -177,7 +177,10 @@ def test_static_shapes_run_padded_batches_with_the_dynamic_models_logits(with_op
         assert got.shape == (b, art.num_labels) and got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, float(np.abs(want).max())))
         assert st.runs[where] == before[where] + 1, ((b, s), st.runs, before)
-    assert st.info()["runs"] == {"static": 3, "dynamic": 3}
+    info = st.info()
+    assert info["runs"] == {"static": 3, "dynamic": 3}
+    assert info["static_shape_runs"] == {"3x16": 2, "11x12": 1}  # 3x15 and 3x16 ran on 3x16, 10x12 on 11x12
+    assert info["dynamic_length_runs"] == {"16": 2, "32": 1}  # 3x14 and 12x12 padded to 16, 3x17 to 32
     too_long = f"1x{art.max_seq_length + 1}"  # no request can be that long: refused at start-up, not kept idle
     with pytest.raises(HoloServeError, match=f"static shape '{too_long}' is longer than the longest sequence"):
         open_backend(ServerConfig(artifact_dir=str(ckpt), backend="openvino", openvino_shapes=too_long), art)
