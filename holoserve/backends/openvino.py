@@ -52,8 +52,9 @@ log = logging.getLogger("holoserve.backends")
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 SPARSE_RATE = 0.5  # every 2:4 weight is at least half zeros
-# A batch is padded up to a listed static shape only when that adds at most this share of its tokens: a
-# static shape saves more than that, so a little padding still pays and more would not.
+# A batch is padded up to a listed static shape only when that adds at most this share to the tokens the
+# dynamic model would run it at (its length padded to SEQ_MULTIPLE): a static shape saves more than that, so a
+# little padding still pays and more would not.
 STATIC_PAD_SHARE = 0.10
 # The dynamic model's sequence lengths are padded up to a multiple of this (within the checkpoint's length):
 # OpenVINO prepares its kernels for each new input shape and keeps them for shapes it has seen, so few
@@ -367,9 +368,10 @@ class OpenVinoBackend:
             log.warning("%s", INT8_SATURATES)
 
     def static_shape_for(self, batch: int, seq: int) -> tuple[int, int, Any] | None:
-        """The smallest listed static shape that holds a [batch, seq] batch padded by at most
-        STATIC_PAD_SHARE of its tokens, or None (the dynamic model runs it)."""
-        budget = batch * seq * (1.0 + STATIC_PAD_SHARE)
+        """The smallest listed static shape that holds a [batch, seq] batch in at most STATIC_PAD_SHARE more
+        tokens than the dynamic model would run it in ([batch, dynamic_seq(seq)]), or None (the dynamic model
+        runs it)."""
+        budget = batch * self.dynamic_seq(seq) * (1.0 + STATIC_PAD_SHARE)
         return next((x for x in self.static if x[0] >= batch and x[1] >= seq and x[0] * x[1] <= budget), None)
 
     def dynamic_seq(self, seq: int) -> int:

@@ -146,10 +146,11 @@ def _rows(rng, vocab: int, batch: int, seq: int):
 
 
 def test_static_shapes_run_padded_batches_with_the_dynamic_models_logits(with_openvino):
-    """--openvino-shapes: a batch that fits a listed shape with at most STATIC_PAD_SHARE padding runs on the
-    model compiled for it (rows repeated, positions masked, extra logits dropped) and gives the dynamic
-    model's logits; a batch that would need more padding runs on the dynamic model; the server passes the
-    setting through and info() says what ran where."""
+    """--openvino-shapes: a batch that fits a listed shape in at most STATIC_PAD_SHARE more tokens than the
+    dynamic model would run (its length padded to SEQ_MULTIPLE) runs on the model compiled for it (rows
+    repeated, positions masked, extra logits dropped) and gives the dynamic model's logits; a batch that would
+    need more padding runs on the dynamic model; the server passes the setting through and info() says what
+    ran where, shape by shape."""
     import json
 
     from holoserve import HoloServeError
@@ -166,10 +167,11 @@ def test_static_shapes_run_padded_batches_with_the_dynamic_models_logits(with_op
                                              openvino_precision="f32", openvino_shapes="11x12, 3x16"), art)
     assert st.info()["static_shapes"] == ["3x16", "11x12"] and decision["picked"] == "openvino"
     rng = np.random.default_rng(0)
-    # (batch, seq) -> where it runs: 3x15 pads 3 positions (48 <= 49.5 tokens), 10x12 one row (132 <= 132),
-    # 3x16 fits exactly; 3x14 would pad 14 % and 12x12 / 3x17 fit no shape
-    cases = [((3, 15), "static"), ((10, 12), "static"), ((3, 16), "static"), ((3, 14), "dynamic"),
-             ((12, 12), "dynamic"), ((3, 17), "dynamic")]
+    # (batch, seq) -> where it runs, against the dynamic model's [batch, 16] (SEQ_MULTIPLE): 3x15 and 3x14 run
+    # 3x16 (48 tokens either way), 10x12 runs 11x12 (132 <= 176), 3x16 fits exactly; 2x16 would add a row
+    # (48 > 35.2 tokens), and 12x12 / 3x17 fit no shape
+    cases = [((3, 15), "static"), ((10, 12), "static"), ((3, 16), "static"), ((3, 14), "static"),
+             ((2, 16), "dynamic"), ((12, 12), "dynamic"), ((3, 17), "dynamic")]
     for (b, s), where in cases:
         before = dict(st.runs)
         batch = _rows(rng, vocab, b, s)
@@ -178,9 +180,9 @@ def test_static_shapes_run_padded_batches_with_the_dynamic_models_logits(with_op
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, float(np.abs(want).max())))
         assert st.runs[where] == before[where] + 1, ((b, s), st.runs, before)
     info = st.info()
-    assert info["runs"] == {"static": 3, "dynamic": 3}
-    assert info["static_shape_runs"] == {"3x16": 2, "11x12": 1}  # 3x15 and 3x16 ran on 3x16, 10x12 on 11x12
-    assert info["dynamic_length_runs"] == {"16": 2, "32": 1}  # 3x14 and 12x12 padded to 16, 3x17 to 32
+    assert info["runs"] == {"static": 4, "dynamic": 3}
+    assert info["static_shape_runs"] == {"3x16": 3, "11x12": 1}
+    assert info["dynamic_length_runs"] == {"16": 2, "32": 1}  # 2x16 and 12x12 at 16, 3x17 padded to 32
     too_long = f"1x{art.max_seq_length + 1}"  # no request can be that long: refused at start-up, not kept idle
     with pytest.raises(HoloServeError, match=f"static shape '{too_long}' is longer than the longest sequence"):
         open_backend(ServerConfig(artifact_dir=str(ckpt), backend="openvino", openvino_shapes=too_long), art)
