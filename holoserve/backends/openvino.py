@@ -359,9 +359,8 @@ class OpenVinoBackend:
             ones = np.ones((b, s), dtype=np.int64)  # one run now, so that no request pays the first run's setup
             request.infer({n: ones if n != "token_type_ids" else ones * 0 for n in self.input_names})
             self.static.append((b, s, request))
-        self.runs = {"static": 0, "dynamic": 0}
         # how often each static shape ran, and each padded length of the dynamic model: what traffic brought
-        self.static_runs = {f"{b}x{s}": 0 for b, s, _ in self.static}
+        self.static_runs = {(b, s): 0 for b, s, _ in self.static}
         self.dynamic_lengths: dict[int, int] = {}
         self.int8_gemm = "saturates: " + INT8_SATURATES if int8_gemm_saturates() else "exact"
         if self.int8_gemm != "exact":
@@ -384,16 +383,19 @@ class OpenVinoBackend:
         batch, seq = np.shape(input_ids)
         hit = self.static_shape_for(batch, seq) if self.static else None
         if hit is None:
-            self.runs["dynamic"] += 1
             length = self.dynamic_seq(seq)
             self.dynamic_lengths[length] = self.dynamic_lengths.get(length, 0) + 1
             out = self.request.infer(_padded(feed, self.input_names, batch, length))
             return np.asarray(out[self.output], dtype=np.float32).copy()
         b, s, request = hit
-        self.runs["static"] += 1
-        self.static_runs[f"{b}x{s}"] += 1
+        self.static_runs[(b, s)] += 1
         out = request.infer(_padded(feed, self.input_names, b, s))
         return np.asarray(out[request.model_outputs[0]], dtype=np.float32)[:batch].copy()
+
+    @property
+    def runs(self) -> dict[str, int]:
+        """Batches run on the static shapes and on the dynamic model, in all."""
+        return {"static": sum(self.static_runs.values()), "dynamic": sum(self.dynamic_lengths.values())}
 
     def info(self) -> dict[str, Any]:
         import openvino as ov
@@ -403,8 +405,9 @@ class OpenVinoBackend:
                 "gemm_precisions": gemm_precisions(self.compiled), "gemm_kernels": gemm_kernels(self.compiled),
                 "inference_precision": inference_precision(self.compiled),
                 "sparse_weights_decompression": self.sparse_note, "kernels": dict(self.kernels),
-                "static_shapes": [f"{b}x{s}" for b, s, _ in self.static], "runs": dict(self.runs),
-                "static_shape_runs": dict(self.static_runs), "dynamic_seq_multiple": SEQ_MULTIPLE,
+                "static_shapes": [f"{b}x{s}" for b, s, _ in self.static], "runs": self.runs,
+                "static_shape_runs": {f"{b}x{s}": n for (b, s), n in self.static_runs.items()},
+                "dynamic_seq_multiple": SEQ_MULTIPLE,
                 "dynamic_length_runs": {str(n): c for n, c in sorted(self.dynamic_lengths.items())},
                 "int8_gemm": self.int8_gemm}
 
