@@ -72,12 +72,33 @@ def run_docker(*args: str, timeout: float = 120) -> str:
     return r.stdout.strip()
 
 
-def start_container(image: str, ckpt: Path, env: dict[str, str], cpus: float | None = None) -> tuple[str, int, dict]:
-    """`docker run -d` of `image` as a user runs it (checkpoint read-only at /model, port on loopback, `--cpus`
-    when given): (container id, host port, its /v1/models backend entry) once ready."""
-    args = ["run", "-d", "-p", "127.0.0.1::8000", "-v", f"{ckpt.resolve()}:/model:ro"]
-    if cpus is not None:
-        args += ["--cpus", f"{cpus:g}"]
+# A seccomp profile that refuses AMX tile data to the container (arch_prctl ARCH_REQ_XCOMP_PERM, which oneDNN and
+# ONNX Runtime ask for before their first AMX instruction) and allows every other call: in it both runtimes run
+# their AVX-512 VNNI kernels, and HoloServe serves the CPU as one without AMX.
+DENY_AMX_SECCOMP = {
+    "defaultAction": "SCMP_ACT_ALLOW",
+    "syscalls": [{"names": ["arch_prctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
+                  "args": [{"index": 0, "value": 0x1023, "op": "SCMP_CMP_EQ"}]}],
+}
+
+
+def docker_options(cpus: float | None, deny_amx: bool, folder: Path) -> list[str]:
+    """`docker run` options for every container of a run: `--cpus` when given; with deny_amx, the seccomp
+    profile above (written into `folder`, where the docker client reads it)."""
+    out = ["--cpus", f"{cpus:g}"] if cpus else []
+    if deny_amx:
+        path = Path(folder) / "deny-amx-seccomp.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(DENY_AMX_SECCOMP, indent=1), encoding="utf-8")
+        out += ["--security-opt", f"seccomp={path.resolve()}"]
+    return out
+
+
+def start_container(image: str, ckpt: Path, env: dict[str, str], options: list[str] | None = None
+                    ) -> tuple[str, int, dict]:
+    """`docker run -d` of `image` as a user runs it (checkpoint read-only at /model, port on loopback, plus
+    `options`, e.g. from docker_options): (container id, host port, its /v1/models backend entry) once ready."""
+    args = ["run", "-d", "-p", "127.0.0.1::8000", "-v", f"{ckpt.resolve()}:/model:ro", *(options or [])]
     for k, v in env.items():
         args += ["-e", f"{k}={v}"]
     cid = run_docker(*args, image)
@@ -121,14 +142,15 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
     variants = {"default": (args.docker, {}), other: (other_image, other_env)}
     size = int(run_docker("image", "inspect", "-f", "{{.Size}}", args.docker))
     res: dict = {"benchmark": "serve_load_docker", "date": _now(), "machine": machine(), "image": args.docker,
-                 "cpus": args.cpus, "versus": other,
+                 "cpus": args.cpus, "deny_amx": args.deny_amx, "versus": other,
                  "image_mb": round(size / 1e6), "checkpoint": ckpt.name, "texts": text_source,
                  "duration_s": args.duration, "rounds": args.rounds,
                  "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop", "variants": {}}
     running: dict[str, tuple[str, int]] = {}
+    options = docker_options(args.cpus, args.deny_amx, out_dir)
     try:
         for name, (image, env) in variants.items():
-            cid, port, backend = start_container(image, ckpt, env, args.cpus)
+            cid, port, backend = start_container(image, ckpt, env, options)
             running[name] = (cid, port)
             res["variants"][name] = {"image": image, "env": env, "backend": backend.get("backend"),
                                      "selection": backend.get("selection"), "threads": backend.get("threads_why"),

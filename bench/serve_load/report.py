@@ -147,6 +147,7 @@ def docker_markdown(res: dict) -> str:
              lv["status_counts"]] for n, v in res["variants"].items() for lv in v["levels"]]
     versus = res.get("versus", "onnxruntime")
     cpus = f" under `docker run --cpus {res['cpus']:g}`" if res.get("cpus") else ""
+    cpus += ", AMX refused to both (`--deny-amx`)" if res.get("deny_amx") else ""
     lines = [f"# `docker run` defaults vs {versus}, same image{cpus} ({res['date']})", "",
              f"Machine: {m.get('cpu', '')}; image `{res['image']}`, {res['image_mb']} MB; checkpoint "
              f"{res['checkpoint']}; {res['texts']}; {res['rounds']} alternating rounds, {res['duration_s']} s per "

@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "core) or image:NAME (another image, e.g. an earlier build, with its defaults)")
     ap.add_argument("--cpus", type=float, default=None,
                     help="with --docker: run both containers under a CPU quota (docker run --cpus)")
+    ap.add_argument("--deny-amx", action="store_true",
+                    help="with --docker: run both containers under a seccomp rule that refuses AMX, so that on a "
+                         "CPU with AMX both runtimes run their AVX-512 VNNI kernels (a stand-in for a CPU without)")
     ap.add_argument("--token-budgets", default=None,
                     help="comma-separated --max-batch-tokens values: compare them with count-based batching "
                          "(clients default to 32) instead of the full benchmark")

@@ -23,7 +23,7 @@ from pathlib import Path
 from bench import dated_results
 from bench.lib.report import machine, table, write_record
 from bench.serve_load import run as serve_load
-from bench.serve_load.modes import run_docker
+from bench.serve_load.modes import docker_options, run_docker
 
 # (texts, versus, summary key, comparison, target): what each run is held to on a CPU with AVX-512 VNNI + VBMI
 # and no AMX. Pairs carry no target of their own there (they are measured so that the two-segment path is
@@ -37,9 +37,10 @@ TARGETS = (
     ("pairs", "onnxruntime", "p50_ratio_1", None, None),
     ("short", "baseline", "throughput_ratio_32", ">=", 1.3),
 )
-# On a CPU with AMX: never slower than ONNX Runtime, on every kind of text.
-AMX_TARGETS = tuple((texts, versus, key, ">=" if key.startswith("throughput") else "<=", 1.0)
-                    for texts, versus, key, *_ in TARGETS if versus == "onnxruntime")
+# On a CPU with AMX: never slower than ONNX Runtime, on every kind of text; an earlier image is measured only.
+AMX_TARGETS = tuple((texts, versus, key, *((">=" if key.startswith("throughput") else "<=", 1.0)
+                                          if versus == "onnxruntime" else (None, None)))
+                    for texts, versus, key, *_ in TARGETS)
 WHAT = {"throughput_ratio_32": "req/s at 32 clients", "p50_ratio_1": "p50 latency at 1 client"}
 TEXTS = {"short": "SST-2 dev sentences", "long": "three SST-2 dev sentences joined (64–128 tokens)",
          "pairs": "MRPC dev pairs"}
@@ -58,39 +59,46 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per level and container, over --rounds")
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds per level")
     ap.add_argument("--cpus", type=float, default=None, help="run every container under `docker run --cpus`")
+    ap.add_argument("--deny-amx", action="store_true",
+                    help="on a CPU with AMX, refuse it to every container (a seccomp rule): both runtimes then run "
+                         "their AVX-512 VNNI kernels and the image serves the CPU as one without AMX, a stand-in "
+                         "for the targets' CPU held to its targets")
     ap.add_argument("--no-tune", dest="tune", action="store_false",
                     help="do not run the image's `holoserve tune` on the checkpoints first")
     ap.add_argument("--out", help="output folder (default bench/results/<today>-serve-targets)")
     return ap
 
 
-def targets_here() -> tuple:
-    """The targets for this CPU: AMX_TARGETS on a CPU with AMX, else TARGETS."""
+def targets_here(deny_amx: bool = False) -> tuple:
+    """The targets for the CPU the containers see: AMX_TARGETS where it has AMX (not denied), else TARGETS."""
     from holoserve.backends.openvino import cpu_has_amx
 
-    return AMX_TARGETS if cpu_has_amx() else TARGETS
+    return AMX_TARGETS if cpu_has_amx() and not deny_amx else TARGETS
 
 
-def cpu_class() -> str:
-    """Whether this CPU is the one the targets name."""
+def cpu_class(deny_amx: bool = False) -> str:
+    """Whether the CPU the containers see is the one the targets name."""
     from holoserve.backends.openvino import cpu_has_amx
     from holoserve.kernels import cpu_missing
 
-    if cpu_has_amx():
+    missing = cpu_missing()
+    if cpu_has_amx() and not deny_amx:
         return ("a CPU with AMX (the 2:4 kernels are left to OpenVINO's AMX GEMMs): held to never slower than "
                 "ONNX Runtime")
-    missing = cpu_missing()
     if missing:
         return f"a CPU without {', '.join(missing)}: not the targets' CPU (the 2:4 kernels cannot run)"
+    if cpu_has_amx():
+        return ("a CPU with AMX, refused to the containers (--deny-amx): a stand-in for the targets' CPU (AVX-512 "
+                "VNNI + VBMI, no AMX), not that CPU")
     return "AVX-512 VNNI + VBMI, no AMX: the targets' CPU"
 
 
-def tune(image: str, ckpt: Path, cpus: float | None, data_dir: str | None) -> str:
-    """The image's `holoserve tune` on `ckpt` (mounted read-write, run as its owner, under the CPU quota the
-    servers get, which sets the threads a profile is written for; the GLUE folder, for its dev texts, mounted
-    read-only): the decision it wrote."""
+def tune(image: str, ckpt: Path, options: list[str], data_dir: str | None) -> str:
+    """The image's `holoserve tune` on `ckpt` (mounted read-write, run as its owner, with the `docker run`
+    options the servers get, whose CPU quota sets the threads a profile is written for; the GLUE folder, for
+    its dev texts, mounted read-only): the decision it wrote."""
     st = ckpt.stat()
-    extra = ["--cpus", f"{cpus:g}"] if cpus else []
+    extra = list(options)
     if data_dir:
         extra += ["-v", f"{Path(data_dir).resolve()}:/data:ro", "-e", "HOLOSERVE_DATA_DIR=/data"]
     try:
@@ -129,6 +137,8 @@ def measure(args, out_dir: Path, texts: str, versus: str) -> dict:
         argv += ["--data-dir", str(args.data_dir)]
     if args.cpus:
         argv += ["--cpus", f"{args.cpus:g}"]
+    if args.deny_amx:
+        argv += ["--deny-amx"]
     print(f"== {texts} texts, `docker run` defaults vs {other}", flush=True)
     serve_load.main(argv)
     return json.loads((out_dir / f"{name}_docker.json").read_text(encoding="utf-8"))
@@ -162,7 +172,8 @@ def markdown(res: dict) -> str:
              f"baseline `{res['baseline_image'] or 'none'}`; checkpoints {res['checkpoint']} and "
              f"{res['pairs_checkpoint']}; "
              f"{res['rounds']} alternating rounds, {res['duration_s']} s per level and container"
-             + (f"; every container under `--cpus {res['cpus']:g}`" if res.get("cpus") else "") + ".", "",
+             + (f"; every container under `--cpus {res['cpus']:g}`" if res.get("cpus") else "")
+             + ("; AMX refused to every container (`--deny-amx`)" if res.get("deny_amx") else "") + ".", "",
              f"`{res['command']}`", "",
              *table(("texts", "against", "ratio of", "default / other", "target", "", "default served", "2:4 kernels"),
                     ([TEXTS[r["texts"]], "the image forced to ONNX Runtime" if r["versus"] == "onnxruntime"
@@ -183,15 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out) if args.out else dated_results("serve_targets")
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {"benchmark": "serve_targets", "date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}",
-                 "machine": machine(), "cpu_class": cpu_class(), "image": args.image,
+                 "machine": machine(), "cpu_class": cpu_class(args.deny_amx), "image": args.image,
                  "baseline_image": args.baseline_image, "checkpoint": Path(args.checkpoint).name,
                  "pairs_checkpoint": Path(args.pairs_checkpoint).name, "duration_s": args.duration,
-                 "rounds": args.rounds, "cpus": args.cpus,
+                 "rounds": args.rounds, "cpus": args.cpus, "deny_amx": args.deny_amx,
                  "command": "python -m bench.serve_load.targets " + " ".join(sys.argv[1:] if argv is None else argv)}
     if args.tune:
         ckpts = {args.checkpoint, args.pairs_checkpoint} if args.data_dir else {args.checkpoint}
-        res["tuned"] = {Path(c).name: tune(args.image, Path(c), args.cpus, args.data_dir) for c in sorted(ckpts)}
-    records, res["runs"], targets = {}, [], targets_here()
+        options = docker_options(args.cpus, args.deny_amx, out_dir)
+        res["tuned"] = {Path(c).name: tune(args.image, Path(c), options, args.data_dir) for c in sorted(ckpts)}
+    records, res["runs"], targets = {}, [], targets_here(args.deny_amx)
     for texts, versus in runs(args, targets):
         records[(texts, versus)] = measure(args, out_dir, texts, versus)
         res["runs"].append(run_name(texts, versus))

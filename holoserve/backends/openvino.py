@@ -99,8 +99,49 @@ def _measured_saturates() -> bool:
     return not int8_probe.exact(y)
 
 
+# OpenVINO's CPU plugin runs oneDNN, which honours ONEDNN_MAX_CPU_ISA: set below an AMX level (e.g.
+# AVX512_CORE_BF16), it uses no AMX tiles, and the CPU is then the AVX-512 VNNI CPU the 2:4 kernels are for.
+ISA_LIMIT_ENV = "ONEDNN_MAX_CPU_ISA"
+_ARCH_PRCTL = 158  # x86-64 Linux syscall number
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 0x1023, 18
+
+
+def isa_limit() -> str | None:
+    """ONEDNN_MAX_CPU_ISA as set in this process (upper case), or None where it is unset or places no cap."""
+    limit = os.environ.get(ISA_LIMIT_ENV, "").strip().upper()
+    return None if limit in ("", "ALL", "DEFAULT") else limit
+
+
+@functools.lru_cache(maxsize=1)
+def amx_permitted() -> bool:
+    """Whether Linux lets this process use AMX tile data: the request oneDNN and ONNX Runtime make before their
+    first AMX instruction (arch_prctl ARCH_REQ_XCOMP_PERM), which a seccomp rule or an old kernel refuses, and
+    then both run their AVX-512 VNNI kernels on a CPU that has AMX."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+
+
+def amx_withheld() -> str | None:
+    """Why OpenVINO runs no AMX tiles on a CPU that has them (a cap on oneDNN, or the OS refusing them to this
+    process); None where the CPU has none or they run."""
+    if "amx_int8" not in cpu_flags():
+        return None
+    limit = isa_limit()
+    if limit is not None and "AMX" not in limit:
+        return f"{ISA_LIMIT_ENV}={limit}"
+    if not amx_permitted():
+        return "the OS refuses AMX to this process (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return None
+
+
 def cpu_has_amx() -> bool:
-    return "amx_int8" in cpu_flags()
+    """Whether OpenVINO's GEMMs can use AMX int8 tiles here: the CPU has them and they are not withheld."""
+    return "amx_int8" in cpu_flags() and amx_withheld() is None
 
 
 def check_precision(precision: str) -> str:

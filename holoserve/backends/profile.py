@@ -41,7 +41,7 @@ from holoserve.core.machine import cpu_flags, cpu_name
 from holoserve.core.manifest import ONNXRUNTIME, OPENVINO
 from holoserve.core.tokenizer import Encoded, TextEncoder, pad_batch
 
-from .openvino import SEQ_MULTIPLE
+from .openvino import SEQ_MULTIPLE, amx_withheld
 
 PROFILE_FILE = "serving-profile.json"
 FORMAT = "holoserve-serving-profile"
@@ -389,6 +389,7 @@ def machine_key(artifact: Artifact, options: Mapping[str, Any], kernels_on: bool
                              "kernels": options.get("openvino_kernels") or "auto",
                              "sparse_weights": bool(options.get("openvino_sparse_weights"))},
         "kernels_build": kernels_build() if kernels_on else None,
+        "amx_withheld": amx_withheld(),  # None (matching profiles from before it) where AMX runs or is absent
         "exports": exports,
     }
 

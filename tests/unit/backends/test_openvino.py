@@ -348,3 +348,62 @@ def test_auto_leaves_out_openvino_where_its_int8_gemms_saturate(with_openvino, m
     monkeypatch.setenv("HOLOSERVE_INT8_PROBE", "exact")
     backend, decision = select_backend(load_artifact(ckpt), threads=1)
     assert "openvino" not in decision["skipped"]
+
+
+@pytest.mark.parametrize("flags,cap,permitted,amx", [
+    ({"amx_int8", "amx_tile"}, None, True, True),
+    ({"amx_int8", "amx_tile"}, "ALL", True, True),
+    ({"amx_int8", "amx_tile"}, "avx512_core_amx", True, True),
+    ({"amx_int8", "amx_tile"}, "AVX512_CORE_BF16", True, False),
+    ({"amx_int8", "amx_tile"}, "AVX512_CORE_VNNI", True, False),
+    ({"amx_int8", "amx_tile"}, None, False, False),
+    ({"avx512_vnni", "avx512vbmi"}, None, True, False),
+    ({"avx512_vnni", "avx512vbmi"}, "AVX10_1_512_AMX", True, False),
+])
+def test_amx_is_the_cpus_unless_withheld(monkeypatch, flags, cap, permitted, amx):
+    import holoserve.backends.openvino as ovb
+
+    monkeypatch.setattr(ovb, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(ovb, "amx_permitted", lambda: permitted)
+    if cap is None:
+        monkeypatch.delenv(ovb.ISA_LIMIT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ovb.ISA_LIMIT_ENV, cap)
+    assert ovb.cpu_has_amx() is amx
+    withheld = ovb.amx_withheld()
+    assert (withheld is None) is (amx or "amx_int8" not in flags), withheld
+    if withheld and not permitted:
+        assert "the OS refuses AMX" in withheld
+
+
+def test_a_onednn_cap_below_amx_keeps_openvino_off_amx_and_the_kernels_on_auto(with_openvino, kernel_build):
+    """ONEDNN_MAX_CPU_ISA below AMX (set as a user or a benchmark sets it, before the process starts: oneDNN
+    reads it once) keeps OpenVINO's GEMMs off AMX tiles, and HoloServe then serves the CPU as one without AMX:
+    `--openvino-kernels auto` runs the 2:4 kernels wherever the CPU has AVX-512 VNNI + VBMI. On a Xeon with AMX
+    this is the stand-in for the kernels' CPU; elsewhere the cap changes nothing and the same holds."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from holoserve import kernels
+    from holoserve.backends.openvino import ISA_LIMIT_ENV
+
+    ckpt, _ = with_openvino
+    cache, _ = kernel_build
+    code = ("import json, sys; from holoserve.backends import load_backend; "
+            "from holoserve.backends.openvino import cpu_has_amx; from holoserve.core.artifact import load_artifact; "
+            "ov = load_backend('openvino', load_artifact(sys.argv[1]), threads=1); "
+            "print(json.dumps({'amx': cpu_has_amx(), 'kernels': ov.info()['kernels']['status'], "
+            "'gemms': ov.info()['gemm_kernels']}))")
+    env = {**os.environ, ISA_LIMIT_ENV: "AVX512_CORE_BF16", kernels.CACHE_ENV: str(cache)}
+    run = subprocess.run([sys.executable, "-c", code, str(ckpt)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["amx"] is False
+    assert not [k for k in got["gemms"] if "amx" in k.lower()], got["gemms"]
+    if kernels.cpu_missing():
+        assert got["kernels"].startswith("off: this CPU lacks"), got
+    else:
+        assert got["kernels"].startswith("on (HoloServe's 2:4 INT8 kernels"), got

@@ -12,6 +12,7 @@ from holoserve import HoloServeError
 from holoserve.backends import profile
 from holoserve.backends.auto import RoutedCpuBackend, select_backend
 from holoserve.core.artifact import add_files, load_artifact
+from holoserve.core.machine import cpu_flags
 
 pytest.importorskip("openvino")
 
@@ -114,12 +115,13 @@ def test_tune_writes_the_profile_with_its_key_timings_and_texts(both, tuned):
     assert d["openvino_kernels"] in ("on", "off") and isinstance(d["openvino_shapes"], list)
     key = prof["key"]
     assert set(key) == {"cpu_model", "cpu_flags", "cpus", "threads", "onnxruntime", "openvino", "openvino_options",
-                        "kernels_build", "exports"}
+                        "kernels_build", "amx_withheld", "exports"}
     manifest = json.loads((both / "manifest.json").read_text())
     assert key["exports"] == {k: {"file": manifest["exports"][k]["file"],
                                   "sha256": manifest["files"][manifest["exports"][k]["file"]]["sha256"]}
                               for k in ("onnxruntime", "openvino")}
     assert key["threads"] == 1 and (key["kernels_build"] is not None) == (d["openvino_kernels"] == "on")
+    assert key["amx_withheld"] is None  # nothing caps or refuses AMX in the tests' own process
     t = prof["timings"]
     assert t["rounds"] >= 2 and t["batch_sizes"] == [1, 2, 4, 8, 16, 32] and t["margin"] == profile.MARGIN
     assert set(t["median_ms"]) == {"onnxruntime", "openvino", profile.STATIC}
@@ -246,6 +248,13 @@ def test_a_profile_for_another_machine_is_ignored_with_the_reason_logged(both, t
         with caplog.at_level(logging.WARNING, logger="holoserve.backends"):
             select_backend(load_artifact(both), threads=2, max_batch=4)
         assert "threads: 1 in the profile, 2 here" in caplog.text
+        # so is a cap on oneDNN's instruction set where it keeps OpenVINO off the CPU's AMX
+        caplog.clear()
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_bf16")
+        with caplog.at_level(logging.WARNING, logger="holoserve.backends"):
+            select_backend(load_artifact(both), threads=1, max_batch=4)
+        if "amx_int8" in cpu_flags():
+            assert "amx_withheld: None in the profile, 'ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16' here" in caplog.text
     finally:
         path.write_text(original)
 

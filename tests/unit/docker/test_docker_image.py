@@ -393,3 +393,47 @@ def test_docker_stop_of_an_idle_server_exits_0(containers):
     c.docker("stop", "-t", "30", c.name, timeout=60)
     assert time.monotonic() - t0 < 10
     assert c.inspect()["State"]["ExitCode"] == 0, c.logs()[-3000:]
+
+
+# Run inside the image on the checkpoint at /model: whether AMX is the server's to use, and what OpenVINO and
+# the 2:4 kernels then run, as JSON.
+AMX_PROBE = """
+import json
+from holoserve.backends import load_backend
+from holoserve.backends.openvino import amx_permitted, amx_withheld, cpu_has_amx
+from holoserve.core.artifact import load_artifact
+info = load_backend("openvino", load_artifact("/model"), threads=1).info()
+print(json.dumps({"permitted": amx_permitted(), "withheld": amx_withheld(), "amx": cpu_has_amx(),
+                  "kernels": info["kernels"]["status"], "gemms": info["gemm_kernels"]}))
+"""
+
+
+def test_a_container_refused_amx_is_served_as_a_cpu_without_it(docker: Docker, image, containers, sst2_checkpoint,
+                                                                 tmp_path):
+    """bench.serve_load's --deny-amx (a seccomp rule refusing the AMX request oneDNN and ONNX Runtime make):
+    in such a container OpenVINO runs no AMX kernel and the image's `auto` puts the 2:4 Linears on the kernels
+    wherever the CPU has AVX-512 VNNI + VBMI; in a plain container of the same image on a CPU with AMX, the
+    server sees AMX and OpenVINO's GEMMs use it. On a CPU without AMX both containers see none."""
+    from bench.serve_load.modes import docker_options
+    from holoserve.core.machine import cpu_flags
+    from holoserve.kernels import cpu_missing
+
+    has_amx = "amx_int8" in cpu_flags()
+    c = containers["sst2"]
+    r = c.docker("exec", c.name, "python", "-c", AMX_PROBE, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    plain = json.loads(r.stdout.splitlines()[-1])
+    assert plain["permitted"] is has_amx and plain["amx"] is has_amx and plain["withheld"] is None, plain
+    assert any("amx" in k for k in plain["gemms"]) is has_amx, plain["gemms"]
+    assert plain["kernels"].startswith(expected_kernels()), plain
+
+    r = docker("run", "--rm", *docker_options(None, True, tmp_path), "-v", f"{sst2_checkpoint}:/model:ro",
+               "--entrypoint", "python", IMAGE, "-c", AMX_PROBE, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    denied = json.loads(r.stdout.splitlines()[-1])
+    assert denied["permitted"] is False and denied["amx"] is False, denied
+    assert not any("amx" in k for k in denied["gemms"]), denied["gemms"]
+    if has_amx:
+        assert "the OS refuses AMX" in denied["withheld"], denied
+    expected = "off: this CPU lacks" if cpu_missing() else "on (HoloServe's 2:4 INT8 kernels"
+    assert denied["kernels"].startswith(expected), denied

@@ -1,13 +1,15 @@
 """bench.serve_load.targets for real, briefly, on the image the tests build: the image's `holoserve tune` on each
 checkpoint, then `docker run`'s defaults against the image forced to ONNX Runtime on short, long and pair texts
 and against a baseline image (here the same image), and the table of ratios against the targets (1-second
-levels: the ratios are not the point here)."""
+levels: the ratios are not the point here). Every container is refused AMX (--deny-amx), as the stand-in for
+the targets' CPU runs on a Xeon with AMX; the servers following tune's profile shows they ran as tune did."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
 
+from holoserve.core.machine import cpu_flags
 from tests.helpers.checkpoints import write_glue
 from tests.helpers.containers import IMAGE, Docker
 from tests.helpers.serving import tiny_checkpoint
@@ -25,9 +27,10 @@ def test_the_served_targets_run_end_to_end(docker: Docker, image, tmp_path, monk
     out = tmp_path / "out"
     assert targets.main(["--image", IMAGE, "--baseline-image", IMAGE, "--checkpoint", str(single),
                          "--pairs-checkpoint", str(pairs), "--data-dir", str(glue), "--duration", "1",
-                         "--rounds", "1", "--out", str(out)]) == 0
+                         "--rounds", "1", "--out", str(out), "--deny-amx"]) == 0
     res = json.loads((out / "targets.json").read_text())
-    held_to = targets.targets_here()
+    held_to = targets.targets_here(deny_amx=True)
+    assert held_to == targets.TARGETS and res["deny_amx"] is True
     assert [(r["texts"], r["versus"], r["target"]) for r in res["rows"]] == \
         [(t, v, f"{op} {x}" if op else "—") for t, v, _, op, x in held_to]
     for row, (*_, op, x) in zip(res["rows"], held_to):
@@ -38,8 +41,14 @@ def test_the_served_targets_run_end_to_end(docker: Docker, image, tmp_path, monk
     # tune ran in the image on both checkpoints and its profile is what the default containers served
     assert len(res["tuned"]) == 2 and all(v.startswith("decision: ") for v in res["tuned"].values()), res["tuned"]
     assert (single / "serving-profile.json").is_file() and (pairs / "serving-profile.json").is_file()
+    withheld = json.loads((single / "serving-profile.json").read_text())["key"]["amx_withheld"]
+    if "amx_int8" in cpu_flags():
+        assert "the OS refuses AMX" in withheld, withheld
+    else:
+        assert withheld is None, withheld
     for name in res["runs"]:
         record = json.loads((out / f"{name}_docker.json").read_text())
         assert "serving profile" in record["variants"]["default"]["selection"], record["variants"]["default"]
     page = (out / "targets.md").read_text()
     assert res["cpu_class"] in page and "python -m bench.serve_load.targets --image" in page
+    assert "AMX refused to every container (`--deny-amx`)" in page
