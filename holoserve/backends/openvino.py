@@ -13,8 +13,9 @@ checkpoint's numerics, which ONNX Runtime reproduces); `precision="f32"` keeps t
 speed. `info()` reports the precision in use.
 
 HoloServe's 2:4 kernels (`kernels="auto"`, the default; `--openvino-kernels`): on CPUs with AVX-512 VNNI
-and VBMI and no AMX, the 2:4 INT8 Linears run on our own OpenVINO extension (holoserve.kernels), which
-skips the zeros (docs/results/2026-11-27-sparse24-kernels.md). Under `auto`, anything that keeps them from
+and VBMI and no AMX (or AMX withheld: ONEDNN_MAX_CPU_ISA below it, or the OS refusing it to the process), the
+2:4 INT8 Linears run on our own OpenVINO extension (holoserve.kernels), which skips the zeros
+(docs/results/2026-11-27-sparse24-kernels.md). Under `auto`, anything that keeps them from
 running (the CPU, no build, a library that does not load or compile) leaves OpenVINO's own GEMMs in
 charge; `info()["kernels"]` says whether they run and why. `kernels="reference"` runs their portable scalar
 build on any x86-64 CPU: the same numbers, many times slower, to check a checkpoint's predictions through the
@@ -42,6 +43,7 @@ import numpy as np
 
 from holoserve import HoloServeError
 from holoserve.core.artifact import Artifact
+from holoserve.core import int8_probe
 from holoserve.core.choices import OPENVINO_KERNELS, OPENVINO_KERNELS_DEFAULT, OPENVINO_PRECISIONS
 from holoserve.core.machine import cpu_flags
 from holoserve.core.manifest import OPENVINO
@@ -70,17 +72,15 @@ INT8_SATURATES = ("OpenVINO's int8 GEMMs saturate on this CPU (x86-64 without VN
                   "them exactly here")
 
 
-PROBE_ENV = "HOLOSERVE_INT8_PROBE"
+PROBE_ENV = int8_probe.ENV
 
 
 def int8_gemm_saturates() -> bool:
     """Whether OpenVINO's CPU plugin computes an INT8 MatMul wrongly on this CPU (holoserve.core.int8_probe),
     measured once per process; False where OpenVINO is not installed. HOLOSERVE_INT8_PROBE=exact or
     saturates states the answer instead (tests of either kind of CPU, a fleet whose CPUs are known)."""
-    stated = os.environ.get(PROBE_ENV, "").strip().lower()
-    if stated in ("exact", "saturates"):
-        return stated == "saturates"
-    return _measured_saturates()
+    stated = int8_probe.stated()
+    return stated if stated is not None else _measured_saturates()
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,8 +89,6 @@ def _measured_saturates() -> bool:
         import openvino as ov
     except ImportError:
         return False
-    from holoserve.core import int8_probe
-
     with tempfile.TemporaryDirectory(prefix="holoserve-ov-probe-") as tmp:
         path = Path(tmp) / "probe.onnx"
         path.write_bytes(int8_probe.probe_onnx())

@@ -6,15 +6,42 @@ providers and whether ORT optimizes the graph.
 
 Integer GEMMs are exact on every x86 CPU: without VNNI, ONNX Runtime's u8 x s8 kernel adds pairs of products
 in 16 bits (VPMADDUBSW), which saturates for the full-range int8 weights a checkpoint holds, so predictions
-would differ from the checkpoint's; `session.x64quantprecision` makes it take its exact u8 x u8 path there
-(a slower kernel, on those CPUs only; VNNI CPUs are unaffected).
+would differ from the checkpoint's; `session.x64quantprecision` makes it take its exact u8 x u8 path there.
+That path is only for such CPUs: where VNNI or AMX runs the u8 x s8 GEMM exactly, it is several times slower
+(docs/results/2026-11-29-ort-exact-path.md), so sessions ask for it only where a probe finds the default wrong.
 """
 from __future__ import annotations
 
+import functools
 import os
+import tempfile
+from pathlib import Path
 from typing import Sequence
 
 CPU = ("CPUExecutionProvider",)
+EXACT_U8U8 = "session.x64quantprecision"
+
+
+def u8s8_saturates() -> bool:
+    """Whether ONNX Runtime's default u8 x s8 GEMM comes out wrong on this CPU (x86-64 without VNNI), so that
+    sessions need its exact u8 x u8 path: measured once per process on holoserve.core.int8_probe's model.
+    HOLOSERVE_INT8_PROBE=exact or saturates states the answer instead (as for OpenVINO, whose GEMMs saturate
+    on the same CPUs)."""
+    from holoserve.core import int8_probe
+
+    stated = int8_probe.stated()
+    return stated if stated is not None else _measured_u8s8_saturates()
+
+
+@functools.lru_cache(maxsize=1)
+def _measured_u8s8_saturates() -> bool:
+    from holoserve.core import int8_probe
+
+    with tempfile.TemporaryDirectory(prefix="holoserve-ort-probe-") as tmp:
+        path = Path(tmp) / "probe.onnx"
+        path.write_bytes(int8_probe.probe_onnx())
+        y = session(path, threads=1, quiet=True, exact_u8u8=False).run(None, int8_probe.FEED)[0]
+    return not int8_probe.exact(y)
 
 
 def session(
@@ -26,6 +53,7 @@ def session(
     optimized_path: str | os.PathLike | None = None,
     spinning: bool = True,
     quiet: bool = False,
+    exact_u8u8: bool | None = None,
 ):
     """An `onnxruntime.InferenceSession` on `path`.
 
@@ -36,6 +64,8 @@ def session(
     spinning:       False parks idle pool threads instead of spin-waiting after each run; engines
                     interleaved in one process on a small CPU otherwise starve each other.
     quiet:          log errors only.
+    exact_u8u8:     ask for ONNX Runtime's exact u8 x u8 GEMMs (session.x64quantprecision); None: where its
+                    default saturates on this CPU (u8s8_saturates).
     """
     import onnxruntime as ort
 
@@ -51,7 +81,8 @@ def session(
         so.optimized_model_filepath = str(optimized_path)
     if not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.add_session_config_entry("session.x64quantprecision", "1")
+    if exact_u8u8 if exact_u8u8 is not None else u8s8_saturates():
+        so.add_session_config_entry(EXACT_U8U8, "1")
     if quiet:
         so.log_severity_level = 3
     return ort.InferenceSession(str(path), sess_options=so, providers=list(providers))
