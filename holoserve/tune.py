@@ -213,7 +213,14 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
           f"(at least {opts.min_rounds} rounds)", file=out, flush=True)
     plan = profile.Plan(min_rounds=opts.min_rounds, seconds=opts.duration, on_round=_progress(out, opts.duration))
     timings = profile.time_backends(loaded, items, sizes, plan, profile.pad_id(artifact))
-    decision = decide(timings, grid)
+    decision, medians = decide(timings, grid)
+    if decision["backend"] == "routed":
+        shapes = decision["openvino_shapes"]
+        print(f"timing the routed pair as it serves ({profile.ROUTING_ROUNDS} rounds)", file=out, flush=True)
+        as_served = {**loaded, "openvino": loaded[STATIC]} if shapes else loaded
+        decision = profile.confirm_routing(as_served, decision, medians, timings.tokens, items, sizes,
+                                           profile.pad_id(artifact))
+        decision["openvino_shapes"] = shapes if "openvino" in profile.needed(decision) else []
     kernels = _kernels_status(loaded.get("openvino"))
     if kernels:
         decision["openvino_kernels"] = "on" if kernels.startswith("on") else "off"
@@ -225,9 +232,9 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
     return prof, profile.write_profile(artifact, prof)
 
 
-def decide(timings: profile.Timings, grid: list[tuple[int, int]]) -> dict[str, Any]:
+def decide(timings: profile.Timings, grid: list[tuple[int, int]]) -> tuple[dict[str, Any], dict]:
     """The decision from tune's timings: OpenVINO's static shapes kept where they won by the margin, then
-    profile.decide between ONNX Runtime and OpenVINO (with those shapes)."""
+    profile.decide between ONNX Runtime and OpenVINO (with those shapes); and the medians it decided on."""
     medians = timings.medians()
     static = medians.pop(STATIC, None)
     kept: list[tuple[int, int]] = []
@@ -243,7 +250,7 @@ def decide(timings: profile.Timings, grid: list[tuple[int, int]]) -> dict[str, A
             f"{profile.MARGIN:.0%} margin" + (", and serves with them" if serves else "") if kept else
             f"; OpenVINO's static shapes did not beat its dynamic model by the {profile.MARGIN:.0%} margin at any "
             "batch size")
-    return decision
+    return decision, medians
 
 
 def _kernels_status(backend) -> str:

@@ -81,6 +81,7 @@ ROUTE_ENV = "HOLOSERVE_CPU_ROUTE"  # a routing decided before `--workers N` star
 # Timing at start-up (no usable serving profile): short, as the server is not ready until it ends; a few
 # rounds already tell a clear winner, and `holoserve tune` measures longer where the margin is thin.
 STARTUP_PLAN = dict(min_rounds=3, max_rounds=15, seconds=2.0, per_round=16)
+STARTUP_ROUTING_ROUNDS = 4  # profile.confirm_routing's rounds at start-up, where a routed pair comes out ahead
 
 
 class RoutedCpuBackend:
@@ -91,6 +92,9 @@ class RoutedCpuBackend:
     whole_batches = False
 
     def __init__(self, small: Backend, large: Backend, max_small_tokens: int):
+        # ONNX Runtime's pool threads spin-wait after each run and would slow the other runtime's next batch:
+        # here they sleep instead (OrtBackend.parked)
+        small, large = (getattr(b, "parked", lambda b=b: b)() for b in (small, large))
         self.small, self.large, self.max_small_tokens = small, large, int(max_small_tokens)
         self.name = f"{small.name}+{large.name}"
         self.runs = {small.name: 0, large.name: 0}
@@ -240,7 +244,8 @@ def _timed_at_startup(artifact: Artifact, loaded: dict[str, Backend], options: d
     sizes = profile.batch_sizes(int(options.get("max_batch") or profile.BATCH_SIZES[-1]))
     timings = profile.time_backends(loaded, items, sizes, profile.Plan(**STARTUP_PLAN), profile.pad_id(artifact))
     medians = timings.medians()
-    decision = profile.decide(medians, timings.tokens)
+    decision = profile.confirm_routing(loaded, profile.decide(medians, timings.tokens), medians, timings.tokens,
+                                       items, sizes, profile.pad_id(artifact), STARTUP_ROUTING_ROUNDS)
     if decision["backend"] == "routed":
         backend: Backend = RoutedCpuBackend(loaded[decision["small"]], loaded[decision["large"]],
                                             decision["max_small_tokens"])

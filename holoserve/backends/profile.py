@@ -248,11 +248,13 @@ def _ratio(a: Mapping[int, float], b: Mapping[int, float], sizes: Sequence[int])
     return _gmean([a[s] / b[s] for s in sizes])
 
 
-def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, float], margin: float = MARGIN
-           ) -> dict[str, Any]:
+def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, float], margin: float = MARGIN,
+           route: bool = True) -> dict[str, Any]:
     """The CPU backend(s) to serve from per-batch-size median times: ONNX Runtime unless the other is faster
     by `margin`; both, routed by batch size at the cut that gains most, where that gains `margin` over the
-    single one. `tokens` (mean padded tokens per batch at each size) places the routing threshold."""
+    single one (not with route=False). `tokens` (mean padded tokens per batch at each size) places the
+    routing threshold. A routed decision is an estimate from each backend timed on its own: confirm_routing
+    times the pair as it serves."""
     names = sorted(medians, key=lambda n: (n != SIMPLE, n))
     sizes = sorted(set.intersection(*(set(medians[n]) for n in names))) if names else []
     if not names or not sizes:
@@ -270,7 +272,7 @@ def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, floa
         single, why = simple, (f"{other} takes {ratio:.2f}x the time of {simple} (geometric mean over batch sizes "
                                f"{sizes[0]} to {sizes[-1]}): {verdict}")
     best: tuple[float, int, str, str] | None = None
-    for cut in range(1, len(sizes)):
+    for cut in range(1, len(sizes) if route else 1):
         for small, large in ((simple, other), (other, simple)):
             mixed = {s: medians[small if i < cut else large][s] for i, s in enumerate(sizes)}
             gain = 1 - _ratio(mixed, medians[single], sizes)
@@ -284,6 +286,46 @@ def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, floa
                            f"{1 - gain:.2f}x the time of {single} alone: faster by more than the {margin:.0%} "
                            f"margin; {why}")}
     return {"backend": single, "reason": why}
+
+
+ROUTING_ROUNDS = 12  # rounds of confirm_routing in `holoserve tune` (each runs every batch size once per side)
+
+
+def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
+                    medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, float],
+                    items: Sequence[Encoded], sizes: Sequence[int], pad: int = 0,
+                    rounds: int = ROUTING_ROUNDS) -> dict[str, Any]:
+    """`decision` where it is not routed, or where the routed pair, run as it serves, is faster than the single
+    backend by the margin; else the single backend's decision, saying why. Each backend timed on its own
+    misses what two runtimes in one process cost each other when batches alternate between them (ONNX
+    Runtime's and OpenVINO's idle pool threads spin, taking the cores the other's next batch needs): here the
+    routed pair (as auto.RoutedCpuBackend serves it) and the single backend take turns, round by round, each
+    running one batch of every size in turn, so the pair switches runtimes as mixed load makes it."""
+    if decision["backend"] != "routed":
+        return dict(decision)
+    from .auto import RoutedCpuBackend
+
+    single = decide(medians, tokens, route=False)
+    sides = {"routed": RoutedCpuBackend(backends[decision["small"]], backends[decision["large"]],
+                                        decision["max_small_tokens"]),
+             "single": backends[single["backend"]]}
+    ms: dict[str, dict[int, list[float]]] = {n: {b: [] for b in sizes} for n in sides}
+    for r in range(rounds + 1):  # round 0 untimed: the parked session's first runs
+        for name in (sides if r % 2 else list(sides)[::-1]):
+            for b in sizes:
+                feed = round_batches(items, b, r, pad, per_round=b)[0]
+                start = time.perf_counter()
+                sides[name].infer(*feed)
+                if r:
+                    ms[name][b].append((time.perf_counter() - start) * 1000)
+    med = {n: {b: float(np.median(v)) for b, v in by.items()} for n, by in ms.items()}
+    ratio = _ratio(med["routed"], med["single"], sizes)
+    measured = (f"run as served (every batch size in turn, switching runtimes), the routed pair took {ratio:.2f}x "
+                f"the time of {single['backend']} alone")
+    if ratio <= 1 - MARGIN:
+        return {**decision, "reason": f"{decision['reason']}; {measured}: kept"}
+    return {**single, "reason": f"{single['reason']}; routing by batch size was not kept: {measured}, not faster by "
+                                f"the {MARGIN:.0%} margin"}
 
 
 def static_grid(items: Sequence[Encoded], sizes: Sequence[int], max_seq: int, pad: int = 0, rounds: int = 8

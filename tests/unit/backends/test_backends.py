@@ -84,6 +84,25 @@ def test_onnxruntime_serves_the_qdq_export(sst2):
     np.testing.assert_allclose(both, np.stack(single), atol=1e-4)  # padding does not change a row's logits
 
 
+def test_onnxruntime_parked_for_routing_sleeps_between_runs_and_predicts_the_same(sst2):
+    """Beside another runtime (the routed pair) ONNX Runtime's pool threads sleep after each run instead of
+    spin-waiting: a second session says so, and gives the same logits; the served single backend still spins."""
+    from holoserve.backends.auto import RoutedCpuBackend
+
+    art = load_artifact(sst2)
+    ort = load_backend("onnxruntime", art, threads=2)
+    parked = ort.parked()
+    assert ort.info()["threads_spin"] is True and parked.info()["threads_spin"] is False
+    assert parked.session is not ort.session and parked.parked() is parked
+    spin = parked.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+    assert spin == "0"
+    enc = TextEncoder(art.path / "tokenizer.json", art.max_seq_length).encode(["a fine film", "dull and long"])
+    feed = pad_batch(enc)
+    np.testing.assert_array_equal(parked.infer(*feed), ort.infer(*feed))
+    routed = RoutedCpuBackend(ort, load_backend("onnxruntime", art, threads=1), 64)
+    assert routed.small.spinning is False and routed.large.spinning is False and ort.spinning is True
+
+
 def test_onnxruntime_without_export_says_how_to_make_one():
     art = load_artifact(tiny_checkpoint("sst2", onnx=False))
     with pytest.raises(BackendUnavailable, match="holoserve export"):

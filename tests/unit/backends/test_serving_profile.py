@@ -6,6 +6,7 @@ import json
 import logging
 import os
 
+import numpy as np
 import pytest
 
 from holoserve import HoloServeError
@@ -55,6 +56,60 @@ def test_routes_by_batch_size_only_where_the_mix_gains_the_margin():
     # openvino a little faster at 32 rows only: the mix gains under the margin, one backend serves
     ov = [3.0, 3.0, 3.0, 5.0, 9.0, 15.0]
     assert profile.decide(_times(ort, ov), TOKENS)["backend"] == "onnxruntime"
+
+
+class _Clock:
+    """A fake perf_counter that advances only when a fake backend runs."""
+
+    def __init__(self):
+        self.now, self.last = 0.0, None
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Fake:
+    """A backend whose batch takes `per_row[rows]` fake ms, plus `switch` ms when the other backend ran last
+    (what two runtimes' spinning pool threads cost each other)."""
+
+    def __init__(self, name, per_row, clock, switch):
+        self.name, self.per_row, self.clock, self.switch = name, per_row, clock, switch
+
+    def infer(self, ids, mask, segments):
+        ms = self.per_row[ids.shape[0]] + (self.switch if self.clock.last not in (None, self.name) else 0.0)
+        self.clock.now += ms / 1000
+        self.clock.last = self.name
+        return np.zeros((ids.shape[0], 2), np.float32)
+
+    def info(self):
+        return {"backend": self.name}
+
+
+@pytest.mark.parametrize("switch,kept", [(0.0, True), (12.0, False)])
+def test_a_routed_pair_is_kept_only_where_it_wins_as_it_serves(monkeypatch, switch, kept):
+    """confirm_routing runs the routed pair and the single backend as they serve, taking turns: a pair that
+    wins on each backend's own timings but loses its gain to switching between runtimes is not kept."""
+    from holoserve.core.tokenizer import Encoded
+
+    ort_ms = [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]
+    ov_ms = [3.0, 3.0, 3.0, 4.4, 4.0, 6.0]
+    medians = _times(ort_ms, ov_ms)
+    decision = profile.decide(medians, TOKENS)
+    assert decision["backend"] == "routed"
+    clock = _Clock()
+    monkeypatch.setattr(profile.time, "perf_counter", clock)
+    fakes = {n: _Fake(n, medians[n], clock, switch) for n in ("onnxruntime", "openvino")}
+    ids = np.arange(32, dtype=np.int64)  # 32 tokens a row, as TOKENS counts them: 8 rows go to ONNX Runtime
+    items = [Encoded(input_ids=ids, token_type_ids=np.zeros_like(ids), truncated=False) for _ in range(40)]
+    got = profile.confirm_routing(fakes, decision, medians, TOKENS, items, [1, 2, 4, 8, 16, 32], rounds=3)
+    if kept:
+        assert got["backend"] == "routed" and got["reason"].endswith(": kept"), got
+    else:
+        assert got["backend"] == "onnxruntime" and "routing by batch size was not kept" in got["reason"], got
+        assert "not faster by the 5% margin" in got["reason"]
+    # a decision that is not routed is left as it is, with nothing timed
+    single = profile.decide(_times(ort_ms, ort_ms), TOKENS)
+    assert profile.confirm_routing({}, single, medians, TOKENS, items, [1]) == single
 
 
 def test_static_shapes_are_kept_only_where_they_win_by_the_margin():
