@@ -144,6 +144,11 @@ def measure(args, out_dir: Path, texts: str, versus: str) -> dict:
     return json.loads((out_dir / f"{name}_docker.json").read_text(encoding="utf-8"))
 
 
+# where the default serves ONNX Runtime itself, both containers run the same backend: the ratio measures the
+# noise between two identical servers, not a difference the target asks about
+SAME = "same backend as the other (the ratio is noise)"
+
+
 def verdict(value: float | None, op: str | None, target: float | None) -> str:
     if value is None:
         return "not measured"
@@ -159,8 +164,10 @@ def rows(records: dict[tuple[str, str], dict], targets: tuple) -> list[dict]:
         rec = records.get((texts, versus))
         value = rec["summary"].get(key) if rec else None
         default = rec["variants"]["default"] if rec else {}
+        same = versus == "onnxruntime" and default.get("backend") == "onnxruntime"
         out.append({"texts": texts, "versus": versus, "what": WHAT[key], "ratio": value,
-                    "target": f"{op} {target}" if op else "—", "verdict": verdict(value, op, target),
+                    "target": f"{op} {target}" if op else "—",
+                    "verdict": SAME if same and value is not None else verdict(value, op, target),
                     "default_backend": default.get("backend"), "kernels": default.get("kernels")})
     return out
 

@@ -42,6 +42,7 @@ from holoserve.core.manifest import ONNXRUNTIME, OPENVINO
 from holoserve.core.tokenizer import Encoded, TextEncoder, pad_batch
 
 from .openvino import SEQ_MULTIPLE, amx_withheld
+from .routed import RoutedCpuBackend
 
 PROFILE_FILE = "serving-profile.json"
 FORMAT = "holoserve-serving-profile"
@@ -303,8 +304,6 @@ def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
     running one batch of every size in turn, so the pair switches runtimes as mixed load makes it."""
     if decision["backend"] != "routed":
         return dict(decision)
-    from .auto import RoutedCpuBackend
-
     single = decide(medians, tokens, route=False)
     sides = {"routed": RoutedCpuBackend(backends[decision["small"]], backends[decision["large"]],
                                         decision["max_small_tokens"]),

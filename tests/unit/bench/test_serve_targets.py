@@ -23,6 +23,10 @@ def test_each_ratio_is_held_to_its_target_and_a_missing_run_is_said():
         ("pairs", "onnxruntime", "p50 latency at 1 client", "measured"),
         ("short", "baseline", "req/s at 32 clients", "not measured")]
     assert got[0]["default_backend"] == "openvino" and got[-1]["ratio"] is None
+    ort = record(0.98, 1.02)
+    ort["variants"]["default"] = {"backend": "onnxruntime", "kernels": None}
+    same = targets.rows({("short", "onnxruntime"): ort}, targets.AMX_TARGETS)
+    assert {r["verdict"] for r in same if r["texts"] == "short" and r["versus"] == "onnxruntime"} == {targets.SAME}
     amx = targets.rows({("pairs", "onnxruntime"): record(0.99, 1.0)}, targets.AMX_TARGETS)
     assert [r["verdict"] for r in amx if r["texts"] == "pairs"] == ["not met", "met"]
     assert [(r["versus"], r["target"]) for r in amx if r["versus"] != "onnxruntime"] == [("baseline", "—")]

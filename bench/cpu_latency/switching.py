@@ -1,0 +1,77 @@
+"""What two runtimes in one process cost each other when batches alternate between them, as a routed pair
+(holoserve.backends.auto.RoutedCpuBackend) serves: a small batch on ONNX Runtime, then a large one on OpenVINO,
+again and again, with ONNX Runtime's pool threads spinning after each run (its default) or parked (how the
+routed pair runs it), against each batch run on its own.
+
+    python -m bench.cpu_latency.switching runs/minilm-sst2 [--small 1x32] [--large 16x40] [--runs 30]
+
+OpenVINO runs the large batch on a static shape that fits it, as `holoserve tune` would serve it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from holoserve.backends import load_backend
+from holoserve.core.artifact import load_artifact
+from holoserve.core.machine import describe_cpu
+
+
+def _shape(spec: str) -> tuple[int, int]:
+    rows, seq = (int(v) for v in spec.lower().split("x"))
+    return rows, seq
+
+
+def _median_ms(run, feed, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        run(*feed)
+        times.append(time.perf_counter() - t0)
+    return 1000 * float(np.median(times))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu_latency.switching", description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("--small", default="1x32", help="ROWSxTOKENS of the batch ONNX Runtime runs")
+    ap.add_argument("--large", default="16x40", help="ROWSxTOKENS of the batch OpenVINO runs")
+    ap.add_argument("--runs", type=int, default=30)
+    args = ap.parse_args(argv)
+    art = load_artifact(args.checkpoint)
+    (sr, ss), (lr, ls) = _shape(args.small), _shape(args.large)
+    static = f"{lr}x{-(-ls // 16) * 16}"
+    ov = load_backend("openvino", art, openvino_shapes=static)
+    spinning = load_backend("onnxruntime", art)
+    vocab = json.loads((art.path / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+    rng = np.random.default_rng(0)
+
+    def feed(rows, seq):
+        ids = rng.integers(min(1000, vocab // 2), vocab, (rows, seq))
+        return ids, np.ones_like(ids), np.zeros_like(ids)
+
+    small, large = feed(sr, ss), feed(lr, ls)
+    print(f"{describe_cpu()}; ONNX Runtime {args.small}, OpenVINO {args.large} (static shape {static}); median ms")
+    for label, ort in (("spinning (its default)", spinning), ("parked", spinning.parked())):
+        for _ in range(3):
+            ort.infer(*small)
+            ov.infer(*large)
+        alone = _median_ms(ort.infer, small, args.runs), _median_ms(ov.infer, large, args.runs)
+        after: tuple[list[float], list[float]] = ([], [])
+        for _ in range(args.runs):
+            t0 = time.perf_counter()
+            ort.infer(*small)
+            t1 = time.perf_counter()
+            ov.infer(*large)
+            after[0].append(time.perf_counter() - t1)
+            after[1].append(t1 - t0)
+        print(f"ONNX Runtime threads {label}: ONNX Runtime {alone[0]:.2f} alone, "
+              f"{1000 * np.median(after[1]):.2f} right after OpenVINO; OpenVINO {alone[1]:.2f} alone, "
+              f"{1000 * np.median(after[0]):.2f} right after ONNX Runtime", flush=True)
+
+
+if __name__ == "__main__":
+    main()

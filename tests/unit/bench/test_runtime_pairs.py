@@ -1,0 +1,35 @@
+"""bench.cpu_latency.ort_exact_path and bench.cpu_latency.switching run end to end on a tiny exported checkpoint
+and print each line they promise (the timings themselves are the benchmark's, not the test's)."""
+import re
+
+import pytest
+
+pytest.importorskip("openvino")
+
+from tests.unit.backends.test_openvino import with_openvino  # noqa: F401  (an exported tiny checkpoint)
+from tests.unit.export.test_export import exported  # noqa: F401
+
+
+def test_ort_exact_path_times_both_paths_and_compares_their_logits(with_openvino, capsys):
+    from bench.cpu_latency import ort_exact_path
+
+    ckpt, _ = with_openvino
+    ort_exact_path.main([str(ckpt), "--shapes", "1x8,4x16", "--runs", "2"])
+    out = capsys.readouterr().out
+    assert re.search(r"the default saturates here: (True|False)", out)
+    rows = [x for x in out.splitlines() if re.match(r"\d+ x \d+: ", x)]
+    assert [r.split(":")[0] for r in rows] == ["1 x 8", "4 x 16"]
+    for r in rows:
+        assert re.fullmatch(r"\d+ x \d+: [\d.]+ / [\d.]+ ms, [\d.]+x, \S+", r), r
+
+
+def test_switching_times_both_thread_modes(with_openvino, capsys):
+    from bench.cpu_latency import switching
+
+    ckpt, _ = with_openvino
+    switching.main([str(ckpt), "--small", "1x8", "--large", "4x12", "--runs", "2"])
+    out = capsys.readouterr().out
+    assert "(static shape 4x16)" in out
+    for label in ("spinning (its default)", "parked"):
+        line = next(x for x in out.splitlines() if x.startswith(f"ONNX Runtime threads {label}: "))
+        assert "right after OpenVINO" in line and "right after ONNX Runtime" in line
