@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -89,11 +88,10 @@ def _measured_saturates() -> bool:
         import openvino as ov
     except ImportError:
         return False
-    with tempfile.TemporaryDirectory(prefix="holoserve-ov-probe-") as tmp:
-        path = Path(tmp) / "probe.onnx"
-        path.write_bytes(int8_probe.probe_onnx())
-        compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_NUM_THREADS": 1})
-        y = compiled(int8_probe.FEED)[compiled.outputs[0]]
+    core = ov.Core()  # the model from memory: a server's container may have no writable temporary folder
+    model = core.read_model(int8_probe.probe_onnx(), ov.Tensor(np.empty(0, np.uint8)))
+    compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": 1})
+    y = compiled(int8_probe.FEED)[compiled.outputs[0]]
     return not int8_probe.exact(y)
 
 
@@ -219,11 +217,10 @@ def read_model(core, path: str | os.PathLike, library: Path | None = None, bf16:
         return core.read_model(str(path)), None
     core.add_extension(str(library))
     data, counts = _rewritten(str(path), Path(path).stat().st_mtime_ns, bf16)
-    with tempfile.TemporaryDirectory(prefix="holoserve-ov-") as tmp:
-        onnx_path = Path(tmp) / "model.onnx"
-        onnx_path.write_bytes(data)
-        model = core.read_model(str(onnx_path))
-    return model, counts
+    import openvino as ov
+
+    # from memory: a server's container may have no writable temporary folder
+    return core.read_model(data, ov.Tensor(np.empty(0, np.uint8))), counts
 
 
 def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = False, precision: str = "auto",

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import functools
 import os
-import tempfile
-from pathlib import Path
 from typing import Sequence
 
 CPU = ("CPUExecutionProvider",)
@@ -37,15 +35,13 @@ def u8s8_saturates() -> bool:
 def _measured_u8s8_saturates() -> bool:
     from holoserve.core import int8_probe
 
-    with tempfile.TemporaryDirectory(prefix="holoserve-ort-probe-") as tmp:
-        path = Path(tmp) / "probe.onnx"
-        path.write_bytes(int8_probe.probe_onnx())
-        y = session(path, threads=1, quiet=True, exact_u8u8=False).run(None, int8_probe.FEED)[0]
+    # from memory: a server's container may have no writable temporary folder
+    y = session(int8_probe.probe_onnx(), threads=1, quiet=True, exact_u8u8=False).run(None, int8_probe.FEED)[0]
     return not int8_probe.exact(y)
 
 
 def session(
-    path: str | os.PathLike,
+    path: str | os.PathLike | bytes,
     *,
     threads: int = 0,
     providers: Sequence[str] = CPU,
@@ -85,4 +81,5 @@ def session(
         so.add_session_config_entry(EXACT_U8U8, "1")
     if quiet:
         so.log_severity_level = 3
-    return ort.InferenceSession(str(path), sess_options=so, providers=list(providers))
+    model = path if isinstance(path, bytes) else str(path)  # bytes: a serialized model
+    return ort.InferenceSession(model, sess_options=so, providers=list(providers))

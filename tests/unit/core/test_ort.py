@@ -59,3 +59,22 @@ def test_sessions_ask_for_the_exact_path_only_where_it_is_needed(monkeypatch, st
     exact = ort.session(path, threads=1, exact_u8u8=True).run(None, feed)[0]
     if VNNI & cpu_flags():
         np.testing.assert_array_equal(sess.run(None, feed)[0], exact)
+
+
+def test_the_probes_need_no_writable_temporary_folder(monkeypatch):
+    """A server's container may have a read-only root and no /tmp: both runtimes' probes read their model from
+    memory."""
+    import tempfile
+
+    from holoserve.backends import openvino as ov_backend
+
+    monkeypatch.delenv(int8_probe.ENV, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/holoserve-test")
+    ort._measured_u8s8_saturates.cache_clear()
+    ov_backend._measured_saturates.cache_clear()
+    try:
+        assert ort.u8s8_saturates() == (not VNNI & cpu_flags())
+        assert ov_backend._measured_saturates() == (not VNNI & cpu_flags())
+    finally:
+        ort._measured_u8s8_saturates.cache_clear()
+        ov_backend._measured_saturates.cache_clear()

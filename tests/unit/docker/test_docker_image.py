@@ -408,8 +408,7 @@ print(json.dumps({"permitted": amx_permitted(), "withheld": amx_withheld(), "amx
 """
 
 
-def test_a_container_refused_amx_is_served_as_a_cpu_without_it(docker: Docker, image, containers, sst2_checkpoint,
-                                                                 tmp_path):
+def test_a_container_refused_amx_is_served_as_a_cpu_without_it(docker: Docker, image, sst2_checkpoint, tmp_path):
     """bench.serve_load's --deny-amx (a seccomp rule refusing the AMX request oneDNN and ONNX Runtime make):
     in such a container OpenVINO runs no AMX kernel and the image's `auto` puts the 2:4 Linears on the kernels
     wherever the CPU has AVX-512 VNNI + VBMI; in a plain container of the same image on a CPU with AMX, the
@@ -419,18 +418,19 @@ def test_a_container_refused_amx_is_served_as_a_cpu_without_it(docker: Docker, i
     from holoserve.kernels import cpu_missing
 
     has_amx = "amx_int8" in cpu_flags()
-    c = containers["sst2"]
-    r = c.docker("exec", c.name, "python", "-c", AMX_PROBE, timeout=300, check=False)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    plain = json.loads(r.stdout.splitlines()[-1])
+
+    def probe(*options: str) -> dict:
+        r = docker("run", "--rm", *options, "-v", f"{sst2_checkpoint}:/model:ro", "--entrypoint", "python", IMAGE,
+                   "-c", AMX_PROBE, timeout=300, check=False)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return json.loads(r.stdout.splitlines()[-1])
+
+    plain = probe()
     assert plain["permitted"] is has_amx and plain["amx"] is has_amx and plain["withheld"] is None, plain
     assert any("amx" in k for k in plain["gemms"]) is has_amx, plain["gemms"]
     assert plain["kernels"].startswith(expected_kernels()), plain
 
-    r = docker("run", "--rm", *docker_options(None, True, tmp_path), "-v", f"{sst2_checkpoint}:/model:ro",
-               "--entrypoint", "python", IMAGE, "-c", AMX_PROBE, timeout=300, check=False)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    denied = json.loads(r.stdout.splitlines()[-1])
+    denied = probe(*docker_options(None, True, tmp_path))
     assert denied["permitted"] is False and denied["amx"] is False, denied
     assert not any("amx" in k for k in denied["gemms"]), denied["gemms"]
     if has_amx:
