@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -61,10 +60,7 @@ def int8_gemm_saturates() -> bool:
     (holoserve.core.ort does). Measured rather than read from CPU flags, with holoserve.core.int8_probe."""
     from holoserve.core import int8_probe
 
-    with tempfile.TemporaryDirectory(prefix="holoserve-int8-probe-") as tmp:
-        path = Path(tmp) / "probe.onnx"
-        path.write_bytes(int8_probe.probe_onnx())
-        y = session(path, threads=1, quiet=True).run(None, int8_probe.FEED)[0]
+    y = session(int8_probe.probe_onnx(), threads=1, quiet=True).run(None, int8_probe.FEED)[0]
     return not int8_probe.exact(y)
 
 

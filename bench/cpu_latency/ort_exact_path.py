@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 
+from bench.cpu_latency.common import random_rows
+from holoserve.backends.openvino import parse_shapes
 from holoserve.core import ort
 from holoserve.core.artifact import load_artifact
 from holoserve.core.machine import describe_cpu
@@ -35,11 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     print(f"{describe_cpu()}; {args.threads} thread(s); the default saturates here: {ort.u8s8_saturates()}")
     print("rows x tokens: median ms, default / exact, exact / default, max |logit difference|")
-    for shape in args.shapes.split(","):
-        rows, seq = (int(v) for v in shape.lower().split("x"))
-        ids = rng.integers(min(1000, vocab // 2), vocab, (rows, seq))
-        feed = {k: v for k, v in {"input_ids": ids, "attention_mask": np.ones_like(ids),
-                                  "token_type_ids": np.zeros_like(ids)}.items() if k in names}
+    for rows, seq in parse_shapes(args.shapes):
+        feed = {k: v for k, v in random_rows(rng, vocab, rows, seq).items() if k in names}
         times: dict[str, list[float]] = {n: [] for n in paths}
         logits = {n: s.run(None, feed)[0] for n, s in paths.items()}
         for i in range(3 + args.runs):

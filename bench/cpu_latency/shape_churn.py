@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from bench.cpu_latency.common import random_rows
 from holoserve.backends import load_backend
 from holoserve.backends.openvino import SEQ_MULTIPLE
 from holoserve.core.artifact import load_artifact
@@ -47,8 +48,7 @@ def main() -> None:
         for label in ("each length new", "the same lengths again"):
             times: dict[str, list[float]] = {n: [] for n in engines}
             for seq in lengths:
-                ids = rng.integers(min(1000, vocab // 2), vocab, (rows, seq))
-                feed = (ids, np.ones_like(ids), np.zeros_like(ids))
+                feed = tuple(random_rows(rng, vocab, rows, seq).values())
                 for name, run in engines.items():
                     t0 = time.perf_counter()
                     run(*feed)

@@ -1,5 +1,5 @@
 """What two runtimes in one process cost each other when batches alternate between them, as a routed pair
-(holoserve.backends.auto.RoutedCpuBackend) serves: a small batch on ONNX Runtime, then a large one on OpenVINO,
+(holoserve.backends.routed.RoutedCpuBackend) serves: a small batch on ONNX Runtime, then a large one on OpenVINO,
 again and again, with ONNX Runtime's pool threads spinning after each run (its default) or parked (how the
 routed pair runs it), against each batch run on its own.
 
@@ -15,14 +15,11 @@ import time
 
 import numpy as np
 
+from bench.cpu_latency.common import random_rows
 from holoserve.backends import load_backend
+from holoserve.backends.openvino import SEQ_MULTIPLE, parse_shapes
 from holoserve.core.artifact import load_artifact
 from holoserve.core.machine import describe_cpu
-
-
-def _shape(spec: str) -> tuple[int, int]:
-    rows, seq = (int(v) for v in spec.lower().split("x"))
-    return rows, seq
 
 
 def _median_ms(run, feed, n: int) -> float:
@@ -42,18 +39,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=30)
     args = ap.parse_args(argv)
     art = load_artifact(args.checkpoint)
-    (sr, ss), (lr, ls) = _shape(args.small), _shape(args.large)
-    static = f"{lr}x{-(-ls // 16) * 16}"
+    ((sr, ss),), ((lr, ls),) = parse_shapes(args.small), parse_shapes(args.large)
+    static = f"{lr}x{-(-ls // SEQ_MULTIPLE) * SEQ_MULTIPLE}"
     ov = load_backend("openvino", art, openvino_shapes=static)
     spinning = load_backend("onnxruntime", art)
     vocab = json.loads((art.path / "config.json").read_text(encoding="utf-8"))["vocab_size"]
     rng = np.random.default_rng(0)
-
-    def feed(rows, seq):
-        ids = rng.integers(min(1000, vocab // 2), vocab, (rows, seq))
-        return ids, np.ones_like(ids), np.zeros_like(ids)
-
-    small, large = feed(sr, ss), feed(lr, ls)
+    small, large = (tuple(random_rows(rng, vocab, rows, seq).values()) for rows, seq in ((sr, ss), (lr, ls)))
     print(f"{describe_cpu()}; ONNX Runtime {args.small}, OpenVINO {args.large} (static shape {static}); median ms")
     for label, ort in (("spinning (its default)", spinning), ("parked", spinning.parked())):
         for _ in range(3):

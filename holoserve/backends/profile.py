@@ -300,7 +300,7 @@ def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
     backend by the margin; else the single backend's decision, saying why. Each backend timed on its own
     misses what two runtimes in one process cost each other when batches alternate between them (ONNX
     Runtime's and OpenVINO's idle pool threads spin, taking the cores the other's next batch needs): here the
-    routed pair (as auto.RoutedCpuBackend serves it) and the single backend take turns, round by round, each
+    routed pair (as RoutedCpuBackend serves it) and the single backend take turns, round by round, each
     running one batch of every size in turn, so the pair switches runtimes as mixed load makes it."""
     if decision["backend"] != "routed":
         return dict(decision)
