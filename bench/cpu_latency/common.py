@@ -64,10 +64,10 @@ def load_avg() -> list[float]:
 
 
 def ort_session(path: Path, threads: int):
-    # ORT's pool threads spin-wait after each run; with engines interleaved in one process on a
-    # small CPU that spinning starves the next engine's threads (PyTorch at 2 threads measured
-    # 5x slower than at 1). Parked threads keep the comparison fair.
-    return session(path, threads=threads, spinning=False, quiet=True)
+    # ORT's pool threads spin-wait inside a run and stop when it returns, as the server runs them: with engines
+    # interleaved in one process on a small CPU, spinning after the run would starve the next engine's threads
+    # (PyTorch at 2 threads measured 5x slower than at 1), and parking them inside it slows ORT itself.
+    return session(path, threads=threads, spin="run", quiet=True)
 
 
 def random_rows(rng, vocab: int, batch: int, seq: int, cls_id: int | None = None,

@@ -1,7 +1,6 @@
 """ONNX Runtime backend: the checkpoint's ONNX export on the CPU EP (CUDA EP where present)."""
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -77,18 +76,6 @@ class OrtBackend:
         self.input_names = names
         self.output_name = self.session.get_outputs()[0].name
         self.threads = threads
-        self.spinning = True
-
-    def parked(self) -> "OrtBackend":
-        """This backend on a second session whose pool threads sleep after each run instead of spin-waiting
-        (ONNX Runtime's default): for serving beside another runtime in one process, whose next batch the
-        spinning threads would slow (docs/results/2026-11-29-ort-exact-path.md#routing)."""
-        if not self.spinning or self.providers[0] != "CPUExecutionProvider":
-            return self
-        other = copy.copy(self)
-        other.session = ort_session(self.path, threads=self.threads or 0, providers=self.providers, spinning=False)
-        other.spinning = False
-        return other
 
     def infer(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray) -> np.ndarray:
         arrays = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
@@ -106,7 +93,7 @@ class OrtBackend:
             "device": "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu",
             "onnxruntime_version": ort.__version__,
             "intra_op_threads": self.threads or "default",
-            "threads_spin": self.spinning,
+            "threads_spin": "inside a run only",  # core.ort.session(spin="run")
         }
 
 

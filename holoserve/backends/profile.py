@@ -309,7 +309,7 @@ def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
                                         decision["max_small_tokens"]),
              "single": backends[single["backend"]]}
     ms: dict[str, dict[int, list[float]]] = {n: {b: [] for b in sizes} for n in sides}
-    for r in range(rounds + 1):  # round 0 untimed: the parked session's first runs
+    for r in range(rounds + 1):  # round 0 untimed: first runs of each shape
         for name in (sides if r % 2 else list(sides)[::-1]):
             for b in sizes:
                 feed = round_batches(items, b, r, pad, per_round=b)[0]

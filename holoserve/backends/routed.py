@@ -14,9 +14,8 @@ class RoutedCpuBackend:
     whole_batches = False
 
     def __init__(self, small: Backend, large: Backend, max_small_tokens: int):
-        # ONNX Runtime's pool threads spin-wait after each run and would slow the other runtime's next batch:
-        # here they sleep instead (OrtBackend.parked)
-        small, large = (getattr(b, "parked", lambda b=b: b)() for b in (small, large))
+        # HoloServe's ONNX Runtime sessions stop spinning when a run returns (core.ort.session), so they do not
+        # take the cores the other runtime's next batch needs
         self.small, self.large, self.max_small_tokens = small, large, int(max_small_tokens)
         self.name = f"{small.name}+{large.name}"
         self.runs = {small.name: 0, large.name: 0}

@@ -40,6 +40,9 @@ def _measured_u8s8_saturates() -> bool:
     return not int8_probe.exact(y)
 
 
+SPIN = ("run", "always", "never")  # session(spin=...)
+
+
 def session(
     path: str | os.PathLike | bytes,
     *,
@@ -47,7 +50,7 @@ def session(
     providers: Sequence[str] = CPU,
     optimize: bool = True,
     optimized_path: str | os.PathLike | None = None,
-    spinning: bool = True,
+    spin: str = "run",
     quiet: bool = False,
     exact_u8u8: bool | None = None,
 ):
@@ -57,8 +60,10 @@ def session(
     optimize:       ORT_ENABLE_ALL graph optimizations, or none at all (calibration reads
                     intermediate tensors that the optimizer would fuse away).
     optimized_path: also write the optimized graph there (what verification inspects).
-    spinning:       False parks idle pool threads instead of spin-waiting after each run; engines
-                    interleaved in one process on a small CPU otherwise starve each other.
+    spin:           how the pool threads wait for work (SPIN): "run" spin-waits inside a run and stops when it
+                    returns, so the serving thread and any other runtime in the process get the cores between
+                    runs; "always" keeps spinning after a run (ONNX Runtime's default); "never" sleeps, inside
+                    a run too (slower: docs/results/2026-11-29-ort-spin.md).
     quiet:          log errors only.
     exact_u8u8:     ask for ONNX Runtime's exact u8 x u8 GEMMs (session.x64quantprecision); None: where its
                     default saturates on this CPU (u8s8_saturates).
@@ -75,8 +80,12 @@ def session(
     )
     if optimized_path:
         so.optimized_model_filepath = str(optimized_path)
-    if not spinning:
+    if spin not in SPIN:
+        raise ValueError(f"spin={spin!r}: choose one of {', '.join(SPIN)}")
+    if spin == "never":
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    elif spin == "run":
+        so.add_session_config_entry("session.force_spinning_stop", "1")
     if exact_u8u8 if exact_u8u8 is not None else u8s8_saturates():
         so.add_session_config_entry(EXACT_U8U8, "1")
     if quiet:

@@ -14,7 +14,7 @@ from holoserve.core.artifact import add_files, load_artifact
 from holoserve.backends import BackendUnavailable, load_backend
 from holoserve.backends import tensorrt as trt_backend
 from holoserve.backends.auto import select_backend
-from holoserve.backends.onnxruntime import choose_providers
+from holoserve.backends.onnxruntime import INPUTS, choose_providers
 from holoserve.core.tokenizer import TextEncoder, pad_batch
 from tests.helpers.serving import REPO, server_env, tiny_checkpoint
 
@@ -84,23 +84,34 @@ def test_onnxruntime_serves_the_qdq_export(sst2):
     np.testing.assert_allclose(both, np.stack(single), atol=1e-4)  # padding does not change a row's logits
 
 
-def test_onnxruntime_parked_for_routing_sleeps_between_runs_and_predicts_the_same(sst2):
-    """Beside another runtime (the routed pair) ONNX Runtime's pool threads sleep after each run instead of
-    spin-waiting: a second session says so, and gives the same logits; the served single backend still spins."""
+def test_onnxruntime_threads_spin_inside_a_run_only_and_every_way_predicts_the_same(sst2):
+    """Served ONNX Runtime sessions spin-wait inside a run and stop when it returns (so the serving thread and
+    the other runtime of a routed pair get the cores between runs); every way of waiting gives the same logits,
+    and an unknown one is refused by name."""
     from holoserve.backends.auto import RoutedCpuBackend
+    from holoserve.core.ort import SPIN, session
 
     art = load_artifact(sst2)
     ort = load_backend("onnxruntime", art, threads=2)
-    parked = ort.parked()
-    assert ort.info()["threads_spin"] is True and parked.info()["threads_spin"] is False
-    assert parked.session is not ort.session and parked.parked() is parked
-    spin = parked.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
-    assert spin == "0"
-    enc = TextEncoder(art.path / "tokenizer.json", art.max_seq_length).encode(["a fine film", "dull and long"])
-    feed = pad_batch(enc)
-    np.testing.assert_array_equal(parked.infer(*feed), ort.infer(*feed))
+
+    def entry(sess, key):
+        return sess.get_session_options().get_session_config_entry(key)
+
+    assert entry(ort.session, "session.force_spinning_stop") == "1"
+    assert ort.info()["threads_spin"] == "inside a run only"
     routed = RoutedCpuBackend(ort, load_backend("onnxruntime", art, threads=1), 64)
-    assert routed.small.spinning is False and routed.large.spinning is False and ort.spinning is True
+    assert routed.small is ort  # the same session, no second copy of the model
+    feed = pad_batch(TextEncoder(art.path / "tokenizer.json", art.max_seq_length).encode(["a fine film", "dull"]))
+    want = ort.infer(*feed)
+    sessions = {spin: session(ort.path, threads=2, spin=spin) for spin in SPIN}
+    assert entry(sessions["never"], "session.intra_op.allow_spinning") == "0"
+    with pytest.raises(Exception):  # ONNX Runtime raises where a key was never set
+        entry(sessions["always"], "session.force_spinning_stop")
+    for sess in sessions.values():
+        got = sess.run([ort.output_name], {n: feed[i] for i, n in enumerate(INPUTS) if n in ort.input_names})[0]
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="spin='sometimes': choose one of run, always, never"):
+        session(ort.path, spin="sometimes")
 
 
 def test_onnxruntime_without_export_says_how_to_make_one():

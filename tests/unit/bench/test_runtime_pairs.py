@@ -23,13 +23,13 @@ def test_ort_exact_path_times_both_paths_and_compares_their_logits(with_openvino
         assert re.fullmatch(r"\d+ x \d+: [\d.]+ / [\d.]+ ms, [\d.]+x, \S+", r), r
 
 
-def test_switching_times_both_thread_modes(with_openvino, capsys):
+def test_switching_times_every_way_ort_threads_wait(with_openvino, capsys):
     from bench.cpu_latency import switching
 
     ckpt, _ = with_openvino
     switching.main([str(ckpt), "--small", "1x8", "--large", "4x12", "--runs", "2"])
     out = capsys.readouterr().out
     assert "(static shape 4x16)" in out
-    for label in ("spinning (its default)", "parked"):
+    for label in switching.LABELS.values():
         line = next(x for x in out.splitlines() if x.startswith(f"ONNX Runtime threads {label}: "))
-        assert "right after OpenVINO" in line and "right after ONNX Runtime" in line
+        assert "right after OpenVINO" in line and "right after ONNX Runtime" in line and "16x32 " in line
