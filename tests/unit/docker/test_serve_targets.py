@@ -1,8 +1,9 @@
 """bench.serve_load.targets for real, briefly, on the image the tests build: the image's `holoserve tune` on each
-checkpoint, then `docker run`'s defaults against the image forced to ONNX Runtime on short, long and pair texts
-and against a baseline image (here the same image), and the table of ratios against the targets (1-second
-levels: the ratios are not the point here). Every container is refused AMX (--deny-amx), as the stand-in for
-the targets' CPU runs on a Xeon with AMX; the servers following tune's profile shows they ran as tune did."""
+checkpoint before each kind of text's runs (on texts like theirs), then `docker run`'s defaults against the
+image forced to ONNX Runtime on short, long and pair texts and against a baseline image (here the same image),
+and the table of ratios against the targets (1-second levels: the ratios are not the point here). Every
+container is refused AMX (--deny-amx), as the stand-in for the targets' CPU runs on a Xeon with AMX; the servers
+following tune's profile shows they ran as tune did."""
 from __future__ import annotations
 
 import json
@@ -27,7 +28,7 @@ def test_the_served_targets_run_end_to_end(docker: Docker, image, tmp_path, monk
     out = tmp_path / "out"
     assert targets.main(["--image", IMAGE, "--baseline-image", IMAGE, "--checkpoint", str(single),
                          "--pairs-checkpoint", str(pairs), "--data-dir", str(glue), "--duration", "1",
-                         "--rounds", "1", "--out", str(out), "--deny-amx"]) == 0
+                         "--rounds", "1", "--out", str(out), "--deny-amx", "--tune-duration", "3"]) == 0
     res = json.loads((out / "targets.json").read_text())
     held_to = targets.targets_here(deny_amx=True)
     assert held_to == targets.TARGETS and res["deny_amx"] is True
@@ -40,8 +41,12 @@ def test_the_served_targets_run_end_to_end(docker: Docker, image, tmp_path, monk
         assert row["verdict"] == (targets.SAME if same else "measured" if op is None else "met" if met
                                   else "not met"), row
         assert row["default_backend"] in ("onnxruntime", "openvino", "openvino+onnxruntime"), row
-    # tune ran in the image on both checkpoints and its profile is what the default containers served
-    assert len(res["tuned"]) == 2 and all(v.startswith("decision: ") for v in res["tuned"].values()), res["tuned"]
+    # tune ran in the image before each kind of text's runs, on texts like theirs, and its profile is what the
+    # default containers served
+    assert list(res["tuned"]) == ["long", "short", "pairs"], res["tuned"]
+    assert all(t["decision"].startswith("decision: ") for t in res["tuned"].values()), res["tuned"]
+    assert [t["checkpoint"] for t in res["tuned"].values()] == ["sst2", "sst2", "mrpc"]
+    assert res["tuned"]["long"]["texts"].endswith("(tune --texts)") and (out / "tune-long.txt").is_file()
     assert (single / "serving-profile.json").is_file() and (pairs / "serving-profile.json").is_file()
     withheld = json.loads((single / "serving-profile.json").read_text())["key"]["amx_withheld"]
     if "amx_int8" in cpu_flags():
