@@ -156,17 +156,18 @@ def _load(artifact, options: dict[str, Any], opts: TuneOptions, items, out: Text
     if not loaded:
         raise HoloServeError(f"no CPU backend can load {artifact.path}: export it first (`holoserve export "
                              f"{artifact.path}` writes the ONNX Runtime and OpenVINO exports)")
-    grid: list[tuple[int, int]] = []
+    grid: dict[int, list[tuple[int, int]]] = {}
     if "openvino" in loaded and opts.static_shapes:
         sizes = profile.batch_sizes(opts.max_batch_size)
         grid = profile.static_grid(items, sizes, artifact.max_seq_length, profile.pad_id(artifact))
-        spec = ",".join(f"{b}x{s}" for b, s in grid)
-        print(f"openvino: compiling {len(grid)} static shapes to time against its dynamic model: {spec}", file=out)
+        shapes = profile.grid_shapes(grid)
+        spec = ",".join(f"{b}x{s}" for b, s in shapes)
+        print(f"openvino: compiling {len(shapes)} static shapes to time against its dynamic model: {spec}", file=out)
         try:
             loaded[STATIC] = load_backend("openvino", artifact, **{**options, "openvino_shapes": spec})
         except HoloServeError as e:
             print(f"openvino: static shapes not timed, they do not compile here: {e}", file=out)
-            grid = []
+            grid = {}
     return loaded, grid
 
 
@@ -225,29 +226,32 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
     if kernels:
         decision["openvino_kernels"] = "on" if kernels.startswith("on") else "off"
     key = profile.machine_key(artifact, options, kernels_on=decision.get("openvino_kernels") == "on")
-    extra = {"timings": {"static_grid": [f"{b}x{s}" for b, s in grid]},
+    extra = {"timings": {"static_grid": [f"{b}x{s}" for b, s in profile.grid_shapes(grid)]},
              "settings": {"max_batch_size": opts.max_batch_size, "duration_s": opts.duration,
                           "min_rounds": opts.min_rounds, "openvino_kernels_status": kernels}}
     prof = profile.new_profile(key, decision, timings, profile.texts_summary(texts, items), extra)
     return prof, profile.write_profile(artifact, prof)
 
 
-def decide(timings: profile.Timings, grid: list[tuple[int, int]]) -> tuple[dict[str, Any], dict]:
+def decide(timings: profile.Timings, grid: dict[int, list[tuple[int, int]]]) -> tuple[dict[str, Any], dict]:
     """The decision from tune's timings: OpenVINO's static shapes kept where they won by the margin, then
     profile.decide between ONNX Runtime and OpenVINO (with those shapes); and the medians it decided on."""
     medians = timings.medians()
     static = medians.pop(STATIC, None)
     kept: list[tuple[int, int]] = []
+    won: list[int] = []
     if static is not None and "openvino" in medians:
-        kept, medians["openvino"] = profile.keep_static(medians["openvino"], static, grid)
+        dynamic = medians["openvino"]
+        kept, medians["openvino"] = profile.keep_static(dynamic, static, grid)
+        won = [b for b in sorted(dynamic) if medians["openvino"][b] != dynamic[b]]  # where the static times replaced
     decision = profile.decide(medians, timings.tokens)
     serves = "openvino" in profile.needed(decision)
     decision["openvino_shapes"] = [f"{b}x{s}" for b, s in kept] if serves else []
     if static is not None and "openvino" in medians:
-        sizes = ", ".join(str(b) for b in sorted({b for b, _ in kept}))
         decision["reason"] += (
-            f"; OpenVINO was compared with static shapes at {sizes} rows, where they beat its dynamic model by the "
-            f"{profile.MARGIN:.0%} margin" + (", and serves with them" if serves else "") if kept else
+            f"; OpenVINO with static shapes ({', '.join(f'{b}x{s}' for b, s in kept)}) beat its dynamic model by "
+            f"the {profile.MARGIN:.0%} margin in batches of {', '.join(map(str, won))} rows"
+            + (", and serves with them" if serves else "") if kept else
             f"; OpenVINO's static shapes did not beat its dynamic model by the {profile.MARGIN:.0%} margin at any "
             "batch size")
     return decision, medians

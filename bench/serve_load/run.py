@@ -71,8 +71,7 @@ class Bare:
     def scaling(self, texts: list[str], seconds: float = 3.0) -> dict:
         """The ceiling for dynamic batching: the backend's own throughput at batch 1 vs 32 (consecutive
         dev sentences, so lengths are mixed as in a merged batch), padded to the longest or length-grouped."""
-        from holoserve.server.batcher import split_by_length
-        from holoserve.core.tokenizer import pad_batch
+        from holoserve.core.tokenizer import pad_batch, split_by_length
 
         encs = self.enc.encode(texts)
         out = {}

@@ -39,7 +39,7 @@ from holoserve.core.artifact import Artifact
 from holoserve.core.files import atomic_write_json
 from holoserve.core.machine import cpu_flags, cpu_name
 from holoserve.core.manifest import ONNXRUNTIME, OPENVINO
-from holoserve.core.tokenizer import Encoded, TextEncoder, pad_batch
+from holoserve.core.tokenizer import GROUP_WASTE, Encoded, TextEncoder, pad_batch, split_by_length
 
 from .openvino import SEQ_MULTIPLE, amx_withheld
 from .routed import RoutedCpuBackend
@@ -166,13 +166,19 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 
 def round_batches(items: Sequence[Encoded], size: int, round_index: int, pad: int = 0,
-                  per_round: int = TEXTS_PER_ROUND) -> list[tuple]:
-    """The batches of `size` rows one round runs: consecutive texts, each round taking the next ones (from
-    the start again after the last), each batch padded to its longest row."""
+                  per_round: int = TEXTS_PER_ROUND, waste: float = GROUP_WASTE) -> list[list[tuple]]:
+    """The batches of `size` rows one round runs, each as the server's batcher runs it: consecutive texts, each
+    round taking the next ones (from the start again after the last), cut into length groups where padding
+    them to their longest row would waste more than `waste` of the tokens (core.tokenizer.split_by_length),
+    each group padded to its own longest row. Timing whole padded batches instead favours the backend whose
+    larger batches are cheaper, which the server does not run."""
     count = max(1, per_round // size)
     start = round_index * count * size
-    return [pad_batch([items[(start + k * size + i) % len(items)] for i in range(size)], pad)
-            for k in range(count)]
+    out = []
+    for k in range(count):
+        batch = [items[(start + k * size + i) % len(items)] for i in range(size)]
+        out.append([pad_batch([batch[j] for j in g], pad) for g in split_by_length([e.length for e in batch], waste)])
+    return out
 
 
 @dataclass
@@ -202,9 +208,12 @@ class Timings:
 
 def time_backends(backends: Mapping[str, Any], items: Sequence[Encoded], sizes: Sequence[int], plan: Plan,
                   pad: int = 0) -> Timings:
-    """Time each backend on the same batches, round by round: an untimed round first (first-run allocations,
+    """Time each backend on the same batches (run as the server runs them: round_batches), round by round: an
+    untimed round first (first-run allocations,
     OpenVINO's first sight of a shape), then rounds in which the backends take turns at each batch size,
-    in the reverse order every other round."""
+    in the reverse order every other round. Each turn starts with an untimed batch: the runtime that ran
+    before leaves its pool threads spinning for a while (OpenVINO's cannot be told to stop), which would
+    slow the first batch of the next one, as it never is in a server that runs one backend."""
     if not items:
         raise HoloServeError("no texts to time the backends on")
     names = list(backends)
@@ -217,13 +226,16 @@ def time_backends(backends: Mapping[str, Any], items: Sequence[Encoded], sizes: 
         for b in sizes:
             batches = round_batches(items, b, r, pad, plan.per_round)
             for name in order:
+                run = backends[name].infer
+                run(*batches[0][0])  # untimed: the other runtime's threads settle meanwhile
                 start = time.perf_counter()
-                for feed in batches:
-                    backends[name].infer(*feed)
+                for groups in batches:
+                    for feed in groups:
+                        run(*feed)
                 if r:
                     timings.ms[name][b].append((time.perf_counter() - start) * 1000 / len(batches))
             if r:
-                token_sums[b][0] += sum(feed[0].size for feed in batches)
+                token_sums[b][0] += sum(feed[0].size for groups in batches for feed in groups)
                 token_sums[b][1] += len(batches)
         if r:
             timings.rounds = r
@@ -311,10 +323,13 @@ def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
     ms: dict[str, dict[int, list[float]]] = {n: {b: [] for b in sizes} for n in sides}
     for r in range(rounds + 1):  # round 0 untimed: first runs of each shape
         for name in (sides if r % 2 else list(sides)[::-1]):
+            # an untimed batch first, as in time_backends: the other side's threads settle meanwhile
+            sides[name].infer(*round_batches(items, sizes[0], r, pad, per_round=sizes[0])[0][0])
             for b in sizes:
-                feed = round_batches(items, b, r, pad, per_round=b)[0]
+                groups = round_batches(items, b, r, pad, per_round=b)[0]
                 start = time.perf_counter()
-                sides[name].infer(*feed)
+                for feed in groups:
+                    sides[name].infer(*feed)
                 if r:
                     ms[name][b].append((time.perf_counter() - start) * 1000)
     med = {n: {b: float(np.median(v)) for b, v in by.items()} for n, by in ms.items()}
@@ -327,26 +342,41 @@ def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
                                 f"the {MARGIN:.0%} margin"}
 
 
+GRID_PER_SIZE = 2  # static_grid: the shapes tried for each batch size
+
+
 def static_grid(items: Sequence[Encoded], sizes: Sequence[int], max_seq: int, pad: int = 0, rounds: int = 8
-                ) -> list[tuple[int, int]]:
-    """Static shapes to try: each batch size x the median and 90th percentile of its batches' padded
-    lengths, rounded up to SHAPE_MULTIPLE (at most max_seq)."""
-    shapes = set()
+                ) -> dict[int, list[tuple[int, int]]]:
+    """Static shapes to try, for each batch size: the GRID_PER_SIZE (rows, length) shapes its batches' length
+    groups (round_batches) run at most often, the length rounded up to SHAPE_MULTIPLE (at most max_seq).
+    A batch the server forms runs on a static shape only where that adds little padding, so the shapes
+    worth compiling are those the server's own executions have."""
+    grid: dict[int, list[tuple[int, int]]] = {}
     for b in sizes:
-        lengths = [feed[0].shape[1] for r in range(rounds) for feed in round_batches(items, b, r, pad)]
-        for q in (50, 90):
-            seq = int(math.ceil(np.percentile(lengths, q) / SHAPE_MULTIPLE) * SHAPE_MULTIPLE)
-            shapes.add((b, max(1, min(seq, max_seq))))
-    return sorted(shapes)
+        counts: dict[tuple[int, int], int] = {}
+        for r in range(rounds):
+            for groups in round_batches(items, b, r, pad):
+                for feed in groups:
+                    rows, seq = feed[0].shape
+                    shape = (rows, max(1, min(int(math.ceil(seq / SHAPE_MULTIPLE) * SHAPE_MULTIPLE), max_seq)))
+                    counts[shape] = counts.get(shape, 0) + 1
+        grid[b] = sorted(sorted(counts, key=lambda x: (-counts[x], x))[:GRID_PER_SIZE])
+    return grid
 
 
-def keep_static(dynamic: Mapping[int, float], static: Mapping[int, float], grid: Sequence[tuple[int, int]],
-                margin: float = MARGIN) -> tuple[list[tuple[int, int]], dict[int, float]]:
+def grid_shapes(grid: Mapping[int, Sequence[tuple[int, int]]], sizes: Sequence[int] | None = None
+                ) -> list[tuple[int, int]]:
+    """The distinct shapes of a static grid (of the batch sizes `sizes`, all by default), smallest first."""
+    return sorted({shape for b, shapes in grid.items() if sizes is None or b in sizes for shape in shapes})
+
+
+def keep_static(dynamic: Mapping[int, float], static: Mapping[int, float],
+                grid: Mapping[int, Sequence[tuple[int, int]]], margin: float = MARGIN
+                ) -> tuple[list[tuple[int, int]], dict[int, float]]:
     """(the static shapes worth compiling, OpenVINO's times with them): the grid's shapes of each batch size
     at which the static models were faster by `margin`; the others would only cost memory and compile time."""
     faster = {b for b in dynamic if b in static and static[b] <= dynamic[b] * (1 - margin)}
-    kept = [(b, s) for b, s in grid if b in faster]
-    return kept, {b: (static[b] if b in faster else t) for b, t in dynamic.items()}
+    return grid_shapes(grid, faster), {b: (static[b] if b in faster else t) for b, t in dynamic.items()}
 
 
 def describe(decision: Mapping[str, Any]) -> str:

@@ -222,3 +222,30 @@ def pad_batch(items: Sequence[Encoded], pad_id: int = 0) -> tuple[np.ndarray, np
         mask[i, :L] = 1
         types[i, :L] = it.token_type_ids
     return ids, mask, types
+
+
+# The padded share above which a CPU server runs a merged batch in length groups (each padded to its own longest
+# row): on a CPU, padding costs its share of the work. The batcher's default, and what `holoserve tune` times.
+GROUP_WASTE = 0.25
+
+
+def split_by_length(lengths: Sequence[int], max_waste: float) -> list[list[int]]:
+    """Indices grouped so each group, padded to its longest, wastes at most `max_waste` of its tokens.
+
+    A negative `max_waste` keeps everything in one group (plain pad-to-longest).
+    """
+    if max_waste < 0 or len(lengths) <= 1:
+        return [list(range(len(lengths)))]
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = [[order[0]]]
+    real = lengths[order[0]]
+    for i in order[1:]:
+        L = lengths[i]
+        g = groups[-1]
+        if (len(g) + 1) * L > (1.0 + max_waste) * (real + L):
+            groups.append([i])
+            real = L
+        else:
+            g.append(i)
+            real += L
+    return groups

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from holoserve.core.tokenizer import Encoded, pad_batch
+from holoserve.core.tokenizer import GROUP_WASTE, Encoded, pad_batch, split_by_length
 from .metrics import ServerMetrics
 
 InferFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
@@ -88,7 +88,7 @@ class BatchPolicy:
     max_batch_size: int  # sequences per backend call
     max_queue_delay_ms: float  # the longest the oldest waiting sequence waits for company
     max_queue_size: int  # waiting sequences; one more is refused with QueueFull
-    max_padding_waste: float = 0.25  # the padded share above which a merged batch runs in length groups
+    max_padding_waste: float = GROUP_WASTE  # the padded share above which a merged batch runs in length groups
     inline_single: bool = False  # a lone sequence with nothing queued runs on the event loop itself
     max_batch_tokens: int = 0  # padded tokens per batch (sequences x the longest); 0: no token budget
 
@@ -368,25 +368,3 @@ class DynamicBatcher:
                 out = np.empty((len(encs), logits.shape[1]), dtype=np.float32)
             out[idx] = logits
         return out, len(groups)
-
-
-def split_by_length(lengths: Sequence[int], max_waste: float) -> list[list[int]]:
-    """Indices grouped so each group, padded to its longest, wastes at most `max_waste` of its tokens.
-
-    A negative `max_waste` keeps everything in one group (plain pad-to-longest).
-    """
-    if max_waste < 0 or len(lengths) <= 1:
-        return [list(range(len(lengths)))]
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups: list[list[int]] = [[order[0]]]
-    real = lengths[order[0]]
-    for i in order[1:]:
-        L = lengths[i]
-        g = groups[-1]
-        if (len(g) + 1) * L > (1.0 + max_waste) * (real + L):
-            groups.append([i])
-            real = L
-        else:
-            g.append(i)
-            real += L
-    return groups

@@ -14,6 +14,7 @@ from .. import HoloServeError
 from ..core.choices import (OPENVINO_KERNELS, OPENVINO_KERNELS_DEFAULT, OPENVINO_PRECISIONS, TORCH_CUDA_ROUTES,
                             TORCH_PRECISIONS)
 from ..core.settings import field_types, parse_setting
+from ..core.tokenizer import GROUP_WASTE
 
 TOKEN_ENV = "HOLOSERVE_API_TOKEN"
 
@@ -151,7 +152,7 @@ class ServerConfig:
         """max_padding_waste as the batcher takes it, "auto" resolved for this backend."""
         if self.max_padding_waste != "auto":
             return float(self.max_padding_waste)
-        return -1.0 if getattr(backend, "whole_batches", False) else 0.25
+        return -1.0 if getattr(backend, "whole_batches", False) else GROUP_WASTE
 
     def validate(self) -> "ServerConfig":
         problems = []

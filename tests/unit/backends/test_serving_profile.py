@@ -13,6 +13,7 @@ from holoserve import HoloServeError
 from holoserve.backends import profile
 from holoserve.backends.auto import RoutedCpuBackend, select_backend
 from holoserve.core.artifact import add_files, load_artifact
+from holoserve.core.tokenizer import Encoded
 from holoserve.core.machine import cpu_flags
 
 pytest.importorskip("openvino")
@@ -89,7 +90,6 @@ class _Fake:
 def test_a_routed_pair_is_kept_only_where_it_wins_as_it_serves(monkeypatch, switch, kept):
     """confirm_routing runs the routed pair and the single backend as they serve, taking turns: a pair that
     wins on each backend's own timings but loses its gain to switching between runtimes is not kept."""
-    from holoserve.core.tokenizer import Encoded
 
     ort_ms = [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]
     ov_ms = [3.0, 3.0, 3.0, 4.4, 4.0, 6.0]
@@ -115,9 +115,36 @@ def test_a_routed_pair_is_kept_only_where_it_wins_as_it_serves(monkeypatch, swit
 def test_static_shapes_are_kept_only_where_they_win_by_the_margin():
     dynamic = {1: 1.0, 8: 4.0, 32: 10.0}
     static = {1: 0.9, 8: 3.9, 32: 9.0}  # 10 % faster at 1 and 32 rows, 2.5 % at 8
-    grid = [(1, 16), (1, 32), (8, 32), (32, 48)]
+    grid = {1: [(1, 16), (1, 32)], 8: [(4, 32), (8, 32)], 32: [(8, 48), (16, 48)]}
     kept, times = profile.keep_static(dynamic, static, grid)
-    assert kept == [(1, 16), (1, 32), (32, 48)] and times == {1: 0.9, 8: 4.0, 32: 9.0}
+    assert kept == [(1, 16), (1, 32), (8, 48), (16, 48)] and times == {1: 0.9, 8: 4.0, 32: 9.0}
+
+
+def _texts_of(lengths):
+    return [Encoded(input_ids=np.arange(n, dtype=np.int64), token_type_ids=np.zeros(n, dtype=np.int64),
+                    truncated=False) for n in lengths]
+
+
+def test_batches_are_timed_and_their_shapes_chosen_as_the_batcher_runs_them():
+    """Tune runs each batch as the server's batcher does: cut into length groups (each padded to its own longest
+    row) wherever one padded batch would waste more than the batcher's share; the static grid offers the shapes
+    those groups run at most often."""
+    from holoserve.core.tokenizer import GROUP_WASTE
+    from holoserve.server.batcher import BatchPolicy
+    from holoserve.server.config import ServerConfig
+
+    items = _texts_of([8, 40, 9, 38])
+    (groups,) = profile.round_batches(items, 4, 0, per_round=4)
+    assert [g[0].shape for g in groups] == [(2, 9), (2, 40)]
+    assert [[int(x) for x in g[1].sum(axis=1)] for g in groups] == [[8, 9], [38, 40]]  # masks: real tokens, sorted
+    (whole,) = profile.round_batches(items, 4, 0, per_round=4, waste=-1.0)
+    assert [g[0].shape for g in whole] == [(4, 40)]
+    # the share tune cuts at is the batcher's, as a CPU server resolves it
+    assert BatchPolicy(1, 0.0, 1).max_padding_waste == GROUP_WASTE == ServerConfig().padding_waste_for(object())
+    grid = profile.static_grid(_texts_of([8, 40, 9, 38] * 8), [1, 4], max_seq=64)
+    assert grid == {1: [(1, 16), (1, 48)], 4: [(2, 16), (2, 48)]}
+    assert profile.grid_shapes(grid) == [(1, 16), (1, 48), (2, 16), (2, 48)]
+    assert profile.grid_shapes(grid, {4}) == [(2, 16), (2, 48)]
 
 
 def test_batch_sizes_follow_the_servers_largest_batch():

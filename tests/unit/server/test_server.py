@@ -412,7 +412,7 @@ def test_openapi_fuzz_has_no_server_errors(server, tmp_path):
 
 
 def test_split_by_length_bounds_padding():
-    from holoserve.server.batcher import split_by_length
+    from holoserve.core.tokenizer import split_by_length
 
     lengths = [5, 30, 6, 31, 55, 7, 29, 5]
     groups = split_by_length(lengths, 0.25)
