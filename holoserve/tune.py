@@ -225,7 +225,10 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
     kernels = _kernels_status(loaded.get("openvino"))
     if kernels:
         decision["openvino_kernels"] = "on" if kernels.startswith("on") else "off"
-    key = profile.machine_key(artifact, options, kernels_on=decision.get("openvino_kernels") == "on")
+    # the kernels' build is part of the key only where they serve: a server that follows a decision without
+    # OpenVINO need not load it to check the key
+    serves_kernels = decision.get("openvino_kernels") == "on" and "openvino" in profile.needed(decision)
+    key = profile.machine_key(artifact, options, kernels_on=serves_kernels)
     extra = {"timings": {"static_grid": [f"{b}x{s}" for b, s in profile.grid_shapes(grid)]},
              "settings": {"max_batch_size": opts.max_batch_size, "duration_s": opts.duration,
                           "min_rounds": opts.min_rounds, "openvino_kernels_status": kernels}}
@@ -250,7 +253,7 @@ def decide(timings: profile.Timings, grid: dict[int, list[tuple[int, int]]]) -> 
     if static is not None and "openvino" in medians:
         decision["reason"] += (
             f"; OpenVINO with static shapes ({', '.join(f'{b}x{s}' for b, s in kept)}) beat its dynamic model by "
-            f"the {profile.MARGIN:.0%} margin in batches of {', '.join(map(str, won))} rows"
+            f"the {profile.MARGIN:.0%} margin at batch size{'s' if len(won) > 1 else ''} {', '.join(map(str, won))}"
             + (", and serves with them" if serves else "") if kept else
             f"; OpenVINO's static shapes did not beat its dynamic model by the {profile.MARGIN:.0%} margin at any "
             "batch size")

@@ -161,14 +161,16 @@ def batch_counts(port: int) -> tuple[float, float]:
 def alternate_rounds(ports: dict[str, int], texts: list, clients: int, args,
                      pids: dict[str, int] | None = None) -> dict[str, dict]:
     """One client level on several servers taking turns round by round (args.rounds rounds of
-    args.duration / rounds seconds each), so drifting machine load hits them alike; per server the
+    args.duration / rounds seconds each, in the reverse order every other round), so drifting machine load
+    and whatever the server before leaves behind hit them alike; per server the
     level's summary with the mean executed batch size read from its metrics and, with `pids` (the servers'
     processes), the server's CPU time per answered request."""
     parts: dict[str, list[dict]] = {n: [] for n in ports}
     seqs = {n: [0.0, 0.0] for n in ports}
     cpu = {n: 0.0 for n in ports}
-    for _ in range(args.rounds):
-        for name, port in ports.items():
+    for r in range(args.rounds):
+        for name in (list(ports) if r % 2 == 0 else list(ports)[::-1]):  # who goes first alternates too
+            port = ports[name]
             before = batch_counts(port)
             c0 = cpu_seconds(pids[name]) if pids else 0.0
             parts[name].append(asyncio.run(run_load(port, texts, clients, args.duration / args.rounds,

@@ -44,8 +44,10 @@ def nvidia_gpu_visible() -> bool:
         shutil.which("nvidia-smi"))
 
 
-def _precheck(name: str, artifact: Artifact, gpu: bool, options: dict[str, Any] | None = None) -> str | None:
-    """A reason to skip `name` without importing anything heavy, or None to try loading it."""
+def _precheck(name: str, artifact: Artifact, gpu: bool, options: dict[str, Any] | None = None,
+              probe: bool = True) -> str | None:
+    """A reason to skip `name` without importing anything heavy, or None to try loading it; `probe` False
+    leaves OpenVINO's INT8 probe (_saturates) to when OpenVINO is about to load."""
     exports = artifact.manifest.exports.recorded()
     if name == "tensorrt":
         from . import tensorrt as trt_backend  # light: imports no TensorRT library
@@ -71,11 +73,32 @@ def _precheck(name: str, artifact: Artifact, gpu: bool, options: dict[str, Any] 
             return "the checkpoint has no OpenVINO export (holoserve export --target openvino)"
         if importlib.util.find_spec("openvino") is None:
             return "OpenVINO is not installed (pip install 'holoserve[openvino]')"
-        from .openvino import INT8_SATURATES, int8_gemm_saturates
-
-        if int8_gemm_saturates():  # exact numbers first: `--backend openvino` still serves it, with a warning
-            return INT8_SATURATES
+        if probe:
+            return _saturates(name)
     return None
+
+
+def _saturates(name: str) -> str | None:
+    """Why `name` may not serve on its own choice here: OpenVINO where its INT8 GEMMs saturate on this CPU
+    (exact numbers first: `--backend openvino` still serves it, with a warning). The probe compiles a model in
+    OpenVINO, so it runs only where OpenVINO is about to be loaded, not for a profile that serves without it."""
+    if name != "openvino":
+        return None
+    from .openvino import INT8_SATURATES, int8_gemm_saturates
+
+    return INT8_SATURATES if int8_gemm_saturates() else None
+
+
+def _exact(names: list[str], skipped: dict[str, str]) -> list[str]:
+    """`names` less those whose INT8 GEMMs saturate here (noted in `skipped`)."""
+    out = []
+    for name in names:
+        reason = _saturates(name)
+        if reason is None:
+            out.append(name)
+        else:
+            skipped[name] = reason
+    return out
 
 
 ROUTE_ENV = "HOLOSERVE_CPU_ROUTE"  # a routing decided before `--workers N` start (server/backend_choice.py)
@@ -109,7 +132,7 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
     notes = {} if notes is None else notes
     usable = []
     for name in CPU_BACKENDS:
-        reason = _precheck(name, artifact, gpu, options)
+        reason = _precheck(name, artifact, gpu, options, probe=False)
         if reason is None:
             usable.append(name)
         else:
@@ -118,14 +141,16 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
         return None, "no CPU backend loads"
     loaded = None
     if os.environ.get(ROUTE_ENV):  # a worker of `--workers N`: the parent decided
+        usable = _exact(usable, skipped)
         loaded = _load_cpu(artifact, usable, options, skipped)
         pinned = _route_from_env(loaded)
         if pinned is not None:
             return pinned[0], pinned[1] + _notes(loaded)
     if loaded is None:
-        from_profile = _from_profile(artifact, usable, options, notes)
+        from_profile = _from_profile(artifact, usable, options, notes, skipped)
         if from_profile is not None:
             return from_profile
+        usable = _exact(usable, skipped)
         loaded = _load_cpu(artifact, usable, options, skipped)
     if not loaded:
         return None, "no CPU backend loads"
@@ -150,8 +175,8 @@ def _notes(loaded: dict[str, Backend]) -> str:
     return "".join(f"; {n}{note}" for n, b in loaded.items() if (note := _kernels_note(b)))
 
 
-def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any], notes: dict[str, Any]
-                  ) -> tuple[Backend, str] | None:
+def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any], notes: dict[str, Any],
+                  skipped: dict[str, str]) -> tuple[Backend, str] | None:
     """The backend(s) the serving profile names, loaded as it says, where it matches this machine; else
     None, with the reason logged (a profile that is damaged or written elsewhere is never used)."""
     found, problem = profile.read_profile(artifact)
@@ -164,7 +189,10 @@ def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any]
     retime = f"timing the CPU backends at start-up instead (run `holoserve tune {artifact.path}` on this machine)"
     current = profile.machine_key(artifact, options, kernels_on=found["key"].get("kernels_build") is not None)
     differs = profile.key_differences(found["key"], current)
-    differs += [f"it picks {n}, which cannot serve here" for n in profile.needed(decision) if n not in usable]
+    for n in profile.needed(decision):
+        why = skipped.get(n, "it did not load") if n not in usable else _saturates(n)
+        if why:
+            differs.append(f"it picks {n}, which cannot serve here ({why})")
     if differs:
         notes["profile"] = "written for another setup: " + "; ".join(differs)
         log.warning("backend auto: the serving profile %s does not match this machine: %s; %s", path,

@@ -562,7 +562,8 @@ class _Timed:
 def _fake_cpu_backends(monkeypatch, backends):
     from holoserve.backends import auto
 
-    monkeypatch.setattr(auto, "_precheck", lambda name, art, gpu, options=None: None)
+    monkeypatch.setattr(auto, "_precheck", lambda name, art, gpu, options=None, probe=True: None)
+    monkeypatch.setattr(auto, "_saturates", lambda name: None)
     monkeypatch.setattr(auto, "load_backend", lambda name, art, **o: backends[name])
     monkeypatch.setattr(auto, "STARTUP_PLAN", dict(min_rounds=3, max_rounds=3, seconds=0.0, per_round=16))
     monkeypatch.delenv(auto.ROUTE_ENV, raising=False)

@@ -272,6 +272,29 @@ def test_serve_follows_a_matching_profile_without_timing(both, tuned, no_timing)
         prof["decision"]["backend"], prof["decision"]["backend"])
 
 
+def test_a_profile_that_serves_onnxruntime_loads_no_openvino(both, tuned, tmp_path):
+    """A server that follows a profile deciding ONNX Runtime neither imports OpenVINO (its runtime and plugin
+    cost a server's memory) nor runs OpenVINO's INT8 probe; checked in a fresh process."""
+    import shutil
+    import subprocess
+    import sys
+
+    prof, _ = tuned
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(both, ckpt)
+    ort = {**_with_decision(prof, backend="onnxruntime", openvino_shapes=[]),
+           "key": {**prof["key"], "kernels_build": None}}  # as tune keys a decision without OpenVINO
+    _write(profile.profile_path(ckpt), ort)
+    code = ("import sys\nfrom holoserve.backends.auto import fastest_cpu\n"
+            "from holoserve.core.artifact import load_artifact\n"
+            f"b, why = fastest_cpu(load_artifact({str(ckpt)!r}), False, {{'threads': 1}}, {{}})\n"
+            "print(b.name, 'openvino' in sys.modules)\nprint(why)")
+    env = {k: v for k, v in os.environ.items() if k != "HOLOSERVE_INT8_PROBE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.splitlines()[0] == "onnxruntime False", out
+    assert "from the serving profile" in out, out
+
+
 def _with_decision(prof, **decision):
     return {**prof, "decision": {**prof["decision"], **decision}}
 
@@ -525,8 +548,12 @@ def test_tune_and_serve_with_the_kernels_on_any_cpu(both, tmp_path, monkeypatch,
         prof, path = tune(ckpt, TuneOptions(**QUICK), out=quiet)
     assert prof["decision"]["openvino_kernels"] == "on", prof["decision"]
     assert prof["settings"]["openvino_kernels_status"].startswith("on (HoloServe's 2:4 INT8 kernels"), prof["settings"]
-    assert prof["key"]["kernels_build"] == kernels.build_key(None) and "openvino" in prof["timings"]["median_ms"]
-    _write(path, _with_decision(prof, backend="openvino", openvino_shapes=[]))
+    assert "openvino" in prof["timings"]["median_ms"]
+    # the kernels' build keys the profile exactly where its decision serves OpenVINO
+    serves_openvino = "openvino" in profile.needed(prof["decision"])
+    assert prof["key"]["kernels_build"] == (kernels.build_key(None) if serves_openvino else None), prof["decision"]
+    _write(path, {**_with_decision(prof, backend="openvino", openvino_shapes=[]),
+                  "key": {**prof["key"], "kernels_build": kernels.build_key(None)}})  # as tune keys that decision
     art = load_artifact(ckpt)
     backend, decision = select_backend(art, threads=1, openvino_kernels="auto", max_batch=32)
     assert decision["serving_profile"] == "used" and backend.name == "openvino", decision
