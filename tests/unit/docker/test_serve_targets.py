@@ -45,7 +45,7 @@ def test_the_served_targets_run_end_to_end(docker: Docker, image, tmp_path, monk
     # default containers served
     assert list(res["tuned"]) == ["long", "short", "pairs"], res["tuned"]
     assert all(t["decision"].startswith("decision: ") for t in res["tuned"].values()), res["tuned"]
-    assert [t["checkpoint"] for t in res["tuned"].values()] == ["sst2", "sst2", "mrpc"]
+    assert [t["checkpoint"] for t in res["tuned"].values()] == [single.name, single.name, pairs.name]
     assert res["tuned"]["long"]["texts"].endswith("(tune --texts)") and (out / "tune-long.txt").is_file()
     assert (single / "serving-profile.json").is_file() and (pairs / "serving-profile.json").is_file()
     withheld = json.loads((single / "serving-profile.json").read_text())["key"]["amx_withheld"]
