@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     ((sr, ss),), ((mr, ms),), ((lr, ls),) = (parse_shapes(x) for x in (args.small, args.medium, args.large))
     static = f"{lr}x{-(-ls // SEQ_MULTIPLE) * SEQ_MULTIPLE}"
     ov = load_backend("openvino", art, openvino_shapes=static)
-    ort = load_backend("onnxruntime", art)  # what it feeds
+    ort = load_backend("onnxruntime", art)  # its feeding; each way of waiting below swaps in its own session
     vocab = json.loads((art.path / "config.json").read_text(encoding="utf-8"))["vocab_size"]
     rng = np.random.default_rng(0)
     small, medium, large = (tuple(random_rows(rng, vocab, rows, seq).values())
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ONNX Runtime threads {LABELS[spin]}: ONNX Runtime {alone[0]:.2f} alone, "
               f"{1000 * np.median(after[1]):.2f} right after OpenVINO, {args.medium} {alone[1]:.2f} alone; "
               f"OpenVINO {alone[2]:.2f} alone, {1000 * np.median(after[0]):.2f} right after ONNX Runtime", flush=True)
+
 
 if __name__ == "__main__":
     main()

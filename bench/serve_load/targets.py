@@ -9,9 +9,9 @@ Before each kind of text's runs, as the README tells users, the image's `holoser
 serving profile on texts like those the runs send (skip it with --no-tune): the checkpoint's dev texts for
 sentences and pairs; for 64–128-token texts, SST-2 train sentences joined to that length (`tune --texts`; the
 runs send dev sentences joined). The table says which backend each default container served and why. Each
-comparison is a `python -m bench.serve_load.run --docker` run (alternating rounds, both containers up), whose own record
-lands beside the table. The targets are for a CPU with AVX-512 VNNI + VBMI and no AMX, where the default serves
-OpenVINO on HoloServe's 2:4 kernels; the table says whether this CPU is one.
+comparison is a `python -m bench.serve_load.run --docker` run (alternating rounds, both containers up), whose
+own record lands beside the table. The targets are for a CPU with AVX-512 VNNI + VBMI and no AMX, where the
+default serves OpenVINO on HoloServe's 2:4 kernels; the table says whether this CPU is one.
 """
 from __future__ import annotations
 
@@ -106,12 +106,13 @@ def tune_texts(kind: str, data_dir: str | None, folder: Path) -> Path | None:
         return None
     from holoserve.data.glue import read_split
 
-    out, group = [], []
+    out, group, words = [], [], 0
     for ex in read_split("sst2", "train", data_dir, limit=20000):
         group.append(ex.text.strip())
-        if sum(len(t.split()) for t in group) >= LONG_WORDS:
+        words += len(group[-1].split())
+        if words >= LONG_WORDS:
             out.append(" ".join(group))
-            group = []
+            group, words = [], 0
     path = folder / "tune-long.txt"
     path.write_text("\n".join(out or [" ".join(group)]) + "\n", encoding="utf-8")
     return path

@@ -89,18 +89,6 @@ def _saturates(name: str) -> str | None:
     return INT8_SATURATES if int8_gemm_saturates() else None
 
 
-def _exact(names: list[str], skipped: dict[str, str]) -> list[str]:
-    """`names` less those whose INT8 GEMMs saturate here (noted in `skipped`)."""
-    out = []
-    for name in names:
-        reason = _saturates(name)
-        if reason is None:
-            out.append(name)
-        else:
-            skipped[name] = reason
-    return out
-
-
 ROUTE_ENV = "HOLOSERVE_CPU_ROUTE"  # a routing decided before `--workers N` start (server/backend_choice.py)
 # Timing at start-up (no usable serving profile): short, as the server is not ready until it ends; a few
 # rounds already tell a clear winner, and `holoserve tune` measures longer where the margin is thin.
@@ -141,7 +129,6 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
         return None, "no CPU backend loads"
     loaded = None
     if os.environ.get(ROUTE_ENV):  # a worker of `--workers N`: the parent decided
-        usable = _exact(usable, skipped)
         loaded = _load_cpu(artifact, usable, options, skipped)
         pinned = _route_from_env(loaded)
         if pinned is not None:
@@ -150,7 +137,6 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
         from_profile = _from_profile(artifact, usable, options, notes, skipped)
         if from_profile is not None:
             return from_profile
-        usable = _exact(usable, skipped)
         loaded = _load_cpu(artifact, usable, options, skipped)
     if not loaded:
         return None, "no CPU backend loads"
@@ -162,12 +148,18 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
 
 def _load_cpu(artifact: Artifact, names: list[str], options: dict[str, Any], skipped: dict[str, str]
               ) -> dict[str, Backend]:
+    """The backends of `names` that load here, less any whose INT8 GEMMs saturate (_saturates); why each other
+    one did not, in `skipped`."""
     loaded: dict[str, Backend] = {}
     for name in names:
         try:
-            loaded[name] = load_backend(name, artifact, **options)
+            reason = _saturates(name)
+            if reason is None:
+                loaded[name] = load_backend(name, artifact, **options)
         except (BackendUnavailable, ImportError) as e:
-            skipped[name] = str(e)
+            reason = str(e)
+        if reason is not None:
+            skipped[name] = reason
     return loaded
 
 

@@ -240,8 +240,6 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = F
     config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
     if threads > 0:
         config["INFERENCE_NUM_THREADS"] = int(threads)
-    if os.environ.get("XX_PIN"):  # TEMP experiment
-        config["ENABLE_CPU_PINNING"] = os.environ["XX_PIN"] == "1"
     if precision != "auto":
         config["INFERENCE_PRECISION_HINT"] = precision
     amx = cpu_has_amx()

@@ -209,11 +209,11 @@ class Timings:
 def time_backends(backends: Mapping[str, Any], items: Sequence[Encoded], sizes: Sequence[int], plan: Plan,
                   pad: int = 0) -> Timings:
     """Time each backend on the same batches (run as the server runs them: round_batches), round by round: an
-    untimed round first (first-run allocations,
-    OpenVINO's first sight of a shape), then rounds in which the backends take turns at each batch size,
-    in the reverse order every other round. Each turn starts with an untimed batch: the runtime that ran
-    before leaves its pool threads spinning for a while (OpenVINO's cannot be told to stop), which would
-    slow the first batch of the next one, as it never is in a server that runs one backend."""
+    untimed round first (first-run allocations, OpenVINO's first sight of a shape), then rounds in which the
+    backends take turns at each batch size, in the reverse order every other round. Each turn starts with an
+    untimed batch: the runtime that ran before leaves its pool threads spinning for a while (OpenVINO's cannot
+    be told to stop), which would slow the first batch of the next one, as it never is in a server that runs
+    one backend."""
     if not items:
         raise HoloServeError("no texts to time the backends on")
     names = list(backends)
