@@ -249,6 +249,8 @@ def decide(timings: profile.Timings, grid: dict[int, list[tuple[int, int]]]) -> 
         won = [b for b in sorted(dynamic) if medians["openvino"][b] != dynamic[b]]  # where the static times replaced
     decision = profile.decide(medians, timings.tokens)
     serves = "openvino" in profile.needed(decision)
+    if decision.get("max_small_rows") and decision["small"] != "openvino":  # the light-load route: OpenVINO
+        kept = [(b, s) for b, s in kept if b > decision["max_small_rows"]]  # never runs those few rows
     decision["openvino_shapes"] = [f"{b}x{s}" for b, s in kept] if serves else []
     if static is not None and "openvino" in medians:
         decision["reason"] += (
@@ -269,7 +271,10 @@ def report(prof: dict[str, Any], path: Path) -> str:
     """The timings as a table and the decision, for stdout."""
     t = prof["timings"]
     names = list(t["median_ms"])
-    lines = [f"median ms per batch over {t['rounds']} rounds ({t['seconds']:.0f} s):",
+    light = t.get("light_load") or {}
+    lines = [f"median ms per batch over {t['rounds']} rounds ({t['seconds']:.0f} s)"
+             + (f"; batches of {light['batch_size']} row each after a {light['pause_ms']:.0f} ms pause, as light load "
+                "meets them" if light else "") + ":",
              "  ".join([f"{'rows':>5}", f"{'tokens':>7}", *(f"{n:>16}" for n in names)])]
     for b in t["batch_sizes"]:
         cells = [f"{t['median_ms'][n].get(str(b), float('nan')):16.3f}" for n in names]

@@ -92,7 +92,7 @@ def _saturates(name: str) -> str | None:
 ROUTE_ENV = "HOLOSERVE_CPU_ROUTE"  # a routing decided before `--workers N` start (server/backend_choice.py)
 # Timing at start-up (no usable serving profile): short, as the server is not ready until it ends; a few
 # rounds already tell a clear winner, and `holoserve tune` measures longer where the margin is thin.
-STARTUP_PLAN = dict(min_rounds=3, max_rounds=15, seconds=2.0, per_round=16)
+STARTUP_PLAN = dict(min_rounds=3, max_rounds=15, seconds=2.0, per_round=16, light_per_round=4)
 STARTUP_ROUTING_ROUNDS = 4  # profile.confirm_routing's rounds at start-up, where a routed pair comes out ahead
 
 
@@ -105,10 +105,10 @@ def _route_from_env(loaded: dict[str, Backend]) -> tuple[Backend, str] | None:
         return None
     try:
         route = json.loads(raw)
-        small, large, limit = loaded[route["small"]], loaded[route["large"]], int(route["max_small_tokens"])
-    except (ValueError, KeyError, TypeError):
+        backend = RoutedCpuBackend.from_route(loaded, route)
+    except (HoloServeError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return RoutedCpuBackend(small, large, limit), "the routing chosen before the workers started"
+    return backend, "the routing chosen before the workers started"
 
 
 def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped: dict[str, str],
@@ -209,8 +209,7 @@ def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any]
             return None
     notes["profile"] = "used"
     if decision["backend"] == "routed":
-        backend: Backend = RoutedCpuBackend(loaded[decision["small"]], loaded[decision["large"]],
-                                            decision["max_small_tokens"])
+        backend: Backend = RoutedCpuBackend.from_route(loaded, decision)
     else:
         backend = loaded[decision["backend"]]
     return backend, (f"{profile.describe(decision)}, from the serving profile written by `holoserve tune` on "
@@ -234,8 +233,7 @@ def _timed_at_startup(artifact: Artifact, loaded: dict[str, Backend], options: d
     decision = profile.confirm_routing(loaded, profile.decide(medians, timings.tokens), medians, timings.tokens,
                                        items, sizes, profile.pad_id(artifact), STARTUP_ROUTING_ROUNDS)
     if decision["backend"] == "routed":
-        backend: Backend = RoutedCpuBackend(loaded[decision["small"]], loaded[decision["large"]],
-                                            decision["max_small_tokens"])
+        backend: Backend = RoutedCpuBackend.from_route(loaded, decision)
     else:
         backend = loaded[decision["backend"]]
     on = texts.source if texts else "random token ids at sentence-like lengths (no dev texts found)"

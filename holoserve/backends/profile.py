@@ -5,9 +5,12 @@ Both this measurement and `auto`'s start-up fallback time the CPU backends the s
 own dev texts (or a given file), tokenized by its tokenizer, in batches of 1, 2, 4, ... rows up to the
 server's largest batch, each padded to its longest row as the dynamic batcher pads it. The backends take
 turns round by round on the same batches, so background load hits them alike, and each backend's time at
-a batch size is the median over the rounds. ONNX Runtime, the simpler backend, serves unless another is
+a batch size is the median over the rounds. A batch of one row is what a lightly loaded server runs: a
+request that finds the runtime idle. Runtimes start such a batch slower than one that follows another
+(their pool threads asleep, caches cold), and not all alike, so one-row batches are timed each after a
+pause (LIGHT_PAUSE_S) instead of back to back. ONNX Runtime, the simpler backend, serves unless another is
 faster by MARGIN; two backends are routed by batch size only where that gains MARGIN over the best single
-one (`decide`).
+one, or where the other backend serves one-row batches faster by MARGIN (`decide`).
 
 The profile (PROFILE_FILE in the checkpoint folder, JSON) holds the decision, the medians it came from,
 what texts they were measured on, and a key: the CPU, the flags that change which kernels run, the
@@ -46,7 +49,7 @@ from .routed import RoutedCpuBackend
 
 PROFILE_FILE = "serving-profile.json"
 FORMAT = "holoserve-serving-profile"
-VERSION = 1
+VERSION = 2  # 2: one-row batches timed after a pause, and the light-load route (max_small_rows)
 MAX_PROFILE_BYTES = 1 << 20  # a profile is a few kB; a larger file is not one and is not read whole
 CPU_BACKENDS = (ONNXRUNTIME, OPENVINO)  # ONNX Runtime first: the simpler backend, kept on a tie
 SIMPLE = ONNXRUNTIME
@@ -56,6 +59,11 @@ STATIC = "openvino-static"  # the OpenVINO backend with a grid of static shapes,
 MARGIN = 0.05
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 TEXTS_PER_ROUND = 32  # texts each backend runs at each batch size per round (at least one batch)
+LIGHT = 1  # the batch size of a lightly loaded server: one request at a time
+# tune pauses this long before each one-row batch it times: requests 50 a second or fewer apart find the
+# runtime idle (measured: docs/results/2026-11-29-light-load.md)
+LIGHT_PAUSE_S = 0.02
+LIGHT_PER_ROUND = 8  # one-row batches each backend runs per round, each after the pause
 SHAPE_MULTIPLE = SEQ_MULTIPLE  # static shapes' sequence lengths are rounded up to it, as the dynamic model's
 
 
@@ -189,6 +197,8 @@ class Plan:
     max_rounds: int = 1000
     seconds: float = 60.0
     per_round: int = TEXTS_PER_ROUND
+    light_per_round: int = LIGHT_PER_ROUND
+    pause_s: float = LIGHT_PAUSE_S
     on_round: Callable[[int, "Timings"], None] | None = None
 
 
@@ -206,6 +216,15 @@ class Timings:
         return {n: {b: float(np.median(v)) for b, v in by.items() if v} for n, by in self.ms.items()}
 
 
+def run_light(run: Callable[..., Any], groups: Sequence[tuple], pause_s: float) -> float:
+    """Seconds one batch of one row takes as a lightly loaded server runs it: after `pause_s` idle."""
+    time.sleep(pause_s)
+    start = time.perf_counter()
+    for feed in groups:
+        run(*feed)
+    return time.perf_counter() - start
+
+
 def time_backends(backends: Mapping[str, Any], items: Sequence[Encoded], sizes: Sequence[int], plan: Plan,
                   pad: int = 0) -> Timings:
     """Time each backend on the same batches (run as the server runs them: round_batches), round by round: an
@@ -213,7 +232,7 @@ def time_backends(backends: Mapping[str, Any], items: Sequence[Encoded], sizes: 
     backends take turns at each batch size, in the reverse order every other round. Each turn starts with an
     untimed batch: the runtime that ran before leaves its pool threads spinning for a while (OpenVINO's cannot
     be told to stop), which would slow the first batch of the next one, as it never is in a server that runs
-    one backend."""
+    one backend. Batches of LIGHT rows run as light load meets them: each after plan.pause_s idle."""
     if not items:
         raise HoloServeError("no texts to time the backends on")
     names = list(backends)
@@ -224,16 +243,21 @@ def time_backends(backends: Mapping[str, Any], items: Sequence[Encoded], sizes: 
     while True:
         order = names if r % 2 else names[::-1]
         for b in sizes:
-            batches = round_batches(items, b, r, pad, plan.per_round)
+            light = b == LIGHT
+            batches = round_batches(items, b, r, pad, plan.light_per_round if light else plan.per_round)
             for name in order:
                 run = backends[name].infer
-                run(*batches[0][0])  # untimed: the other runtime's threads settle meanwhile
-                start = time.perf_counter()
-                for groups in batches:
-                    for feed in groups:
-                        run(*feed)
+                if light:  # each after a pause, in which the other runtime's threads settle as well
+                    seconds = sum(run_light(run, groups, plan.pause_s) for groups in batches)
+                else:
+                    run(*batches[0][0])  # untimed: the other runtime's threads settle meanwhile
+                    start = time.perf_counter()
+                    for groups in batches:
+                        for feed in groups:
+                            run(*feed)
+                    seconds = time.perf_counter() - start
                 if r:
-                    timings.ms[name][b].append((time.perf_counter() - start) * 1000 / len(batches))
+                    timings.ms[name][b].append(seconds * 1000 / len(batches))
             if r:
                 token_sums[b][0] += sum(feed[0].size for groups in batches for feed in groups)
                 token_sums[b][1] += len(batches)
@@ -265,9 +289,11 @@ def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, floa
            route: bool = True) -> dict[str, Any]:
     """The CPU backend(s) to serve from per-batch-size median times: ONNX Runtime unless the other is faster
     by `margin`; both, routed by batch size at the cut that gains most, where that gains `margin` over the
-    single one (not with route=False). `tokens` (mean padded tokens per batch at each size) places the
-    routing threshold. A routed decision is an estimate from each backend timed on its own: confirm_routing
-    times the pair as it serves."""
+    single one (one-row batches never on a backend slower at them by `margin`); or, where the other backend
+    serves one-row batches (light load, timed after a pause) faster than the single one by `margin`, those
+    on the other and larger ones on the single one (the light-load route). Not routed with route=False.
+    `tokens` (mean padded tokens per batch at each size) places the token threshold. A routed decision is an
+    estimate from each backend timed on its own: confirm_routing times the pair as it serves."""
     names = sorted(medians, key=lambda n: (n != SIMPLE, n))
     sizes = sorted(set.intersection(*(set(medians[n]) for n in names))) if names else []
     if not names or not sizes:
@@ -284,9 +310,16 @@ def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, floa
                    if ratio < 1 else f"{simple} is the faster")
         single, why = simple, (f"{other} takes {ratio:.2f}x the time of {simple} (geometric mean over batch sizes "
                                f"{sizes[0]} to {sizes[-1]}): {verdict}")
+    if not route:
+        return {"backend": single, "reason": why}
+    # a backend slower at one-row batches than the other by the margin does not serve them
+    slow_light = {n for n, m in ((simple, other), (other, simple))
+                  if sizes[0] == LIGHT and medians[m][LIGHT] <= medians[n][LIGHT] * (1 - margin)}
     best: tuple[float, int, str, str] | None = None
-    for cut in range(1, len(sizes) if route else 1):
+    for cut in range(1, len(sizes)):
         for small, large in ((simple, other), (other, simple)):
+            if small in slow_light:
+                continue
             mixed = {s: medians[small if i < cut else large][s] for i, s in enumerate(sizes)}
             gain = 1 - _ratio(mixed, medians[single], sizes)
             if best is None or gain > best[0] + 1e-12:
@@ -298,6 +331,13 @@ def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, floa
                 "reason": (f"{small} up to {sizes[cut - 1]} rows and {large} from {sizes[cut]} rows takes "
                            f"{1 - gain:.2f}x the time of {single} alone: faster by more than the {margin:.0%} "
                            f"margin; {why}")}
+    if single in slow_light:
+        light = other if single == simple else simple
+        light_ratio = medians[light][LIGHT] / medians[single][LIGHT]
+        return {"backend": "routed", "small": light, "large": single, "max_small_rows": LIGHT,
+                "reason": (f"{why}; but one-row batches (light load: each timed after a "
+                           f"{LIGHT_PAUSE_S * 1000:.0f} ms pause) take {light_ratio:.2f}x the time on {light}, "
+                           f"so {light} serves them (the light-load route)")}
     return {"backend": single, "reason": why}
 
 
@@ -308,34 +348,51 @@ def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
                     medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, float],
                     items: Sequence[Encoded], sizes: Sequence[int], pad: int = 0,
                     rounds: int = ROUTING_ROUNDS) -> dict[str, Any]:
-    """`decision` where it is not routed, or where the routed pair, run as it serves, is faster than the single
-    backend by the margin; else the single backend's decision, saying why. Each backend timed on its own
-    misses what two runtimes in one process cost each other when batches alternate between them (ONNX
-    Runtime's and OpenVINO's idle pool threads spin, taking the cores the other's next batch needs): here the
-    routed pair (as RoutedCpuBackend serves it) and the single backend take turns, round by round, each
-    running one batch of every size in turn, so the pair switches runtimes as mixed load makes it."""
+    """`decision` where it is not routed, or where the routed pair, run as it serves, keeps what it was chosen
+    for: faster than the single backend by the margin (routed by tokens), or, for the light-load route, not
+    slower by the margin at the larger batches it leaves to the single backend; else the single backend's
+    decision, saying why. Each backend timed on its own misses what two runtimes in one process cost each
+    other when batches alternate between them (idle pool threads that spin, each runtime's weights pushed out
+    of the caches by the other's): here the routed pair (as RoutedCpuBackend serves it) and the single backend
+    take turns, round by round, each running one batch of every size in turn (one-row batches after the
+    light-load pause), so the pair switches runtimes as mixed load makes it. The light-load route's one-row
+    batches are not timed here: under light load the pair runs them alone, as time_backends timed them, while
+    taking turns would push each side's weights out of the caches for the other."""
     if decision["backend"] != "routed":
         return dict(decision)
     single = decide(medians, tokens, route=False)
-    sides = {"routed": RoutedCpuBackend(backends[decision["small"]], backends[decision["large"]],
-                                        decision["max_small_tokens"]),
-             "single": backends[single["backend"]]}
-    ms: dict[str, dict[int, list[float]]] = {n: {b: [] for b in sizes} for n in sides}
+    sides = {"routed": RoutedCpuBackend.from_route(backends, decision), "single": backends[single["backend"]]}
+    light_route = decision.get("max_small_rows") is not None
+    timed = [b for b in sizes if not (light_route and b <= decision["max_small_rows"])] or list(sizes)
+    ms: dict[str, dict[int, list[float]]] = {n: {b: [] for b in timed} for n in sides}
     for r in range(rounds + 1):  # round 0 untimed: first runs of each shape
         for name in (sides if r % 2 else list(sides)[::-1]):
+            run = sides[name].infer
             # an untimed batch first, as in time_backends: the other side's threads settle meanwhile
-            sides[name].infer(*round_batches(items, sizes[0], r, pad, per_round=sizes[0])[0][0])
-            for b in sizes:
+            run(*round_batches(items, sizes[0], r, pad, per_round=sizes[0])[0][0])
+            for b in timed:
                 groups = round_batches(items, b, r, pad, per_round=b)[0]
-                start = time.perf_counter()
-                for feed in groups:
-                    sides[name].infer(*feed)
+                if b == LIGHT:
+                    seconds = run_light(run, groups, LIGHT_PAUSE_S)
+                else:
+                    start = time.perf_counter()
+                    for feed in groups:
+                        run(*feed)
+                    seconds = time.perf_counter() - start
                 if r:
-                    ms[name][b].append((time.perf_counter() - start) * 1000)
+                    ms[name][b].append(seconds * 1000)
     med = {n: {b: float(np.median(v)) for b, v in by.items()} for n, by in ms.items()}
-    ratio = _ratio(med["routed"], med["single"], sizes)
+    ratio = _ratio(med["routed"], med["single"], timed)
+    alone = f"the time of {single['backend']} alone"
+    if light_route:
+        measured = (f"run as served (every batch size in turn, switching runtimes), the pair took {ratio:.2f}x "
+                    f"{alone} at batch sizes {timed[0]} to {timed[-1]}")
+        if ratio <= 1 + MARGIN:
+            return {**decision, "reason": f"{decision['reason']}; {measured}: kept"}
+        return {**single, "reason": f"{single['reason']}; the light-load route was not kept: {measured}, slower "
+                                    f"by more than the {MARGIN:.0%} margin"}
     measured = (f"run as served (every batch size in turn, switching runtimes), the routed pair took {ratio:.2f}x "
-                f"the time of {single['backend']} alone")
+                f"{alone}")
     if ratio <= 1 - MARGIN:
         return {**decision, "reason": f"{decision['reason']}; {measured}: kept"}
     return {**single, "reason": f"{single['reason']}; routing by batch size was not kept: {measured}, not faster by "
@@ -386,8 +443,11 @@ def describe(decision: Mapping[str, Any]) -> str:
     with_shapes = f" (static shapes {', '.join(shapes)})" if shapes else ""
     if backend == "routed":
         s, l_ = decision["small"], decision["large"]
-        return (f"{s}{with_shapes if s == OPENVINO else ''} for batches of up to {decision['max_small_tokens']} "
-                f"tokens and {l_}{with_shapes if l_ == OPENVINO else ''} above")
+        small = ("one-row batches (light load)" if decision.get("max_small_rows") == LIGHT else
+                 f"batches of up to {decision['max_small_rows']} rows" if decision.get("max_small_rows") else
+                 f"batches of up to {decision['max_small_tokens']} tokens")
+        return (f"{s}{with_shapes if s == OPENVINO else ''} for {small} and {l_}"
+                f"{with_shapes if l_ == OPENVINO else ''} above")
     return backend + (with_shapes if backend == OPENVINO else "")
 
 
@@ -497,7 +557,8 @@ def new_profile(key: Mapping[str, Any], decision: Mapping[str, Any], timings: Ti
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "decision": dict(decision),
         "key": dict(key),
-        "timings": {"unit": "ms per batch, median over rounds", "margin": MARGIN, "rounds": timings.rounds,
+        "timings": {"unit": "ms per batch, median over rounds", "margin": MARGIN,
+                    "light_load": {"batch_size": LIGHT, "pause_ms": LIGHT_PAUSE_S * 1000}, "rounds": timings.rounds,
                     "seconds": round(timings.seconds, 1), "batch_sizes": list(timings.sizes),
                     "tokens_per_batch": {str(b): round(t, 1) for b, t in timings.tokens.items()},
                     "median_ms": {n: {str(b): round(t, 4) for b, t in by.items()} for n, by in medians.items()}},
@@ -527,15 +588,18 @@ def _check(profile: Any) -> str | None:
     version = profile.get("version")
     if not isinstance(version, int) or version > VERSION:
         return f"its version {version!r} is not one this HoloServe reads ({VERSION})"
+    if version < VERSION:
+        return (f"it was written by an earlier HoloServe (version {version}), which timed one-row batches back to "
+                "back instead of as light load meets them")
     decision, key = profile.get("decision"), profile.get("key")
     if not isinstance(decision, dict) or not isinstance(key, dict):
         return "it has no decision or no key"
     backend = decision.get("backend")
     if backend == "routed":
-        tokens = decision.get("max_small_tokens")
-        if ({decision.get("small"), decision.get("large")} != set(CPU_BACKENDS) or not isinstance(tokens, int)
-                or isinstance(tokens, bool) or tokens < 1):
-            return "its routed decision does not name both CPU backends and a positive token threshold"
+        limits = [decision.get(k) for k in ("max_small_tokens", "max_small_rows") if k in decision]
+        if ({decision.get("small"), decision.get("large")} != set(CPU_BACKENDS) or len(limits) != 1
+                or not isinstance(limits[0], int) or isinstance(limits[0], bool) or limits[0] < 1):
+            return "its routed decision does not name both CPU backends and one positive token or row limit"
     elif backend not in CPU_BACKENDS:
         return f"its decision names no CPU backend ({backend!r})"
     shapes = decision.get("openvino_shapes", [])

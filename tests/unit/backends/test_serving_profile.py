@@ -59,6 +59,41 @@ def test_routes_by_batch_size_only_where_the_mix_gains_the_margin():
     assert profile.decide(_times(ort, ov), TOKENS)["backend"] == "onnxruntime"
 
 
+def test_one_row_batches_go_where_light_load_runs_them_faster_by_the_margin():
+    """The light-load route: one-row batches (timed after a pause) on the other backend where it is faster at
+    them by the margin, larger ones on the backend the geometric mean chose."""
+    ort = [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]
+    ov = [1.2, 1.2, 2.0, 3.2, 6.4, 12.8]  # 20 % faster from 2 rows, 20 % slower at one row
+    d = profile.decide(_times(ort, ov), TOKENS)
+    assert (d["backend"], d["small"], d["large"], d["max_small_rows"]) == ("routed", "onnxruntime", "openvino", 1)
+    assert "max_small_tokens" not in d and "(the light-load route)" in d["reason"]
+    assert "one-row batches (light load: each timed after a 20 ms pause) take 0.83x the time on onnxruntime" in d[
+        "reason"]
+    assert profile.describe(d) == "onnxruntime for one-row batches (light load) and openvino above"
+    assert profile.needed(d) == ["onnxruntime", "openvino"]
+    # within the margin at one row: the single backend serves them too
+    ov[0] = 1.03
+    assert profile.decide(_times(ort, ov), TOKENS)["backend"] == "openvino"
+    # the other way round: ONNX Runtime chosen, OpenVINO faster by the margin at one row only
+    d = profile.decide(_times(ort, [0.8, 1.6, 2.6, 4.2, 8.4, 16.8]), TOKENS)
+    assert (d["backend"], d["small"], d["large"], d["max_small_rows"]) == ("routed", "openvino", "onnxruntime", 1)
+    # with route=False (what confirm_routing compares against) there is no route of either kind
+    assert profile.decide(_times(ort, [1.2, 1.2, 2.0, 3.2, 6.4, 12.8]), TOKENS, route=False)["backend"] == "openvino"
+    # timings without one-row batches: no light-load route
+    assert profile.decide(_times(ort[1:], ov[1:], sizes=(2, 4, 8, 16, 32)), TOKENS)["backend"] == "openvino"
+
+
+def test_a_token_route_never_gives_one_row_batches_to_a_backend_slower_at_them_by_the_margin():
+    ort = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
+    # openvino much faster at 2 and 4 rows, slower from 8: routed, openvino taking the small batches
+    ov = [1.0, 1.2, 2.4, 10.4, 20.8, 41.6]
+    d = profile.decide(_times(ort, ov), TOKENS)
+    assert (d["backend"], d["small"], d["large"]) == ("routed", "openvino", "onnxruntime")
+    # the same, but openvino slower at one row by the margin: it cannot take the small batches
+    ov[0] = 1.2
+    assert profile.decide(_times(ort, ov), TOKENS)["backend"] == "onnxruntime"
+
+
 class _Clock:
     """A fake perf_counter that advances only when a fake backend runs."""
 
@@ -110,6 +145,118 @@ def test_a_routed_pair_is_kept_only_where_it_wins_as_it_serves(monkeypatch, swit
     # a decision that is not routed is left as it is, with nothing timed
     single = profile.decide(_times(ort_ms, ort_ms), TOKENS)
     assert profile.confirm_routing({}, single, medians, TOKENS, items, [1]) == single
+
+
+class _Cold(_Fake):
+    """A fake backend that runs `cold` ms slower after an idle pause (time.sleep), as runtimes do."""
+
+    def __init__(self, name, per_row, clock, switch, cold):
+        super().__init__(name, per_row, clock, switch)
+        self.cold, self.idle = cold, False
+
+    def infer(self, ids, mask, segments):
+        if self.idle:
+            self.clock.now += self.cold / 1000
+            self.idle = False
+        return super().infer(ids, mask, segments)
+
+
+def _cold_fakes(monkeypatch, per_row, switch=0.0, cold=None):
+    clock = _Clock()
+    monkeypatch.setattr(profile.time, "perf_counter", clock)
+    fakes = {n: _Cold(n, per_row[n], clock, switch, (cold or {}).get(n, 0.0)) for n in per_row}
+    pauses = []
+
+    def sleep(seconds):  # the pause: every backend's threads go idle
+        pauses.append(seconds)
+        clock.now += seconds
+        for f in fakes.values():
+            f.idle = True
+
+    monkeypatch.setattr(profile.time, "sleep", sleep)
+    return fakes, pauses
+
+
+def test_one_row_batches_are_timed_after_a_pause(monkeypatch):
+    """time_backends runs each one-row batch after LIGHT_PAUSE_S idle, so what each runtime pays to start
+    cold counts there, and only there; the pause itself is not timed."""
+    sizes = [1, 2, 4]
+    per_row = {"onnxruntime": {1: 1.0, 2: 2.0, 4: 4.0}, "openvino": {1: 1.0, 2: 1.5, 4: 3.0}}
+    fakes, pauses = _cold_fakes(monkeypatch, per_row, cold={"openvino": 0.5})
+    items = _texts_of([16] * 40)
+    plan = profile.Plan(min_rounds=2, max_rounds=2, seconds=0.0, per_round=4, light_per_round=3)
+    timings = profile.time_backends(fakes, items, sizes, plan)
+    med = timings.medians()
+    assert med["openvino"] == pytest.approx({1: 1.5, 2: 1.5, 4: 3.0})
+    assert med["onnxruntime"] == pytest.approx({1: 1.0, 2: 2.0, 4: 4.0})
+    # three one-row batches per backend per round, each after the pause; rounds 0 (untimed) to 2
+    assert pauses == [profile.LIGHT_PAUSE_S] * (3 * 2 * 3)
+    d = profile.decide(med, timings.tokens)
+    assert (d["backend"], d["small"], d["large"]) == ("routed", "onnxruntime", "openvino")
+
+
+@pytest.mark.parametrize("switch,kept", [(0.0, True), (2.0, False)])
+def test_the_light_load_route_is_kept_unless_larger_batches_pay_for_it(monkeypatch, switch, kept):
+    """confirm_routing runs the light-load route as it serves: kept unless switching runtimes makes the larger
+    batches, which the single backend runs either way, slower by the margin. Its one-row batches are not
+    timed there (taking turns would run them cold for both)."""
+    sizes = [1, 2, 4, 8, 16, 32]
+    per_row = _times([1.0, 2.0, 4.0, 8.0, 16.0, 32.0], [1.15, 1.5, 3.0, 6.0, 12.0, 24.0])
+    decision = profile.decide(per_row, TOKENS)
+    assert decision.get("max_small_rows") == 1
+    fakes, pauses = _cold_fakes(monkeypatch, per_row, switch)
+    got = profile.confirm_routing(fakes, decision, per_row, TOKENS, _texts_of([16] * 40), sizes, rounds=3)
+    if kept:
+        assert got["backend"] == "routed" and got["reason"].endswith("at batch sizes 2 to 32: kept"), got
+    else:
+        assert got["backend"] == "openvino" and "the light-load route was not kept" in got["reason"], got
+        assert "slower by more than the 5% margin" in got["reason"]
+    assert not pauses  # nothing of one row was timed
+
+
+def test_a_routed_pair_by_rows():
+    """RoutedCpuBackend routes by rows (the light-load route) or by tokens, from a decision's dict."""
+    class _Named:
+        def __init__(self, name):
+            self.name, self.rows = name, []
+
+        def infer(self, ids, mask, segments):
+            self.rows.append(ids.shape[0])
+            return np.zeros((ids.shape[0], 2), np.float32)
+
+        def info(self):
+            return {"backend": self.name}
+
+    loaded = {"onnxruntime": _Named("onnxruntime"), "openvino": _Named("openvino")}
+    route = {"small": "onnxruntime", "large": "openvino", "max_small_rows": 1}
+    pair = RoutedCpuBackend.from_route(loaded, route)
+    for rows, seq in ((1, 128), (2, 8), (1, 4), (16, 64)):
+        ids = np.ones((rows, seq), np.int64)
+        pair.infer(ids, ids, ids)
+    assert loaded["onnxruntime"].rows == [1, 1] and loaded["openvino"].rows == [2, 16]
+    assert pair.route() == route and pair.info()["routing"]["runs"] == {"onnxruntime": 2, "openvino": 2}
+    by_tokens = RoutedCpuBackend.from_route(loaded, {"small": "onnxruntime", "large": "openvino",
+                                                     "max_small_tokens": 100})
+    assert by_tokens.route()["max_small_tokens"] == 100 and by_tokens.max_small_rows is None
+    with pytest.raises(HoloServeError, match="either a token limit or a row limit"):
+        RoutedCpuBackend(loaded["onnxruntime"], loaded["openvino"], max_small_tokens=10, max_small_rows=1)
+
+
+def test_tune_compiles_no_one_row_shapes_that_the_light_load_route_keeps_from_openvino():
+    from holoserve.tune import decide
+
+    def per_size(ms):
+        return {b: [t] for b, t in zip(profile.BATCH_SIZES, ms)}
+
+    timings = profile.Timings(list(profile.BATCH_SIZES), {
+        "onnxruntime": per_size([1.0, 2.0, 4.0, 8.0, 16.0, 32.0]),
+        "openvino": per_size([1.5, 1.8, 3.6, 7.2, 14.4, 28.8]),
+        profile.STATIC: per_size([1.15, 1.5, 3.0, 6.0, 12.0, 24.0])}, tokens=TOKENS)
+    grid = {1: [(1, 16)], 2: [(1, 16), (2, 16)], 4: [(2, 16), (4, 16)], 8: [(8, 16)], 16: [(16, 16)],
+            32: [(32, 16)]}
+    decision, _ = decide(timings, grid)
+    assert decision.get("max_small_rows") == 1 and decision["small"] == "onnxruntime"
+    assert decision["openvino_shapes"] == ["2x16", "4x16", "8x16", "16x16", "32x16"]
 
 
 def test_static_shapes_are_kept_only_where_they_win_by_the_margin():
@@ -296,7 +443,8 @@ def test_a_profile_that_serves_onnxruntime_loads_no_openvino(both, tuned, tmp_pa
 
 
 def _with_decision(prof, **decision):
-    return {**prof, "decision": {**prof["decision"], **decision}}
+    kept = {k: v for k, v in prof["decision"].items() if k not in ("max_small_tokens", "max_small_rows")}
+    return {**prof, "decision": {**kept, **decision}}
 
 
 def test_profile_static_shapes_and_routing_are_served_and_reported(both, tuned, no_timing):
@@ -322,6 +470,15 @@ def test_profile_static_shapes_and_routing_are_served_and_reported(both, tuned, 
         info = ClassifierService(cfg, art, backend, decision).model_info().backend
         assert info["static_shapes"] == ["32x32"] and info["backends"]["openvino"]["runs"] == {"static": 0,
                                                                                                "dynamic": 0}
+        # the light-load route: one-row batches on ONNX Runtime
+        _write(path, _with_decision(prof, backend="routed", small="onnxruntime", large="openvino",
+                                    max_small_rows=1, openvino_shapes=["32x32"]))
+        backend, decision = select_backend(art, threads=1, openvino_kernels="auto", max_batch=32)
+        assert backend.route() == {"small": "onnxruntime", "large": "openvino", "max_small_rows": 1}
+        assert decision["reason"].startswith("onnxruntime for one-row batches (light load) and openvino (static "
+                                             "shapes 32x32) above, from the serving profile")
+        info = ClassifierService(cfg, art, backend, decision).model_info().backend
+        assert info["routing"]["max_small_rows"] == 1
         # a --openvino-shapes given to the server wins over the profile's
         backend, _ = select_backend(art, threads=1, openvino_kernels="auto", openvino_shapes="4x16")
         assert backend.info()["static_shapes"] == ["4x16"]
@@ -369,6 +526,8 @@ def test_a_profile_for_another_machine_is_ignored_with_the_reason_logged(both, t
     ('["a list"]', "it is not a holoserve-serving-profile file"),
     (None, "its decision names no CPU backend ('tensorrt')"),
     ("", "is not valid JSON"),
+    ("version 1", "written by an earlier HoloServe (version 1), which timed one-row batches back to back"),
+    ("two limits", "one positive token or row limit"),
 ])
 def test_a_damaged_profile_is_ignored_with_a_clear_warning(both, tuned, monkeypatch, caplog, content, expected):
     import holoserve.backends.auto as auto
@@ -380,6 +539,11 @@ def test_a_damaged_profile_is_ignored_with_a_clear_warning(both, tuned, monkeypa
     try:
         if content is None:
             _write(path, _with_decision(prof, backend="tensorrt"))
+        elif content == "version 1":
+            _write(path, {**prof, "version": 1})
+        elif content == "two limits":
+            _write(path, _with_decision(prof, backend="routed", small="onnxruntime", large="openvino",
+                                        max_small_tokens=100, max_small_rows=1))
         else:
             path.write_text(content)
         with caplog.at_level(logging.WARNING, logger="holoserve.backends"):

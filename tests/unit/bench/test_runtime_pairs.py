@@ -33,3 +33,23 @@ def test_switching_times_every_way_ort_threads_wait(with_openvino, capsys):
     for label in switching.LABELS.values():
         line = next(x for x in out.splitlines() if x.startswith(f"ONNX Runtime threads {label}: "))
         assert "right after OpenVINO" in line and "right after ONNX Runtime" in line and "16x32 " in line
+
+
+def test_light_load_times_one_row_batches_after_each_pause(with_openvino, tmp_path, capsys):
+    import json
+
+    from bench.cpu_latency import light_load
+
+    ckpt, _ = with_openvino
+    texts = tmp_path / "texts.txt"
+    texts.write_text("a short one\na somewhat longer sentence than that\nthird\n", encoding="utf-8")
+    light_load.main([str(ckpt), "--texts", str(texts), "--pauses", "0,1", "--rounds", "1", "--per-round", "2",
+                     "--out", str(tmp_path / "out")])
+    record = json.loads((tmp_path / "out" / "light-load.json").read_text())
+    timed = set(record["median_ms"]["0"])
+    assert {"onnxruntime", "openvino"} <= timed and set(record["median_ms"]) == {"0", "1"}
+    # what was not timed says why, and everything else was
+    assert timed | set(record["left_out"]) == {"onnxruntime", "openvino", "openvino static", "openvino 2:4 kernels"}
+    assert all(record["vs_onnxruntime"][p]["onnxruntime"] == 1.0 for p in ("0", "1"))
+    assert (tmp_path / "out" / "light-load.png").stat().st_size > 0
+    assert "| pause ms | onnxruntime | openvino" in capsys.readouterr().out
