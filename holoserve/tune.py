@@ -214,14 +214,13 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
           f"(at least {opts.min_rounds} rounds)", file=out, flush=True)
     plan = profile.Plan(min_rounds=opts.min_rounds, seconds=opts.duration, on_round=_progress(out, opts.duration))
     timings = profile.time_backends(loaded, items, sizes, plan, profile.pad_id(artifact))
-    decision, medians = decide(timings, grid)
+    decision, medians, shapes = decide(timings, grid)
     if decision["backend"] == "routed":
-        shapes = decision["openvino_shapes"]
         print(f"timing the routed pair as it serves ({profile.ROUTING_ROUNDS} rounds)", file=out, flush=True)
         as_served = {**loaded, "openvino": loaded[STATIC]} if shapes else loaded
         decision = profile.confirm_routing(as_served, decision, medians, timings.tokens, items, sizes,
                                            profile.pad_id(artifact))
-        decision["openvino_shapes"] = shapes if "openvino" in profile.needed(decision) else []
+        decision["openvino_shapes"] = served_shapes(decision, shapes)
     kernels = _kernels_status(loaded.get("openvino"))
     if kernels:
         decision["openvino_kernels"] = "on" if kernels.startswith("on") else "off"
@@ -236,9 +235,11 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
     return prof, profile.write_profile(artifact, prof)
 
 
-def decide(timings: profile.Timings, grid: dict[int, list[tuple[int, int]]]) -> tuple[dict[str, Any], dict]:
+def decide(timings: profile.Timings, grid: dict[int, list[tuple[int, int]]]
+           ) -> tuple[dict[str, Any], dict, list[str]]:
     """The decision from tune's timings: OpenVINO's static shapes kept where they won by the margin, then
-    profile.decide between ONNX Runtime and OpenVINO (with those shapes); and the medians it decided on."""
+    profile.decide between ONNX Runtime and OpenVINO (with those shapes); the medians it decided on; and
+    all the shapes kept (the decision lists those it serves: confirm_routing may change which)."""
     medians = timings.medians()
     static = medians.pop(STATIC, None)
     kept: list[tuple[int, int]] = []
@@ -248,18 +249,25 @@ def decide(timings: profile.Timings, grid: dict[int, list[tuple[int, int]]]) -> 
         kept, medians["openvino"] = profile.keep_static(dynamic, static, grid)
         won = [b for b in sorted(dynamic) if medians["openvino"][b] != dynamic[b]]  # where the static times replaced
     decision = profile.decide(medians, timings.tokens)
-    serves = "openvino" in profile.needed(decision)
-    if decision.get("max_small_rows") and decision["small"] != "openvino":  # the light-load route: OpenVINO
-        kept = [(b, s) for b, s in kept if b > decision["max_small_rows"]]  # never runs those few rows
-    decision["openvino_shapes"] = [f"{b}x{s}" for b, s in kept] if serves else []
+    shapes = [f"{b}x{s}" for b, s in kept]
+    decision["openvino_shapes"] = served_shapes(decision, shapes)
     if static is not None and "openvino" in medians:
         decision["reason"] += (
-            f"; OpenVINO with static shapes ({', '.join(f'{b}x{s}' for b, s in kept)}) beat its dynamic model by "
-            f"the {profile.MARGIN:.0%} margin at batch size{'s' if len(won) > 1 else ''} {', '.join(map(str, won))}"
-            + (", and serves with them" if serves else "") if kept else
+            f"; OpenVINO with static shapes ({', '.join(shapes)}) beat its dynamic model by the "
+            f"{profile.MARGIN:.0%} margin at batch size{'s' if len(won) > 1 else ''} {', '.join(map(str, won))}"
+            if kept else
             f"; OpenVINO's static shapes did not beat its dynamic model by the {profile.MARGIN:.0%} margin at any "
             "batch size")
-    return decision, medians
+    return decision, medians, shapes
+
+
+def served_shapes(decision: dict[str, Any], shapes: list[str]) -> list[str]:
+    """The static shapes OpenVINO serves under `decision`: none where it does not serve, and none of the few
+    rows the light-load route gives ONNX Runtime."""
+    if "openvino" not in profile.needed(decision):
+        return []
+    rows = decision.get("max_small_rows") if decision.get("small") != "openvino" else None
+    return [s for s in shapes if not rows or int(s.split("x")[0]) > rows]
 
 
 def _kernels_status(backend) -> str:

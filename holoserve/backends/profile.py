@@ -286,12 +286,13 @@ def _ratio(a: Mapping[int, float], b: Mapping[int, float], sizes: Sequence[int])
 
 
 def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, float], margin: float = MARGIN,
-           route: bool = True) -> dict[str, Any]:
+           route: bool = True, by_tokens: bool = True) -> dict[str, Any]:
     """The CPU backend(s) to serve from per-batch-size median times: ONNX Runtime unless the other is faster
     by `margin`; both, routed by batch size at the cut that gains most, where that gains `margin` over the
     single one (one-row batches never on a backend slower at them by `margin`); or, where the other backend
     serves one-row batches (light load, timed after a pause) faster than the single one by `margin`, those
-    on the other and larger ones on the single one (the light-load route). Not routed with route=False.
+    on the other and larger ones on the single one (the light-load route). Not routed with route=False; only
+    the light-load route with by_tokens=False.
     `tokens` (mean padded tokens per batch at each size) places the token threshold. A routed decision is an
     estimate from each backend timed on its own: confirm_routing times the pair as it serves."""
     names = sorted(medians, key=lambda n: (n != SIMPLE, n))
@@ -316,7 +317,7 @@ def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, floa
     slow_light = {n for n, m in ((simple, other), (other, simple))
                   if sizes[0] == LIGHT and medians[m][LIGHT] <= medians[n][LIGHT] * (1 - margin)}
     best: tuple[float, int, str, str] | None = None
-    for cut in range(1, len(sizes)):
+    for cut in range(1, len(sizes) if by_tokens else 1):
         for small, large in ((simple, other), (other, simple)):
             if small in slow_light:
                 continue
@@ -395,8 +396,9 @@ def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
                 f"{alone}")
     if ratio <= 1 - MARGIN:
         return {**decision, "reason": f"{decision['reason']}; {measured}: kept"}
-    return {**single, "reason": f"{single['reason']}; routing by batch size was not kept: {measured}, not faster by "
-                                f"the {MARGIN:.0%} margin"}
+    fallback = decide(medians, tokens, by_tokens=False)  # the single backend, or its light-load route
+    fallback["reason"] += f"; routing by tokens was not kept: {measured}, not faster by the {MARGIN:.0%} margin"
+    return confirm_routing(backends, fallback, medians, tokens, items, sizes, pad, rounds)
 
 
 GRID_PER_SIZE = 2  # static_grid: the shapes tried for each batch size

@@ -140,7 +140,7 @@ def test_a_routed_pair_is_kept_only_where_it_wins_as_it_serves(monkeypatch, swit
     if kept:
         assert got["backend"] == "routed" and got["reason"].endswith(": kept"), got
     else:
-        assert got["backend"] == "onnxruntime" and "routing by batch size was not kept" in got["reason"], got
+        assert got["backend"] == "onnxruntime" and "routing by tokens was not kept" in got["reason"], got
         assert "not faster by the 5% margin" in got["reason"]
     # a decision that is not routed is left as it is, with nothing timed
     single = profile.decide(_times(ort_ms, ort_ms), TOKENS)
@@ -214,6 +214,29 @@ def test_the_light_load_route_is_kept_unless_larger_batches_pay_for_it(monkeypat
     assert not pauses  # nothing of one row was timed
 
 
+def test_a_token_route_not_kept_falls_back_to_the_light_load_route(monkeypatch):
+    """Where the route by tokens loses its gain as served (switching runtimes costs it), the single backend
+    serves, and one-row batches still go where light load runs them faster."""
+    ort = [1.0, 1.1, 4.0, 8.0, 16.0, 32.0]
+    ov = [1.3, 1.2, 2.4, 4.8, 9.6, 19.2]
+    medians = _times(ort, ov)
+    decision = profile.decide(medians, TOKENS)
+    assert (decision["backend"], decision["small"], decision.get("max_small_tokens")) == (
+        "routed", "onnxruntime", int((64 * 128) ** 0.5))
+    clock = _Clock()
+    monkeypatch.setattr(profile.time, "perf_counter", clock)
+    monkeypatch.setattr(profile.time, "sleep", lambda s: None)
+    # OpenVINO's batch after an ONNX Runtime one pays 0.3 ms: the route by tokens pays it at 4 rows, which
+    # takes its gain under the margin; the light-load route pays it at 2 rows, 25 % of a batch there, under
+    # the margin over the five batch sizes it leaves to OpenVINO
+    fakes = {"onnxruntime": _Fake("onnxruntime", medians["onnxruntime"], clock, 0.0),
+             "openvino": _Fake("openvino", medians["openvino"], clock, 0.3)}
+    got = profile.confirm_routing(fakes, decision, medians, TOKENS, _texts_of([32] * 40), list(profile.BATCH_SIZES),
+                                  rounds=3)
+    assert (got["backend"], got["small"], got.get("max_small_rows")) == ("routed", "onnxruntime", 1), got
+    assert "routing by tokens was not kept" in got["reason"] and got["reason"].endswith(": kept")
+
+
 def test_a_routed_pair_by_rows():
     """RoutedCpuBackend routes by rows (the light-load route) or by tokens, from a decision's dict."""
     class _Named:
@@ -243,7 +266,7 @@ def test_a_routed_pair_by_rows():
 
 
 def test_tune_compiles_no_one_row_shapes_that_the_light_load_route_keeps_from_openvino():
-    from holoserve.tune import decide
+    from holoserve.tune import decide, served_shapes
 
     def per_size(ms):
         return {b: [t] for b, t in zip(profile.BATCH_SIZES, ms)}
@@ -254,9 +277,12 @@ def test_tune_compiles_no_one_row_shapes_that_the_light_load_route_keeps_from_op
         profile.STATIC: per_size([1.15, 1.5, 3.0, 6.0, 12.0, 24.0])}, tokens=TOKENS)
     grid = {1: [(1, 16)], 2: [(1, 16), (2, 16)], 4: [(2, 16), (4, 16)], 8: [(8, 16)], 16: [(16, 16)],
             32: [(32, 16)]}
-    decision, _ = decide(timings, grid)
+    decision, _, shapes = decide(timings, grid)
     assert decision.get("max_small_rows") == 1 and decision["small"] == "onnxruntime"
     assert decision["openvino_shapes"] == ["2x16", "4x16", "8x16", "16x16", "32x16"]
+    assert shapes == ["1x16", *decision["openvino_shapes"]]  # all kept: the served pair may yet change
+    assert served_shapes({"backend": "openvino"}, shapes) == shapes
+    assert served_shapes({"backend": "onnxruntime"}, shapes) == []
 
 
 def test_static_shapes_are_kept_only_where_they_win_by_the_margin():
