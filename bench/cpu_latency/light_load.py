@@ -7,6 +7,10 @@ alternating order. `holoserve tune` times one-row batches after holoserve.backen
 
 Backends: ONNX Runtime; OpenVINO (dynamic model); OpenVINO with the serving profile's static shapes, where it
 has any; OpenVINO on HoloServe's 2:4 kernels, forced on, where this CPU runs them (AVX-512 VNNI + VBMI).
+
+Then moderate load, where the light-load route switches runtimes between batches: a one-row batch, then a
+four-row one, back to back, again and again, on ONNX Runtime alone, on OpenVINO alone (static shapes where
+the profile has them) and on the light-load route (one-row batches on ONNX Runtime, the rest on OpenVINO).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from bench.lib.report import figure, machine, table
 from holoserve import HoloServeError
 from holoserve.backends import load_backend, profile
 from holoserve.backends.base import BackendUnavailable
+from holoserve.backends.routed import RoutedCpuBackend
 from holoserve.core.artifact import load_artifact
 from holoserve.core.machine import describe_cpu
 
@@ -80,9 +85,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"{p:g} ms: " + ", ".join(f"{n} {np.median(ms[p][n]):.2f}" for n in names) for p in pauses),
                 flush=True)
     med = {p: {n: float(np.median(v)) for n, v in by.items()} for p, by in ms.items()}
+    mixed = moderate_load(timed, items, pad, args.rounds, args.per_round)
     report = {"machine": machine(), "checkpoint": str(args.checkpoint), "texts": texts.source,
               "rounds": args.rounds, "per_round": args.per_round, "left_out": left,
-              "median_ms": {f"{p:g}": by for p, by in med.items()},
+              "median_ms": {f"{p:g}": by for p, by in med.items()}, "moderate_load_ms": mixed,
               "vs_onnxruntime": {f"{p:g}": {n: round(t / by["onnxruntime"], 3) for n, t in by.items()}
                                  for p, by in med.items()}}
     save(report, args, markdown)
@@ -94,7 +100,26 @@ def main(argv: list[str] | None = None) -> None:
         ax.set_ylabel("time / ONNX Runtime's")
         ax.set_title(f"one request on an idle runtime ({report['machine']['cpu']})", fontsize=9)
         ax.legend()
-    print("\n".join(markdown(report).splitlines()[-len(pauses) - 2:]))
+    print("\n".join(markdown(report).splitlines()[-len(pauses) - 11:]))
+
+
+def moderate_load(timed: dict, items, pad: int, rounds: int, pairs: int) -> dict[str, dict[str, float]]:
+    """Median ms of the one-row and the four-row batches when they alternate back to back, on ONNX Runtime,
+    on OpenVINO (static shapes where timed) and on the light-load route between the two."""
+    ov = timed.get("openvino static", timed["openvino"])
+    sides = {"onnxruntime": timed["onnxruntime"], "openvino": ov,
+             "light-load route": RoutedCpuBackend(timed["onnxruntime"], ov, max_small_rows=1)}
+    ms: dict[str, dict[str, list[float]]] = {n: {"1 row": [], "4 rows": []} for n in sides}
+    for r in range(rounds + 1):
+        ones = profile.round_batches(items, 1, r, pad, pairs)
+        fours = profile.round_batches(items, 4, r, pad, 4 * pairs)
+        for name in (list(sides) if r % 2 else list(sides)[::-1]):
+            for one, four in zip(ones, fours):
+                for label, groups in (("1 row", one), ("4 rows", four)):
+                    seconds = profile.run_light(sides[name].infer, groups, 0.0)
+                    if r:
+                        ms[name][label].append(seconds * 1000)
+    return {n: {k: round(float(np.median(v)), 3) for k, v in by.items()} for n, by in ms.items()}
 
 
 def markdown(report: dict) -> str:
@@ -105,7 +130,11 @@ def markdown(report: dict) -> str:
     return (f"# One-row batches after a pause\n\n{report['machine']['cpu']}, {report['machine']['cores']} cores; "
             f"{report['checkpoint']}, {report['texts']}; {report['rounds']} rounds of {report['per_round']} "
             f"batches per backend and pause; median ms (× ONNX Runtime's).{left}\n\n"
-            + "\n".join(table(["pause ms", *names], rows)) + "\n")
+            + "\n".join(table(["pause ms", *names], rows)) + "\n\nModerate load: a one-row batch then a "
+            "four-row one, back to back, again and again; median ms.\n\n"
+            + "\n".join(table(["served by", "1-row batch", "4-row batch"],
+                               [[n, f"{by['1 row']:.2f}", f"{by['4 rows']:.2f}"]
+                                for n, by in report["moderate_load_ms"].items()])) + "\n")
 
 
 if __name__ == "__main__":

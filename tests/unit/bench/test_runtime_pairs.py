@@ -52,4 +52,7 @@ def test_light_load_times_one_row_batches_after_each_pause(with_openvino, tmp_pa
     assert timed | set(record["left_out"]) == {"onnxruntime", "openvino", "openvino static", "openvino 2:4 kernels"}
     assert all(record["vs_onnxruntime"][p]["onnxruntime"] == 1.0 for p in ("0", "1"))
     assert (tmp_path / "out" / "light-load.png").stat().st_size > 0
-    assert "| pause ms | onnxruntime | openvino" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| pause ms | onnxruntime | openvino" in out and "| light-load route |" in out
+    assert set(record["moderate_load_ms"]) == {"onnxruntime", "openvino", "light-load route"}
+    assert all(set(by) == {"1 row", "4 rows"} and min(by.values()) > 0 for by in record["moderate_load_ms"].values())
