@@ -31,10 +31,10 @@ class RoutedCpuBackend:
     @classmethod
     def from_route(cls, backends: Mapping[str, Backend], route: Mapping[str, Any]) -> "RoutedCpuBackend":
         """The pair a routed decision (or route()'s dict) names, from the loaded backends. Raises KeyError,
-        TypeError or ValueError where the route is not one."""
-        rows = route.get("max_small_rows")
+        TypeError, ValueError or HoloServeError (not exactly one limit) where the route is not one."""
+        tokens, rows = route.get("max_small_tokens"), route.get("max_small_rows")
         return cls(backends[route["small"]], backends[route["large"]],
-                   max_small_tokens=None if rows is not None else int(route["max_small_tokens"]),
+                   max_small_tokens=int(tokens) if tokens is not None else None,
                    max_small_rows=int(rows) if rows is not None else None)
 
     def infer(self, input_ids, attention_mask, token_type_ids):

@@ -599,6 +599,24 @@ def test_auto_routes_batches_by_size_when_each_cpu_backend_wins_some(sst2, monke
     assert fast_small.calls == fast_large.calls == []
 
 
+def test_a_worker_pins_the_light_load_route(sst2, monkeypatch):
+    """`--workers N` with the light-load route: each worker routes one-row batches, however long, to the
+    same side as its parent, without timing; a pinned route that is not one is ignored."""
+    ort, ov = _Timed("onnxruntime", 0.0, 0.0), _Timed("openvino", 0.0, 0.0)
+    auto = _fake_cpu_backends(monkeypatch, {"onnxruntime": ort, "openvino": ov})
+    route = {"small": "onnxruntime", "large": "openvino", "max_small_rows": 1}
+    monkeypatch.setenv(auto.ROUTE_ENV, json.dumps(route))
+    pinned, why = auto.fastest_cpu(load_artifact(sst2), False, {}, {})
+    assert pinned.route() == route and why.startswith("the routing chosen before the workers started")
+    assert ort.calls == ov.calls == []
+    long_row, short_pair = np.ones((1, 128), np.int64), np.ones((2, 8), np.int64)
+    pinned.infer(long_row, long_row, long_row)
+    pinned.infer(short_pair, short_pair, short_pair)
+    assert ort.calls == [(1, 128)] and ov.calls == [(2, 8)]
+    monkeypatch.setenv(auto.ROUTE_ENV, json.dumps({**route, "max_small_tokens": 64}))
+    assert auto._route_from_env({"onnxruntime": ort, "openvino": ov}) is None
+
+
 def test_auto_keeps_one_cpu_backend_when_it_wins_every_size(sst2, monkeypatch):
     a, b = _Timed("onnxruntime", 0.003, 2e-6), _Timed("openvino", 0.0005, 1e-6)
     auto = _fake_cpu_backends(monkeypatch, {"onnxruntime": a, "openvino": b})
