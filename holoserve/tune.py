@@ -214,12 +214,12 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
           f"(at least {opts.min_rounds} rounds)", file=out, flush=True)
     plan = profile.Plan(min_rounds=opts.min_rounds, seconds=opts.duration, on_round=_progress(out, opts.duration))
     timings = profile.time_backends(loaded, items, sizes, plan, profile.pad_id(artifact))
-    decision, medians, shapes = decide(timings, grid)
+    decision, medians, shapes, light = decide(timings, grid)
     if decision["backend"] == "routed":
         print(f"timing the routed pair as it serves ({profile.ROUTING_ROUNDS} rounds)", file=out, flush=True)
         as_served = {**loaded, "openvino": loaded[STATIC]} if shapes else loaded
         decision = profile.confirm_routing(as_served, decision, medians, timings.tokens, items, sizes,
-                                           profile.pad_id(artifact))
+                                           profile.pad_id(artifact), light=light)
         decision["openvino_shapes"] = served_shapes(decision, shapes)
     kernels = _kernels_status(loaded.get("openvino"))
     if kernels:
@@ -236,19 +236,24 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
 
 
 def decide(timings: profile.Timings, grid: dict[int, list[tuple[int, int]]]
-           ) -> tuple[dict[str, Any], dict, list[str]]:
+           ) -> tuple[dict[str, Any], dict, list[str], dict[str, float]]:
     """The decision from tune's timings: OpenVINO's static shapes kept where they won by the margin, then
-    profile.decide between ONNX Runtime and OpenVINO (with those shapes); the medians it decided on; and
-    all the shapes kept (the decision lists those it serves: confirm_routing may change which)."""
+    profile.decide between ONNX Runtime and OpenVINO (with those shapes); the medians it decided on; all
+    the shapes kept (the decision lists those it serves: confirm_routing may change which); and light
+    load's medians (one-row batches after the pause) it decided on."""
     medians = timings.medians()
+    light = timings.light_medians()
     static = medians.pop(STATIC, None)
+    static_light = light.pop(STATIC, None)
     kept: list[tuple[int, int]] = []
     won: list[int] = []
     if static is not None and "openvino" in medians:
         dynamic = medians["openvino"]
         kept, medians["openvino"] = profile.keep_static(dynamic, static, grid)
         won = [b for b in sorted(dynamic) if medians["openvino"][b] != dynamic[b]]  # where the static times replaced
-    decision = profile.decide(medians, timings.tokens)
+        if profile.LIGHT in won and static_light is not None:  # one-row batches run on the static shapes
+            light["openvino"] = static_light
+    decision = profile.decide(medians, timings.tokens, light=light)
     shapes = [f"{b}x{s}" for b, s in kept]
     decision["openvino_shapes"] = served_shapes(decision, shapes)
     if static is not None and "openvino" in medians:
@@ -258,7 +263,7 @@ def decide(timings: profile.Timings, grid: dict[int, list[tuple[int, int]]]
             if kept else
             f"; OpenVINO's static shapes did not beat its dynamic model by the {profile.MARGIN:.0%} margin at any "
             "batch size")
-    return decision, medians, shapes
+    return decision, medians, shapes, light
 
 
 def served_shapes(decision: dict[str, Any], shapes: list[str]) -> list[str]:
@@ -280,13 +285,16 @@ def report(prof: dict[str, Any], path: Path) -> str:
     t = prof["timings"]
     names = list(t["median_ms"])
     light = t.get("light_load") or {}
-    lines = [f"median ms per batch over {t['rounds']} rounds ({t['seconds']:.0f} s)"
-             + (f"; batches of {light['batch_size']} row each after a {light['pause_ms']:.0f} ms pause, as light load "
-                "meets them" if light else "") + ":",
+    lines = [f"median ms per batch over {t['rounds']} rounds ({t['seconds']:.0f} s):",
              "  ".join([f"{'rows':>5}", f"{'tokens':>7}", *(f"{n:>16}" for n in names)])]
     for b in t["batch_sizes"]:
         cells = [f"{t['median_ms'][n].get(str(b), float('nan')):16.3f}" for n in names]
         lines.append("  ".join([f"{b:>5}", f"{t['tokens_per_batch'].get(str(b), 0):7.0f}", *cells]))
+    after = light.get("median_ms") or {}
+    if after:
+        cells = [f"{after[n]:16.3f}" if n in after else f"{'':16}" for n in names]
+        lines.append("  ".join([f"{light['batch_size']:>5}", f"{'idle':>7}", *cells])
+                     + f"   (each after a {light['pause_ms']:.0f} ms pause: light load)")
     d = prof["decision"]
     lines += [f"decision: {profile.describe(d)}", f"why: {d['reason']}", f"wrote {path}",
               "`holoserve serve` (--backend auto) uses it on this machine without timing at start-up"]

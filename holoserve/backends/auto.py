@@ -229,9 +229,10 @@ def _timed_at_startup(artifact: Artifact, loaded: dict[str, Backend], options: d
     items = profile.encode_texts(artifact, texts.rows) if texts else profile.synthetic_items(artifact)
     sizes = profile.batch_sizes(int(options.get("max_batch") or profile.BATCH_SIZES[-1]))
     timings = profile.time_backends(loaded, items, sizes, profile.Plan(**STARTUP_PLAN), profile.pad_id(artifact))
-    medians = timings.medians()
-    decision = profile.confirm_routing(loaded, profile.decide(medians, timings.tokens), medians, timings.tokens,
-                                       items, sizes, profile.pad_id(artifact), STARTUP_ROUTING_ROUNDS)
+    medians, light = timings.medians(), timings.light_medians()
+    decision = profile.confirm_routing(loaded, profile.decide(medians, timings.tokens, light=light), medians,
+                                       timings.tokens, items, sizes, profile.pad_id(artifact),
+                                       STARTUP_ROUTING_ROUNDS, light)
     if decision["backend"] == "routed":
         backend: Backend = RoutedCpuBackend.from_route(loaded, decision)
     else:

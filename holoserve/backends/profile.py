@@ -7,10 +7,11 @@ server's largest batch, each padded to its longest row as the dynamic batcher pa
 turns round by round on the same batches, so background load hits them alike, and each backend's time at
 a batch size is the median over the rounds. A batch of one row is what a lightly loaded server runs: a
 request that finds the runtime idle. Runtimes start such a batch slower than one that follows another
-(their pool threads asleep, caches cold), and not all alike, so one-row batches are timed each after a
-pause (LIGHT_PAUSE_S) instead of back to back. ONNX Runtime, the simpler backend, serves unless another is
-faster by MARGIN; two backends are routed by batch size only where that gains MARGIN over the best single
-one, or where the other backend serves one-row batches faster by MARGIN (`decide`).
+(their pool threads asleep, caches cold), and not all alike, so one-row batches are also timed each after
+a pause (LIGHT_PAUSE_S). ONNX Runtime, the simpler backend, serves unless another is faster by MARGIN; two
+backends are routed by batch size only where that gains MARGIN over the best single one, or where the
+other backend serves one-row batches faster by MARGIN after the pause and not slower back to back
+(`decide`).
 
 The profile (PROFILE_FILE in the checkpoint folder, JSON) holds the decision, the medians it came from,
 what texts they were measured on, and a key: the CPU, the flags that change which kernels run, the
@@ -49,7 +50,7 @@ from .routed import RoutedCpuBackend
 
 PROFILE_FILE = "serving-profile.json"
 FORMAT = "holoserve-serving-profile"
-VERSION = 2  # 2: one-row batches timed after a pause, and the light-load route (max_small_rows)
+VERSION = 2  # 2: one-row batches also timed after a pause, and the light-load route (max_small_rows)
 MAX_PROFILE_BYTES = 1 << 20  # a profile is a few kB; a larger file is not one and is not read whole
 CPU_BACKENDS = (ONNXRUNTIME, OPENVINO)  # ONNX Runtime first: the simpler backend, kept on a tie
 SIMPLE = ONNXRUNTIME
@@ -211,9 +212,13 @@ class Timings:
     tokens: dict[int, float] = field(default_factory=dict)  # mean padded tokens (rows x longest) of a batch
     rounds: int = 0
     seconds: float = 0.0
+    light: dict[str, list[float]] = field(default_factory=dict)  # ms of a one-row batch after the pause
 
     def medians(self) -> dict[str, dict[int, float]]:
         return {n: {b: float(np.median(v)) for b, v in by.items() if v} for n, by in self.ms.items()}
+
+    def light_medians(self) -> dict[str, float]:
+        return {n: float(np.median(v)) for n, v in self.light.items() if v}
 
 
 def run_light(run: Callable[..., Any], groups: Sequence[tuple], pause_s: float) -> float:
@@ -232,7 +237,8 @@ def time_backends(backends: Mapping[str, Any], items: Sequence[Encoded], sizes: 
     backends take turns at each batch size, in the reverse order every other round. Each turn starts with an
     untimed batch: the runtime that ran before leaves its pool threads spinning for a while (OpenVINO's cannot
     be told to stop), which would slow the first batch of the next one, as it never is in a server that runs
-    one backend. Batches of LIGHT rows run as light load meets them: each after plan.pause_s idle."""
+    one backend. Batches of LIGHT rows also run as light load meets them, each after plan.pause_s idle
+    (Timings.light)."""
     if not items:
         raise HoloServeError("no texts to time the backends on")
     names = list(backends)
@@ -243,21 +249,21 @@ def time_backends(backends: Mapping[str, Any], items: Sequence[Encoded], sizes: 
     while True:
         order = names if r % 2 else names[::-1]
         for b in sizes:
-            light = b == LIGHT
-            batches = round_batches(items, b, r, pad, plan.light_per_round if light else plan.per_round)
+            batches = round_batches(items, b, r, pad, plan.per_round)
             for name in order:
                 run = backends[name].infer
-                if light:  # each after a pause, in which the other runtime's threads settle as well
-                    seconds = sum(run_light(run, groups, plan.pause_s) for groups in batches)
-                else:
-                    run(*batches[0][0])  # untimed: the other runtime's threads settle meanwhile
-                    start = time.perf_counter()
-                    for groups in batches:
-                        for feed in groups:
-                            run(*feed)
-                    seconds = time.perf_counter() - start
+                if b == LIGHT:  # first each after a pause, in which the other runtime's threads settle too
+                    light = round_batches(items, b, r, pad, plan.light_per_round)
+                    seconds = sum(run_light(run, groups, plan.pause_s) for groups in light)
+                    if r:
+                        timings.light.setdefault(name, []).append(seconds * 1000 / len(light))
+                run(*batches[0][0])  # untimed: the other runtime's threads settle meanwhile
+                start = time.perf_counter()
+                for groups in batches:
+                    for feed in groups:
+                        run(*feed)
                 if r:
-                    timings.ms[name][b].append(seconds * 1000 / len(batches))
+                    timings.ms[name][b].append((time.perf_counter() - start) * 1000 / len(batches))
             if r:
                 token_sums[b][0] += sum(feed[0].size for groups in batches for feed in groups)
                 token_sums[b][1] += len(batches)
@@ -286,13 +292,13 @@ def _ratio(a: Mapping[int, float], b: Mapping[int, float], sizes: Sequence[int])
 
 
 def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, float], margin: float = MARGIN,
-           route: bool = True, by_tokens: bool = True) -> dict[str, Any]:
+           route: bool = True, by_tokens: bool = True, light: Mapping[str, float] | None = None) -> dict[str, Any]:
     """The CPU backend(s) to serve from per-batch-size median times: ONNX Runtime unless the other is faster
     by `margin`; both, routed by batch size at the cut that gains most, where that gains `margin` over the
-    single one (one-row batches never on a backend slower at them by `margin`); or, where the other backend
-    serves one-row batches (light load, timed after a pause) faster than the single one by `margin`, those
-    on the other and larger ones on the single one (the light-load route). Not routed with route=False; only
-    the light-load route with by_tokens=False.
+    single one (one-row batches never on a backend slow at them, below); or, where the other backend serves
+    one-row batches faster than the single one by `margin` after a pause (`light`: light load's ms) and
+    not slower by it back to back, those on the other and larger ones on the single one (the light-load
+    route). Not routed with route=False; only the light-load route with by_tokens=False.
     `tokens` (mean padded tokens per batch at each size) places the token threshold. A routed decision is an
     estimate from each backend timed on its own: confirm_routing times the pair as it serves."""
     names = sorted(medians, key=lambda n: (n != SIMPLE, n))
@@ -313,9 +319,11 @@ def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, floa
                                f"{sizes[0]} to {sizes[-1]}): {verdict}")
     if not route:
         return {"backend": single, "reason": why}
-    # a backend slower at one-row batches than the other by the margin does not serve them
+    # a backend slower at one-row batches than the other by the margin after a pause, and not faster by it
+    # back to back (one client in a closed loop), does not serve them
     slow_light = {n for n, m in ((simple, other), (other, simple))
-                  if sizes[0] == LIGHT and medians[m][LIGHT] <= medians[n][LIGHT] * (1 - margin)}
+                  if light and n in light and m in light and sizes[0] == LIGHT
+                  and light[m] <= light[n] * (1 - margin) and medians[n][LIGHT] > medians[m][LIGHT] * (1 - margin)}
     best: tuple[float, int, str, str] | None = None
     for cut in range(1, len(sizes) if by_tokens else 1):
         for small, large in ((simple, other), (other, simple)):
@@ -333,12 +341,12 @@ def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, floa
                            f"{1 - gain:.2f}x the time of {single} alone: faster by more than the {margin:.0%} "
                            f"margin; {why}")}
     if single in slow_light:
-        light = other if single == simple else simple
-        light_ratio = medians[light][LIGHT] / medians[single][LIGHT]
-        return {"backend": "routed", "small": light, "large": single, "max_small_rows": LIGHT,
-                "reason": (f"{why}; but one-row batches (light load: each timed after a "
-                           f"{LIGHT_PAUSE_S * 1000:.0f} ms pause) take {light_ratio:.2f}x the time on {light}, "
-                           f"so {light} serves them (the light-load route)")}
+        alt = other if single == simple else simple
+        after, back = light[alt] / light[single], medians[alt][LIGHT] / medians[single][LIGHT]  # type: ignore[index]
+        return {"backend": "routed", "small": alt, "large": single, "max_small_rows": LIGHT,
+                "reason": (f"{why}; but one-row batches take {after:.2f}x the time on {alt} after a "
+                           f"{LIGHT_PAUSE_S * 1000:.0f} ms pause (light load) and {back:.2f}x back to back, so "
+                           f"{alt} serves them (the light-load route)")}
     return {"backend": single, "reason": why}
 
 
@@ -348,17 +356,17 @@ ROUTING_ROUNDS = 12  # rounds of confirm_routing in `holoserve tune` (each runs 
 def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
                     medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, float],
                     items: Sequence[Encoded], sizes: Sequence[int], pad: int = 0,
-                    rounds: int = ROUTING_ROUNDS) -> dict[str, Any]:
+                    rounds: int = ROUTING_ROUNDS, light: Mapping[str, float] | None = None) -> dict[str, Any]:
     """`decision` where it is not routed, or where the routed pair, run as it serves, keeps what it was chosen
     for: faster than the single backend by the margin (routed by tokens), or, for the light-load route, not
     slower by the margin at the larger batches it leaves to the single backend; else the single backend's
     decision, saying why. Each backend timed on its own misses what two runtimes in one process cost each
     other when batches alternate between them (idle pool threads that spin, each runtime's weights pushed out
     of the caches by the other's): here the routed pair (as RoutedCpuBackend serves it) and the single backend
-    take turns, round by round, each running one batch of every size in turn (one-row batches after the
-    light-load pause), so the pair switches runtimes as mixed load makes it. The light-load route's one-row
-    batches are not timed here: under light load the pair runs them alone, as time_backends timed them, while
-    taking turns would push each side's weights out of the caches for the other."""
+    take turns, round by round, each running one batch of every size in turn, so the pair switches runtimes
+    as mixed load makes it. The light-load route's one-row batches are not timed here: under light load the
+    pair runs them alone, as time_backends timed them, while taking turns would push each side's weights out
+    of the caches for the other. `light` (light load's ms) is decide's, for the fallback."""
     if decision["backend"] != "routed":
         return dict(decision)
     single = decide(medians, tokens, route=False)
@@ -373,15 +381,11 @@ def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
             run(*round_batches(items, sizes[0], r, pad, per_round=sizes[0])[0][0])
             for b in timed:
                 groups = round_batches(items, b, r, pad, per_round=b)[0]
-                if b == LIGHT:
-                    seconds = run_light(run, groups, LIGHT_PAUSE_S)
-                else:
-                    start = time.perf_counter()
-                    for feed in groups:
-                        run(*feed)
-                    seconds = time.perf_counter() - start
+                start = time.perf_counter()
+                for feed in groups:
+                    run(*feed)
                 if r:
-                    ms[name][b].append(seconds * 1000)
+                    ms[name][b].append((time.perf_counter() - start) * 1000)
     med = {n: {b: float(np.median(v)) for b, v in by.items()} for n, by in ms.items()}
     ratio = _ratio(med["routed"], med["single"], timed)
     alone = f"the time of {single['backend']} alone"
@@ -396,9 +400,9 @@ def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
                 f"{alone}")
     if ratio <= 1 - MARGIN:
         return {**decision, "reason": f"{decision['reason']}; {measured}: kept"}
-    fallback = decide(medians, tokens, by_tokens=False)  # the single backend, or its light-load route
+    fallback = decide(medians, tokens, by_tokens=False, light=light)  # the single backend, or its light-load route
     fallback["reason"] += f"; routing by tokens was not kept: {measured}, not faster by the {MARGIN:.0%} margin"
-    return confirm_routing(backends, fallback, medians, tokens, items, sizes, pad, rounds)
+    return confirm_routing(backends, fallback, medians, tokens, items, sizes, pad, rounds, light)
 
 
 GRID_PER_SIZE = 2  # static_grid: the shapes tried for each batch size
@@ -560,7 +564,9 @@ def new_profile(key: Mapping[str, Any], decision: Mapping[str, Any], timings: Ti
         "decision": dict(decision),
         "key": dict(key),
         "timings": {"unit": "ms per batch, median over rounds", "margin": MARGIN,
-                    "light_load": {"batch_size": LIGHT, "pause_ms": LIGHT_PAUSE_S * 1000}, "rounds": timings.rounds,
+                    "light_load": {"batch_size": LIGHT, "pause_ms": LIGHT_PAUSE_S * 1000,
+                                   "median_ms": {n: round(t, 4) for n, t in timings.light_medians().items()}},
+                    "rounds": timings.rounds,
                     "seconds": round(timings.seconds, 1), "batch_sizes": list(timings.sizes),
                     "tokens_per_batch": {str(b): round(t, 1) for b, t in timings.tokens.items()},
                     "median_ms": {n: {str(b): round(t, 4) for b, t in by.items()} for n, by in medians.items()}},

@@ -59,39 +59,43 @@ def test_routes_by_batch_size_only_where_the_mix_gains_the_margin():
     assert profile.decide(_times(ort, ov), TOKENS)["backend"] == "onnxruntime"
 
 
+LIGHT_SLOW_OV = {"onnxruntime": 2.0, "openvino": 2.4}  # one-row batches after the pause: OpenVINO 20 % slower
+
+
 def test_one_row_batches_go_where_light_load_runs_them_faster_by_the_margin():
-    """The light-load route: one-row batches (timed after a pause) on the other backend where it is faster at
-    them by the margin, larger ones on the backend the geometric mean chose."""
+    """The light-load route: one-row batches on the other backend where, after a pause, it is faster at them
+    by the margin and, back to back, not slower by it; larger ones on the backend the geometric mean chose."""
     ort = [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]
-    ov = [1.2, 1.2, 2.0, 3.2, 6.4, 12.8]  # 20 % faster from 2 rows, 20 % slower at one row
-    d = profile.decide(_times(ort, ov), TOKENS)
+    ov = [1.0, 1.2, 2.0, 3.2, 6.4, 12.8]  # 20 % faster from 2 rows, a tie at one row back to back
+    d = profile.decide(_times(ort, ov), TOKENS, light=LIGHT_SLOW_OV)
     assert (d["backend"], d["small"], d["large"], d["max_small_rows"]) == ("routed", "onnxruntime", "openvino", 1)
     assert "max_small_tokens" not in d and "(the light-load route)" in d["reason"]
-    assert "one-row batches (light load: each timed after a 20 ms pause) take 0.83x the time on onnxruntime" in d[
-        "reason"]
+    assert ("one-row batches take 0.83x the time on onnxruntime after a 20 ms pause (light load) and 1.00x back "
+            "to back") in d["reason"]
     assert profile.describe(d) == "onnxruntime for one-row batches (light load) and openvino above"
     assert profile.needed(d) == ["onnxruntime", "openvino"]
-    # within the margin at one row: the single backend serves them too
-    ov[0] = 1.03
-    assert profile.decide(_times(ort, ov), TOKENS)["backend"] == "openvino"
-    # the other way round: ONNX Runtime chosen, OpenVINO faster by the margin at one row only
-    d = profile.decide(_times(ort, [0.8, 1.6, 2.6, 4.2, 8.4, 16.8]), TOKENS)
+    # OpenVINO faster by the margin at one row back to back (one client in a closed loop): it keeps them
+    assert profile.decide(_times(ort, [0.9, *ov[1:]]), TOKENS, light=LIGHT_SLOW_OV)["backend"] == "openvino"
+    # within the margin after the pause: the single backend serves them too
+    assert profile.decide(_times(ort, ov), TOKENS, light={"onnxruntime": 2.0, "openvino": 2.06})[
+        "backend"] == "openvino"
+    # the other way round: ONNX Runtime chosen, OpenVINO faster by the margin after the pause only
+    d = profile.decide(_times(ort, [1.0, 1.6, 2.6, 4.2, 8.4, 16.8]), TOKENS,
+                       light={"onnxruntime": 2.4, "openvino": 2.0})
     assert (d["backend"], d["small"], d["large"], d["max_small_rows"]) == ("routed", "openvino", "onnxruntime", 1)
-    # with route=False (what confirm_routing compares against) there is no route of either kind
-    assert profile.decide(_times(ort, [1.2, 1.2, 2.0, 3.2, 6.4, 12.8]), TOKENS, route=False)["backend"] == "openvino"
-    # timings without one-row batches: no light-load route
-    assert profile.decide(_times(ort[1:], ov[1:], sizes=(2, 4, 8, 16, 32)), TOKENS)["backend"] == "openvino"
+    # with route=False (what confirm_routing compares against), or no light-load timings: no light-load route
+    assert profile.decide(_times(ort, ov), TOKENS, route=False, light=LIGHT_SLOW_OV)["backend"] == "openvino"
+    assert profile.decide(_times(ort, ov), TOKENS)["backend"] == "openvino"
 
 
-def test_a_token_route_never_gives_one_row_batches_to_a_backend_slower_at_them_by_the_margin():
+def test_a_token_route_never_gives_one_row_batches_to_a_backend_slow_at_them():
     ort = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
     # openvino much faster at 2 and 4 rows, slower from 8: routed, openvino taking the small batches
     ov = [1.0, 1.2, 2.4, 10.4, 20.8, 41.6]
     d = profile.decide(_times(ort, ov), TOKENS)
     assert (d["backend"], d["small"], d["large"]) == ("routed", "openvino", "onnxruntime")
-    # the same, but openvino slower at one row by the margin: it cannot take the small batches
-    ov[0] = 1.2
-    assert profile.decide(_times(ort, ov), TOKENS)["backend"] == "onnxruntime"
+    # the same, but openvino slower at one row by the margin after the pause and not faster back to back
+    assert profile.decide(_times(ort, ov), TOKENS, light=LIGHT_SLOW_OV)["backend"] == "onnxruntime"
 
 
 class _Clock:
@@ -178,8 +182,8 @@ def _cold_fakes(monkeypatch, per_row, switch=0.0, cold=None):
 
 
 def test_one_row_batches_are_timed_after_a_pause(monkeypatch):
-    """time_backends runs each one-row batch after LIGHT_PAUSE_S idle, so what each runtime pays to start
-    cold counts there, and only there; the pause itself is not timed."""
+    """time_backends also runs one-row batches each after LIGHT_PAUSE_S idle, so what each runtime pays to
+    start cold counts there (Timings.light), and only there; the pause itself is not timed."""
     sizes = [1, 2, 4]
     per_row = {"onnxruntime": {1: 1.0, 2: 2.0, 4: 4.0}, "openvino": {1: 1.0, 2: 1.5, 4: 3.0}}
     fakes, pauses = _cold_fakes(monkeypatch, per_row, cold={"openvino": 0.5})
@@ -187,12 +191,13 @@ def test_one_row_batches_are_timed_after_a_pause(monkeypatch):
     plan = profile.Plan(min_rounds=2, max_rounds=2, seconds=0.0, per_round=4, light_per_round=3)
     timings = profile.time_backends(fakes, items, sizes, plan)
     med = timings.medians()
-    assert med["openvino"] == pytest.approx({1: 1.5, 2: 1.5, 4: 3.0})
+    assert med["openvino"] == pytest.approx({1: 1.0, 2: 1.5, 4: 3.0})
     assert med["onnxruntime"] == pytest.approx({1: 1.0, 2: 2.0, 4: 4.0})
+    assert timings.light_medians() == pytest.approx({"openvino": 1.5, "onnxruntime": 1.0})
     # three one-row batches per backend per round, each after the pause; rounds 0 (untimed) to 2
     assert pauses == [profile.LIGHT_PAUSE_S] * (3 * 2 * 3)
-    d = profile.decide(med, timings.tokens)
-    assert (d["backend"], d["small"], d["large"]) == ("routed", "onnxruntime", "openvino")
+    d = profile.decide(med, timings.tokens, light=timings.light_medians())
+    assert (d["backend"], d["small"], d["large"], d["max_small_rows"]) == ("routed", "onnxruntime", "openvino", 1)
 
 
 @pytest.mark.parametrize("switch,kept", [(0.0, True), (2.0, False)])
@@ -201,8 +206,8 @@ def test_the_light_load_route_is_kept_unless_larger_batches_pay_for_it(monkeypat
     batches, which the single backend runs either way, slower by the margin. Its one-row batches are not
     timed there (taking turns would run them cold for both)."""
     sizes = [1, 2, 4, 8, 16, 32]
-    per_row = _times([1.0, 2.0, 4.0, 8.0, 16.0, 32.0], [1.15, 1.5, 3.0, 6.0, 12.0, 24.0])
-    decision = profile.decide(per_row, TOKENS)
+    per_row = _times([1.0, 2.0, 4.0, 8.0, 16.0, 32.0], [1.0, 1.5, 3.0, 6.0, 12.0, 24.0])
+    decision = profile.decide(per_row, TOKENS, light=LIGHT_SLOW_OV)
     assert decision.get("max_small_rows") == 1
     fakes, pauses = _cold_fakes(monkeypatch, per_row, switch)
     got = profile.confirm_routing(fakes, decision, per_row, TOKENS, _texts_of([16] * 40), sizes, rounds=3)
@@ -220,7 +225,8 @@ def test_a_token_route_not_kept_falls_back_to_the_light_load_route(monkeypatch):
     ort = [1.0, 1.1, 4.0, 8.0, 16.0, 32.0]
     ov = [1.3, 1.2, 2.4, 4.8, 9.6, 19.2]
     medians = _times(ort, ov)
-    decision = profile.decide(medians, TOKENS)
+    light = {"onnxruntime": 1.0, "openvino": 1.3}
+    decision = profile.decide(medians, TOKENS, light=light)
     assert (decision["backend"], decision["small"], decision.get("max_small_tokens")) == (
         "routed", "onnxruntime", int((64 * 128) ** 0.5))
     clock = _Clock()
@@ -232,7 +238,7 @@ def test_a_token_route_not_kept_falls_back_to_the_light_load_route(monkeypatch):
     fakes = {"onnxruntime": _Fake("onnxruntime", medians["onnxruntime"], clock, 0.0),
              "openvino": _Fake("openvino", medians["openvino"], clock, 0.3)}
     got = profile.confirm_routing(fakes, decision, medians, TOKENS, _texts_of([32] * 40), list(profile.BATCH_SIZES),
-                                  rounds=3)
+                                  rounds=3, light=light)
     assert (got["backend"], got["small"], got.get("max_small_rows")) == ("routed", "onnxruntime", 1), got
     assert "routing by tokens was not kept" in got["reason"] and got["reason"].endswith(": kept")
 
@@ -274,10 +280,12 @@ def test_tune_compiles_no_one_row_shapes_that_the_light_load_route_keeps_from_op
     timings = profile.Timings(list(profile.BATCH_SIZES), {
         "onnxruntime": per_size([1.0, 2.0, 4.0, 8.0, 16.0, 32.0]),
         "openvino": per_size([1.5, 1.8, 3.6, 7.2, 14.4, 28.8]),
-        profile.STATIC: per_size([1.15, 1.5, 3.0, 6.0, 12.0, 24.0])}, tokens=TOKENS)
+        profile.STATIC: per_size([1.15, 1.5, 3.0, 6.0, 12.0, 24.0])}, tokens=TOKENS,
+        light={"onnxruntime": [1.0], "openvino": [1.5], profile.STATIC: [1.15]})
     grid = {1: [(1, 16)], 2: [(1, 16), (2, 16)], 4: [(2, 16), (4, 16)], 8: [(8, 16)], 16: [(16, 16)],
             32: [(32, 16)]}
-    decision, _, shapes = decide(timings, grid)
+    decision, _, shapes, light = decide(timings, grid)
+    assert light == {"onnxruntime": 1.0, "openvino": 1.15}  # one-row batches run on OpenVINO's static shapes
     assert decision.get("max_small_rows") == 1 and decision["small"] == "onnxruntime"
     assert decision["openvino_shapes"] == ["2x16", "4x16", "8x16", "16x16", "32x16"]
     assert shapes == ["1x16", *decision["openvino_shapes"]]  # all kept: the served pair may yet change
