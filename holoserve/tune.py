@@ -218,8 +218,8 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
     if decision["backend"] == "routed":
         print(f"timing the routed pair as it serves ({profile.ROUTING_ROUNDS} rounds)", file=out, flush=True)
         as_served = {**loaded, "openvino": loaded[STATIC]} if shapes else loaded
-        decision = profile.confirm_routing(as_served, decision, medians, timings.tokens, items, sizes,
-                                           profile.pad_id(artifact), light=light)
+        decision = profile.confirm_routing(as_served, decision, medians, items, sizes, profile.pad_id(artifact),
+                                           light=light)
         decision["openvino_shapes"] = served_shapes(decision, shapes)
     kernels = _kernels_status(loaded.get("openvino"))
     if kernels:

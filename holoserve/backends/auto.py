@@ -231,8 +231,7 @@ def _timed_at_startup(artifact: Artifact, loaded: dict[str, Backend], options: d
     timings = profile.time_backends(loaded, items, sizes, profile.Plan(**STARTUP_PLAN), profile.pad_id(artifact))
     medians, light = timings.medians(), timings.light_medians()
     decision = profile.confirm_routing(loaded, profile.decide(medians, timings.tokens, light=light), medians,
-                                       timings.tokens, items, sizes, profile.pad_id(artifact),
-                                       STARTUP_ROUTING_ROUNDS, light)
+                                       items, sizes, profile.pad_id(artifact), STARTUP_ROUTING_ROUNDS, light)
     if decision["backend"] == "routed":
         backend: Backend = RoutedCpuBackend.from_route(loaded, decision)
     else:

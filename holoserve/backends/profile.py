@@ -354,7 +354,7 @@ ROUTING_ROUNDS = 12  # rounds of confirm_routing in `holoserve tune` (each runs 
 
 
 def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
-                    medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, float],
+                    medians: Mapping[str, Mapping[int, float]],
                     items: Sequence[Encoded], sizes: Sequence[int], pad: int = 0,
                     rounds: int = ROUTING_ROUNDS, light: Mapping[str, float] | None = None) -> dict[str, Any]:
     """`decision` where it is not routed, or where the routed pair, run as it serves, keeps what it was chosen
@@ -369,7 +369,7 @@ def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
     of the caches for the other. `light` (light load's ms) is decide's, for the fallback."""
     if decision["backend"] != "routed":
         return dict(decision)
-    single = decide(medians, tokens, route=False)
+    single = decide(medians, {}, route=False)  # no route: no token threshold to place
     sides = {"routed": RoutedCpuBackend.from_route(backends, decision), "single": backends[single["backend"]]}
     light_route = decision.get("max_small_rows") is not None
     timed = [b for b in sizes if not (light_route and b <= decision["max_small_rows"])] or list(sizes)
@@ -400,9 +400,9 @@ def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
                 f"{alone}")
     if ratio <= 1 - MARGIN:
         return {**decision, "reason": f"{decision['reason']}; {measured}: kept"}
-    fallback = decide(medians, tokens, by_tokens=False, light=light)  # the single backend, or its light-load route
+    fallback = decide(medians, {}, by_tokens=False, light=light)  # the single backend, or its light-load route
     fallback["reason"] += f"; routing by tokens was not kept: {measured}, not faster by the {MARGIN:.0%} margin"
-    return confirm_routing(backends, fallback, medians, tokens, items, sizes, pad, rounds, light)
+    return confirm_routing(backends, fallback, medians, items, sizes, pad, rounds, light)
 
 
 GRID_PER_SIZE = 2  # static_grid: the shapes tried for each batch size

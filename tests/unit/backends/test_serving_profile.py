@@ -140,7 +140,7 @@ def test_a_routed_pair_is_kept_only_where_it_wins_as_it_serves(monkeypatch, swit
     fakes = {n: _Fake(n, medians[n], clock, switch) for n in ("onnxruntime", "openvino")}
     ids = np.arange(32, dtype=np.int64)  # 32 tokens a row, as TOKENS counts them: 8 rows go to ONNX Runtime
     items = [Encoded(input_ids=ids, token_type_ids=np.zeros_like(ids), truncated=False) for _ in range(40)]
-    got = profile.confirm_routing(fakes, decision, medians, TOKENS, items, [1, 2, 4, 8, 16, 32], rounds=3)
+    got = profile.confirm_routing(fakes, decision, medians, items, [1, 2, 4, 8, 16, 32], rounds=3)
     if kept:
         assert got["backend"] == "routed" and got["reason"].endswith(": kept"), got
     else:
@@ -148,7 +148,7 @@ def test_a_routed_pair_is_kept_only_where_it_wins_as_it_serves(monkeypatch, swit
         assert "not faster by the 5% margin" in got["reason"]
     # a decision that is not routed is left as it is, with nothing timed
     single = profile.decide(_times(ort_ms, ort_ms), TOKENS)
-    assert profile.confirm_routing({}, single, medians, TOKENS, items, [1]) == single
+    assert profile.confirm_routing({}, single, medians, items, [1]) == single
 
 
 class _Cold(_Fake):
@@ -210,7 +210,7 @@ def test_the_light_load_route_is_kept_unless_larger_batches_pay_for_it(monkeypat
     decision = profile.decide(per_row, TOKENS, light=LIGHT_SLOW_OV)
     assert decision.get("max_small_rows") == 1
     fakes, pauses = _cold_fakes(monkeypatch, per_row, switch)
-    got = profile.confirm_routing(fakes, decision, per_row, TOKENS, _texts_of([16] * 40), sizes, rounds=3)
+    got = profile.confirm_routing(fakes, decision, per_row, _texts_of([16] * 40), sizes, rounds=3)
     if kept:
         assert got["backend"] == "routed" and got["reason"].endswith("at batch sizes 2 to 32: kept"), got
     else:
@@ -237,7 +237,7 @@ def test_a_token_route_not_kept_falls_back_to_the_light_load_route(monkeypatch):
     # the margin over the five batch sizes it leaves to OpenVINO
     fakes = {"onnxruntime": _Fake("onnxruntime", medians["onnxruntime"], clock, 0.0),
              "openvino": _Fake("openvino", medians["openvino"], clock, 0.3)}
-    got = profile.confirm_routing(fakes, decision, medians, TOKENS, _texts_of([32] * 40), list(profile.BATCH_SIZES),
+    got = profile.confirm_routing(fakes, decision, medians, _texts_of([32] * 40), list(profile.BATCH_SIZES),
                                   rounds=3, light=light)
     assert (got["backend"], got["small"], got.get("max_small_rows")) == ("routed", "onnxruntime", 1), got
     assert "routing by tokens was not kept" in got["reason"] and got["reason"].endswith(": kept")
