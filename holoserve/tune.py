@@ -236,10 +236,10 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
 
 
 def decide(timings: profile.Timings, grid: dict[int, list[tuple[int, int]]]
-           ) -> tuple[dict[str, Any], dict, list[str], dict[str, float]]:
+           ) -> tuple[dict[str, Any], dict, list[tuple[int, int]], dict[str, float]]:
     """The decision from tune's timings: OpenVINO's static shapes kept where they won by the margin, then
     profile.decide between ONNX Runtime and OpenVINO (with those shapes); the medians it decided on; all
-    the shapes kept (the decision lists those it serves: confirm_routing may change which); and light
+    the (batch, seq) shapes kept (the decision lists those it serves: confirm_routing may change which); and light
     load's medians (one-row batches after the pause) it decided on."""
     medians = timings.medians()
     light = timings.light_medians()
@@ -254,25 +254,24 @@ def decide(timings: profile.Timings, grid: dict[int, list[tuple[int, int]]]
         if profile.LIGHT in won and static_light is not None:  # one-row batches run on the static shapes
             light["openvino"] = static_light
     decision = profile.decide(medians, timings.tokens, light=light)
-    shapes = [f"{b}x{s}" for b, s in kept]
-    decision["openvino_shapes"] = served_shapes(decision, shapes)
+    decision["openvino_shapes"] = served_shapes(decision, kept)
     if static is not None and "openvino" in medians:
         decision["reason"] += (
-            f"; OpenVINO with static shapes ({', '.join(shapes)}) beat its dynamic model by the "
+            f"; OpenVINO with static shapes ({', '.join(f'{b}x{s}' for b, s in kept)}) beat its dynamic model by the "
             f"{profile.MARGIN:.0%} margin at batch size{'s' if len(won) > 1 else ''} {', '.join(map(str, won))}"
             if kept else
             f"; OpenVINO's static shapes did not beat its dynamic model by the {profile.MARGIN:.0%} margin at any "
             "batch size")
-    return decision, medians, shapes, light
+    return decision, medians, kept, light
 
 
-def served_shapes(decision: dict[str, Any], shapes: list[str]) -> list[str]:
-    """The static shapes OpenVINO serves under `decision`: none where it does not serve, and none of the few
-    rows the light-load route gives ONNX Runtime."""
+def served_shapes(decision: dict[str, Any], shapes: list[tuple[int, int]]) -> list[str]:
+    """The static shapes OpenVINO serves under `decision`, as "BATCHxSEQ": none where it does not serve, and
+    none of the few rows the light-load route gives ONNX Runtime."""
     if "openvino" not in profile.needed(decision):
         return []
-    rows = decision.get("max_small_rows") if decision.get("small") != "openvino" else None
-    return [s for s in shapes if not rows or int(s.split("x")[0]) > rows]
+    rows = (decision.get("max_small_rows") or 0) if decision.get("small") != "openvino" else 0
+    return [f"{b}x{s}" for b, s in shapes if b > rows]
 
 
 def _kernels_status(backend) -> str:
