@@ -213,6 +213,7 @@ class Timings:
     rounds: int = 0
     seconds: float = 0.0
     light: dict[str, list[float]] = field(default_factory=dict)  # ms of a one-row batch after the pause
+    pause_s: float = LIGHT_PAUSE_S  # the pause before each of those batches (Plan.pause_s)
 
     def medians(self) -> dict[str, dict[int, float]]:
         return {n: {b: float(np.median(v)) for b, v in by.items() if v} for n, by in self.ms.items()}
@@ -222,8 +223,9 @@ class Timings:
 
 
 def run_light(run: Callable[..., Any], groups: Sequence[tuple], pause_s: float) -> float:
-    """Seconds one batch of one row takes as a lightly loaded server runs it: after `pause_s` idle."""
-    time.sleep(pause_s)
+    """Seconds one batch of one row takes as a lightly loaded server runs it: after `pause_s` idle (none at 0)."""
+    if pause_s > 0:
+        time.sleep(pause_s)
     start = time.perf_counter()
     for feed in groups:
         run(*feed)
@@ -242,7 +244,7 @@ def time_backends(backends: Mapping[str, Any], items: Sequence[Encoded], sizes: 
     if not items:
         raise HoloServeError("no texts to time the backends on")
     names = list(backends)
-    timings = Timings(list(sizes), {n: {b: [] for b in sizes} for n in names})
+    timings = Timings(list(sizes), {n: {b: [] for b in sizes} for n in names}, pause_s=plan.pause_s)
     token_sums = {b: [0.0, 0] for b in sizes}
     t0 = time.perf_counter()
     r = 0
@@ -250,10 +252,10 @@ def time_backends(backends: Mapping[str, Any], items: Sequence[Encoded], sizes: 
         order = names if r % 2 else names[::-1]
         for b in sizes:
             batches = round_batches(items, b, r, pad, plan.per_round)
+            light = round_batches(items, b, r, pad, plan.light_per_round) if b == LIGHT else []
             for name in order:
                 run = backends[name].infer
-                if b == LIGHT:  # first each after a pause, in which the other runtime's threads settle too
-                    light = round_batches(items, b, r, pad, plan.light_per_round)
+                if light:  # first each after a pause, in which the other runtime's threads settle too
                     seconds = sum(run_light(run, groups, plan.pause_s) for groups in light)
                     if r:
                         timings.light.setdefault(name, []).append(seconds * 1000 / len(light))
@@ -345,7 +347,7 @@ def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, floa
         after, back = light[alt] / light[single], medians[alt][LIGHT] / medians[single][LIGHT]  # type: ignore[index]
         return {"backend": "routed", "small": alt, "large": single, "max_small_rows": LIGHT,
                 "reason": (f"{why}; but one-row batches take {after:.2f}x the time on {alt} after a "
-                           f"{LIGHT_PAUSE_S * 1000:.0f} ms pause (light load) and {back:.2f}x back to back, so "
+                           f"pause (light load) and {back:.2f}x back to back, so "
                            f"{alt} serves them (the light-load route)")}
     return {"backend": single, "reason": why}
 
@@ -564,7 +566,7 @@ def new_profile(key: Mapping[str, Any], decision: Mapping[str, Any], timings: Ti
         "decision": dict(decision),
         "key": dict(key),
         "timings": {"unit": "ms per batch, median over rounds", "margin": MARGIN,
-                    "light_load": {"batch_size": LIGHT, "pause_ms": LIGHT_PAUSE_S * 1000,
+                    "light_load": {"batch_size": LIGHT, "pause_ms": round(timings.pause_s * 1000, 3),
                                    "median_ms": {n: round(t, 4) for n, t in timings.light_medians().items()}},
                     "rounds": timings.rounds,
                     "seconds": round(timings.seconds, 1), "batch_sizes": list(timings.sizes),
