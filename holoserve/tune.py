@@ -35,6 +35,7 @@ class TuneOptions:
     min_rounds: int = 5
     threads: int = 0
     workers: int = 1
+    instances: str = "auto"
     max_batch_size: int = 32
     openvino_precision: str = "auto"
     openvino_kernels: str = "auto"
@@ -201,7 +202,7 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
     except OSError as e:
         raise HoloServeError(f"cannot read the checkpoint {checkpoint}: {e}") from None
     cfg = ServerConfig(artifact_dir=str(checkpoint), threads=opts.threads, workers=opts.workers,
-                       max_batch_size=opts.max_batch_size,
+                       instances=str(opts.instances), max_batch_size=opts.max_batch_size,
                        openvino_precision=opts.openvino_precision, openvino_kernels=opts.openvino_kernels,
                        openvino_sparse_weights=opts.openvino_sparse_weights).validate()
     options = backend_options(cfg, artifact)

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", metavar="N", type=int, default=1,
                    help="the server processes `serve --workers` will start: under a CPU quota or cpuset they share "
                         "its threads, so the profile is timed with each one's share (default 1)")
+    p.add_argument("--instances", metavar="N", default="auto",
+                   help="the batches `serve --instances` will run at once: each is timed on its share of the "
+                        "threads (default auto, as the server's)")
     p.add_argument("--max-batch-size", metavar="N", type=int, default=32,
                    help="the largest batch the server will form (`serve --max-batch-size`); batches of 1, 2, 4, "
                         "... up to it are timed (default 32)")
@@ -82,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
         raise HoloServeError("; ".join(problems))
     opts = TuneOptions(texts=args.texts, text_column=args.text_column, text_pair_column=args.text_pair_column,
                        duration=args.duration, min_rounds=args.min_rounds, threads=args.threads, workers=args.workers,
-                       max_batch_size=args.max_batch_size, openvino_precision=args.openvino_precision,
-                       openvino_kernels=args.openvino_kernels, openvino_sparse_weights=args.openvino_sparse_weights,
+                       instances=args.instances, max_batch_size=args.max_batch_size,
+                       openvino_precision=args.openvino_precision, openvino_kernels=args.openvino_kernels,
+                       openvino_sparse_weights=args.openvino_sparse_weights,
                        static_shapes=not args.no_static_shapes)
     prof, path = tune(args.checkpoint, opts, out=sys.stderr)
     print(report(prof, path))

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from holoserve.core.artifact import Artifact
+from holoserve.core.machine import per_instance_threads
 from holoserve.core.manifest import ONNXRUNTIME
 from holoserve.core.ort import session as ort_session
 from .base import BackendUnavailable
@@ -52,7 +53,7 @@ class OrtBackend:
     whole_batches = False  # on a CPU, length groups save the padded tokens' work
 
     def __init__(self, artifact: Artifact, *, device: str = "auto", threads: int | None = None,
-                 export_key: str = EXPORT_KEY):
+                 export_key: str = EXPORT_KEY, instances: int = 1):
         try:
             import onnxruntime as ort
         except ImportError as e:  # pragma: no cover - part of the base install
@@ -60,6 +61,9 @@ class OrtBackend:
         self.path = onnx_path(artifact, export_key)
         threads = threads if threads is not None else int(os.environ.get("HOLOSERVE_ORT_THREADS", "0") or 0)
         providers = choose_providers(ort.get_available_providers(), device)
+        # Batches run at once share the threads (a session's run is thread-safe); on CUDA one runs at a time.
+        self.instances = max(1, int(instances)) if providers[0] == "CPUExecutionProvider" else 1
+        threads = per_instance_threads(threads, self.instances)
         try:
             self.session = ort_session(self.path, threads=threads, providers=providers)
         except Exception as e:  # ORT raises its own exception types
@@ -93,9 +97,11 @@ class OrtBackend:
             "device": "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu",
             "onnxruntime_version": ort.__version__,
             "intra_op_threads": self.threads or "default",
+            "instances": self.instances,
             "threads_spin": "inside a run only",  # core.ort.session(spin="run")
         }
 
 
 def load(artifact: Artifact, **options: Any) -> OrtBackend:
-    return OrtBackend(artifact, device=options.get("device", "auto"), threads=options.get("threads"))
+    return OrtBackend(artifact, device=options.get("device", "auto"), threads=options.get("threads"),
+                      instances=int(options.get("instances") or 1))

@@ -35,6 +35,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import queue
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -223,8 +226,45 @@ def read_model(core, path: str | os.PathLike, library: Path | None = None, bf16:
     return core.read_model(data, ov.Tensor(np.empty(0, np.uint8))), counts
 
 
-def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = False, precision: str = "auto",
-                  shape: tuple[int, int] | None = None, extra_outputs: Sequence[str] = (), kernels: str = "off",
+@dataclass(frozen=True)
+class Streams:
+    """OpenVINO CPU threads (0: its default) split into `streams` that each run one request at a time."""
+
+    threads: int = 0
+    streams: int = 1
+
+
+def _cpu_config(threads: int | Streams) -> dict[str, Any]:
+    plan = threads if isinstance(threads, Streams) else Streams(int(threads))
+    config: dict[str, Any] = ({"PERFORMANCE_HINT": "LATENCY"} if plan.streams <= 1 else
+                              {"PERFORMANCE_HINT": "THROUGHPUT", "NUM_STREAMS": int(plan.streams)})
+    if plan.threads > 0:
+        config["INFERENCE_NUM_THREADS"] = int(plan.threads)
+    return config
+
+
+class RequestPool:
+    """One infer request per stream of a compiled model; `run` takes a free one, so that as many batches as
+    there are streams run at once."""
+
+    def __init__(self, compiled, size: int):
+        self.compiled = compiled
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(max(1, size)):
+            self._free.put(compiled.create_infer_request())
+
+    def run(self, feed: dict[str, np.ndarray], output) -> np.ndarray:
+        request = self._free.get()
+        try:
+            out = request.infer(feed)
+            return np.asarray(out[output], dtype=np.float32).copy()
+        finally:
+            self._free.put(request)
+
+
+def compile_model(path: str | os.PathLike, *, threads: int | Streams = 0, sparse: bool = False,
+                  precision: str = "auto", shape: tuple[int, int] | None = None, extra_outputs: Sequence[str] = (),
+                  kernels: str = "off",
                   report: dict | None = None):
     """(compiled model, sparse-weights note) for an ONNX file on OpenVINO's CPU plugin; `shape` (batch,
     seq) compiles it for that one static shape; `extra_outputs` also exposes those tensors (diagnostics:
@@ -237,9 +277,7 @@ def compile_model(path: str | os.PathLike, *, threads: int = 0, sparse: bool = F
     except ImportError as e:
         raise BackendUnavailable(f"OpenVINO is not installed ({e}): pip install 'holoserve[openvino]'") from None
     core = ov.Core()
-    config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
-    if threads > 0:
-        config["INFERENCE_NUM_THREADS"] = int(threads)
+    config = _cpu_config(threads)
     if precision != "auto":
         config["INFERENCE_PRECISION_HINT"] = precision
     amx = cpu_has_amx()
@@ -367,7 +405,7 @@ class OpenVinoBackend:
 
     def __init__(self, artifact: Artifact, *, threads: int | None = None, sparse: bool = False,
                  precision: str = "auto", export_key: str = OPENVINO, shapes: str | Sequence = (),
-                 kernels: str = DEFAULT_KERNELS):
+                 kernels: str = DEFAULT_KERNELS, instances: int = 1):
         entry = artifact.export(export_key)
         if entry is None:
             raise BackendUnavailable(
@@ -376,9 +414,12 @@ class OpenVinoBackend:
         self.path = artifact.path / entry.file
         threads = threads if threads is not None else int(os.environ.get("HOLOSERVE_ORT_THREADS", "0") or 0)
         self.kernels: dict[str, Any] = {}
-        self.compiled, self.sparse_note = compile_model(self.path, threads=threads or 0, sparse=sparse,
+        self.instances = max(1, int(instances))  # batches run at once, one per stream
+        plan = Streams(threads or 0, self.instances)
+        self.compiled, self.sparse_note = compile_model(self.path, threads=plan, sparse=sparse,
                                                         precision=precision, kernels=kernels, report=self.kernels)
-        self.request = self.compiled.create_infer_request()
+        self.requests = RequestPool(self.compiled, self.instances)
+        self._count = threading.Lock()  # the run counters below, updated from each instance's thread
         self.input_names = [i.get_any_name() for i in self.compiled.inputs]
         unknown = [n for n in self.input_names if n not in INPUTS]
         if unknown or "input_ids" not in self.input_names:
@@ -386,15 +427,15 @@ class OpenVinoBackend:
         self.output = self.compiled.outputs[0]
         self.threads = threads
         self.max_seq = artifact.max_seq_length
-        # (batch, seq, infer request) per static shape, smallest first; what ran where, for info()
-        self.static: list[tuple[int, int, Any]] = []
+        # (batch, seq, its requests) per static shape, smallest first; what ran where, for info()
+        self.static: list[tuple[int, int, RequestPool]] = []
         for b, s in parse_shapes(shapes):
-            compiled, _ = compile_model(self.path, threads=threads or 0, sparse=sparse, precision=precision,
+            compiled, _ = compile_model(self.path, threads=plan, sparse=sparse, precision=precision,
                                         shape=(b, s), kernels=kernels)
-            request = compiled.create_infer_request()
+            pool = RequestPool(compiled, self.instances)
             ones = np.ones((b, s), dtype=np.int64)  # one run now, so that no request pays the first run's setup
-            request.infer({n: ones if n != "token_type_ids" else ones * 0 for n in self.input_names})
-            self.static.append((b, s, request))
+            pool.run({n: ones if n != "token_type_ids" else ones * 0 for n in self.input_names}, compiled.outputs[0])
+            self.static.append((b, s, pool))
         # how often each static shape ran, and each padded length of the dynamic model: what traffic brought
         self.static_runs = {(b, s): 0 for b, s, _ in self.static}
         self.dynamic_lengths: dict[int, int] = {}
@@ -402,7 +443,7 @@ class OpenVinoBackend:
         if self.int8_gemm != "exact":
             log.warning("%s", INT8_SATURATES)
 
-    def static_shape_for(self, batch: int, seq: int) -> tuple[int, int, Any] | None:
+    def static_shape_for(self, batch: int, seq: int) -> tuple[int, int, RequestPool] | None:
         """The smallest listed static shape that holds a [batch, seq] batch in at most STATIC_PAD_SHARE more
         tokens than the dynamic model would run it in ([batch, dynamic_seq(seq)]), or None (the dynamic model
         runs it)."""
@@ -420,13 +461,13 @@ class OpenVinoBackend:
         hit = self.static_shape_for(batch, seq) if self.static else None
         if hit is None:
             length = self.dynamic_seq(seq)
-            self.dynamic_lengths[length] = self.dynamic_lengths.get(length, 0) + 1
-            out = self.request.infer(_padded(feed, self.input_names, batch, length))
-            return np.asarray(out[self.output], dtype=np.float32).copy()
-        b, s, request = hit
-        self.static_runs[(b, s)] += 1
-        out = request.infer(_padded(feed, self.input_names, b, s))
-        return np.asarray(out[request.model_outputs[0]], dtype=np.float32)[:batch].copy()
+            with self._count:
+                self.dynamic_lengths[length] = self.dynamic_lengths.get(length, 0) + 1
+            return self.requests.run(_padded(feed, self.input_names, batch, length), self.output)
+        b, s, pool = hit
+        with self._count:
+            self.static_runs[(b, s)] += 1
+        return pool.run(_padded(feed, self.input_names, b, s), pool.compiled.outputs[0])[:batch]
 
     @property
     def runs(self) -> dict[str, int]:
@@ -437,7 +478,7 @@ class OpenVinoBackend:
         import openvino as ov
 
         return {"backend": self.name, "model": self.path.name, "openvino_version": ov.__version__,
-                "device": "CPU", "threads": self.threads or "default",
+                "device": "CPU", "threads": self.threads or "default", "instances": self.instances,
                 "gemm_precisions": gemm_precisions(self.compiled), "gemm_kernels": gemm_kernels(self.compiled),
                 "inference_precision": inference_precision(self.compiled),
                 "sparse_weights_decompression": self.sparse_note, "kernels": dict(self.kernels),
@@ -469,4 +510,5 @@ def load(artifact: Artifact, **options: Any) -> OpenVinoBackend:
                            sparse=bool(options.get("openvino_sparse_weights")),
                            precision=options.get("openvino_precision") or "auto",
                            shapes=options.get("openvino_shapes") or (),
-                           kernels=options.get("openvino_kernels") or DEFAULT_KERNELS)
+                           kernels=options.get("openvino_kernels") or DEFAULT_KERNELS,
+                           instances=int(options.get("instances") or 1))

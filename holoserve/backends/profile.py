@@ -509,7 +509,8 @@ def kernels_build() -> dict[str, str] | None:
 
 def machine_key(artifact: Artifact, options: Mapping[str, Any], kernels_on: bool = False) -> dict[str, Any]:
     """What the timings depend on besides the model's weights: the CPU, its flags that decide which kernels
-    run (AVX-512, AMX, VNNI), the CPUs this process may use, the threads, the runtimes' versions, the backend
+    run (AVX-512, AMX, VNNI), the CPUs this process may use, the threads and the batches run at once (each
+    instance's threads), the runtimes' versions, the backend
     options, the 2:4 kernels' build (when they run) and the sha256 of each CPU export file."""
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")) or "vnni" in f)
     try:
@@ -523,6 +524,7 @@ def machine_key(artifact: Artifact, options: Mapping[str, Any], kernels_on: bool
             exports[key] = {"file": entry.file, "sha256": artifact.manifest.files[entry.file].sha256}
     return {
         "cpu_model": cpu_name(), "cpu_flags": flags, "cpus": cpus, "threads": threads_setting(options),
+        "instances": int(options.get("instances") or 1),
         "onnxruntime": _version("onnxruntime"), "openvino": _version("openvino"),
         "openvino_options": {"precision": options.get("openvino_precision") or "auto",
                              "kernels": options.get("openvino_kernels") or "auto",

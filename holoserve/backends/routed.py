@@ -1,6 +1,7 @@
 """Two CPU backends served side by side, each batch run by the one that is faster for batches of its size."""
 from __future__ import annotations
 
+import threading
 from typing import Any, Mapping
 
 from holoserve import HoloServeError
@@ -27,6 +28,9 @@ class RoutedCpuBackend:
         self.max_small_rows = int(max_small_rows) if max_small_rows is not None else None
         self.name = f"{small.name}+{large.name}"
         self.runs = {small.name: 0, large.name: 0}
+        # batches at once: as many as both sides take (each side's threads are shared by its instances)
+        self.instances = min(int(getattr(small, "instances", 1)), int(getattr(large, "instances", 1)))
+        self._count = threading.Lock()
 
     @classmethod
     def from_route(cls, backends: Mapping[str, Backend], route: Mapping[str, Any]) -> "RoutedCpuBackend":
@@ -42,7 +46,8 @@ class RoutedCpuBackend:
             backend = self.small if input_ids.shape[0] <= self.max_small_rows else self.large
         else:
             backend = self.small if input_ids.size <= self.max_small_tokens else self.large
-        self.runs[backend.name] += 1
+        with self._count:
+            self.runs[backend.name] += 1
         return backend.infer(input_ids, attention_mask, token_type_ids)
 
     def route(self) -> dict[str, Any]:

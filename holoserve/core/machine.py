@@ -113,6 +113,23 @@ class CpuBudget:
     why: str
 
 
+def usable_cores() -> int:
+    """The physical cores this process may run on (its affinity)."""
+    try:
+        cpus = set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = set(range(os.cpu_count() or 1))
+    return physical_cores(cpus)
+
+
+def per_instance_threads(threads: int | None, instances: int) -> int:
+    """The intra-op threads of each of `instances` batches run at once: their share of `threads` (0 or None:
+    of the usable cores), at least 1; 0 (the runtime's default) for a single instance given none."""
+    if instances <= 1:
+        return int(threads or 0)
+    return max(1, int(threads or usable_cores()) // instances)
+
+
 def cpu_budget(workers: int = 1, *, quota: float | None | bool = True, affinity: set[int] | None = None,
                host_cpus: int | None = None, sys_cpu: Path = SYS_CPU) -> CpuBudget:
     """The intra-op threads each of `workers` model copies should use: the physical cores this process may

@@ -11,7 +11,9 @@ the longest) past the budget: sequences are taken in arrival order, and one long
 runs alone. The queue is bounded in sequences: a request that does not fit is refused at once
 (`QueueFull` -> 503 + Retry-After) instead of growing an unbounded backlog. When a merged batch
 fails, its sequences are run again one by one, so a sequence the backend cannot take fails alone
-(`InferenceFailed`) and the requests batched with it are still answered.
+(`InferenceFailed`) and the requests batched with it are still answered. With `instances` > 1 (Triton's
+instance count) up to that many batches run at once, each on its own worker thread; the next batch forms
+while they run and starts when one ends.
 """
 from __future__ import annotations
 
@@ -91,6 +93,7 @@ class BatchPolicy:
     max_padding_waste: float = GROUP_WASTE  # the padded share above which a merged batch runs in length groups
     inline_single: bool = False  # a lone sequence with nothing queued runs on the event loop itself
     max_batch_tokens: int = 0  # padded tokens per batch (sequences x the longest); 0: no token budget
+    instances: int = 1  # batches run at once (the backend must take concurrent calls)
 
 
 class DynamicBatcher:
@@ -109,13 +112,15 @@ class DynamicBatcher:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
-        self._busy = False
+        self.instances = max(1, int(policy.instances))
+        self._slots = asyncio.Semaphore(self.instances)
+        self._running: set[asyncio.Task] = set()
         self._batch_ids = itertools.count(1)
         self._groups = itertools.count(1)  # one per enqueued part of a request
         self.waiting = 0  # sequences of the requests submitted and not yet answered (queued or not yet)
         self._avg_batch_s = 0.01
-        # One inference at a time: backends parallelise inside a call (intra-op threads).
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="holoserve-infer")
+        # `instances` inferences at a time; each backend call parallelises inside itself (intra-op threads).
+        self._executor = ThreadPoolExecutor(max_workers=self.instances, thread_name_prefix="holoserve-infer")
 
     # ---- lifecycle
     def start(self) -> None:
@@ -127,7 +132,7 @@ class DynamicBatcher:
         self._closing = True
         self._wakeup.set()
         deadline = time.monotonic() + timeout_s
-        while (self._queue or self._busy) and time.monotonic() < deadline:
+        while (self._queue or self._running) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if self._task is not None:
             self._task.cancel()
@@ -149,11 +154,11 @@ class DynamicBatcher:
     @property
     def busy(self) -> bool:
         """A batch is running or sequences wait: the server is under load."""
-        return self._busy or bool(self._queue)
+        return bool(self._running) or bool(self._queue)
 
     def retry_after_s(self) -> int:
         batches_ahead = math.ceil(max(1, len(self._queue)) / self.max_batch_size) + 1
-        return max(1, math.ceil(batches_ahead * self._avg_batch_s))
+        return max(1, math.ceil(batches_ahead * self._avg_batch_s / self.instances))
 
     # ---- producer side
     async def submit(self, encs: Sequence[Encoded]) -> list[Result]:
@@ -205,57 +210,90 @@ class DynamicBatcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            # Wait for company until the batch is full or the oldest sequence has waited long enough.
-            deadline = self._queue[0].t_enqueue + self.max_delay
-            while self.max_delay > 0 and not self._closing and not self._full():
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    break
-                # Woken by a new arrival or by the timer, whichever comes first (cheaper than wait_for).
-                self._wakeup.clear()
-                timer = loop.call_later(remaining, self._wakeup.set)
-                await self._wakeup.wait()
-                timer.cancel()
-            batch = self._take()
+            await self._slots.acquire()  # a free instance; meanwhile the batch grows
+            try:
+                await self._gather(loop)
+                batch = self._take()
+            except BaseException:
+                self._slots.release()
+                raise
             if self.metrics:
                 self.metrics.pending_l.set(len(self._queue))
             if not batch:
+                self._slots.release()
                 continue
-            self._busy = True
-            t_start = time.perf_counter()
-            try:
-                if self.inline_single and len(batch) == 1 and not self._queue:
-                    # Alone in the server: run here, sparing the thread hand-off and its wake-ups.
-                    logits, calls = self._run_batch([batch[0].enc])
-                else:
-                    logits, calls = await loop.run_in_executor(self._executor, self._run_batch,
-                                                               [it.enc for it in batch])
-            except Exception as e:  # a backend failure: find the sequence(s) it belongs to
-                if len(batch) > 1:
-                    log.warning("a batch of %d sequences failed (%s: %s); running them one by one",
-                                len(batch), type(e).__name__, str(e)[:200])
-                    try:
-                        outcomes = await loop.run_in_executor(self._executor, self._run_each,
-                                                              [it.enc for it in batch])
-                    except Exception as again:  # the executor itself is gone (shutting down)
-                        outcomes = [again] * len(batch)
-                else:
-                    outcomes = [e]
-                self._settle(batch, outcomes, t_start)
+            if self.inline_single and len(batch) == 1 and not self._queue and not self._running:
+                # Alone in the server: run here, sparing the thread hand-off and its wake-ups.
+                self._run_inline(batch)
+                self._slots.release()
                 continue
-            finally:
-                self._busy = False
-            infer_s = time.perf_counter() - t_start
-            self._avg_batch_s = 0.9 * self._avg_batch_s + 0.1 * infer_s
-            bid = next(self._batch_ids)
-            if self.metrics:
-                self.metrics.exec_count_l.inc(calls)
-                self.metrics.count_l.inc(len(batch))
-                self.metrics.batch_size_l.observe(len(batch))
-                self.metrics.infer_duration_l.observe(infer_s)
-            for i, it in enumerate(batch):
-                if not it.future.done():
-                    it.future.set_result(Result(logits[i], t_start - it.t_enqueue, infer_s, bid, len(batch)))
+            task = loop.create_task(self._execute(loop, batch))
+            self._running.add(task)
+            task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        self._slots.release()
+        self._wakeup.set()  # the loop may be waiting for this instance to go on
+
+    async def _gather(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait for company until the batch is full or the oldest sequence has waited long enough."""
+        while not self._queue:  # the queue may have emptied while waiting for an instance
+            if self._closing:
+                return
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        deadline = self._queue[0].t_enqueue + self.max_delay
+        while self.max_delay > 0 and not self._closing and not self._full():
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            # Woken by a new arrival or by the timer, whichever comes first (cheaper than wait_for).
+            self._wakeup.clear()
+            timer = loop.call_later(remaining, self._wakeup.set)
+            await self._wakeup.wait()
+            timer.cancel()
+
+    def _run_inline(self, batch: list[_Item]) -> None:
+        t_start = time.perf_counter()
+        try:
+            logits, calls = self._run_batch([batch[0].enc])
+        except Exception as e:
+            self._settle(batch, [e], t_start)
+            return
+        self._answer(batch, logits, calls, t_start)
+
+    async def _execute(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
+        """Run one batch on a worker thread and answer its sequences."""
+        t_start = time.perf_counter()
+        try:
+            logits, calls = await loop.run_in_executor(self._executor, self._run_batch, [it.enc for it in batch])
+        except Exception as e:  # a backend failure: find the sequence(s) it belongs to
+            if len(batch) > 1:
+                log.warning("a batch of %d sequences failed (%s: %s); running them one by one",
+                            len(batch), type(e).__name__, str(e)[:200])
+                try:
+                    outcomes = await loop.run_in_executor(self._executor, self._run_each, [it.enc for it in batch])
+                except Exception as again:  # the executor itself is gone (shutting down)
+                    outcomes = [again] * len(batch)
+            else:
+                outcomes = [e]
+            self._settle(batch, outcomes, t_start)
+            return
+        self._answer(batch, logits, calls, t_start)
+
+    def _answer(self, batch: list[_Item], logits: np.ndarray, calls: int, t_start: float) -> None:
+        infer_s = time.perf_counter() - t_start
+        self._avg_batch_s = 0.9 * self._avg_batch_s + 0.1 * infer_s
+        bid = next(self._batch_ids)
+        if self.metrics:
+            self.metrics.exec_count_l.inc(calls)
+            self.metrics.count_l.inc(len(batch))
+            self.metrics.batch_size_l.observe(len(batch))
+            self.metrics.infer_duration_l.observe(infer_s)
+        for i, it in enumerate(batch):
+            if not it.future.done():
+                it.future.set_result(Result(logits[i], t_start - it.t_enqueue, infer_s, bid, len(batch)))
 
     def _full(self) -> bool:
         """The queue holds a full batch: by count, or by padded tokens under a token budget."""

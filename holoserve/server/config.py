@@ -57,6 +57,11 @@ class ServerConfig:
     workers: int = option(1, "server processes (each loads the model; the backend is chosen once for all of them; "
                           "/metrics reports all of them together)")
     max_batch_size: int = option(32, "largest batch the dynamic batcher forms; 1 turns batching off")
+    # auto: two where a worker has two or more cores; why: docs/results/2026-11-29-instances.md
+    instances: str = option(
+        "auto", "batches each server process runs at once on a CPU backend, each on its own share of the threads "
+        "(Triton's instance count; GPU backends run one); auto = 2 where the process has two or more cores for "
+        "its backend, else 1")
     # 0 (Triton's default too): under load, batches form from requests that arrive while the previous batch
     # runs; why: docs/results/2026-11-21-serving.md
     max_queue_delay_ms: float = option(0.0, "how long a non-full batch waits for more requests")
@@ -191,6 +196,14 @@ class ServerConfig:
             except ValueError:
                 problems.append(f"max padding waste {self.max_padding_waste!r} must be a number (a share of the "
                                 "batch's tokens, e.g. 0.25; negative: never split) or auto")
+        if self.instances != "auto":
+            try:
+                self.instances = str(int(self.instances))
+                if int(self.instances) < 1:
+                    raise ValueError
+            except ValueError:
+                problems.append(f"instances {self.instances!r} must be a whole number >= 1 (batches run at once) "
+                                "or auto")
         if self.openvino_precision not in OPENVINO_PRECISIONS:
             problems.append(f"openvino precision {self.openvino_precision!r} is not one of "
                             + ", ".join(OPENVINO_PRECISIONS))

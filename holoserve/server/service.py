@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import HoloServeError
 from holoserve.core.artifact import MANIFEST, Artifact
-from holoserve.core.machine import CpuBudget, cpu_budget
+from holoserve.core.machine import CpuBudget, cpu_budget, usable_cores
 from ..backends.base import Backend, load_backend
 from holoserve.core.tokenizer import Encoded, TextEncoder
 from .batcher import BatchPolicy, DynamicBatcher, InferenceFailed, QueueFull, Result, ShuttingDown
@@ -45,11 +45,24 @@ def threads_plan(config: ServerConfig) -> CpuBudget:
     return cpu_budget(config.workers)
 
 
+AUTO_INSTANCES = 2  # batches at once where a worker has this many cores (docs/results/2026-11-29-instances.md)
+
+
+def instances_plan(config: ServerConfig, threads: int | None) -> int:
+    """The batches each worker runs at once on a CPU backend: --instances when set; else AUTO_INSTANCES where
+    the worker has at least that many cores (`threads`, its share of a CPU quota or cpuset, or else the physical
+    cores it may use shared by the workers), else 1."""
+    if config.instances != "auto":
+        return int(config.instances)
+    cores = threads or usable_cores() // max(1, config.workers)
+    return AUTO_INSTANCES if cores >= AUTO_INSTANCES else 1
+
+
 def backend_options(config: ServerConfig, artifact: Artifact) -> dict[str, Any]:
     """The options a backend's loader gets from the server's settings (`holoserve tune` loads with the same)."""
     # Loaders ignore options they do not use; torch-cuda sizes its CUDA graphs by max_batch.
-    opts: dict[str, Any] = {"max_batch": config.max_batch_size}
     threads = threads_plan(config).threads
+    opts: dict[str, Any] = {"max_batch": config.max_batch_size, "instances": instances_plan(config, threads)}
     if threads:
         opts["threads"] = threads
     if config.openvino_precision != "auto":
@@ -185,13 +198,14 @@ class ClassifierService:
         cfg = self.config
         if self.backend is None:
             await asyncio.to_thread(self.load_backend)
-        log.info("serving %s (version %s) with backend %s (threads: %s)", self.name, self.version,
-                 self.backend.name, self.threads_why,
+        log.info("serving %s (version %s) with backend %s (threads: %s; batches at once: %d)", self.name,
+                 self.version, self.backend.name, self.threads_why, getattr(self.backend, "instances", 1),
                  extra={"backend": self.backend.info(), "selection": self.decision})
         self.model_ref = ModelRef(name=self.name, version=self.version, backend=self.backend.name)
         policy = BatchPolicy(max_batch_size=cfg.max_batch_size, max_queue_delay_ms=cfg.max_queue_delay_ms,
                              max_queue_size=cfg.max_queue_size, max_padding_waste=cfg.padding_waste_for(self.backend),
-                             inline_single=cfg.inline_single, max_batch_tokens=cfg.max_batch_tokens)
+                             inline_single=cfg.inline_single, max_batch_tokens=cfg.max_batch_tokens,
+                             instances=getattr(self.backend, "instances", 1))
         self.batcher = DynamicBatcher(self.backend.infer, policy, pad_id=self.encoder.pad_id, metrics=self.metrics)
         self.batcher.start()
         self.warmup_task = asyncio.get_running_loop().create_task(self._warm())
@@ -258,7 +272,7 @@ class ClassifierService:
             batching={"max_batch_size": cfg.max_batch_size, "max_queue_delay_ms": cfg.max_queue_delay_ms,
                       "max_queue_size": cfg.max_queue_size, "max_padding_waste": cfg.padding_waste_for(self.backend),
                       "max_batch_tokens": cfg.max_batch_tokens,
-                      "inline_single": cfg.inline_single},
+                      "inline_single": cfg.inline_single, "instances": getattr(self.backend, "instances", 1)},
             limits={"max_items": cfg.max_items, "max_text_bytes": cfg.max_text_bytes,
                     "max_body_bytes": cfg.max_body_bytes},
         )

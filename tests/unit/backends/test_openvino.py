@@ -210,8 +210,10 @@ def test_the_dynamic_model_runs_lengths_padded_to_a_few_that_recur(with_openvino
         batch = _rows(rng, vocab, b, s)
         want = exact.infer(dict(zip(("input_ids", "attention_mask", "token_type_ids"), batch)))
         want = np.asarray(want[dyn.output], dtype=np.float32)
+        before = dict(dyn.dynamic_lengths)
         got = dyn.infer(*batch)
-        assert tuple(dyn.request.get_tensor("input_ids").shape) == (b, dyn.dynamic_seq(s))
+        ran = {n: c - before.get(n, 0) for n, c in dyn.dynamic_lengths.items() if c != before.get(n, 0)}
+        assert ran == {dyn.dynamic_seq(s): 1}  # padded to the multiple
         assert got.shape == (b, art.num_labels)
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, float(np.abs(want).max())))
 
@@ -407,3 +409,24 @@ def test_a_onednn_cap_below_amx_keeps_openvino_off_amx_and_the_kernels_on_auto(w
         assert got["kernels"].startswith("off: this CPU lacks"), got
     else:
         assert got["kernels"].startswith("on (HoloServe's 2:4 INT8 kernels"), got
+
+
+def test_openvino_runs_one_stream_per_instance(with_openvino):
+    """--instances 2: OpenVINO compiles two streams, each batch takes a free infer request (static shapes too),
+    and batches run from two threads at once give what they give one after another."""
+    from holoserve.backends.routed import RoutedCpuBackend
+    from tests.unit.server.test_instances import concurrent_matches_serial, rows
+
+    art = load_artifact(with_openvino[0])
+    be = load_backend("openvino", art, threads=2, instances=2, openvino_precision="f32", openvino_shapes="2x16")
+    assert be.instances == 2 and be.compiled.get_property("NUM_STREAMS") == 2
+    concurrent_matches_serial(be)
+    assert be.runs == {"static": 0, "dynamic": 16}
+    ids, mask, types = rows(0, 2)
+    be.infer(ids, mask, types)
+    assert be.runs == {"static": 1, "dynamic": 16}  # 2 rows of 9 tokens: the 2x16 static shape
+    one = load_backend("openvino", art, threads=2, openvino_precision="f32")
+    assert one.instances == 1 and one.compiled.get_property("NUM_STREAMS") == 1
+    ort = load_backend("onnxruntime", art, threads=2, instances=2)
+    assert RoutedCpuBackend(ort, one, max_small_rows=1).instances == 1  # as many as both sides take
+    assert RoutedCpuBackend(ort, be, max_small_rows=1).instances == 2

@@ -383,13 +383,14 @@ def test_tune_writes_the_profile_with_its_key_timings_and_texts(both, tuned):
     assert d["backend"] in ("onnxruntime", "openvino", "routed") and d["reason"]
     assert d["openvino_kernels"] in ("on", "off") and isinstance(d["openvino_shapes"], list)
     key = prof["key"]
-    assert set(key) == {"cpu_model", "cpu_flags", "cpus", "threads", "onnxruntime", "openvino", "openvino_options",
-                        "kernels_build", "amx_withheld", "exports"}
+    assert set(key) == {"cpu_model", "cpu_flags", "cpus", "threads", "instances", "onnxruntime", "openvino",
+                        "openvino_options", "kernels_build", "amx_withheld", "exports"}
     manifest = json.loads((both / "manifest.json").read_text())
     assert key["exports"] == {k: {"file": manifest["exports"][k]["file"],
                                   "sha256": manifest["files"][manifest["exports"][k]["file"]]["sha256"]}
                               for k in ("onnxruntime", "openvino")}
-    assert key["threads"] == 1 and (key["kernels_build"] is not None) == (d["openvino_kernels"] == "on")
+    assert key["threads"] == 1 and key["instances"] == 1  # one thread: one batch at a time
+    assert (key["kernels_build"] is not None) == (d["openvino_kernels"] == "on")
     assert key["amx_withheld"] is None  # nothing caps or refuses AMX in the tests' own process
     t = prof["timings"]
     assert t["rounds"] >= 2 and t["batch_sizes"] == [1, 2, 4, 8, 16, 32] and t["margin"] == profile.MARGIN
