@@ -238,6 +238,8 @@ def _cpu_config(threads: int | Streams) -> dict[str, Any]:
     plan = threads if isinstance(threads, Streams) else Streams(int(threads))
     config: dict[str, Any] = ({"PERFORMANCE_HINT": "LATENCY"} if plan.streams <= 1 else
                               {"PERFORMANCE_HINT": "THROUGHPUT", "NUM_STREAMS": int(plan.streams)})
+    if plan.streams > 1:  # the server's own threads share the cores: a pinned stream they preempt would stall
+        config["ENABLE_CPU_PINNING"] = False
     if plan.threads > 0:
         config["INFERENCE_NUM_THREADS"] = int(plan.threads)
     return config

@@ -420,6 +420,7 @@ def test_openvino_runs_one_stream_per_instance(with_openvino):
     art = load_artifact(with_openvino[0])
     be = load_backend("openvino", art, threads=2, instances=2, openvino_precision="f32", openvino_shapes="2x16")
     assert be.instances == 2 and be.compiled.get_property("NUM_STREAMS") == 2
+    assert be.compiled.get_property("ENABLE_CPU_PINNING") is False
     concurrent_matches_serial(be)
     assert be.runs == {"static": 0, "dynamic": 16}
     ids, mask, types = rows(0, 2)
