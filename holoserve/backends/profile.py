@@ -10,8 +10,8 @@ request that finds the runtime idle. Runtimes start such a batch slower than one
 (their pool threads asleep, caches cold), and not all alike, so one-row batches are also timed each after
 a pause (LIGHT_PAUSE_S). ONNX Runtime, the simpler backend, serves unless another is faster by MARGIN; two
 backends are routed by batch size only where that gains MARGIN over the best single one, or where the
-other backend serves one-row batches faster by MARGIN after the pause and not slower back to back
-(`decide`).
+other backend serves one-row batches faster by MARGIN one way (after the pause, or back to back) and not
+slower the other way (`decide`).
 
 The profile (PROFILE_FILE in the checkpoint folder, JSON) holds the decision, the medians it came from,
 what texts they were measured on, and a key: the CPU, the flags that change which kernels run, the
@@ -293,14 +293,22 @@ def _ratio(a: Mapping[int, float], b: Mapping[int, float], sizes: Sequence[int])
     return _gmean([a[s] / b[s] for s in sizes])
 
 
+def _slower_at_one_row(mine: tuple[float, float], theirs: tuple[float, float], margin: float) -> bool:
+    """Whether one-row batches that take `mine` ms (after the pause, back to back) are slower than `theirs` by
+    `margin` one way and not faster by it the other way."""
+    slower = [t <= m * (1 - margin) for m, t in zip(mine, theirs)]
+    faster = [m <= t * (1 - margin) for m, t in zip(mine, theirs)]
+    return (slower[0] and not faster[1]) or (slower[1] and not faster[0])
+
+
 def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, float], margin: float = MARGIN,
            route: bool = True, by_tokens: bool = True, light: Mapping[str, float] | None = None) -> dict[str, Any]:
     """The CPU backend(s) to serve from per-batch-size median times: ONNX Runtime unless the other is faster
     by `margin`; both, routed by batch size at the cut that gains most, where that gains `margin` over the
     single one (one-row batches never on a backend slow at them, below); or, where the other backend serves
-    one-row batches faster than the single one by `margin` after a pause (`light`: light load's ms) and
-    not slower by it back to back, those on the other and larger ones on the single one (the light-load
-    route). Not routed with route=False; only the light-load route with by_tokens=False.
+    one-row batches faster than the single one by `margin` one way (after a pause, `light`: light load's
+    ms; or back to back) and not slower by it the other way, those on the other and larger ones on the
+    single one (the light-load route). Not routed with route=False; only the light-load route with by_tokens=False.
     `tokens` (mean padded tokens per batch at each size) places the token threshold. A routed decision is an
     estimate from each backend timed on its own: confirm_routing times the pair as it serves."""
     names = sorted(medians, key=lambda n: (n != SIMPLE, n))
@@ -321,11 +329,11 @@ def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, floa
                                f"{sizes[0]} to {sizes[-1]}): {verdict}")
     if not route:
         return {"backend": single, "reason": why}
-    # a backend slower at one-row batches than the other by the margin after a pause, and not faster by it
-    # back to back (one client in a closed loop), does not serve them
+    # a backend slower at one-row batches than the other by the margin one way (after a pause, or back to
+    # back: one client in a closed loop) and not faster by it the other way does not serve them
     slow_light = {n for n, m in ((simple, other), (other, simple))
                   if light and n in light and m in light and sizes[0] == LIGHT
-                  and light[m] <= light[n] * (1 - margin) and medians[n][LIGHT] > medians[m][LIGHT] * (1 - margin)}
+                  and _slower_at_one_row((light[n], medians[n][LIGHT]), (light[m], medians[m][LIGHT]), margin)}
     best: tuple[float, int, str, str] | None = None
     for cut in range(1, len(sizes) if by_tokens else 1):
         for small, large in ((simple, other), (other, simple)):

@@ -62,6 +62,21 @@ def test_routes_by_batch_size_only_where_the_mix_gains_the_margin():
 LIGHT_SLOW_OV = {"onnxruntime": 2.0, "openvino": 2.4}  # one-row batches after the pause: OpenVINO 20 % slower
 
 
+def test_one_row_batches_go_where_they_run_faster_back_to_back_and_tie_after_the_pause():
+    """One client in a closed loop runs one-row batches back to back: a backend slower there by the margin, and
+    not faster after the pause, gives them to the other (the light-load route)."""
+    ort = [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]
+    ov = [1.08, 1.2, 2.0, 3.2, 6.4, 12.8]  # 8 % slower at one row back to back, 20 % faster from 2 rows
+    d = profile.decide(_times(ort, ov), TOKENS, light={"onnxruntime": 5.0, "openvino": 5.05})
+    assert (d["backend"], d["small"], d["large"], d["max_small_rows"]) == ("routed", "onnxruntime", "openvino", 1)
+    assert "0.99x the time on onnxruntime after a pause (light load) and 0.93x back to back" in d["reason"]
+    # faster after the pause by the margin: no one-way loss to act on
+    assert profile.decide(_times(ort, ov), TOKENS, light={"onnxruntime": 5.0, "openvino": 4.5})["backend"] == "openvino"
+    # within the margin both ways: kept on the single backend
+    assert profile.decide(_times(ort, [1.04, *ov[1:]]), TOKENS,
+                          light={"onnxruntime": 5.0, "openvino": 5.05})["backend"] == "openvino"
+
+
 def test_one_row_batches_go_where_light_load_runs_them_faster_by_the_margin():
     """The light-load route: one-row batches on the other backend where, after a pause, it is faster at them
     by the margin and, back to back, not slower by it; larger ones on the backend the geometric mean chose."""
