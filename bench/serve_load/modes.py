@@ -120,7 +120,8 @@ def start_container(image: str, ckpt: Path, env: dict[str, str], options: list[s
 def versus_variant(versus: str, image: str) -> tuple[str, str, dict[str, str]]:
     """(name, image, environment) of the container `docker run`'s defaults are held against: the same image
     forced to ONNX Runtime; the same image given the thread count the runtimes pick by themselves (one per
-    physical core of the machine, whatever a CPU quota allows); or `image:NAME`, another image (an earlier
+    physical core of the machine, whatever a CPU quota allows); the same image running one batch at a time
+    (one-instance: `--instances 1`, all threads on each batch); or `image:NAME`, another image (an earlier
     build) with its own defaults."""
     if versus == "onnxruntime":
         return "onnxruntime", image, {"HOLOSERVE_BACKEND": "onnxruntime"}
@@ -129,9 +130,11 @@ def versus_variant(versus: str, image: str) -> tuple[str, str, dict[str, str]]:
 
         cores = physical_cores(set(range(os.cpu_count() or 1)))
         return "runtime_threads", image, {"HOLOSERVE_THREADS": str(cores)}
+    if versus == "one-instance":
+        return "one_instance", image, {"HOLOSERVE_INSTANCES": "1"}
     if versus.startswith("image:") and versus[len("image:"):]:
         return versus[len("image:"):], versus[len("image:"):], {}
-    raise SystemExit(f"--versus {versus!r}: use onnxruntime, runtime-threads or image:NAME")
+    raise SystemExit(f"--versus {versus!r}: use onnxruntime, runtime-threads, one-instance or image:NAME")
 
 
 def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: Path) -> int:

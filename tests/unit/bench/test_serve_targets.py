@@ -39,3 +39,13 @@ def test_the_runs_follow_the_data_and_the_baseline_given():
                                                     ("pairs", "onnxruntime"), ("short", "baseline")]
     bare = SimpleNamespace(data_dir=None, baseline_image=None)
     assert targets.runs(bare, targets.TARGETS) == [("long", "onnxruntime"), ("short", "onnxruntime")]
+
+
+def test_the_one_instance_variant_is_the_same_image_running_one_batch_at_a_time():
+    from bench.serve_load.modes import versus_variant
+    from holoserve.server.config import ServerConfig, env_name
+
+    name, image, env = versus_variant("one-instance", "holoserve:cpu")
+    assert (name, image) == ("one_instance", "holoserve:cpu")
+    assert env == {env_name("instances"): "1"}
+    assert ServerConfig(instances=env[env_name("instances")]).validate().instances == "1"
