@@ -23,6 +23,7 @@ OPTIONS = [
     (["--port"], "port", "HOLOSERVE_PORT", "8000", None),
     (["--workers"], "workers", "HOLOSERVE_WORKERS", "1", None),
     (["--max-batch-size"], "max_batch_size", "HOLOSERVE_MAX_BATCH_SIZE", "32", None),
+    (["--instances"], "instances", "HOLOSERVE_INSTANCES", "auto", None),
     (["--max-queue-delay-ms"], "max_queue_delay_ms", "HOLOSERVE_MAX_QUEUE_DELAY_MS", "0.0", None),
     (["--max-padding-waste"], "max_padding_waste", "HOLOSERVE_MAX_PADDING_WASTE", "auto", None),
     (["--max-batch-tokens"], "max_batch_tokens", "HOLOSERVE_MAX_BATCH_TOKENS", "0", None),
