@@ -76,8 +76,9 @@ class ServerConfig:
         "short requests are not batched behind long ones; a sequence longer than the budget runs alone; 0 = "
         "batches close on --max-batch-size only")
     # Saves the hand-off to the inference thread and its wake-ups; why: docs/results/2026-11-21-serving.md.
-    # The loop is busy for that one run, so a request arriving meanwhile is read when it ends: it would
-    # have waited for the single inference thread anyway.
+    # The loop is busy for that one run, so a request arriving meanwhile is read when it ends: with one
+    # instance it would have waited for the inference thread anyway; with more, it waits one run instead of
+    # starting on another instance.
     inline_single: bool = option(True, "run a lone batch-1 inference on the event-loop thread (no thread "
                                  "hand-off) when nothing else is queued")
     max_queue_size: int = option(256, "sequences allowed to wait for inference; beyond it requests get 503 + "
