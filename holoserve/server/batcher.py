@@ -1,19 +1,19 @@
 """Dynamic batching: merge sequences from concurrent requests into one backend call.
 
-One asyncio task owns the queue. It takes the oldest waiting sequence, waits until the batch is
-full or that sequence has waited `max_queue_delay` (Triton's rule), pads the batch to its
-longest member and runs the backend in a worker thread so the event loop keeps accepting
-requests (a lone sequence with nothing queued behind it may run on the loop itself, see
-`inline_single`). Each sequence carries its own future, so results go back to exactly the caller that
-sent it. A batch is full at `max_batch_size` sequences or, with a token budget (`max_batch_tokens`,
-as in text-embeddings-inference), when one more sequence would take its padded size (sequences x
-the longest) past the budget: sequences are taken in arrival order, and one longer than the budget
-runs alone. The queue is bounded in sequences: a request that does not fit is refused at once
-(`QueueFull` -> 503 + Retry-After) instead of growing an unbounded backlog. When a merged batch
-fails, its sequences are run again one by one, so a sequence the backend cannot take fails alone
-(`InferenceFailed`) and the requests batched with it are still answered. With `instances` > 1 (Triton's
-instance count) up to that many batches run at once, each on its own worker thread; the next batch forms
-while they run and starts when one ends.
+One asyncio task owns the queue. It takes the oldest waiting sequence, waits until the batch is full or that
+sequence has waited `max_queue_delay` (Triton's rule), pads the batch to its longest member and runs the
+backend in a worker thread so the event loop keeps accepting requests (a lone sequence with nothing queued
+behind it may run on the loop itself, see `inline_single`; with one instance only, as a request arriving
+meanwhile could start on another). Each sequence carries its own future, so results go back to exactly the
+caller that sent it. A batch is full at `max_batch_size` sequences or, with a token budget
+(`max_batch_tokens`, as in text-embeddings-inference), when one more sequence would take its padded size
+(sequences x the longest) past the budget: sequences are taken in arrival order, and one longer than the
+budget runs alone. The queue is bounded in sequences: a request that does not fit is refused at once
+(`QueueFull` -> 503 + Retry-After) instead of growing an unbounded backlog. When a merged batch fails, its
+sequences are run again one by one, so a sequence the backend cannot take fails alone (`InferenceFailed`) and
+the requests batched with it are still answered. With `instances` > 1 (Triton's instance count) up to that
+many batches run at once, each on its own worker thread; the next batch forms while they run and starts when
+one ends.
 """
 from __future__ import annotations
 
@@ -107,12 +107,13 @@ class DynamicBatcher:
         self.pad_id = pad_id
         self.max_padding_waste = policy.max_padding_waste
         self.metrics = metrics
-        self.inline_single = policy.inline_single
+        self.instances = max(1, int(policy.instances))
+        # with several instances a request read after an inline run could have started on another instance
+        self.inline_single = policy.inline_single and self.instances == 1
         self._queue: deque[_Item] = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
-        self.instances = max(1, int(policy.instances))
         self._slots = asyncio.Semaphore(self.instances)
         self._running: set[asyncio.Task] = set()
         self._batch_ids = itertools.count(1)

@@ -77,10 +77,10 @@ class ServerConfig:
         "batches close on --max-batch-size only")
     # Saves the hand-off to the inference thread and its wake-ups; why: docs/results/2026-11-21-serving.md.
     # The loop is busy for that one run, so a request arriving meanwhile is read when it ends: with one
-    # instance it would have waited for the inference thread anyway; with more, it waits one run instead of
-    # starting on another instance.
+    # instance it would have waited for the inference thread anyway; with more it could have started on
+    # another, so only one instance runs inline (docs/results/2026-11-29-instances.md).
     inline_single: bool = option(True, "run a lone batch-1 inference on the event-loop thread (no thread "
-                                 "hand-off) when nothing else is queued")
+                                 "hand-off) when nothing else is queued; with one instance only")
     max_queue_size: int = option(256, "sequences allowed to wait for inference; beyond it requests get 503 + "
                                  "Retry-After")
     max_items: int = option(64, "texts or pairs per request")

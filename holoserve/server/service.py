@@ -272,7 +272,8 @@ class ClassifierService:
             batching={"max_batch_size": cfg.max_batch_size, "max_queue_delay_ms": cfg.max_queue_delay_ms,
                       "max_queue_size": cfg.max_queue_size, "max_padding_waste": cfg.padding_waste_for(self.backend),
                       "max_batch_tokens": cfg.max_batch_tokens,
-                      "inline_single": cfg.inline_single, "instances": getattr(self.backend, "instances", 1)},
+                      "inline_single": self.batcher.inline_single if self.batcher else cfg.inline_single,
+                      "instances": getattr(self.backend, "instances", 1)},
             limits={"max_items": cfg.max_items, "max_text_bytes": cfg.max_text_bytes,
                     "max_body_bytes": cfg.max_body_bytes},
         )

@@ -164,3 +164,26 @@ def test_onnxruntime_gives_each_instance_its_share_of_the_threads(sst2):
     concurrent_matches_serial(be)
     one = load_backend("onnxruntime", art, threads=2)
     assert one.instances == 1 and one.info()["intra_op_threads"] == 2
+
+
+def test_a_lone_sequence_runs_on_the_loop_only_with_one_instance():
+    """inline_single spares the hand-off where one instance would make a request read meanwhile wait anyway;
+    with two, that request could start on the other instance, so every batch goes to a worker thread."""
+    async def main(instances: int):
+        loop_thread = threading.current_thread()
+        on_loop: list[bool] = []
+
+        def infer(ids, mask, types):
+            on_loop.append(threading.current_thread() is loop_thread)
+            return _tag_logits(ids)
+
+        b = DynamicBatcher(infer, BatchPolicy(max_batch_size=8, max_queue_delay_ms=0, max_queue_size=64,
+                                              inline_single=True, instances=instances))
+        b.start()
+        got = await b.submit([_seq(5)])
+        await b.stop(5)
+        assert float(got[0].logits[0]) == 5.0
+        return on_loop, b.inline_single
+
+    assert asyncio.run(main(1)) == ([True], True)
+    assert asyncio.run(main(2)) == ([False], False)
