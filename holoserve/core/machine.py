@@ -113,13 +113,17 @@ class CpuBudget:
     why: str
 
 
+def allowed_cpus() -> set[int]:
+    """The logical CPUs this process may run on (its affinity: a cpuset, `taskset`)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
 def usable_cores() -> int:
     """The physical cores this process may run on (its affinity)."""
-    try:
-        cpus = set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = set(range(os.cpu_count() or 1))
-    return physical_cores(cpus)
+    return physical_cores(allowed_cpus())
 
 
 def per_instance_threads(threads: int | None, instances: int) -> int:
@@ -140,10 +144,7 @@ def cpu_budget(workers: int = 1, *, quota: float | None | bool = True, affinity:
     if quota is True:
         quota = cgroup_cpu_limit()
     if affinity is None:
-        try:
-            affinity = set(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            affinity = set(range(os.cpu_count() or 1))
+        affinity = allowed_cpus()
     host = host_cpus if host_cpus is not None else (os.cpu_count() or len(affinity))
     limits = []
     if len(affinity) < host:
