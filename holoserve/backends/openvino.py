@@ -266,8 +266,7 @@ class RequestPool:
 
 def compile_model(path: str | os.PathLike, *, threads: int | Streams = 0, sparse: bool = False,
                   precision: str = "auto", shape: tuple[int, int] | None = None, extra_outputs: Sequence[str] = (),
-                  kernels: str = "off",
-                  report: dict | None = None):
+                  kernels: str = "off", report: dict | None = None):
     """(compiled model, sparse-weights note) for an ONNX file on OpenVINO's CPU plugin; `shape` (batch,
     seq) compiles it for that one static shape; `extra_outputs` also exposes those tensors (diagnostics:
     it keeps OpenVINO from fusing across them); `kernels` (auto, on, off) runs the 2:4 INT8 Linears on

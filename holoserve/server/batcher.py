@@ -223,8 +223,9 @@ class DynamicBatcher:
             if not batch:
                 self._slots.release()
                 continue
-            if self.inline_single and len(batch) == 1 and not self._queue and not self._running:
-                # Alone in the server: run here, sparing the thread hand-off and its wake-ups.
+            if self.inline_single and len(batch) == 1 and not self._queue:
+                # Alone in the server (one instance, whose slot this holds): run here, sparing the thread
+                # hand-off and its wake-ups.
                 self._run_inline(batch)
                 self._slots.release()
                 continue
