@@ -158,6 +158,39 @@ def batch_counts(port: int) -> tuple[float, float]:
             metric_sum(samples, "holoserve_inference_batch_size_count") or 0.0)
 
 
+def take_turns(ports: dict[str, int], texts: list, clients: int, args, rounds: int,
+               pids: dict[str, int] | None = None) -> dict[str, dict]:
+    """`rounds` rounds of args.duration / args.rounds seconds on each server in turn, in the reverse order
+    every other round: per server the raw loads (`parts`), the sequences and executions its batcher ran
+    (`seqs`) and, with `pids`, its CPU seconds (`cpu`). level_summary turns one or more of these into a level."""
+    got = {n: {"parts": [], "seqs": [0.0, 0.0], "cpu": 0.0} for n in ports}
+    for r in range(rounds):
+        for name in (list(ports) if r % 2 == 0 else list(ports)[::-1]):  # who goes first alternates too
+            port, mine = ports[name], got[name]
+            before = batch_counts(port)
+            c0 = cpu_seconds(pids[name]) if pids else 0.0
+            mine["parts"].append(asyncio.run(run_load(port, texts, clients, args.duration / args.rounds,
+                                                      args.max_requests // args.rounds)))
+            if pids:
+                mine["cpu"] += cpu_seconds(pids[name]) - c0
+            after = batch_counts(port)
+            for k in (0, 1):
+                mine["seqs"][k] += after[k] - before[k]
+    return got
+
+
+def level_summary(clients: int, turns: list[dict], with_cpu: bool = False) -> dict:
+    """One server's level from its take_turns results (several where the servers were restarted between
+    them): summarize's numbers, the mean executed batch size and, with_cpu, the server's CPU time per answer."""
+    lv = summarize(clients, [p for t in turns for p in t["parts"]])
+    seqs, execs = sum(t["seqs"][0] for t in turns), sum(t["seqs"][1] for t in turns)
+    lv["mean_batch"] = round(seqs / execs, 2) if execs else 0
+    if with_cpu:
+        cpu = sum(t["cpu"] for t in turns)
+        lv["server_cpu_ms_per_request"] = round(1000 * cpu / lv["ok"], 3) if lv["ok"] else None
+    return lv
+
+
 def alternate_rounds(ports: dict[str, int], texts: list, clients: int, args,
                      pids: dict[str, int] | None = None) -> dict[str, dict]:
     """One client level on several servers taking turns round by round (args.rounds rounds of
@@ -165,29 +198,8 @@ def alternate_rounds(ports: dict[str, int], texts: list, clients: int, args,
     and whatever the server before leaves behind hit them alike; per server the
     level's summary with the mean executed batch size read from its metrics and, with `pids` (the servers'
     processes), the server's CPU time per answered request."""
-    parts: dict[str, list[dict]] = {n: [] for n in ports}
-    seqs = {n: [0.0, 0.0] for n in ports}
-    cpu = {n: 0.0 for n in ports}
-    for r in range(args.rounds):
-        for name in (list(ports) if r % 2 == 0 else list(ports)[::-1]):  # who goes first alternates too
-            port = ports[name]
-            before = batch_counts(port)
-            c0 = cpu_seconds(pids[name]) if pids else 0.0
-            parts[name].append(asyncio.run(run_load(port, texts, clients, args.duration / args.rounds,
-                                                    args.max_requests // args.rounds)))
-            if pids:
-                cpu[name] += cpu_seconds(pids[name]) - c0
-            after = batch_counts(port)
-            for k in (0, 1):
-                seqs[name][k] += after[k] - before[k]
-    out = {}
-    for name in ports:
-        lv = summarize(clients, parts[name])
-        lv["mean_batch"] = round(seqs[name][0] / seqs[name][1], 2) if seqs[name][1] else 0
-        if pids:
-            lv["server_cpu_ms_per_request"] = round(1000 * cpu[name] / lv["ok"], 3) if lv["ok"] else None
-        out[name] = lv
-    return out
+    got = take_turns(ports, texts, clients, args, args.rounds, pids)
+    return {name: level_summary(clients, [got[name]], pids is not None) for name in ports}
 
 
 # --------------------------------------------------------------------------- servers

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.report import machine, uptime_text, write_record
-from bench.serve_load.load import alternate_rounds, fleet, warm
+from bench.serve_load.load import alternate_rounds, fleet, level_summary, take_turns, warm
 from bench.serve_load.report import docker_markdown, tokens_markdown
 from holoserve.core.artifact import load_artifact
 
@@ -137,38 +137,65 @@ def versus_variant(versus: str, image: str) -> tuple[str, str, dict[str, str]]:
     raise SystemExit(f"--versus {versus!r}: use onnxruntime, runtime-threads, one-instance or image:NAME")
 
 
+def start_variants(order: list[str], variants: dict[str, tuple[str, dict]], ckpt: Path, options: list[str],
+                   record: dict) -> dict[str, tuple[str, int]]:
+    """Containers of `variants` started in `order`: {name: (container id, port)}. The first start of each fills
+    its entry of `record` (image, settings, backend and why); a later start that serves another backend is noted
+    there (`backends_seen`), since an `auto` choice made at start-up can differ between starts."""
+    running: dict[str, tuple[str, int]] = {}
+    try:
+        for name in order:
+            image, env = variants[name]
+            cid, port, backend = start_container(image, ckpt, env, options)
+            running[name] = (cid, port)
+            entry = record.setdefault(name, {
+                "image": image, "env": env, "backend": backend.get("backend"),
+                "selection": backend.get("selection"), "threads": backend.get("threads_why"),
+                "kernels": (backend.get("kernels") or {}).get("status"), "levels": [], "backends_seen": []})
+            entry["backends_seen"].append(backend.get("backend"))
+            print(f"{name}: {backend.get('backend')} ({backend.get('selection')})", flush=True)
+    except BaseException:
+        for cid, _ in running.values():
+            subprocess.run(["docker", "rm", "-f", cid], capture_output=True, timeout=60)
+        raise
+    return running
+
+
 def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: Path) -> int:
     """The image as users meet it: `docker run` with no backend settings against a variant (--versus), both
-    containers up (under --cpus when given), alternating rounds at each --clients level, on the same texts."""
+    containers up (under --cpus when given), alternating rounds at each --clients level, on the same texts.
+    With two or more rounds the run has two legs, the containers started fresh in the opposite order for the
+    second: which of two identical containers starts first moved their throughput by a few per cent."""
     levels = [int(x) for x in args.clients.split(",")]
     other, other_image, other_env = versus_variant(args.versus, args.docker)
     variants = {"default": (args.docker, {}), other: (other_image, other_env)}
     size = int(run_docker("image", "inspect", "-f", "{{.Size}}", args.docker))
+    legs = [list(variants), list(variants)[::-1]] if args.rounds >= 2 else [list(variants)]
     res: dict = {"benchmark": "serve_load_docker", "date": _now(), "machine": machine(), "image": args.docker,
                  "cpus": args.cpus, "deny_amx": args.deny_amx, "versus": other,
                  "image_mb": round(size / 1e6), "checkpoint": ckpt.name, "texts": text_source,
-                 "duration_s": args.duration, "rounds": args.rounds,
+                 "duration_s": args.duration, "rounds": args.rounds, "start_orders": legs,
                  "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop", "variants": {}}
-    running: dict[str, tuple[str, int]] = {}
     options = docker_options(args.cpus, args.deny_amx, out_dir)
-    try:
-        for name, (image, env) in variants.items():
-            cid, port, backend = start_container(image, ckpt, env, options)
-            running[name] = (cid, port)
-            res["variants"][name] = {"image": image, "env": env, "backend": backend.get("backend"),
-                                     "selection": backend.get("selection"), "threads": backend.get("threads_why"),
-                                     "kernels": (backend.get("kernels") or {}).get("status"), "levels": []}
-            print(f"{name}: {backend.get('backend')} ({backend.get('selection')})", flush=True)
-            warm(port, texts, 8, 2.0, 400)
-        for c in levels:
-            got = alternate_rounds({n: p for n, (_, p) in running.items()}, texts, c, args)
-            for name, lv in got.items():
-                res["variants"][name]["levels"].append(lv)
-                print(f"{name:11s} clients {c:3d}: {lv['throughput_rps']:8.1f} req/s  p50 {lv.get('p50_ms')} ms  "
-                      f"{lv['status_counts']}", flush=True)
-    finally:
-        for cid, _ in running.values():
-            subprocess.run(["docker", "rm", "-f", cid], capture_output=True, timeout=60)
+    turns: dict[str, dict[int, list]] = {n: {c: [] for c in levels} for n in variants}
+    for leg, order in enumerate(legs):
+        rounds = args.rounds // len(legs) + (args.rounds % len(legs) if leg == len(legs) - 1 else 0)
+        running = start_variants(order, variants, ckpt, options, res["variants"])
+        try:
+            for name in order:
+                warm(running[name][1], texts, 8, 2.0, 400)
+            for c in levels:
+                got = take_turns({n: p for n, (_, p) in running.items()}, texts, c, args, rounds)
+                for name, t in got.items():
+                    turns[name][c].append(t)
+                    lv = level_summary(c, [t])
+                    print(f"leg {leg + 1} {name:11s} clients {c:3d}: {lv['throughput_rps']:8.1f} req/s  "
+                          f"p50 {lv.get('p50_ms')} ms  {lv['status_counts']}", flush=True)
+        finally:
+            for cid, _ in running.values():
+                subprocess.run(["docker", "rm", "-f", cid], capture_output=True, timeout=60)
+    for name, v in res["variants"].items():
+        v["levels"] = [level_summary(c, turns[name][c]) for c in levels]
     by = {n: {lv["clients"]: lv for lv in v["levels"]} for n, v in res["variants"].items()}
     res["summary"] = {}
     if 32 in levels:
@@ -177,6 +204,10 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
         res["summary"]["p99_ratio_32"] = round(by["default"][32]["p99_ms"] / by[other][32]["p99_ms"], 3)
     if 1 in levels:
         res["summary"]["p50_ratio_1"] = round(by["default"][1]["p50_ms"] / by[other][1]["p50_ms"], 3)
+    if 32 in levels and len(legs) > 1:  # the two start orders apart: how much the order moved the ratio
+        res["summary"]["throughput_ratio_32_by_leg"] = [
+            round(level_summary(32, [turns["default"][32][i]])["throughput_rps"]
+                  / level_summary(32, [turns[other][32][i]])["throughput_rps"], 3) for i in range(len(legs))]
     res["machine"]["uptime_at_end"] = uptime_text()
     write_record(res, out_dir, f"{args.name}_docker", docker_markdown)
     print(json.dumps(res["summary"], indent=2))

@@ -139,6 +139,14 @@ def tokens_markdown(res: dict) -> str:
     return "\n".join([*lines, *table(LEVEL_HEADER, rows)]) + "\n"
 
 
+def legs_text(res: dict) -> str:
+    """How the containers were started: in two legs, the second in the opposite order, where the run had them."""
+    orders = res.get("start_orders") or []
+    if len(orders) < 2:
+        return ""
+    return (", in two legs with fresh containers started " + " and then ".join(" before ".join(o) for o in orders))
+
+
 def docker_markdown(res: dict) -> str:
     """The `docker run` default against the same image forced to ONNX Runtime (or given the runtimes' own
     thread count)."""
@@ -151,7 +159,7 @@ def docker_markdown(res: dict) -> str:
     lines = [f"# `docker run` defaults vs {versus}, same image{cpus} ({res['date']})", "",
              f"Machine: {m.get('cpu', '')}; image `{res['image']}`, {res['image_mb']} MB; checkpoint "
              f"{res['checkpoint']}; {res['texts']}; {res['rounds']} alternating rounds, {res['duration_s']} s per "
-             "level and variant.", "",
+             f"level and variant{legs_text(res)}.", "",
              *table(("variant", "backend", "clients", "req/s", "p50 ms", "p99 ms", "statuses"), rows),
              "", f"Load average at the start and end: {m['uptime_at_start'].split('load average: ')[-1]}; "
              f"{m['uptime_at_end'].split('load average: ')[-1]}.",

@@ -208,6 +208,8 @@ def markdown(res: dict) -> str:
              f"baseline `{res['baseline_image'] or 'none'}`; checkpoints {res['checkpoint']} and "
              f"{res['pairs_checkpoint']}; "
              f"{res['rounds']} alternating rounds, {res['duration_s']} s per level and container"
+             + (" in two legs, the second with fresh containers started in the opposite order"
+                if res["rounds"] >= 2 else "")
              + (f"; every container under `--cpus {res['cpus']:g}`" if res.get("cpus") else "")
              + ("; AMX refused to every container (`--deny-amx`)" if res.get("deny_amx") else "") + ".", "",
              f"`{res['command']}`", "",

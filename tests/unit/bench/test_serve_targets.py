@@ -49,3 +49,20 @@ def test_the_one_instance_variant_is_the_same_image_running_one_batch_at_a_time(
     assert (name, image) == ("one_instance", "holoserve:cpu")
     assert env == {env_name("instances"): "1"}
     assert ServerConfig(instances=env[env_name("instances")]).validate().instances == "1"
+
+
+def test_a_level_pools_the_turns_of_both_legs():
+    """level_summary over two legs' take_turns results: latencies and answers pooled, the mean batch and the CPU
+    time per answer from the sums, not an average of the legs' ratios."""
+    from bench.serve_load.load import level_summary
+
+    def turn(lat, seqs, execs, cpu):
+        timing = {"tokenize": 0.1, "queue": 0.2, "inference": 0.3, "total": 0.6}
+        part = {"lat": lat, "statuses": {200: len(lat)}, "server": [timing] * len(lat), "errors": [], "wall": 1.0}
+        return {"parts": [part], "seqs": [seqs, execs], "cpu": cpu}
+
+    lv = level_summary(32, [turn([1.0, 2.0, 3.0], 30, 10, 0.3), turn([4.0], 10, 1, 0.1)], with_cpu=True)
+    assert lv["rounds"] == 2 and lv["ok"] == 4 and lv["throughput_rps"] == 2.0
+    assert lv["p50_ms"] == 2.5 and lv["mean_batch"] == round(40 / 11, 2)
+    assert lv["server_cpu_ms_per_request"] == 100.0
+    assert "server_cpu_ms_per_request" not in level_summary(32, [turn([1.0], 1, 1, 0.0)])

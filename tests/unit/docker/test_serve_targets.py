@@ -59,3 +59,27 @@ def test_the_served_targets_run_end_to_end(docker: Docker, image, tmp_path, monk
     page = (out / "targets.md").read_text()
     assert res["cpu_class"] in page and "python -m bench.serve_load.targets --image" in page
     assert "AMX refused to every container (`--deny-amx`)" in page
+
+
+def test_a_docker_comparison_restarts_its_containers_in_the_opposite_order(docker: Docker, image, tmp_path,
+                                                                           monkeypatch):
+    """With two rounds or more, `--docker` runs two legs: fresh containers, the second leg started in the opposite
+    order, each level's numbers pooled over both legs, and the ratio of each leg kept apart."""
+    from bench.serve_load import run as serve_load
+
+    monkeypatch.setenv("PATH", os.path.dirname(docker.exe) + os.pathsep + os.environ.get("PATH", ""))
+    ckpt = both_cpu_exports(tmp_path / "sst2")
+    out = tmp_path / "out"
+    assert serve_load.main(["--checkpoint", str(ckpt), "--docker", IMAGE, "--versus", "one-instance",
+                            "--clients", "32", "--duration", "2", "--rounds", "3", "--out", str(out),
+                            "--name", "legs"]) == 0
+    res = json.loads((out / "legs_docker.json").read_text())
+    assert res["start_orders"] == [["default", "one_instance"], ["one_instance", "default"]]
+    for name, v in res["variants"].items():
+        assert len(v["backends_seen"]) == 2, (name, v["backends_seen"])
+        (level,) = v["levels"]
+        assert level["rounds"] == 3 and level["ok"] > 0 and level["status_counts"] == {"200": level["ok"]}, level
+    by_leg = res["summary"]["throughput_ratio_32_by_leg"]
+    assert len(by_leg) == 2 and all(r > 0 for r in by_leg), by_leg
+    assert "in two legs with fresh containers started default before one_instance and then one_instance before " \
+           "default" in (out / "legs_docker.md").read_text()
