@@ -2,11 +2,13 @@
 fastest on this machine, and write the decision into the checkpoint as its serving profile
 (holoserve.backends.profile), which `holoserve serve --backend auto` then uses instead of timing at start-up.
 
-It loads the CPU backends the checkpoint has exports for (ONNX Runtime; OpenVINO with the 2:4 kernels as
-`auto` loads them; OpenVINO again with a small grid of static shapes) with the options the server gives
-them, and times them in turns, round by round, on the checkpoint's dev texts (or --texts FILE) in the
-batches the server's batcher forms. The decision and the rule it follows are profile.decide's and
-profile.keep_static's.
+It loads the CPU backends the checkpoint has exports for (ONNX Runtime; OpenVINO; OpenVINO again with a small
+grid of static shapes) with the options the server gives them, and times them in turns, round by round, on
+the checkpoint's dev texts (or --texts FILE) in the batches the server's batcher forms. The decision and the
+rule it follows are profile.decide's and profile.keep_static's. Where `--openvino-kernels auto` turns the 2:4
+kernels on, a first phase times OpenVINO with them against OpenVINO with its own GEMMs, and the kernels stay
+only where they are faster by the margin (kernels_verdict): how much skipping the zeros pays depends on the
+CPU's cores, not on its flags.
 """
 from __future__ import annotations
 
@@ -134,11 +136,14 @@ def texts_for(artifact, opts: TuneOptions) -> Texts:
 # --------------------------------------------------------------------------- the run
 
 
-def _load(artifact, options: dict[str, Any], opts: TuneOptions, items, out: TextIO) -> tuple[dict, list]:
-    """The backends to time, by name, and the static grid (empty where OpenVINO is not timed with one)."""
+def _load(artifact, options: dict[str, Any], opts: TuneOptions, items, out: TextIO
+          ) -> tuple[dict, dict, dict | None]:
+    """The backends to time, by name; the static grid (empty where OpenVINO is not timed with one); and the
+    kernels' phase (_choose_kernels: None where it did not run)."""
     from .backends import BackendUnavailable, load_backend
 
     loaded: dict[str, Any] = {}
+    kernels: dict[str, Any] | None = None
     for name in profile.CPU_BACKENDS:
         if artifact.export(name) is None:
             what = "holoserve export CKPT" + (" --target openvino" if name == "openvino" else "")
@@ -151,7 +156,10 @@ def _load(artifact, options: dict[str, Any], opts: TuneOptions, items, out: Text
                 print(f"openvino: not timed, {INT8_SATURATES}", file=out)
                 continue
         try:
-            loaded[name] = load_backend(name, artifact, **options)
+            if name == "openvino":
+                options, kernels, loaded[name] = _choose_kernels(artifact, options, opts, items, out)
+            else:
+                loaded[name] = load_backend(name, artifact, **options)
         except (BackendUnavailable, ImportError) as e:
             print(f"{name}: not timed, it cannot load here: {e}", file=out)
     if not loaded:
@@ -169,7 +177,55 @@ def _load(artifact, options: dict[str, Any], opts: TuneOptions, items, out: Text
         except HoloServeError as e:
             print(f"openvino: static shapes not timed, they do not compile here: {e}", file=out)
             grid = {}
-    return loaded, grid
+    return loaded, grid, kernels
+
+
+KERNELS_SHARE = 0.25  # the kernels' phase runs this share of --duration before the main timing
+KERNELS, GEMMS = "2:4 kernels", "OpenVINO's GEMMs"
+
+
+def _choose_kernels(artifact, options: dict[str, Any], opts: TuneOptions, items, out: TextIO
+                    ) -> tuple[dict[str, Any], dict[str, Any] | None, Any]:
+    """OpenVINO loaded as `options` say; where `--openvino-kernels auto` turned the 2:4 kernels on, first timed
+    against OpenVINO with its own GEMMs (the same batches, in turns) and replaced by that where the kernels
+    were not faster by the margin. Returns (the options the rest of tune loads OpenVINO with, the phase's
+    record or None where it did not run, the OpenVINO backend kept)."""
+    from .backends import load_backend
+
+    with_kernels = load_backend("openvino", artifact, **options)
+    if options.get("openvino_kernels") != "auto" or not _kernels_status(with_kernels).startswith("on"):
+        return options, None, with_kernels
+    gemms = {**options, "openvino_kernels": "off"}
+    own = load_backend("openvino", artifact, **gemms)
+    sizes = profile.batch_sizes(opts.max_batch_size)
+    seconds = opts.duration * KERNELS_SHARE
+    print(f"openvino: timing the 2:4 kernels against OpenVINO's own GEMMs for about {seconds:.0f} s (they serve "
+          f"only where they are {profile.MARGIN:.0%} faster)", file=out, flush=True)
+    timings = profile.time_backends({KERNELS: with_kernels, GEMMS: own}, items, sizes,
+                                    profile.Plan(min_rounds=opts.min_rounds, seconds=seconds),
+                                    profile.pad_id(artifact))
+    record = kernels_verdict(timings.medians(), sizes)
+    record.update(rounds=timings.rounds, seconds=round(timings.seconds, 1))
+    print(f"openvino: {record['reason']}", file=out, flush=True)
+    if record["kept"]:
+        return options, record, with_kernels
+    return gemms, record, own
+
+
+def kernels_verdict(medians: dict[str, dict[int, float]], sizes: list[int],
+                    margin: float = profile.MARGIN) -> dict[str, Any]:
+    """Whether the 2:4 kernels stay, from the medians of the kernels' phase: only where they took at most
+    1 - margin of the time of OpenVINO's own GEMMs (geometric mean over batch sizes); on a tie OpenVINO's own
+    GEMMs, the simpler path, are kept. The record the profile keeps (timings.kernels)."""
+    ratio = profile.gmean_ratio(medians[KERNELS], medians[GEMMS], sizes)
+    kept = ratio <= 1 - margin
+    what = (f"the 2:4 kernels took {ratio:.2f}x the time of OpenVINO's own GEMMs (geometric mean over batch sizes "
+            f"{sizes[0]} to {sizes[-1]}): ")
+    what += ("they serve" if kept else f"OpenVINO's own GEMMs serve (the kernels serve only where they are "
+                                        f"{margin:.0%} faster)")
+    return {"kept": kept, "ratio": round(ratio, 4), "reason": what,
+            "median_ms": {("on" if n == KERNELS else "off"): {str(b): round(t, 4) for b, t in by.items()}
+                          for n, by in medians.items()}}
 
 
 PROGRESS_EVERY_S = 5.0  # one progress line per round at most this often (rounds of a small model are short)
@@ -209,7 +265,7 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
     texts = texts_for(artifact, opts)
     items = profile.encode_texts(artifact, texts.rows)
     print(f"texts: {len(items)} from {texts.source}", file=out)
-    loaded, grid = _load(artifact, options, opts, items, out)
+    loaded, grid, kernels_phase = _load(artifact, options, opts, items, out)
     sizes = profile.batch_sizes(opts.max_batch_size)
     print(f"timing {', '.join(loaded)} at batch sizes {', '.join(map(str, sizes))} for about {opts.duration:.0f} s "
           f"(at least {opts.min_rounds} rounds)", file=out, flush=True)
@@ -225,11 +281,15 @@ def tune(checkpoint: str | Path, opts: TuneOptions, out: TextIO | None = None) -
     kernels = _kernels_status(loaded.get("openvino"))
     if kernels:
         decision["openvino_kernels"] = "on" if kernels.startswith("on") else "off"
+    if kernels_phase is not None:
+        decision["reason"] += f"; {kernels_phase['reason']}"
+        kernels = f"off: {kernels_phase['reason']}" if not kernels_phase["kept"] else kernels
     # the kernels' build is part of the key only where they serve: a server that follows a decision without
     # OpenVINO need not load it to check the key
     serves_kernels = decision.get("openvino_kernels") == "on" and "openvino" in profile.needed(decision)
     key = profile.machine_key(artifact, options, kernels_on=serves_kernels)
-    extra = {"timings": {"static_grid": [f"{b}x{s}" for b, s in profile.grid_shapes(grid)]},
+    extra = {"timings": {"static_grid": [f"{b}x{s}" for b, s in profile.grid_shapes(grid)],
+                         **({"kernels": kernels_phase} if kernels_phase is not None else {})},
              "settings": {"max_batch_size": opts.max_batch_size, "duration_s": opts.duration,
                           "min_rounds": opts.min_rounds, "openvino_kernels_status": kernels}}
     prof = profile.new_profile(key, decision, timings, profile.texts_summary(texts, items), extra)

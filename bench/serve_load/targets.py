@@ -139,6 +139,16 @@ def tune(image: str, ckpt: Path, options: list[str], data_dir: str | None, texts
     return next((line for line in lines if line.startswith("decision: ")), lines[-1] if lines else "")
 
 
+def kernels_phase(ckpt: Path) -> dict | None:
+    """What the profile tune just wrote says of the 2:4 kernels against OpenVINO's own GEMMs (timings.kernels:
+    the ratio, whether they serve, the medians), or None where tune did not time them."""
+    try:
+        found = json.loads((ckpt / "serving-profile.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return (found.get("timings") or {}).get("kernels")
+
+
 def runs(args, targets: tuple) -> list[tuple[str, str]]:
     """(texts, versus) of each comparison, each once; pairs only with GLUE data (MRPC has no built-in rows)."""
     out = []
@@ -220,6 +230,7 @@ def markdown(res: dict) -> str:
     if res.get("tuned"):
         lines += ["`holoserve tune` in the image, before the runs of each kind of text:", "",
                   *(f"- {TEXTS[k]}: {t['checkpoint']} on {t['texts']}: {t['decision']}"
+                    + (f"; {t['kernels']['reason']}" if t.get("kernels") else "")
                     for k, t in res["tuned"].items()), ""]
     lines += ["Each comparison's own record (every level, p99, the default's selection) is beside this page: "
               + ", ".join(f"`{n}_docker.md`" for n in res["runs"]) + ".", ""]
@@ -248,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             decision = tune(args.image, ckpt, docker_options(args.cpus, args.deny_amx, out_dir), args.data_dir,
                             texts, args.tune_duration)
             res["tuned"][kind] = {"checkpoint": ckpt.name, "texts": "SST-2 train sentences joined (tune --texts)"
-                                  if texts else "its dev texts", "decision": decision}
+                                  if texts else "its dev texts", "decision": decision,
+                                  "kernels": kernels_phase(ckpt)}
         for texts, versus in plan:
             if texts == kind:
                 records[(texts, versus)] = measure(args, out_dir, texts, versus)

@@ -193,6 +193,10 @@ def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any]
     opts = dict(options)
     if decision.get("openvino_shapes") and "openvino_shapes" not in options:  # a --openvino-shapes given wins
         opts["openvino_shapes"] = ",".join(decision["openvino_shapes"])
+    # tune keeps the 2:4 kernels only where they measured faster than OpenVINO's own GEMMs; a setting given wins
+    measured_off = (options.get("openvino_kernels") or "auto") == "auto" and decision.get("openvino_kernels") == "off"
+    if measured_off:
+        opts["openvino_kernels"] = "off"
     try:
         loaded = {n: load_backend(n, artifact, **opts) for n in profile.needed(decision)}
     except (HoloServeError, ImportError) as e:  # BackendUnavailable, or static shapes it cannot compile
@@ -208,6 +212,10 @@ def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any]
                         "they are %s; %s", path, decision["openvino_kernels"], status or "off", retime)
             return None
     notes["profile"] = "used"
+    if measured_off and "openvino" in loaded:
+        measured = ((found.get("timings") or {}).get("kernels") or {}).get("reason") or "its decision"
+        loaded["openvino"].note_kernels(f"off: the serving profile's `holoserve tune` kept OpenVINO's own GEMMs "
+                                        f"({measured})")
     if decision["backend"] == "routed":
         backend: Backend = RoutedCpuBackend.from_route(loaded, decision)
     else:

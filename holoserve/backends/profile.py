@@ -287,7 +287,7 @@ def _gmean(values: Sequence[float]) -> float:
     return float(math.exp(sum(math.log(max(v, 1e-12)) for v in values) / len(values)))
 
 
-def _ratio(a: Mapping[int, float], b: Mapping[int, float], sizes: Sequence[int]) -> float:
+def gmean_ratio(a: Mapping[int, float], b: Mapping[int, float], sizes: Sequence[int]) -> float:
     """How long `a` takes against `b`: the geometric mean over batch sizes of their time ratios, so each
     batch size counts alike whatever its absolute time."""
     return _gmean([a[s] / b[s] for s in sizes])
@@ -318,7 +318,7 @@ def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, floa
     if len(names) == 1:
         return {"backend": names[0], "reason": f"{names[0]}, the only CPU backend timed"}
     simple, other = names[0], names[1]
-    ratio = _ratio(medians[other], medians[simple], sizes)
+    ratio = gmean_ratio(medians[other], medians[simple], sizes)
     if ratio <= 1 - margin:
         single, why = other, (f"{other} takes {ratio:.2f}x the time of {simple} (geometric mean over batch sizes "
                               f"{sizes[0]} to {sizes[-1]}): faster by more than the {margin:.0%} margin")
@@ -340,7 +340,7 @@ def decide(medians: Mapping[str, Mapping[int, float]], tokens: Mapping[int, floa
             if small in slow_light:
                 continue
             mixed = {s: medians[small if i < cut else large][s] for i, s in enumerate(sizes)}
-            gain = 1 - _ratio(mixed, medians[single], sizes)
+            gain = 1 - gmean_ratio(mixed, medians[single], sizes)
             if best is None or gain > best[0] + 1e-12:
                 best = (gain, cut, small, large)
     if best is not None and best[0] >= margin:
@@ -397,7 +397,7 @@ def confirm_routing(backends: Mapping[str, Any], decision: Mapping[str, Any],
                 if r:
                     ms[name][b].append((time.perf_counter() - start) * 1000)
     med = {n: {b: float(np.median(v)) for b, v in by.items()} for n, by in ms.items()}
-    ratio = _ratio(med["routed"], med["single"], timed)
+    ratio = gmean_ratio(med["routed"], med["single"], timed)
     alone = f"the time of {single['backend']} alone"
     if light_route:
         measured = (f"run as served (every batch size in turn, switching runtimes), the pair took {ratio:.2f}x "

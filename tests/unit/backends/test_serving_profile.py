@@ -25,6 +25,25 @@ QUICK = dict(duration=0.0, min_rounds=2, threads=1)
 # --------------------------------------------------------------------------- the decision rule (no models)
 
 
+def test_the_kernels_stay_only_where_they_are_faster_by_the_margin():
+    from holoserve.tune import GEMMS, KERNELS, kernels_verdict
+
+    sizes = [1, 8, 32]
+    own = {1: 2.0, 8: 10.0, 32: 40.0}
+
+    def verdict(*factors):
+        return kernels_verdict({KERNELS: {b: own[b] * f for b, f in zip(sizes, factors)}, GEMMS: own}, sizes)
+
+    kept = verdict(0.85, 0.9, 0.88)
+    assert kept["kept"] is True and kept["ratio"] == round((0.85 * 0.9 * 0.88) ** (1 / 3), 4), kept
+    assert "they serve" in kept["reason"] and kept["median_ms"]["off"] == {"1": 2.0, "8": 10.0, "32": 40.0}
+    tie = verdict(0.97, 0.96, 0.98)  # faster, but within the margin: the simpler path stays
+    assert tie["kept"] is False and "OpenVINO's own GEMMs serve" in tie["reason"], tie
+    assert verdict(1.2, 1.0, 1.03)["kept"] is False
+    # each batch size counts alike: a large win at one row does not outvote losses at the others
+    assert verdict(0.5, 1.2, 1.2)["kept"] is True and verdict(0.7, 1.2, 1.2)["kept"] is False
+
+
 def _times(ort, ov, sizes=(1, 2, 4, 8, 16, 32)):
     return {"onnxruntime": dict(zip(sizes, ort)), "openvino": dict(zip(sizes, ov))}
 
@@ -743,9 +762,10 @@ def test_random_ids_at_sentence_like_lengths_without_dev_texts(both):
 
 def test_tune_and_serve_with_the_kernels_on_any_cpu(both, tmp_path, monkeypatch, kernel_reference_build):
     """The path of a CPU with AVX-512 VNNI + VBMI and no AMX, run on any CPU, with the kernels' reference build
-    standing in for the AVX-512 one (the same numbers): tune times OpenVINO with the kernels on and keys its
-    profile on their build; a server following a profile that picks OpenVINO serves on the kernels, and
-    predicts as ONNX Runtime does."""
+    standing in for the AVX-512 one (the same numbers, many times slower): tune times the kernels against
+    OpenVINO's own GEMMs first, finds them slower and keeps OpenVINO's, saying so; a server following that
+    profile serves OpenVINO's GEMMs and says why. A profile that keeps the kernels (as tune writes one where
+    they win) is keyed on their build, and its server serves on the kernels and predicts as ONNX Runtime does."""
     import shutil
 
     import numpy as np
@@ -766,15 +786,25 @@ def test_tune_and_serve_with_the_kernels_on_any_cpu(both, tmp_path, monkeypatch,
     (ckpt / profile.PROFILE_FILE).unlink(missing_ok=True)
     with open(os.devnull, "w") as quiet:
         prof, path = tune(ckpt, TuneOptions(**QUICK), out=quiet)
-    assert prof["decision"]["openvino_kernels"] == "on", prof["decision"]
-    assert prof["settings"]["openvino_kernels_status"].startswith("on (HoloServe's 2:4 INT8 kernels"), prof["settings"]
-    assert "openvino" in prof["timings"]["median_ms"]
-    # the kernels' build keys the profile exactly where its decision serves OpenVINO
-    serves_openvino = "openvino" in profile.needed(prof["decision"])
-    assert prof["key"]["kernels_build"] == (kernels.build_key(None) if serves_openvino else None), prof["decision"]
-    _write(path, {**_with_decision(prof, backend="openvino", openvino_shapes=[]),
-                  "key": {**prof["key"], "kernels_build": kernels.build_key(None)}})  # as tune keys that decision
+    phase = prof["timings"]["kernels"]
+    assert phase["kept"] is False and phase["ratio"] > 1 and set(phase["median_ms"]) == {"on", "off"}, phase
+    assert prof["decision"]["openvino_kernels"] == "off", prof["decision"]
+    assert "the 2:4 kernels took" in prof["decision"]["reason"] and "OpenVINO's own GEMMs serve" in \
+        prof["decision"]["reason"], prof["decision"]
+    assert prof["settings"]["openvino_kernels_status"].startswith("off: the 2:4 kernels took"), prof["settings"]
+    assert "openvino" in prof["timings"]["median_ms"] and prof["key"]["kernels_build"] is None
+    assert prof["key"]["openvino_options"]["kernels"] == "auto"  # what the server is given, not what tune chose
+    # a server with the default `auto` follows it: OpenVINO's own GEMMs, and why
+    _write(path, _with_decision(prof, backend="openvino", openvino_shapes=[]))
     art = load_artifact(ckpt)
+    backend, decision = select_backend(art, threads=1, openvino_kernels="auto", max_batch=32)
+    assert decision["serving_profile"] == "used" and backend.name == "openvino", decision
+    status = backend.info()["kernels"]["status"]
+    assert status.startswith("off: the serving profile's `holoserve tune` kept OpenVINO's own GEMMs (the 2:4 "
+                             "kernels took"), status
+    # a profile that keeps the kernels, keyed on their build as tune keys a decision that serves them
+    _write(path, {**_with_decision(prof, backend="openvino", openvino_shapes=[], openvino_kernels="on"),
+                  "key": {**prof["key"], "kernels_build": kernels.build_key(None)}})
     backend, decision = select_backend(art, threads=1, openvino_kernels="auto", max_batch=32)
     assert decision["serving_profile"] == "used" and backend.name == "openvino", decision
     status = backend.info()["kernels"]

@@ -47,6 +47,13 @@ def test_the_served_targets_run_end_to_end(docker: Docker, image, tmp_path, monk
     assert all(t["decision"].startswith("decision: ") for t in res["tuned"].values()), res["tuned"]
     assert [t["checkpoint"] for t in res["tuned"].values()] == [single.name, single.name, pairs.name]
     assert res["tuned"]["long"]["texts"].endswith("(tune --texts)") and (out / "tune-long.txt").is_file()
+    # with AMX refused, a CPU with AVX-512 VNNI + VBMI runs the 2:4 kernels under `auto`, so tune timed them
+    # against OpenVINO's own GEMMs first on the checkpoint with an OpenVINO export, and kept them or not by that
+    assert res["tuned"]["pairs"]["kernels"] is None  # no OpenVINO export: nothing to time them on
+    if {"avx512_vnni", "avx512vbmi"} <= set(cpu_flags()):
+        for t in (res["tuned"]["long"], res["tuned"]["short"]):
+            assert t["kernels"] and isinstance(t["kernels"]["kept"], bool) and t["kernels"]["ratio"] > 0, t
+            assert t["kernels"]["reason"] in (out / "targets.md").read_text()
     assert (single / "serving-profile.json").is_file() and (pairs / "serving-profile.json").is_file()
     withheld = json.loads((single / "serving-profile.json").read_text())["key"]["amx_withheld"]
     if "amx_int8" in cpu_flags():
