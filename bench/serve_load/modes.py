@@ -151,7 +151,8 @@ def start_variants(order: list[str], variants: dict[str, tuple[str, dict]], ckpt
             entry = record.setdefault(name, {
                 "image": image, "env": env, "backend": backend.get("backend"),
                 "selection": backend.get("selection"), "threads": backend.get("threads_why"),
-                "kernels": (backend.get("kernels") or {}).get("status"), "levels": [], "backends_seen": []})
+                "kernels": (backend.get("kernels") or {}).get("status"), "routing": backend.get("routing"),
+                "levels": [], "backends_seen": []})
             entry["backends_seen"].append(backend.get("backend"))
             print(f"{name}: {backend.get('backend')} ({backend.get('selection')})", flush=True)
     except BaseException:

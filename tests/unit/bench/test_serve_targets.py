@@ -29,6 +29,17 @@ def test_each_ratio_is_held_to_its_target_and_a_missing_run_is_said():
     assert {r["verdict"] for r in same if r["texts"] == "short" and r["versus"] == "onnxruntime"} == {targets.SAME}
     amx = targets.rows({("pairs", "onnxruntime"): record(0.99, 1.0)}, targets.AMX_TARGETS)
     assert [r["verdict"] for r in amx if r["texts"] == "pairs"] == ["not met", "met"]
+    # a routed pair whose light-load route gives one-row batches to ONNX Runtime: at one client both sides run
+    # ONNX Runtime, so the p50 row says so; its throughput at 32 clients is held to the target as ever
+    routed = record(1.1, 1.03)
+    routed["variants"]["default"] = {"backend": "onnxruntime+openvino", "kernels": None,
+                                     "routing": {"small": "onnxruntime", "large": "openvino", "max_small_rows": 1}}
+    by_tokens = record(1.1, 1.03)
+    by_tokens["variants"]["default"] = {"backend": "onnxruntime+openvino", "kernels": None, "routing": {
+        "small": "onnxruntime", "large": "openvino", "max_small_tokens": 256}}
+    got = {k: [r["verdict"] for r in targets.rows({("pairs", "onnxruntime"): rec}, targets.AMX_TARGETS)
+               if r["texts"] == "pairs"] for k, rec in (("rows", routed), ("tokens", by_tokens))}
+    assert got == {"rows": ["met", targets.SAME_ONE_ROW], "tokens": ["met", "not met"]}, got
     assert [(r["versus"], r["target"]) for r in amx if r["versus"] != "onnxruntime"] == [("baseline", "—")]
     assert all(r["target"] in (">= 1.0", "<= 1.0") for r in amx if r["versus"] == "onnxruntime")
 
