@@ -162,15 +162,18 @@ def take_turns(ports: dict[str, int], texts: list, clients: int, args, rounds: i
                pids: dict[str, int] | None = None) -> dict[str, dict]:
     """`rounds` rounds of args.duration / args.rounds seconds on each server in turn, in the reverse order
     every other round: per server the raw loads (`parts`), the sequences and executions its batcher ran
-    (`seqs`) and, with `pids`, its CPU seconds (`cpu`). level_summary turns one or more of these into a level."""
-    got = {n: {"parts": [], "seqs": [0.0, 0.0], "cpu": 0.0} for n in ports}
+    (`seqs`), the load generator's own CPU seconds (`client_cpu`) and, with `pids`, the server's (`cpu`).
+    level_summary turns one or more of these into a level."""
+    got = {n: {"parts": [], "seqs": [0.0, 0.0], "cpu": 0.0, "client_cpu": 0.0} for n in ports}
     for r in range(rounds):
         for name in (list(ports) if r % 2 == 0 else list(ports)[::-1]):  # who goes first alternates too
             port, mine = ports[name], got[name]
             before = batch_counts(port)
             c0 = cpu_seconds(pids[name]) if pids else 0.0
+            own = time.process_time()
             mine["parts"].append(asyncio.run(run_load(port, texts, clients, args.duration / args.rounds,
                                                       args.max_requests // args.rounds)))
+            mine["client_cpu"] += time.process_time() - own
             if pids:
                 mine["cpu"] += cpu_seconds(pids[name]) - c0
             after = batch_counts(port)
@@ -181,10 +184,13 @@ def take_turns(ports: dict[str, int], texts: list, clients: int, args, rounds: i
 
 def level_summary(clients: int, turns: list[dict], with_cpu: bool = False) -> dict:
     """One server's level from its take_turns results (several where the servers were restarted between
-    them): summarize's numbers, the mean executed batch size and, with_cpu, the server's CPU time per answer."""
+    them): summarize's numbers, the mean executed batch size, the load generator's CPU time per answer (it
+    shares the machine's cores with the server) and, with_cpu, the server's."""
     lv = summarize(clients, [p for t in turns for p in t["parts"]])
     seqs, execs = sum(t["seqs"][0] for t in turns), sum(t["seqs"][1] for t in turns)
     lv["mean_batch"] = round(seqs / execs, 2) if execs else 0
+    client = sum(t.get("client_cpu", 0.0) for t in turns)
+    lv["client_cpu_ms_per_request"] = round(1000 * client / lv["ok"], 3) if lv["ok"] else None
     if with_cpu:
         cpu = sum(t["cpu"] for t in turns)
         lv["server_cpu_ms_per_request"] = round(1000 * cpu / lv["ok"], 3) if lv["ok"] else None

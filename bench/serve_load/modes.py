@@ -162,6 +162,13 @@ def start_variants(order: list[str], variants: dict[str, tuple[str, dict]], ckpt
     return running
 
 
+def container_pids(running: dict[str, tuple[str, int]]) -> dict[str, int] | None:
+    """Each container's main process (the server) as this machine sees it, for its CPU time; None where the
+    engine's processes are out of sight (another PID namespace: a remote or nested engine)."""
+    pids = {n: int(run_docker("inspect", "-f", "{{.State.Pid}}", cid)) for n, (cid, _) in running.items()}
+    return pids if all(Path(f"/proc/{pid}/stat").exists() for pid in pids.values()) else None
+
+
 def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: Path) -> int:
     """The image as users meet it: `docker run` with no backend settings against a variant (--versus), both
     containers up (under --cpus when given), alternating rounds at each --clients level, on the same texts.
@@ -185,8 +192,9 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
         try:
             for name in order:
                 warm(running[name][1], texts, 8, 2.0, 400)
+            pids = container_pids(running)
             for c in levels:
-                got = take_turns({n: p for n, (_, p) in running.items()}, texts, c, args, rounds)
+                got = take_turns({n: p for n, (_, p) in running.items()}, texts, c, args, rounds, pids)
                 for name, t in got.items():
                     turns[name][c].append(t)
                     lv = level_summary(c, [t])
@@ -195,8 +203,9 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
         finally:
             for cid, _ in running.values():
                 subprocess.run(["docker", "rm", "-f", cid], capture_output=True, timeout=60)
-    for name, v in res["variants"].items():
-        v["levels"] = [level_summary(c, turns[name][c]) for c in levels]
+    cpu = all(t["cpu"] > 0 for by in turns.values() for ts in by.values() for t in ts)
+    for name, v in res["variants"].items():  # CPU per answer: the client's, and the container's server process'
+        v["levels"] = [level_summary(c, turns[name][c], with_cpu=cpu) for c in levels]
     by = {n: {lv["clients"]: lv for lv in v["levels"]} for n, v in res["variants"].items()}
     res["summary"] = {}
     if 32 in levels:

@@ -152,6 +152,7 @@ def docker_markdown(res: dict) -> str:
     thread count)."""
     m = res["machine"]
     rows = [[n, v["backend"], lv["clients"], lv["throughput_rps"], lv.get("p50_ms"), lv.get("p99_ms"),
+             lv.get("server_cpu_ms_per_request", "—"), lv.get("client_cpu_ms_per_request", "—"),
              lv["status_counts"]] for n, v in res["variants"].items() for lv in v["levels"]]
     versus = res.get("versus", "onnxruntime")
     cpus = f" under `docker run --cpus {res['cpus']:g}`" if res.get("cpus") else ""
@@ -160,7 +161,8 @@ def docker_markdown(res: dict) -> str:
              f"Machine: {m.get('cpu', '')}; image `{res['image']}`, {res['image_mb']} MB; checkpoint "
              f"{res['checkpoint']}; {res['texts']}; {res['rounds']} alternating rounds, {res['duration_s']} s per "
              f"level and variant{legs_text(res)}.", "",
-             *table(("variant", "backend", "clients", "req/s", "p50 ms", "p99 ms", "statuses"), rows),
+             *table(("variant", "backend", "clients", "req/s", "p50 ms", "p99 ms", "server CPU ms/answer",
+                     "client CPU ms/answer", "statuses"), rows),
              "", f"Load average at the start and end: {m['uptime_at_start'].split('load average: ')[-1]}; "
              f"{m['uptime_at_end'].split('load average: ')[-1]}.",
              "", f"Default's selection: {res['variants']['default']['selection']}", "",

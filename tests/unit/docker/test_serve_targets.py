@@ -89,6 +89,8 @@ def test_a_docker_comparison_restarts_its_containers_in_the_opposite_order(docke
         assert len(v["backends_seen"]) == 2, (name, v["backends_seen"])
         (level,) = v["levels"]
         assert level["rounds"] == 3 and level["ok"] > 0 and level["status_counts"] == {"200": level["ok"]}, level
+        # the CPU each answer cost the server (the container's process) and the load generator beside it
+        assert level["server_cpu_ms_per_request"] > 0 and level["client_cpu_ms_per_request"] > 0, level
     by_leg = res["summary"]["throughput_ratio_32_by_leg"]
     assert len(by_leg) == 2 and all(r > 0 for r in by_leg), by_leg
     assert "in two legs with fresh containers started default before one_instance and then one_instance before " \
