@@ -122,7 +122,9 @@ def versus_variant(versus: str, image: str) -> tuple[str, str, dict[str, str]]:
     forced to ONNX Runtime; the same image given the thread count the runtimes pick by themselves (one per
     physical core of the machine, whatever a CPU quota allows); the same image running one batch at a time
     (one-instance: `--instances 1`, all threads on each batch); or `image:NAME`, another image (an earlier
-    build) with its own defaults."""
+    build) with its own defaults; or `env:HOLOSERVE_X=V,...`, the same image with those settings. A profile
+    keyed on two instances does not match a one-instance server, which then times the backends at start-up,
+    as it would for a user; env: can pin the backend instead."""
     if versus == "onnxruntime":
         return "onnxruntime", image, {"HOLOSERVE_BACKEND": "onnxruntime"}
     if versus == "runtime-threads":
@@ -134,7 +136,17 @@ def versus_variant(versus: str, image: str) -> tuple[str, str, dict[str, str]]:
         return "one_instance", image, {"HOLOSERVE_INSTANCES": "1"}
     if versus.startswith("image:") and versus[len("image:"):]:
         return versus[len("image:"):], versus[len("image:"):], {}
-    raise SystemExit(f"--versus {versus!r}: use onnxruntime, runtime-threads, one-instance or image:NAME")
+    if versus.startswith("env:"):
+        pairs: list[list[str]] = []
+        for piece in versus[len("env:"):].split(","):
+            if "=" not in piece and pairs:  # a value with commas in it (HOLOSERVE_OPENVINO_SHAPES=1x64,8x64)
+                pairs[-1][1] += "," + piece
+            else:
+                pairs.append(list(piece.partition("=")[::2]) if "=" in piece else [piece, ""])
+        if pairs and all(k.startswith("HOLOSERVE_") and v for k, v in pairs):
+            return "env", image, {k: v for k, v in pairs}
+    raise SystemExit(f"--versus {versus!r}: use onnxruntime, runtime-threads, one-instance, image:NAME or "
+                     "env:HOLOSERVE_X=V[,HOLOSERVE_Y=W] (the same image with those settings)")
 
 
 def start_variants(order: list[str], variants: dict[str, tuple[str, dict]], ckpt: Path, options: list[str],

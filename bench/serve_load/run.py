@@ -135,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--versus", default="onnxruntime",
                     help="with --docker, the second container: onnxruntime (the same image forced to it), "
                          "runtime-threads (given the threads the runtimes would pick by themselves, one per physical "
-                         "core), one-instance (one batch at a time: --instances 1) or image:NAME (another image, "
-                         "e.g. an earlier build, with its defaults)")
+                         "core), one-instance (one batch at a time: --instances 1), image:NAME (another image, "
+                         "e.g. an earlier build, with its defaults) or env:HOLOSERVE_X=V[,...] (the same image with "
+                         "those settings)")
     ap.add_argument("--cpus", type=float, default=None,
                     help="with --docker: run both containers under a CPU quota (docker run --cpus)")
     ap.add_argument("--deny-amx", action="store_true",

@@ -2,6 +2,8 @@
 are run for real by tests/unit/docker/test_serve_targets.py)."""
 from types import SimpleNamespace
 
+import pytest
+
 from bench.serve_load import targets
 
 
@@ -60,6 +62,14 @@ def test_the_one_instance_variant_is_the_same_image_running_one_batch_at_a_time(
     assert (name, image) == ("one_instance", "holoserve:cpu")
     assert env == {env_name("instances"): "1"}
     assert ServerConfig(instances=env[env_name("instances")]).validate().instances == "1"
+    # env: the same image with the settings named, e.g. one instance on the backend a profile would pick
+    assert versus_variant("env:HOLOSERVE_INSTANCES=1,HOLOSERVE_OPENVINO_SHAPES=1x64,8x64,HOLOSERVE_BACKEND=openvino",
+                          "holoserve:cpu") == ("env", "holoserve:cpu", {
+                              "HOLOSERVE_INSTANCES": "1", "HOLOSERVE_OPENVINO_SHAPES": "1x64,8x64",
+                              "HOLOSERVE_BACKEND": "openvino"})
+    for bad in ("env:", "env:INSTANCES=1", "env:HOLOSERVE_INSTANCES", "env:HOLOSERVE_INSTANCES="):
+        with pytest.raises(SystemExit, match="env:HOLOSERVE_X=V"):
+            versus_variant(bad, "holoserve:cpu")
 
 
 def test_a_level_pools_the_turns_of_both_legs():
