@@ -142,8 +142,18 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
         return None, "no CPU backend loads"
     if len(loaded) == 1:
         (name, backend), = loaded.items()
-        return backend, f"{name}, the only CPU backend that loads here{_notes(loaded)}"
+        return (_serving_alone(backend, artifact, options),
+                f"{name}, the only CPU backend that loads here{_notes(loaded)}")
     return _timed_at_startup(artifact, loaded, options)
+
+
+def _serving_alone(backend: Backend, artifact: Artifact, options: dict[str, Any]) -> Backend:
+    """The backend that serves alone, loaded for its instances: OpenVINO, timed as the plan's instances run it,
+    loaded again with `openvino_instances` where the server gives it that many (service.open_backend)."""
+    wanted = options.get("openvino_instances")
+    if backend.name != "openvino" or not wanted or wanted == getattr(backend, "instances", 1):
+        return backend
+    return load_backend("openvino", artifact, **{**options, "instances": wanted})
 
 
 def _load_cpu(artifact: Artifact, names: list[str], options: dict[str, Any], skipped: dict[str, str]
@@ -191,6 +201,8 @@ def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any]
                     "; ".join(differs), retime)
         return None
     opts = dict(options)
+    if decision["backend"] == "openvino" and "openvino_instances" in options:  # OpenVINO alone: see open_backend
+        opts["instances"] = options["openvino_instances"]
     if decision.get("openvino_shapes") and "openvino_shapes" not in options:  # a --openvino-shapes given wins
         opts["openvino_shapes"] = ",".join(decision["openvino_shapes"])
     # tune keeps the 2:4 kernels only where they measured faster than OpenVINO's own GEMMs; a setting given wins
@@ -243,7 +255,7 @@ def _timed_at_startup(artifact: Artifact, loaded: dict[str, Backend], options: d
     if decision["backend"] == "routed":
         backend: Backend = RoutedCpuBackend.from_route(loaded, decision)
     else:
-        backend = loaded[decision["backend"]]
+        backend = _serving_alone(loaded[decision["backend"]], artifact, options)
     on = texts.source if texts else "random token ids at sentence-like lengths (no dev texts found)"
     return backend, (f"{profile.describe(decision)}, the fastest CPU backend by the median of {timings.rounds} "
                      f"rounds timed at start-up on {on} ({decision['reason']}; {profile.medians_table(medians)})"

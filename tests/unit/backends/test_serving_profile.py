@@ -814,3 +814,64 @@ def test_tune_and_serve_with_the_kernels_on_any_cpu(both, tmp_path, monkeypatch,
     ours, ort = backend.infer(*batch), load_backend("onnxruntime", art, threads=1).infer(*batch)
     assert np.argmax(ours, -1).tolist() == np.argmax(ort, -1).tolist()
     assert np.abs(ours - ort).max() < 0.05 * max(1.0, float(np.abs(ort).max())), (ours, ort)
+
+
+def test_openvino_serving_alone_runs_one_batch_at_a_time_under_auto_instances(both, tuned, no_timing):
+    """With --instances auto on two cores, ONNX Runtime runs two batches at once, but OpenVINO serving alone runs
+    one on both threads (it serves as much that way, and a lone request faster), whether a profile, the start-up
+    timing or --backend picked it; a routed pair keeps its sides' instances, and a count given is kept."""
+    from holoserve.server.config import ServerConfig
+    from holoserve.server.service import backend_options, open_backend
+
+    prof, path = tuned
+    original = path.read_text()
+    art = load_artifact(both)
+
+    def served(**settings):
+        config = ServerConfig(artifact_dir=str(both), threads=2, **settings).validate()
+        backend, _ = open_backend(config, art)
+        return backend.name, getattr(backend, "instances", 1)
+
+    try:
+        key = profile.machine_key(art, backend_options(ServerConfig(artifact_dir=str(both), threads=2).validate(),
+                                                       art))
+        assert key["instances"] == 2  # what tune times with: each backend as one of two instances runs it
+        for decision, expected in (
+                ({"backend": "openvino"}, ("openvino", 1)),
+                ({"backend": "onnxruntime"}, ("onnxruntime", 2)),
+                ({"backend": "routed", "small": "onnxruntime", "large": "openvino", "max_small_rows": 1},
+                 ("onnxruntime+openvino", 2))):
+            _write(path, {**_with_decision(prof, openvino_shapes=[], **decision), "key": key})
+            assert served() == expected, decision
+        assert served(backend="openvino") == ("openvino", 1)
+        assert served(backend="onnxruntime") == ("onnxruntime", 2)
+        assert served(backend="openvino", instances="2") == ("openvino", 2)  # given: kept
+    finally:
+        path.write_text(original)
+
+
+def test_openvino_picked_at_start_up_is_loaded_again_for_one_batch_at_a_time(both, tuned, monkeypatch):
+    """No profile: the start-up timing times both backends as two instances run them; where OpenVINO wins alone,
+    it serves one batch at a time, as with a profile."""
+    import holoserve.backends.auto as auto
+    from holoserve.server.config import ServerConfig
+    from holoserve.server.service import open_backend
+
+    _, path = tuned
+    original = path.read_text()
+    monkeypatch.setattr(auto, "STARTUP_PLAN", dict(min_rounds=1, max_rounds=1, seconds=0.0, per_round=4))
+    monkeypatch.setattr(profile, "decide", lambda *a, **k: {"backend": "openvino", "reason": "openvino is faster"})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    timed: list[dict] = []
+    real = profile.time_backends
+    monkeypatch.setattr(profile, "time_backends", lambda backends, *a, **k: (
+        timed.append({n: getattr(b, "instances", 1) for n, b in backends.items()}), real(backends, *a, **k))[1])
+    try:
+        path.unlink()
+        backend, decision = open_backend(ServerConfig(artifact_dir=str(both), threads=2).validate(),
+                                         load_artifact(both))
+        assert timed == [{"onnxruntime": 2, "openvino": 2}], timed
+        assert backend.name == "openvino" and backend.instances == 1, decision
+        assert "timed at start-up" in decision["reason"], decision
+    finally:
+        path.write_text(original)
