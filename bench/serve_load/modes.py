@@ -142,7 +142,8 @@ def versus_variant(versus: str, image: str) -> tuple[str, str, dict[str, str]]:
             if "=" not in piece and pairs:  # a value with commas in it (HOLOSERVE_OPENVINO_SHAPES=1x64,8x64)
                 pairs[-1][1] += "," + piece
             else:
-                pairs.append(list(piece.partition("=")[::2]) if "=" in piece else [piece, ""])
+                key, _, value = piece.partition("=")
+                pairs.append([key, value])
         if pairs and all(k.startswith("HOLOSERVE_") and v for k, v in pairs):
             return "env", image, {k: v for k, v in pairs}
     raise SystemExit(f"--versus {versus!r}: use onnxruntime, runtime-threads, one-instance, image:NAME or "

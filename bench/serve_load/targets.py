@@ -26,6 +26,7 @@ from bench import dated_results
 from bench.lib.report import machine, table, write_record
 from bench.serve_load import run as serve_load
 from bench.serve_load.modes import docker_options, run_docker
+from holoserve.backends.profile import PROFILE_FILE
 
 # (texts, versus, summary key, comparison, target): what each run is held to on a CPU with AVX-512 VNNI + VBMI
 # and no AMX. Pairs carry no target of their own there (they are measured so that the two-segment path is
@@ -143,7 +144,7 @@ def kernels_phase(ckpt: Path) -> dict | None:
     """What the profile tune just wrote says of the 2:4 kernels against OpenVINO's own GEMMs (timings.kernels:
     the ratio, whether they serve, the medians), or None where tune did not time them."""
     try:
-        found = json.loads((ckpt / "serving-profile.json").read_text(encoding="utf-8"))
+        found = json.loads((ckpt / PROFILE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return (found.get("timings") or {}).get("kernels")

@@ -147,13 +147,20 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
     return _timed_at_startup(artifact, loaded, options)
 
 
-def _serving_alone(backend: Backend, artifact: Artifact, options: dict[str, Any]) -> Backend:
-    """The backend that serves alone, loaded for its instances: OpenVINO, timed as the plan's instances run it,
-    loaded again with `openvino_instances` where the server gives it that many (service.open_backend)."""
+def _options_alone(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options backend `name` loads with where it serves alone: OpenVINO gets `openvino_instances` where
+    the server gives it that many (service.open_backend); any other, `options` itself."""
     wanted = options.get("openvino_instances")
-    if backend.name != "openvino" or not wanted or wanted == getattr(backend, "instances", 1):
+    return {**options, "instances": wanted} if name == "openvino" and wanted else options
+
+
+def _serving_alone(backend: Backend, artifact: Artifact, options: dict[str, Any]) -> Backend:
+    """The backend that serves alone, loaded for its instances: one timed as the plan's instances run it is
+    loaded again where _options_alone gives it another count."""
+    alone = _options_alone(backend.name, options)
+    if alone is options or alone["instances"] == getattr(backend, "instances", 1):
         return backend
-    return load_backend("openvino", artifact, **{**options, "instances": wanted})
+    return load_backend(backend.name, artifact, **alone)
 
 
 def _load_cpu(artifact: Artifact, names: list[str], options: dict[str, Any], skipped: dict[str, str]
@@ -200,9 +207,7 @@ def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any]
         log.warning("backend auto: the serving profile %s does not match this machine: %s; %s", path,
                     "; ".join(differs), retime)
         return None
-    opts = dict(options)
-    if decision["backend"] == "openvino" and "openvino_instances" in options:  # OpenVINO alone: see open_backend
-        opts["instances"] = options["openvino_instances"]
+    opts = dict(_options_alone(decision["backend"], options))  # a routed pair: its sides' instances
     if decision.get("openvino_shapes") and "openvino_shapes" not in options:  # a --openvino-shapes given wins
         opts["openvino_shapes"] = ",".join(decision["openvino_shapes"])
     # tune keeps the 2:4 kernels only where they measured faster than OpenVINO's own GEMMs; a setting given wins
