@@ -21,7 +21,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 from holoserve import HoloServeError
 from holoserve.core.artifact import Artifact
@@ -127,40 +127,39 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
             skipped[name] = reason
     if not usable:
         return None, "no CPU backend loads"
-    loaded = None
     if os.environ.get(ROUTE_ENV):  # a worker of `--workers N`: the parent decided
-        loaded = _load_cpu(artifact, usable, options, skipped)
-        pinned = _route_from_env(loaded)
+        pinned_loaded = _load_cpu(artifact, usable, _options_served(usable, options), skipped)
+        pinned = _route_from_env(pinned_loaded)
         if pinned is not None:
-            return pinned[0], pinned[1] + _notes(loaded)
-    if loaded is None:
-        from_profile = _from_profile(artifact, usable, options, notes, skipped)
-        if from_profile is not None:
-            return from_profile
-        loaded = _load_cpu(artifact, usable, options, skipped)
+            return pinned[0], pinned[1] + _notes(pinned_loaded)
+    from_profile = _from_profile(artifact, usable, options, notes, skipped)
+    if from_profile is not None:
+        return from_profile
+    loaded = _load_cpu(artifact, usable, options, skipped)
     if not loaded:
         return None, "no CPU backend loads"
     if len(loaded) == 1:
         (name, backend), = loaded.items()
-        return (_serving_alone(backend, artifact, options),
+        return (_as_served(loaded, [name], artifact, options)[name],
                 f"{name}, the only CPU backend that loads here{_notes(loaded)}")
     return _timed_at_startup(artifact, loaded, options)
 
 
-def _options_alone(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The options backend `name` loads with where it serves alone: OpenVINO gets `openvino_instances` where
-    the server gives it that many (service.open_backend); any other, `options` itself."""
+def _options_served(names: Iterable[str], options: dict[str, Any]) -> dict[str, Any]:
+    """The options the backends `names` load with to serve: where OpenVINO is one of them (alone, or a side of a
+    routed pair) and the server gives it `openvino_instances` (service.open_backend), each loads with that many
+    instances, so that a pair's ONNX Runtime side also runs its batches on all the threads; else `options`."""
     wanted = options.get("openvino_instances")
-    return {**options, "instances": wanted} if name == "openvino" and wanted else options
+    return {**options, "instances": wanted} if "openvino" in names and wanted else options
 
 
-def _serving_alone(backend: Backend, artifact: Artifact, options: dict[str, Any]) -> Backend:
-    """The backend that serves alone, loaded for its instances: one timed as the plan's instances run it is
-    loaded again where _options_alone gives it another count."""
-    alone = _options_alone(backend.name, options)
-    if alone is options or alone["instances"] == getattr(backend, "instances", 1):
-        return backend
-    return load_backend(backend.name, artifact, **alone)
+def _as_served(loaded: Mapping[str, Backend], names: list[str], artifact: Artifact, options: dict[str, Any]
+               ) -> dict[str, Backend]:
+    """The backends `names` as they serve: each one timed as the plan's instances run it is loaded again where
+    _options_served gives it another count."""
+    served = _options_served(names, options)
+    return {n: loaded[n] if served is options or served["instances"] == getattr(loaded[n], "instances", 1)
+            else load_backend(n, artifact, **served) for n in names}
 
 
 def _load_cpu(artifact: Artifact, names: list[str], options: dict[str, Any], skipped: dict[str, str]
@@ -207,7 +206,7 @@ def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any]
         log.warning("backend auto: the serving profile %s does not match this machine: %s; %s", path,
                     "; ".join(differs), retime)
         return None
-    opts = dict(_options_alone(decision["backend"], options))  # a routed pair: its sides' instances
+    opts = dict(_options_served(profile.needed(decision), options))
     if decision.get("openvino_shapes") and "openvino_shapes" not in options:  # a --openvino-shapes given wins
         opts["openvino_shapes"] = ",".join(decision["openvino_shapes"])
     # tune keeps the 2:4 kernels only where they measured faster than OpenVINO's own GEMMs; a setting given wins
@@ -257,10 +256,11 @@ def _timed_at_startup(artifact: Artifact, loaded: dict[str, Backend], options: d
     medians, light = timings.medians(), timings.light_medians()
     decision = profile.confirm_routing(loaded, profile.decide(medians, timings.tokens, light=light), medians,
                                        items, sizes, profile.pad_id(artifact), STARTUP_ROUTING_ROUNDS, light)
+    served = _as_served(loaded, profile.needed(decision), artifact, options)
     if decision["backend"] == "routed":
-        backend: Backend = RoutedCpuBackend.from_route(loaded, decision)
+        backend: Backend = RoutedCpuBackend.from_route(served, decision)
     else:
-        backend = _serving_alone(loaded[decision["backend"]], artifact, options)
+        backend = served[decision["backend"]]
     on = texts.source if texts else "random token ids at sentence-like lengths (no dev texts found)"
     return backend, (f"{profile.describe(decision)}, the fastest CPU backend by the median of {timings.rounds} "
                      f"rounds timed at start-up on {on} ({decision['reason']}; {profile.medians_table(medians)})"

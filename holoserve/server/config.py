@@ -61,7 +61,7 @@ class ServerConfig:
     instances: str = option(
         "auto", "batches each server process runs at once on a CPU backend, each on its own share of the threads "
         "(Triton's instance count; GPU backends run one); auto = 2 where the process has two or more cores for "
-        "its backend, else 1, and 1 for OpenVINO serving alone")
+        "its backend, else 1, and 1 wherever OpenVINO serves (alone or routed with ONNX Runtime)")
     # 0 (Triton's default too): under load, batches form from requests that arrive while the previous batch
     # runs; why: docs/results/2026-11-21-serving.md
     max_queue_delay_ms: float = option(0.0, "how long a non-full batch waits for more requests")

@@ -46,8 +46,9 @@ def threads_plan(config: ServerConfig) -> CpuBudget:
 
 
 AUTO_INSTANCES = 2  # batches at once where a worker has this many cores (docs/results/2026-11-29-instances.md)
-# ... on ONNX Runtime. OpenVINO serves as much from one batch on all threads, and a lone request faster
-# (docs/results/2026-11-29-kernels-measured.md#one-instance-or-two-for-openvino)
+# ... on ONNX Runtime. Wherever OpenVINO serves (alone, or routed with ONNX Runtime) one batch on all threads
+# serves about as much, and a lone request faster (docs/results/2026-11-29-kernels-measured.md: one instance or
+# two for OpenVINO; for a routed pair)
 AUTO_OPENVINO_INSTANCES = 1
 
 
@@ -88,8 +89,8 @@ def backend_options(config: ServerConfig, artifact: Artifact) -> dict[str, Any]:
 
 def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dict[str, Any]]:
     """Load the configured backend; 'auto' picks the best this machine can run and says why. With --instances
-    auto, OpenVINO serving alone runs AUTO_OPENVINO_INSTANCES batch at a time (`tune` and the start-up timing
-    still time it as the plan's instances run it, as they do ONNX Runtime)."""
+    auto, wherever OpenVINO serves (alone, or routed with ONNX Runtime) AUTO_OPENVINO_INSTANCES batch runs at a
+    time (`tune` and the start-up timing still time each backend as the plan's instances run it)."""
     opts = backend_options(config, artifact)
     if config.instances == "auto":
         opts["openvino_instances"] = min(opts["instances"], AUTO_OPENVINO_INSTANCES)

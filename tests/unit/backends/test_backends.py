@@ -613,6 +613,12 @@ def test_a_worker_pins_the_light_load_route(sst2, monkeypatch):
     pinned.infer(long_row, long_row, long_row)
     pinned.infer(short_pair, short_pair, short_pair)
     assert ort.calls == [(1, 128)] and ov.calls == [(2, 8)]
+    # with OpenVINO a side, both load for the batches at once the server gives OpenVINO (service.open_backend)
+    loads: list[tuple[str, int]] = []
+    monkeypatch.setattr(auto, "load_backend", lambda name, art, **o: (
+        loads.append((name, o.get("instances"))), {"onnxruntime": ort, "openvino": ov}[name])[1])
+    auto.fastest_cpu(load_artifact(sst2), False, {"instances": 2, "openvino_instances": 1}, {})
+    assert sorted(loads) == [("onnxruntime", 1), ("openvino", 1)], loads
     monkeypatch.setenv(auto.ROUTE_ENV, json.dumps({**route, "max_small_tokens": 64}))
     assert auto._route_from_env({"onnxruntime": ort, "openvino": ov}) is None
 

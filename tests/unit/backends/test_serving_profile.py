@@ -816,10 +816,10 @@ def test_tune_and_serve_with_the_kernels_on_any_cpu(both, tmp_path, monkeypatch,
     assert np.abs(ours - ort).max() < 0.05 * max(1.0, float(np.abs(ort).max())), (ours, ort)
 
 
-def test_openvino_serving_alone_runs_one_batch_at_a_time_under_auto_instances(both, tuned, no_timing):
-    """With --instances auto on two cores, ONNX Runtime runs two batches at once, but OpenVINO serving alone runs
-    one on both threads (it serves as much that way, and a lone request faster), whether a profile, the start-up
-    timing or --backend picked it; a routed pair keeps its sides' instances, and a count given is kept."""
+def test_wherever_openvino_serves_one_batch_runs_at_a_time_under_auto_instances(both, tuned, no_timing):
+    """With --instances auto on two cores, ONNX Runtime serving alone runs two batches at once, but wherever
+    OpenVINO serves, alone or routed with ONNX Runtime, one batch runs at a time on both threads (its sides each
+    loaded so), whether a profile, the start-up timing or --backend picked it; a count given is kept."""
     from holoserve.server.config import ServerConfig
     from holoserve.server.service import backend_options, open_backend
 
@@ -830,6 +830,9 @@ def test_openvino_serving_alone_runs_one_batch_at_a_time_under_auto_instances(bo
     def served(**settings):
         config = ServerConfig(artifact_dir=str(both), threads=2, **settings).validate()
         backend, _ = open_backend(config, art)
+        if hasattr(backend, "small"):  # a routed pair: each side as loaded, not only the pair's count
+            assert backend.small.instances == backend.large.instances == backend.instances, backend.info()
+            assert backend.small.threads == 2, backend.small.info()  # ONNX Runtime's one-row batches: all threads
         return backend.name, getattr(backend, "instances", 1)
 
     try:
@@ -840,7 +843,7 @@ def test_openvino_serving_alone_runs_one_batch_at_a_time_under_auto_instances(bo
                 ({"backend": "openvino"}, ("openvino", 1)),
                 ({"backend": "onnxruntime"}, ("onnxruntime", 2)),
                 ({"backend": "routed", "small": "onnxruntime", "large": "openvino", "max_small_rows": 1},
-                 ("onnxruntime+openvino", 2))):
+                 ("onnxruntime+openvino", 1))):
             _write(path, {**_with_decision(prof, openvino_shapes=[], **decision), "key": key})
             assert served() == expected, decision
         assert served(backend="openvino") == ("openvino", 1)
@@ -850,9 +853,13 @@ def test_openvino_serving_alone_runs_one_batch_at_a_time_under_auto_instances(bo
         path.write_text(original)
 
 
-def test_openvino_picked_at_start_up_is_loaded_again_for_one_batch_at_a_time(both, tuned, monkeypatch):
-    """No profile: the start-up timing times both backends as two instances run them; where OpenVINO wins alone,
-    it serves one batch at a time, as with a profile."""
+@pytest.mark.parametrize("picked", [
+    {"backend": "openvino", "reason": "openvino is faster"},
+    {"backend": "routed", "small": "onnxruntime", "large": "openvino", "max_small_rows": 1,
+     "reason": "onnxruntime for one-row batches"}], ids=["openvino", "routed"])
+def test_openvino_picked_at_start_up_is_loaded_again_for_one_batch_at_a_time(both, tuned, monkeypatch, picked):
+    """No profile: the start-up timing times both backends as two instances run them; where OpenVINO wins, alone
+    or as a side of a routed pair, what serves is loaded again for one batch at a time, as with a profile."""
     import holoserve.backends.auto as auto
     from holoserve.server.config import ServerConfig
     from holoserve.server.service import open_backend
@@ -860,7 +867,8 @@ def test_openvino_picked_at_start_up_is_loaded_again_for_one_batch_at_a_time(bot
     _, path = tuned
     original = path.read_text()
     monkeypatch.setattr(auto, "STARTUP_PLAN", dict(min_rounds=1, max_rounds=1, seconds=0.0, per_round=4))
-    monkeypatch.setattr(profile, "decide", lambda *a, **k: {"backend": "openvino", "reason": "openvino is faster"})
+    monkeypatch.setattr(profile, "decide", lambda *a, **k: dict(picked))
+    monkeypatch.setattr(profile, "confirm_routing", lambda backends, decision, *a, **k: decision)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     timed: list[dict] = []
     real = profile.time_backends
@@ -871,7 +879,11 @@ def test_openvino_picked_at_start_up_is_loaded_again_for_one_batch_at_a_time(bot
         backend, decision = open_backend(ServerConfig(artifact_dir=str(both), threads=2).validate(),
                                          load_artifact(both))
         assert timed == [{"onnxruntime": 2, "openvino": 2}], timed
-        assert backend.name == "openvino" and backend.instances == 1, decision
         assert "timed at start-up" in decision["reason"], decision
+        if picked["backend"] == "routed":
+            assert backend.name == "onnxruntime+openvino" and backend.instances == 1, decision
+            assert backend.small.instances == backend.large.instances == 1 and backend.small.threads == 2
+        else:
+            assert backend.name == "openvino" and backend.instances == 1, decision
     finally:
         path.write_text(original)
