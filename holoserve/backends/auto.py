@@ -209,8 +209,11 @@ def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any]
     opts = dict(_options_served(profile.needed(decision), options))
     if decision.get("openvino_shapes") and "openvino_shapes" not in options:  # a --openvino-shapes given wins
         opts["openvino_shapes"] = ",".join(decision["openvino_shapes"])
-    # tune keeps the 2:4 kernels only where they measured faster than OpenVINO's own GEMMs; a setting given wins
-    measured_off = (options.get("openvino_kernels") or "auto") == "auto" and decision.get("openvino_kernels") == "off"
+    # tune keeps the 2:4 kernels only where they measured faster than OpenVINO's own GEMMs; a setting given wins.
+    # Where it did not time them (AMX, or a CPU they cannot run on), `auto` turns them off here by itself.
+    phase = (found.get("timings") or {}).get("kernels")
+    measured_off = ((options.get("openvino_kernels") or "auto") == "auto" and decision.get("openvino_kernels") == "off"
+                    and isinstance(phase, dict) and phase.get("kept") is False)
     if measured_off:
         opts["openvino_kernels"] = "off"
     try:
@@ -229,7 +232,7 @@ def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any]
             return None
     notes["profile"] = "used"
     if measured_off and "openvino" in loaded:
-        measured = ((found.get("timings") or {}).get("kernels") or {}).get("reason") or "its decision"
+        measured = phase.get("reason") or "its decision"
         loaded["openvino"].note_kernels(f"off: the serving profile's `holoserve tune` kept OpenVINO's own GEMMs "
                                         f"({measured})")
     if decision["backend"] == "routed":

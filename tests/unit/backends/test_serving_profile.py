@@ -802,6 +802,16 @@ def test_tune_and_serve_with_the_kernels_on_any_cpu(both, tmp_path, monkeypatch,
     status = backend.info()["kernels"]["status"]
     assert status.startswith("off: the serving profile's `holoserve tune` kept OpenVINO's own GEMMs (the 2:4 "
                              "kernels took"), status
+    # where tune did not time them (on AMX, `auto` leaves them off by itself), the server says the loader's reason
+    monkeypatch.setattr(ovb, "cpu_has_amx", lambda: True)
+    untimed = _with_decision(prof, backend="openvino", openvino_shapes=[])
+    untimed["timings"] = {k: v for k, v in prof["timings"].items() if k != "kernels"}
+    _write(path, untimed)
+    backend, decision = select_backend(art, threads=1, openvino_kernels="auto", max_batch=32)
+    assert decision["serving_profile"] == "used" and backend.name == "openvino", decision
+    status = backend.info()["kernels"]["status"]
+    assert status.startswith("off: this CPU has AMX") and "serving profile" not in status, status
+    monkeypatch.setattr(ovb, "cpu_has_amx", lambda: False)
     # a profile that keeps the kernels, keyed on their build as tune keys a decision that serves them
     _write(path, {**_with_decision(prof, backend="openvino", openvino_shapes=[], openvino_kernels="on"),
                   "key": {**prof["key"], "kernels_build": kernels.build_key(None)}})
