@@ -97,7 +97,8 @@ def docker_options(cpus: float | None, deny_amx: bool, folder: Path) -> list[str
 def start_container(image: str, ckpt: Path, env: dict[str, str], options: list[str] | None = None
                     ) -> tuple[str, int, dict]:
     """`docker run -d` of `image` as a user runs it (checkpoint read-only at /model, port on loopback, plus
-    `options`, e.g. from docker_options): (container id, host port, its /v1/models backend entry) once ready."""
+    `options`, e.g. from docker_options): (container id, host port, its /v1/models backend entry with the batches
+    it runs at once as `instances`) once ready."""
     args = ["run", "-d", "-p", "127.0.0.1::8000", "-v", f"{ckpt.resolve()}:/model:ro", *(options or [])]
     for k, v in env.items():
         args += ["-e", f"{k}={v}"]
@@ -109,7 +110,9 @@ def start_container(image: str, ckpt: Path, env: dict[str, str], options: list[s
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
                 if r.status == 200:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as m:
-                        return cid, port, json.loads(m.read())["models"][0]["backend"]
+                        model = json.loads(m.read())["models"][0]
+                        return cid, port, {**model["backend"],
+                                           "instances": (model.get("batching") or {}).get("instances")}
         except Exception:
             if run_docker("inspect", "-f", "{{.State.Running}}", cid) != "true":
                 raise RuntimeError(f"the container exited: {run_docker('logs', cid)[-2000:]}")
@@ -165,7 +168,7 @@ def start_variants(order: list[str], variants: dict[str, tuple[str, dict]], ckpt
                 "image": image, "env": env, "backend": backend.get("backend"),
                 "selection": backend.get("selection"), "threads": backend.get("threads_why"),
                 "kernels": (backend.get("kernels") or {}).get("status"), "routing": backend.get("routing"),
-                "levels": [], "backends_seen": []})
+                "instances": backend.get("instances"), "levels": [], "backends_seen": []})
             entry["backends_seen"].append(backend.get("backend"))
             print(f"{name}: {backend.get('backend')} ({backend.get('selection')})", flush=True)
     except BaseException:

@@ -199,6 +199,15 @@ def one_row_on_onnxruntime(variant: dict) -> bool:
     return routing.get("small") == "onnxruntime" and isinstance(rows, int) and rows >= 1
 
 
+def one_row_alike(record: dict, versus: str) -> bool:
+    """Whether, against the image forced to ONNX Runtime, one client's one-row batches run alike on both sides:
+    the default's routed pair gives them to ONNX Runtime, and both run as many batches at once (so as many threads
+    each)."""
+    default, other = record["variants"]["default"], record["variants"].get(versus, {})
+    return (versus == "onnxruntime" and one_row_on_onnxruntime(default)
+            and default.get("instances") == other.get("instances"))
+
+
 def verdict(value: float | None, op: str | None, target: float | None) -> str:
     if value is None:
         return "not measured"
@@ -215,7 +224,7 @@ def rows(records: dict[tuple[str, str], dict], targets: tuple) -> list[dict]:
         value = rec["summary"].get(key) if rec else None
         default = rec["variants"]["default"] if rec else {}
         same = versus == "onnxruntime" and default.get("backend") == "onnxruntime"
-        one_row = versus == "onnxruntime" and key == "p50_ratio_1" and one_row_on_onnxruntime(default)
+        one_row = key == "p50_ratio_1" and rec is not None and one_row_alike(rec, versus)
         measured = verdict(value, op, target)
         if value is not None and (same or one_row):
             measured = SAME if same else SAME_ONE_ROW
