@@ -47,8 +47,8 @@ def threads_plan(config: ServerConfig) -> CpuBudget:
 
 AUTO_INSTANCES = 2  # batches at once where a worker has this many cores (docs/results/2026-11-29-instances.md)
 # ... on ONNX Runtime. Wherever OpenVINO serves (alone, or routed with ONNX Runtime) one batch on all threads
-# serves about as much, and a lone request faster (docs/results/2026-11-29-kernels-measured.md: one instance or
-# two for OpenVINO; for a routed pair)
+# serves about as much, and a lone request faster (docs/results/2026-11-29-kernels-measured.md,
+# docs/results/2026-11-30-routed-one-instance.md)
 AUTO_OPENVINO_INSTANCES = 1
 
 
