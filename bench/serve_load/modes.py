@@ -120,14 +120,40 @@ def start_container(image: str, ckpt: Path, env: dict[str, str], options: list[s
     raise TimeoutError("the container did not become ready in 300 s")
 
 
-def versus_variant(versus: str, image: str) -> tuple[str, str, dict[str, str]]:
+def profile_pins(ckpt: Path | None) -> dict[str, str]:
+    """The settings that pin a server to what the checkpoint's serving profile decides (backend or routed pair,
+    OpenVINO's static shapes, the 2:4 kernels on or off), as `--workers N` pins its workers; {} without a
+    readable profile. A server given another instance count than the profile's key would otherwise time the
+    backends at start-up and could serve another."""
+    from holoserve.backends.auto import ROUTE_ENV
+    from holoserve.backends.profile import PROFILE_FILE
+    from holoserve.server.config import env_name
+
+    try:
+        decision = json.loads((Path(ckpt) / PROFILE_FILE).read_text())["decision"] if ckpt else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(decision, dict) or not decision.get("backend"):
+        return {}
+    if decision["backend"] == "routed":
+        route = {k: decision[k] for k in ("small", "large", "max_small_tokens", "max_small_rows") if k in decision}
+        env = {ROUTE_ENV: json.dumps(route)}
+    else:
+        env = {env_name("backend"): str(decision["backend"])}
+    if decision.get("openvino_shapes"):
+        env[env_name("openvino_shapes")] = ",".join(decision["openvino_shapes"])
+    if decision.get("openvino_kernels") in ("on", "off"):
+        env[env_name("openvino_kernels")] = decision["openvino_kernels"]
+    return env
+
+
+def versus_variant(versus: str, image: str, ckpt: Path | None = None) -> tuple[str, str, dict[str, str]]:
     """(name, image, environment) of the container `docker run`'s defaults are held against: the same image
     forced to ONNX Runtime; the same image given the thread count the runtimes pick by themselves (one per
     physical core of the machine, whatever a CPU quota allows); the same image running one batch at a time
-    (one-instance: `--instances 1`, all threads on each batch); or `image:NAME`, another image (an earlier
-    build) with its own defaults; or `env:HOLOSERVE_X=V,...`, the same image with those settings. A profile
-    keyed on two instances does not match a one-instance server, which then times the backends at start-up,
-    as it would for a user; env: can pin the backend instead."""
+    (one-instance: `--instances 1`, all threads on each batch, pinned to what the checkpoint's serving profile
+    decides, profile_pins); or `image:NAME`, another image (an earlier build) with its own defaults; or
+    `env:HOLOSERVE_X=V,...`, the same image with those settings."""
     if versus == "onnxruntime":
         return "onnxruntime", image, {"HOLOSERVE_BACKEND": "onnxruntime"}
     if versus == "runtime-threads":
@@ -136,7 +162,7 @@ def versus_variant(versus: str, image: str) -> tuple[str, str, dict[str, str]]:
         cores = physical_cores(set(range(os.cpu_count() or 1)))
         return "runtime_threads", image, {"HOLOSERVE_THREADS": str(cores)}
     if versus == "one-instance":
-        return "one_instance", image, {"HOLOSERVE_INSTANCES": "1"}
+        return "one_instance", image, {"HOLOSERVE_INSTANCES": "1", **profile_pins(ckpt)}
     if versus.startswith("image:") and versus[len("image:"):]:
         return versus[len("image:"):], versus[len("image:"):], {}
     if versus.startswith("env:"):
@@ -191,7 +217,7 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
     With two or more rounds the run has two legs, the containers started fresh in the opposite order for the
     second: which of two identical containers starts first moved their throughput by a few per cent."""
     levels = [int(x) for x in args.clients.split(",")]
-    other, other_image, other_env = versus_variant(args.versus, args.docker)
+    other, other_image, other_env = versus_variant(args.versus, args.docker, ckpt)
     variants = {"default": (args.docker, {}), other: (other_image, other_env)}
     size = int(run_docker("image", "inspect", "-f", "{{.Size}}", args.docker))
     legs = [list(variants), list(variants)[::-1]] if args.rounds >= 2 else [list(variants)]

@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--versus", default="onnxruntime",
                     help="with --docker, the second container: onnxruntime (the same image forced to it), "
                          "runtime-threads (given the threads the runtimes would pick by themselves, one per physical "
-                         "core), one-instance (one batch at a time: --instances 1), image:NAME (another image, "
+                         "core), one-instance (one batch at a time: --instances 1, on what the checkpoint's "
+                         "serving profile decides), image:NAME (another image, "
                          "e.g. an earlier build, with its defaults) or env:HOLOSERVE_X=V[,...] (the same image with "
                          "those settings)")
     ap.add_argument("--cpus", type=float, default=None,

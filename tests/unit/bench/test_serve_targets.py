@@ -62,14 +62,38 @@ def test_the_runs_follow_the_data_and_the_baseline_given():
     assert targets.runs(bare, targets.TARGETS) == [("long", "onnxruntime"), ("short", "onnxruntime")]
 
 
-def test_the_one_instance_variant_is_the_same_image_running_one_batch_at_a_time():
+def test_the_one_instance_variant_is_the_same_image_running_one_batch_at_a_time(tmp_path, monkeypatch):
+    """--versus one-instance: the same image with --instances 1, pinned to what the checkpoint's serving profile
+    decides (its key names two instances, so a one-instance server would time the backends at start-up)."""
+    import json
+
     from bench.serve_load.modes import versus_variant
+    from holoserve.backends.auto import ROUTE_ENV, _route_from_env
+    from holoserve.backends.profile import PROFILE_FILE
     from holoserve.server.config import ServerConfig, env_name
 
-    name, image, env = versus_variant("one-instance", "holoserve:cpu")
+    name, image, env = versus_variant("one-instance", "holoserve:cpu", tmp_path)  # no profile: nothing pinned
     assert (name, image) == ("one_instance", "holoserve:cpu")
     assert env == {env_name("instances"): "1"}
     assert ServerConfig(instances=env[env_name("instances")]).validate().instances == "1"
+    routed = {"backend": "routed", "small": "onnxruntime", "large": "openvino", "max_small_rows": 1,
+              "openvino_shapes": ["2x48", "4x64"], "openvino_kernels": "on", "reason": "..."}
+    for decision, pins in (
+            ({"backend": "onnxruntime", "reason": "..."}, {env_name("backend"): "onnxruntime"}),
+            ({"backend": "openvino", "openvino_shapes": ["1x64", "8x64"], "openvino_kernels": "off"},
+             {env_name("backend"): "openvino", env_name("openvino_shapes"): "1x64,8x64",
+              env_name("openvino_kernels"): "off"}),
+            (routed, {ROUTE_ENV: json.dumps({"small": "onnxruntime", "large": "openvino", "max_small_rows": 1}),
+                      env_name("openvino_shapes"): "2x48,4x64", env_name("openvino_kernels"): "on"})):
+        (tmp_path / PROFILE_FILE).write_text(json.dumps({"decision": decision}))
+        assert versus_variant("one-instance", "holoserve:cpu", tmp_path)[2] == {env_name("instances"): "1", **pins}
+        if decision is routed:  # the route pin is one a server loads: one-row batches to ONNX Runtime
+            monkeypatch.setenv(ROUTE_ENV, pins[ROUTE_ENV])
+            sides = {n: SimpleNamespace(name=n, instances=1) for n in ("onnxruntime", "openvino")}
+            pair, _ = _route_from_env(sides)
+            assert pair.route() == {"small": "onnxruntime", "large": "openvino", "max_small_rows": 1}
+    (tmp_path / PROFILE_FILE).write_text("not json")
+    assert versus_variant("one-instance", "holoserve:cpu", tmp_path)[2] == {env_name("instances"): "1"}
     # env: the same image with the settings named, e.g. one instance on the backend a profile would pick
     assert versus_variant("env:HOLOSERVE_INSTANCES=1,HOLOSERVE_OPENVINO_SHAPES=1x64,8x64,HOLOSERVE_BACKEND=openvino",
                           "holoserve:cpu") == ("env", "holoserve:cpu", {
