@@ -1,6 +1,7 @@
 """The served CPU targets in one command: `docker run`'s defaults against the same image forced to ONNX Runtime
 on short sentences, 64–128-token texts and text pairs (1 and 32 clients), and against an earlier image on
-short sentences (32 clients); one table holds each ratio beside its target, with the machine named.
+short sentences (32 clients); one table holds each ratio beside its target, with the machine named, and
+targets.png draws them.
 
     python -m bench.serve_load.targets --image holoserve:cpu --baseline-image holoserve:b4e76ba \\
         --checkpoint runs/minilm-sst2 --pairs-checkpoint runs/minilm-mrpc --data-dir "$GLUE_DIR"
@@ -23,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import dated_results
-from bench.lib.report import machine, table, write_record
+from bench.lib.report import figure, machine, table, write_record
 from bench.serve_load import run as serve_load
 from bench.serve_load.modes import docker_options, run_docker
 from holoserve.backends.profile import PROFILE_FILE
@@ -234,6 +235,33 @@ def rows(records: dict[tuple[str, str], dict], targets: tuple) -> list[dict]:
     return out
 
 
+SHORT_TEXTS = {"short": "sentences", "long": "64-token texts", "pairs": "pairs"}
+
+
+def plot(res: dict, path: Path) -> None:
+    """One bar per row: the default's ratio to the other container, each target a tick on its bar; green where
+    met, red where not, grey where nothing is held to it (a same-backend row, or one without a target)."""
+    rows_ = [r for r in res["rows"] if r["ratio"] is not None]
+    with figure(path, figsize=(9, 0.5 * len(rows_) + 1.6)) as (fig, ax):
+        for i, r in enumerate(rows_):
+            color = {"met": "tab:green", "not met": "tab:red"}.get(r["verdict"], "tab:gray")
+            ax.barh(i, r["ratio"], color=color, alpha=0.8)
+            ax.text(r["ratio"], i, f" {r['ratio']:.3f}", va="center", fontsize=8)
+            if r["target"] != "—":
+                ax.plot([float(r["target"].split()[1])] * 2, [i - 0.4, i + 0.4], color="black", lw=2)
+        ax.set_yticks(range(len(rows_)), [
+            f"{SHORT_TEXTS[r['texts']]}: {r['what']}" + ("" if r["versus"] == "onnxruntime" else
+                                                         f" vs {res['baseline_image']}") for r in rows_])
+        ax.invert_yaxis()
+        ax.axvline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xlim(0, 1.15 * max([1.0, *(r["ratio"] for r in rows_)]))
+        ax.set_xlabel("default / other (req/s: higher is better, p50: lower); black tick: the target")
+        ax.grid(axis="x", alpha=0.3)
+        m = res["machine"]
+        fig.suptitle(f"docker run defaults, {res['image']}, {m.get('cores', '')}-core CPU"
+                     f"{' (AMX refused)' if res.get('deny_amx') else ''}, {res['date']}", fontsize=9)
+
+
 def markdown(res: dict) -> str:
     m = res["machine"]
     lines = [f"# Served CPU targets: `docker run` defaults ({res['date']})", "",
@@ -245,7 +273,7 @@ def markdown(res: dict) -> str:
                 if res["rounds"] >= 2 else "")
              + (f"; every container under `--cpus {res['cpus']:g}`" if res.get("cpus") else "")
              + ("; AMX refused to every container (`--deny-amx`)" if res.get("deny_amx") else "") + ".", "",
-             f"`{res['command']}`", "",
+             f"`{res['command']}`", "", "![each ratio against its target](targets.png)", "",
              *table(("texts", "against", "ratio of", "default / other", "target", "", "default served", "2:4 kernels"),
                     ([TEXTS[r["texts"]], "the image forced to ONNX Runtime" if r["versus"] == "onnxruntime"
                       else res["baseline_image"], r["what"], r["ratio"], r["target"], r["verdict"],
@@ -289,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 records[(texts, versus)] = measure(args, out_dir, texts, versus)
                 res["runs"].append(run_name(texts, versus))
     res["rows"] = rows(records, targets)
+    plot(res, out_dir / "targets.png")
     _, md = write_record(res, out_dir, "targets", markdown)
     print(md.read_text(encoding="utf-8"))
     return 0

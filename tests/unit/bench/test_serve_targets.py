@@ -119,3 +119,21 @@ def test_a_level_pools_the_turns_of_both_legs():
     assert lv["p50_ms"] == 2.5 and lv["mean_batch"] == round(40 / 11, 2)
     assert lv["server_cpu_ms_per_request"] == 100.0
     assert "server_cpu_ms_per_request" not in level_summary(32, [turn([1.0], 1, 1, 0.0)])
+
+
+def test_the_plot_draws_each_measured_row_against_its_target(tmp_path):
+    """targets.png: every row with a ratio (a missing run and a row with no target included), written whole."""
+    got = targets.rows({("long", "onnxruntime"): record(1.3, 0.9), ("short", "onnxruntime"): record(0.99, 1.01)},
+                       targets.TARGETS)
+    assert any(r["ratio"] is None for r in got) and any(r["target"] == "—" for r in targets.rows(
+        {("short", "baseline"): record(1.5, 1.0)}, targets.AMX_TARGETS))
+    res = {"rows": got + [r for r in targets.rows({("short", "baseline"): record(1.5, 1.0)}, targets.AMX_TARGETS)
+                          if r["versus"] == "baseline"],
+           "machine": {"cores": 2}, "image": "holoserve:cpu", "baseline_image": "holoserve:old", "date": "today",
+           "deny_amx": True}
+    path = tmp_path / "targets.png"
+    targets.plot(res, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp*"))
+    assert "![each ratio against its target](targets.png)" in targets.markdown({
+        **res, "cpu_class": "a CPU", "checkpoint": "a", "pairs_checkpoint": "b", "rounds": 4, "duration_s": 20,
+        "command": "python -m bench.serve_load.targets", "runs": []})

@@ -66,6 +66,7 @@ def test_the_served_targets_run_end_to_end(docker: Docker, image, tmp_path, monk
         record = json.loads((out / f"{name}_docker.json").read_text())
         assert "serving profile" in record["variants"]["default"]["selection"], record["variants"]["default"]
     page = (out / "targets.md").read_text()
+    assert (out / "targets.png").read_bytes()[:4] == b"\x89PNG" and "(targets.png)" in page
     assert res["cpu_class"] in page and "python -m bench.serve_load.targets --image" in page
     assert "AMX refused to every container (`--deny-amx`)" in page
 
