@@ -185,6 +185,11 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> str:
         elif tuple(e.get("loc", ())) == ("body",):
             parts.append('the request body must be a JSON object such as {"text": "..."} '
                          "sent with Content-Type: application/json")
+        elif e.get("type") == "string_type" and isinstance(e.get("input"), (list, tuple)) and \
+                loc.split(".")[0] in ("text", "texts"):  # a list where a text goes: a list of texts, or a pair
+            pairs = "text pairs as 'pairs': [[a, b], ...] (to a model trained on pairs)"
+            fix = f"send several texts as 'texts': [...], or {pairs}" if loc == "text" else f"send {pairs}"
+            parts.append(f"{loc} is a list, not a text; {fix}")
         else:
             parts.append(f"{loc}: {e.get('msg', 'invalid')}")
     more = len(errors) - 3

@@ -478,6 +478,13 @@ def test_pair_models_document_pairs_only():
         assert [s["required"] for s in req["oneOf"]] == [["pairs"]]
         assert req["examples"][0]["pairs"]
         assert httpx.post(srv.url + "/predict", json=req["examples"][0]).status_code == 200
+        # a pair sent where texts go, or a list where one text goes: the error says where they go
+        for body, words in (({"texts": [["a man rides", "a man is riding"]]},
+                             "texts.0 is a list, not a text; send text pairs as 'pairs': [[a, b], ...]"),
+                            ({"text": ["a man rides", "a man is riding"]},
+                             "text is a list, not a text; send several texts as 'texts'")):
+            r = httpx.post(srv.url + "/predict", json=body)
+            assert r.status_code == 422 and words in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("content,code,type_,words", [
