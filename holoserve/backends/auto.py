@@ -128,7 +128,7 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
     if not usable:
         return None, "no CPU backend loads"
     if os.environ.get(ROUTE_ENV):  # a worker of `--workers N`: the parent decided
-        pinned_loaded = _load_cpu(artifact, usable, _options_served(usable, options), skipped)
+        pinned_loaded = _load_cpu(artifact, usable, options_served(usable, options), skipped)
         pinned = _route_from_env(pinned_loaded)
         if pinned is not None:
             return pinned[0], pinned[1] + _notes(pinned_loaded)
@@ -145,7 +145,7 @@ def fastest_cpu(artifact: Artifact, gpu: bool, options: dict[str, Any], skipped:
     return _timed_at_startup(artifact, loaded, options)
 
 
-def _options_served(names: Iterable[str], options: dict[str, Any]) -> dict[str, Any]:
+def options_served(names: Iterable[str], options: dict[str, Any]) -> dict[str, Any]:
     """The options the backends `names` load with to serve: where OpenVINO is one of them (alone, or a side of a
     routed pair) and the server gives it `openvino_instances` (service.open_backend), each loads with that many
     instances, so that a pair's ONNX Runtime side also runs its batches on all the threads; else `options`."""
@@ -156,8 +156,8 @@ def _options_served(names: Iterable[str], options: dict[str, Any]) -> dict[str, 
 def _as_served(loaded: Mapping[str, Backend], names: list[str], artifact: Artifact, options: dict[str, Any]
                ) -> dict[str, Backend]:
     """The backends `names` as they serve: each one timed as the plan's instances run it is loaded again where
-    _options_served gives it another count."""
-    served = _options_served(names, options)
+    options_served gives it another count."""
+    served = options_served(names, options)
     return {n: loaded[n] if served is options or served["instances"] == getattr(loaded[n], "instances", 1)
             else load_backend(n, artifact, **served) for n in names}
 
@@ -206,7 +206,7 @@ def _from_profile(artifact: Artifact, usable: list[str], options: dict[str, Any]
         log.warning("backend auto: the serving profile %s does not match this machine: %s; %s", path,
                     "; ".join(differs), retime)
         return None
-    opts = dict(_options_served(profile.needed(decision), options))
+    opts = dict(options_served(profile.needed(decision), options))
     if decision.get("openvino_shapes") and "openvino_shapes" not in options:  # a --openvino-shapes given wins
         opts["openvino_shapes"] = ",".join(decision["openvino_shapes"])
     # tune keeps the 2:4 kernels only where they measured faster than OpenVINO's own GEMMs; a setting given wins.

@@ -94,13 +94,11 @@ def open_backend(config: ServerConfig, artifact: Artifact) -> tuple[Backend, dic
     opts = backend_options(config, artifact)
     if config.instances == "auto":
         opts["openvino_instances"] = min(opts["instances"], AUTO_OPENVINO_INSTANCES)
-        if config.backend == "openvino":
-            opts["instances"] = opts["openvino_instances"]
-    if config.backend == "auto":
-        from ..backends.auto import select_backend
+    from ..backends.auto import options_served, select_backend
 
+    if config.backend == "auto":
         return select_backend(artifact, **opts)
-    backend = load_backend(config.backend, artifact, **opts)
+    backend = load_backend(config.backend, artifact, **options_served([config.backend], opts))
     return backend, {"picked": config.backend, "reason": "requested with --backend", "skipped": {}}
 
 
