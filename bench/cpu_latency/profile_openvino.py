@@ -32,11 +32,13 @@ ENGINES = {"openvino_nncf_int8": "OpenVINO INT8 (NNCF PTQ, dense weights)", "our
            "ours_openvino_kernels": "ours on OpenVINO + 2:4 kernels"}
 
 
-def op_class(node_type: str) -> str:
+def op_class(node_type: str, name: str = "") -> str:
     """GEMMs (OpenVINO's FullyConnected family, int8 or float; HoloServe's 2:4 kernels, which run as
     `Reference` nodes and include their input's quantization and, in the FFN, the activation), the fused
-    attention block (the CPU plugin's `Subgraph`: QK^T, softmax, xV), or other (LayerNorm, adds, quantize,
-    reorders, ...)."""
+    attention block (the CPU plugin's `Subgraph`: QK^T, softmax, xV; or HoloServe's `Attention`, a `Reference`
+    node named `...attention`), or other (LayerNorm, adds, quantize, reorders, ...)."""
+    if node_type == "Reference" and name.endswith(".attention"):
+        return "attention"
     if node_type.startswith("FullyConnected") or node_type in ("MatMul", "Reference"):
         return "gemm"
     if node_type == "Subgraph":
@@ -65,7 +67,7 @@ def profile(compiled: dict, feed: dict, runs: int, warmup: int) -> dict:
             for p in request.profiling_info:
                 ms = p.real_time.total_seconds() * 1000.0 / runs
                 per_kind[key][f"{p.node_type} / {p.exec_type}"] += ms
-                per_class[key][op_class(p.node_type)] += ms
+                per_class[key][op_class(p.node_type, p.node_name)] += ms
                 count[key][f"{p.node_type} / {p.exec_type}"] += 1
     out = {}
     for key in engines:

@@ -10,7 +10,11 @@ matching activation bytes with VPERMB, so one VPDPBUSD does the work of two
   quantizes the input once;
 - each FFN (Linear, exact GELU or ReLU, QuantizeLinear, Linear) with one `holoserve.Sparse24Ffn` node that
   keeps the hidden layer as uint8 codes in cache;
-- any other 2:4 Linear with a one-output `Sparse24Gemm`.
+- any other 2:4 Linear with a one-output `Sparse24Gemm`;
+- each attention block (per-head views of Q, K and V, scaled scores plus the mask, softmax, the weighted sum of
+  V, the heads merged back) with one `holoserve.Attention` node that runs it in f32 per head, where
+  OpenVINO's own attention on AVX-512 without AMX takes longer
+  (docs/results/2026-11-30-attention-kernel.md).
 
 A Linear is taken only where the graph is exactly QuantizeLinear (uint8, zero point 128) ->
 DequantizeLinear -> MatMul with int8 weights (zero points 0, at most two non-zeros in each aligned group of

@@ -1,4 +1,5 @@
-"""Rewrite an `openvino` export's 2:4 INT8 Linears to HoloServe's kernels (see holoserve.kernels)."""
+"""Rewrite an `openvino` export's 2:4 INT8 Linears and attention blocks to HoloServe's kernels (see
+holoserve.kernels)."""
 from __future__ import annotations
 
 import math
@@ -134,6 +135,97 @@ def _activation_between(G: _Graph, src: str, dst: str) -> tuple[str, list[onnx.N
     return None
 
 
+@dataclass
+class Attention:
+    nodes: list            # the nodes it replaces, from the heads' views to the merged output
+    last: onnx.NodeProto   # the Reshape merging the heads: its output is the attention's
+    q: str
+    k: str
+    v: str
+    mask: str
+    head_size: int
+    scale: float
+
+
+def _perm(node: onnx.NodeProto) -> list[int] | None:
+    return next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+
+
+def _heads(G: _Graph, name: str, perm: list[int], nodes: list) -> tuple[str, int] | None:
+    """(source, head size) where `name` is the source [B, S, H * D] reshaped to [B, S, H, D] (D a constant) and
+    transposed by `perm` in one or more Transposes read only here; their nodes are added to `nodes`."""
+    total, found = [0, 1, 2, 3], []
+    node = G.producer.get(name)
+    while node is not None and node.op_type == "Transpose":
+        p = _perm(node)
+        if p is None or len(p) != 4 or G.only_consumer(node.output[0]) is None:
+            return None
+        total = [p[i] for i in total]  # y = T(x, p) reads x[p[i]] at axis i
+        found.append(node)
+        node = G.producer.get(node.input[0])
+    if total != perm or node is None or node.op_type != "Reshape" or G.only_consumer(node.output[0]) is None:
+        return None
+    head_size = _last_of_shape(G, node.input[1])
+    if head_size is None or head_size <= 0:
+        return None
+    nodes += [*found, node]
+    return node.input[0], head_size
+
+
+def _last_of_shape(G: _Graph, name: str, depth: int = 0) -> int | None:
+    """The last element of a 1-D shape tensor where it is a constant: a constant, the last part of a Concat, or
+    a Slice that runs to the end (the [CLS]-row rewrite's shapes); else None."""
+    value = G.array(name)
+    if value is not None:
+        return int(value.reshape(-1)[-1]) if value.ndim == 1 and value.size else None
+    node = G.producer.get(name)
+    if node is None or depth > 4:
+        return None
+    if node.op_type == "Concat":
+        return _last_of_shape(G, node.input[-1], depth + 1)
+    if node.op_type == "Slice" and len(node.input) >= 3:
+        ends, steps = G.array(node.input[2]), G.array(node.input[4]) if len(node.input) > 4 else None
+        if ends is not None and ends.size == 1 and int(ends.reshape(-1)[0]) >= 2 ** 31 - 1 \
+                and (steps is None or (steps.size == 1 and int(steps.reshape(-1)[0]) == 1)):
+            return _last_of_shape(G, node.input[0], depth + 1)
+    return None
+
+
+def _attention(G: _Graph, softmax: onnx.NodeProto) -> Attention | None:
+    """The attention block around this Softmax, when the graph is exactly Reshape/Transpose views of q, k and v
+    per head, MatMul(q, k^T), Mul or Div by a constant, Add of a mask, Softmax on the last axis, MatMul with v,
+    Transpose and Reshape back to [B, S, H * D], with a head size the kernel takes; else None."""
+    axis = next((a.i for a in softmax.attribute if a.name == "axis"), -1)
+    add = G.producer.get(softmax.input[0])
+    if axis not in (-1, 3) or add is None or add.op_type != "Add" or G.only_consumer(add.output[0]) is None:
+        return None
+    scaled = [G.producer.get(i) for i in add.input]
+    side = next((i for i, n in enumerate(scaled) if n is not None and n.op_type in ("Mul", "Div")), None)
+    if side is None:
+        return None
+    mul, mask = scaled[side], add.input[1 - side]
+    qk = G.producer.get(mul.input[0])
+    c = G.array(mul.input[1])
+    if qk is None or qk.op_type != "MatMul" or c is None or c.size != 1 or float(c) == 0.0 \
+            or G.only_consumer(mul.output[0]) is None or G.only_consumer(qk.output[0]) is None:
+        return None
+    scale = float(c) if mul.op_type == "Mul" else float(np.float32(1.0) / np.float32(c))
+    pv = G.only_consumer(softmax.output[0])
+    if pv is None or pv.op_type != "MatMul" or pv.input[0] != softmax.output[0]:
+        return None
+    back = G.only_consumer(pv.output[0])
+    last = G.only_consumer(back.output[0]) if back is not None and back.op_type == "Transpose" else None
+    if back is None or _perm(back) != [0, 2, 1, 3] or last is None or last.op_type != "Reshape":
+        return None
+    nodes: list = [qk, mul, add, softmax, pv, back, last]
+    q = _heads(G, qk.input[0], [0, 2, 1, 3], nodes)
+    k = _heads(G, qk.input[1], [0, 2, 3, 1], nodes)
+    v = _heads(G, pv.input[1], [0, 2, 1, 3], nodes)
+    if q is None or k is None or v is None or not q[1] == k[1] == v[1] or q[1] % 16 or q[1] > 64:
+        return None
+    return Attention(nodes, last, q[0], k[0], v[0], mask, q[1], scale)
+
+
 def _inits(base: str, lin: Linear) -> tuple[list[str], list[onnx.TensorProto]]:
     values, index, comp = pack_24(lin.weights)
     arrays = {"values": values, "index": index, "comp": comp,
@@ -143,8 +235,9 @@ def _inits(base: str, lin: Linear) -> tuple[list[str], list[onnx.TensorProto]]:
 
 
 def rewrite(model: onnx.ModelProto, bf16: bool = False) -> tuple[onnx.ModelProto, dict[str, int]]:
-    """A copy of `model` with its 2:4 INT8 Linears on HoloServe's kernels, and what it replaced:
-    {"Sparse24Gemm": nodes, "Sparse24Ffn": nodes, "linears": Linears replaced, "linears_kept": left}.
+    """A copy of `model` with its 2:4 INT8 Linears and its attention blocks on HoloServe's kernels, and what it
+    replaced: {"Sparse24Gemm": nodes, "Sparse24Ffn": nodes, "Attention": nodes, "linears": Linears replaced,
+    "linears_kept": left}.
     `bf16`: the kernels read and write bf16 (Cast nodes around them), for OpenVINO running its own ops in
     bf16, which otherwise reorders every tensor into and out of them."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
@@ -206,7 +299,20 @@ def rewrite(model: onnx.ModelProto, bf16: bool = False) -> tuple[onnx.ModelProto
         counts["Sparse24Gemm"] += 1
         counts["linears"] += len(group)
 
-    emit = {key: (_cast_around(node) if bf16 else [node]) for key, node in replaced.items()}
+    # attention blocks: the per-head views, scores, softmax and weighted sum as one node
+    for softmax in [n for n in G.g.node if n.op_type == "Softmax"]:
+        att = _attention(G, softmax)
+        if att is None or any(id(n) in removed or id(n) in replaced for n in att.nodes):
+            continue
+        name = softmax.name.strip("/").replace("/", ".").removesuffix(".Softmax") + ".attention"
+        replaced[id(att.last)] = helper.make_node(
+            "Attention", [att.q, att.k, att.v, att.mask], [att.last.output[0]], name=name, domain=DOMAIN,
+            head_size=att.head_size, scale=att.scale)
+        removed.update(id(n) for n in att.nodes if n is not att.last)
+        counts["Attention"] += 1
+
+    emit = {key: (_cast_around(node, 3 if node.op_type == "Attention" else 1) if bf16 else [node])
+            for key, node in replaced.items()}
     nodes = []
     for n in G.g.node:
         if id(n) in emit:
@@ -217,7 +323,7 @@ def rewrite(model: onnx.ModelProto, bf16: bool = False) -> tuple[onnx.ModelProto
     G.g.node.extend(nodes)
     G.g.initializer.extend(new_inits)
     _drop_dead(model)
-    if counts["linears"]:
+    if counts["linears"] or counts["Attention"]:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     producer = {o: m for m in model.graph.node for o in m.output}
     counts["linears_kept"] = sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in producer
@@ -225,17 +331,21 @@ def rewrite(model: onnx.ModelProto, bf16: bool = False) -> tuple[onnx.ModelProto
     return model, dict(counts)
 
 
-def _cast_around(node: onnx.NodeProto) -> list[onnx.NodeProto]:
-    """`node` reading and writing bf16, with Casts from and to float32 around it, in graph order."""
-    before = helper.make_node("Cast", [node.input[0]], [node.name + ".in_bf16"], name=node.name + "/to_bf16",
-                              to=onnx.TensorProto.BFLOAT16)
-    node.input[0] = before.output[0]
+def _cast_around(node: onnx.NodeProto, inputs: int = 1) -> list[onnx.NodeProto]:
+    """`node` reading its first `inputs` inputs and writing bf16, with Casts from and to float32 around it, in
+    graph order."""
+    before = []
+    for i in range(inputs):
+        suffix = "" if i == 0 else str(i)  # the first keeps the name the profiles and tests know
+        before.append(helper.make_node("Cast", [node.input[i]], [f"{node.name}.in{suffix}_bf16"],
+                                       name=f"{node.name}/to_bf16{suffix}", to=onnx.TensorProto.BFLOAT16))
+        node.input[i] = before[-1].output[0]
     after = []
     for i, out in enumerate(list(node.output)):
         node.output[i] = f"{node.name}.out{i}_bf16"
         after.append(helper.make_node("Cast", [node.output[i]], [out], name=f"{node.name}/out{i}_to_f32",
                                       to=onnx.TensorProto.FLOAT))
-    return [before, node, *after]
+    return [*before, node, *after]
 
 
 def _position(G: _Graph, node: onnx.NodeProto) -> int:

@@ -15,6 +15,7 @@
 //   Sparse24Gemm -> one output per Linear: Linears sharing one input (Q, K and V), quantized once.
 //   Sparse24Ffn -> y: Linear, activation (exact GELU or ReLU), QuantizeLinear at `h_scale`, Linear. The
 //     hidden layer stays in uint8 codes in cache.
+// And a third, Attention (q, k, v, mask -> softmax attention per head), further below.
 //
 // Built with -DHOLOSERVE_REFERENCE, the arithmetic below is plain scalar C++ instead (any x86-64 CPU): the same
 // operations in the same order (one rounding per fused multiply-add, the same erf polynomial, the same
@@ -570,6 +571,380 @@ private:
     std::string m_activation = "gelu";
 };
 
+// ---- Attention: softmax(q k^T * scale + mask) v per head, the heads side by side in the last dimension ----
+//
+// q: [B, Sq, H * D], k and v: [B, S, H * D] (f32 or bf16, one type; Sq is S, or 1 for a [CLS]-row query), mask:
+// additive, [B or 1, 1, Sq or 1, S] (f32 or bf16), out: q's type and shape. Scores, softmax and the weighted sum run in f32. Per head, K is staged transposed ([D][S], f32,
+// zero-padded to a multiple of 16 keys) and V as [S][D] f32; queries run in blocks of kQueries. The sums of a row
+// and the exponentials take one fixed order in both builds, so the reference build equals this one bit for bit.
+constexpr int kQueries = 4;       // queries per block: 4 x (keys / 16) score registers, 4 x (D / 16) outputs
+constexpr float kExpFloor = -80.0f;  // exp below it is taken as 0 (masked keys); above it the result is a normal float
+
+struct AttentionArgs {
+    const void *q, *k, *v, *mask;
+    void* out;
+    bool bf16, mask_bf16;
+    int64_t B, Sq, S, H, D, mask_batch, mask_rows;  // the mask's batch and row counts (1 where broadcast)
+    float scale;
+    int64_t row(int64_t b, int64_t i) const {  // offset of the mask row of query i in batch b
+        return ((mask_batch > 1 ? b : 0) * mask_rows + (mask_rows > 1 ? i : 0)) * S;
+    }
+};
+
+struct AttentionScratch {
+    std::vector<float> kt, v, q, p;  // [D][Sp], [S][D], [kQueries][D], [kQueries][Sp]
+    void size(int64_t S, int64_t Sp, int64_t D) {
+        kt.assign(static_cast<size_t>(D * Sp), 0.0f);  // the padding keys stay 0
+        v.resize(static_cast<size_t>(S * D));
+        q.resize(static_cast<size_t>(kQueries * D));
+        p.resize(static_cast<size_t>(kQueries * Sp));
+    }
+};
+
+// this thread's scratch, fetched once per head: thread-local access inside the loops costs a call each time
+__attribute__((noinline)) static AttentionScratch& attention_scratch() {
+    thread_local AttentionScratch s;
+    return s;
+}
+
+static inline float scalar_at(const void* p, bool bf16, int64_t i) {
+    if (!bf16) return static_cast<const float*>(p)[i];
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+#ifndef HOLOSERVE_REFERENCE
+
+// exp(x) for the softmax (x <= 0): 2^n p(r), r = x - n ln 2 in two steps (Cephes' constants), p of degree 7
+static inline __m512 exp_ps(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpFloor), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+
+// lanes k + (k + 8), then k + (k + 4), then k + (k + 2), then 0 + 1
+static inline float hsum(__m512 v) {
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+static inline __m512 load_any(const void* p, bool bf16, int64_t i) {
+    return bf16 ? load_bf16(static_cast<const uint16_t*>(p) + i) : _mm512_loadu_ps(static_cast<const float*>(p) + i);
+}
+static inline __m512 load_any_tail(const void* p, bool bf16, int64_t i, __mmask16 m) {
+    if (!bf16) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(p) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + i)), 16));
+}
+
+// r[d] <- lane d of every r[l]: a 16 x 16 float transpose in registers
+static inline void transpose16(__m512 (&r)[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+// scores of kQueries queries (rows of s.q) against keys [16 j0, 16 (j0 + NV)) into s.p
+template <int NV>
+static inline void score_block(const AttentionScratch& s, int64_t Sp, int64_t D, float* p, int64_t j0) {
+    __m512 acc[kQueries][NV];
+    for (int r = 0; r < kQueries; ++r)
+        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+        __m512 kv[NV];
+        for (int c = 0; c < NV; ++c) kv[c] = _mm512_loadu_ps(s.kt.data() + d * Sp + 16 * (j0 + c));
+        for (int r = 0; r < kQueries; ++r) {
+            const __m512 qv = _mm512_set1_ps(s.q[r * D + d]);
+            for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(qv, kv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < kQueries; ++r)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(p + r * Sp + 16 * (j0 + c), acc[r][c]);
+}
+
+// out rows of kQueries queries: sum_j p[r][j] v[j] for D = 16 ND
+template <int ND>
+static inline void weighted_sum(const AttentionScratch& s, int64_t S, int64_t Sp, __m512 (&acc)[kQueries][ND]) {
+    for (int r = 0; r < kQueries; ++r)
+        for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < S; ++j) {
+        __m512 vv[ND];
+        for (int c = 0; c < ND; ++c) vv[c] = _mm512_loadu_ps(s.v.data() + j * 16 * ND + 16 * c);
+        for (int r = 0; r < kQueries; ++r) {
+            const __m512 pv = _mm512_set1_ps(s.p[r * Sp + j]);
+            for (int c = 0; c < ND; ++c) acc[r][c] = _mm512_fmadd_ps(pv, vv[c], acc[r][c]);
+        }
+    }
+}
+
+template <int ND>
+static void attention_head(const AttentionArgs& a, AttentionScratch& s, int64_t b, int64_t h) {
+    const int64_t S = a.S, Sq = a.Sq, D = 16 * ND, HD = a.H * D, Sp = (S + 15) / 16 * 16, nv = Sp / 16;
+    const int64_t base = b * S * HD + h * D, qbase = b * Sq * HD + h * D;
+    float* kt = s.kt.data();
+    int64_t j = 0;
+    for (; j + 16 <= S; j += 16)  // K transposed 16 keys x 16 dimensions at a time
+        for (int c = 0; c < ND; ++c) {
+            __m512 r[16];
+            for (int l = 0; l < 16; ++l) r[l] = load_any(a.k, a.bf16, base + (j + l) * HD + 16 * c);
+            transpose16(r);
+            for (int l = 0; l < 16; ++l) _mm512_storeu_ps(kt + (16 * c + l) * Sp + j, r[l]);
+        }
+    for (; j < S; ++j)
+        for (int c = 0; c < ND; ++c) {
+            alignas(64) float tmp[16];
+            _mm512_store_ps(tmp, load_any(a.k, a.bf16, base + j * HD + 16 * c));
+            for (int l = 0; l < 16; ++l) kt[(16 * c + l) * Sp + j] = tmp[l];
+        }
+    for (j = 0; j < S; ++j)
+        for (int c = 0; c < ND; ++c)
+            _mm512_storeu_ps(s.v.data() + j * D + 16 * c, load_any(a.v, a.bf16, base + j * HD + 16 * c));
+    const __mmask16 tail = S % 16 ? static_cast<__mmask16>((1u << (S % 16)) - 1) : static_cast<__mmask16>(0xFFFF);
+    for (int64_t i0 = 0; i0 < Sq; i0 += kQueries) {
+        for (int r = 0; r < kQueries; ++r) {  // rows past Sq repeat the last query; their outputs are dropped
+            const int64_t i = std::min(i0 + r, Sq - 1);
+            for (int c = 0; c < ND; ++c)
+                _mm512_storeu_ps(s.q.data() + r * D + 16 * c, load_any(a.q, a.bf16, qbase + i * HD + 16 * c));
+        }
+        int64_t j0 = 0;
+        for (; j0 + 4 <= nv; j0 += 4) score_block<4>(s, Sp, D, s.p.data(), j0);
+        switch (nv - j0) {
+            case 3: score_block<3>(s, Sp, D, s.p.data(), j0); break;
+            case 2: score_block<2>(s, Sp, D, s.p.data(), j0); break;
+            case 1: score_block<1>(s, Sp, D, s.p.data(), j0); break;
+            default: break;
+        }
+        float inv[kQueries];  // 1 / each row's sum of exponentials, applied to the weighted sums
+        for (int r = 0; r < kQueries; ++r) {
+            float* p = s.p.data() + r * Sp;
+            const int64_t mrow = a.row(b, std::min(i0 + r, Sq - 1));
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int64_t c = 0; c < nv; ++c) {
+                const __mmask16 m = c + 1 == nv ? tail : static_cast<__mmask16>(0xFFFF);
+                const __m512 mk = load_any_tail(a.mask, a.mask_bf16, mrow + 16 * c, m);
+                const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m,
+                    _mm512_fmadd_ps(_mm512_loadu_ps(p + 16 * c), _mm512_set1_ps(a.scale), mk));
+                _mm512_storeu_ps(p + 16 * c, sc);
+                mx = _mm512_max_ps(mx, sc);
+            }
+            const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t c = 0; c < nv; ++c) {
+                const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(p + 16 * c), top));
+                _mm512_storeu_ps(p + 16 * c, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            inv[r] = 1.0f / hsum(sum);
+        }
+        __m512 acc[kQueries][ND];
+        weighted_sum<ND>(s, S, Sp, acc);
+        for (int r = 0; r < kQueries && i0 + r < Sq; ++r)
+            for (int c = 0; c < ND; ++c) {
+                const int64_t o = qbase + (i0 + r) * HD + 16 * c;
+                const __m512 y = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r]));
+                if (a.bf16)
+                    store_bf16(static_cast<uint16_t*>(a.out) + o, y);
+                else
+                    _mm512_storeu_ps(static_cast<float*>(a.out) + o, y);
+            }
+    }
+}
+
+static void attention(const AttentionArgs& a) {
+    ov::parallel_for(a.B * a.H, [&](int64_t bh) {
+        AttentionScratch& s = attention_scratch();
+        s.size(a.S, (a.S + 15) / 16 * 16, a.D);
+        const int64_t b = bh / a.H, h = bh % a.H;
+        switch (a.D / 16) {
+            case 1: attention_head<1>(a, s, b, h); break;
+            case 2: attention_head<2>(a, s, b, h); break;
+            case 3: attention_head<3>(a, s, b, h); break;
+            default: attention_head<4>(a, s, b, h); break;
+        }
+    });
+}
+
+#else  // HOLOSERVE_REFERENCE: the steps above lane by lane
+
+static inline float exp_scalar(float x) {
+    const bool keep = x >= kExpFloor;
+    x = x > kExpFloor ? x : kExpFloor;  // VMAXPS(x, floor)
+    const float n = std::nearbyint(x * 1.44269504088896341f);
+    float r = std::fma(-n, 0.693359375f, x);
+    r = std::fma(-n, -2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    p = std::fma(p, r * r, r) + 1.0f;
+    return keep ? std::ldexp(p, static_cast<int>(n)) : 0.0f;
+}
+
+static inline float hsum(const float* v) {
+    float a[8], b[4];
+    for (int k = 0; k < 8; ++k) a[k] = v[k] + v[k + 8];
+    for (int k = 0; k < 4; ++k) b[k] = a[k] + a[k + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static void attention_head(const AttentionArgs& a, AttentionScratch& s, int64_t b, int64_t h) {
+    const int64_t S = a.S, Sq = a.Sq, D = a.D, HD = a.H * D, Sp = (S + 15) / 16 * 16;
+    const int64_t base = b * S * HD + h * D, qbase = b * Sq * HD + h * D;
+    for (int64_t j = 0; j < S; ++j)
+        for (int64_t d = 0; d < D; ++d) {
+            s.kt[d * Sp + j] = scalar_at(a.k, a.bf16, base + j * HD + d);
+            s.v[j * D + d] = scalar_at(a.v, a.bf16, base + j * HD + d);
+        }
+    for (int64_t i = 0; i < Sq; ++i) {
+        for (int64_t d = 0; d < D; ++d) s.q[d] = scalar_at(a.q, a.bf16, qbase + i * HD + d);
+        float* p = s.p.data();
+        const int64_t mrow = a.row(b, i);
+        float top = -INFINITY;
+        for (int64_t j = 0; j < Sp; ++j) {
+            float acc = 0.0f;
+            for (int64_t d = 0; d < D; ++d) acc = std::fma(s.q[d], s.kt[d * Sp + j], acc);
+            p[j] = j < S ? std::fma(acc, a.scale, scalar_at(a.mask, a.mask_bf16, mrow + j)) : -INFINITY;
+            top = std::max(top, p[j]);
+        }
+        float sum[16] = {};
+        for (int64_t j = 0; j < Sp; ++j) {
+            p[j] = exp_scalar(p[j] - top);
+            sum[j % 16] += p[j];
+        }
+        const float inv = 1.0f / hsum(sum);
+        for (int64_t d = 0; d < D; ++d) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < S; ++j) acc = std::fma(p[j], s.v[j * D + d], acc);
+            acc *= inv;
+            const int64_t o = qbase + i * HD + d;
+            if (a.bf16)
+                store_bf16(static_cast<uint16_t*>(a.out) + o, acc);
+            else
+                static_cast<float*>(a.out)[o] = acc;
+        }
+    }
+}
+
+static void attention(const AttentionArgs& a) {
+    ov::parallel_for(a.B * a.H, [&](int64_t bh) {
+        AttentionScratch& s = attention_scratch();
+        s.size(a.S, (a.S + 15) / 16 * 16, a.D);
+        attention_head(a, s, bh / a.H, bh % a.H);
+    });
+}
+
+#endif  // HOLOSERVE_REFERENCE
+
+class Attention : public ov::op::Op {
+public:
+    OPENVINO_OP("Attention", "holoserve");
+
+    Attention() = default;
+    Attention(const ov::OutputVector& args, int64_t head_size, float scale)
+        : Op(args), m_head_size(head_size), m_scale(scale) {
+        constructor_validate_and_infer_types();
+    }
+
+    void validate_and_infer_types() override {
+        NODE_VALIDATION_CHECK(this, get_input_size() == 4, "holoserve Attention takes q, k, v and an additive mask");
+        NODE_VALIDATION_CHECK(this, m_head_size > 0 && m_head_size % 16 == 0 && m_head_size <= 64,
+                              "holoserve Attention's head_size is a multiple of 16 up to 64, not ", m_head_size);
+        const auto& qs = get_input_partial_shape(0);
+        NODE_VALIDATION_CHECK(this, qs.rank().compatible(3) && get_input_partial_shape(3).rank().compatible(4),
+                              "holoserve Attention: q, k, v are [batch, sequence, heads * head_size], the mask 4-D");
+        set_output_type(0, get_input_element_type(0), qs);
+    }
+
+    bool has_evaluate() const override {
+        return float_type(get_input_element_type(0)) && float_type(get_input_element_type(3));
+    }
+
+    std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& new_args) const override {
+        return std::make_shared<Attention>(new_args, m_head_size, m_scale);
+    }
+
+    bool visit_attributes(ov::AttributeVisitor& visitor) override {
+        visitor.on_attribute("head_size", m_head_size);
+        visitor.on_attribute("scale", m_scale);
+        return true;
+    }
+
+    bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
+        const auto type = inputs[0].get_element_type();
+        const auto qs = inputs[0].get_shape(), ms = inputs[3].get_shape();
+        if (!float_type(type) || !float_type(inputs[3].get_element_type()) || qs.size() != 3 || ms.size() != 4)
+            return false;
+        const auto ks = inputs[1].get_shape();
+        for (int i = 1; i < 3; ++i)
+            if (inputs[i].get_element_type() != type || inputs[i].get_shape() != ks) return false;
+        AttentionArgs a;
+        a.B = static_cast<int64_t>(qs[0]);
+        a.Sq = static_cast<int64_t>(qs[1]);
+        a.S = static_cast<int64_t>(ks[1]);
+        a.D = m_head_size;
+        a.H = static_cast<int64_t>(qs[2]) / a.D;
+        a.mask_batch = static_cast<int64_t>(ms[0]);
+        a.mask_rows = static_cast<int64_t>(ms[2]);
+        if (a.H * a.D != static_cast<int64_t>(qs[2]) || ks.size() != 3 || ks[0] != qs[0] || ks[2] != qs[2] ||
+            ms[1] != 1 || static_cast<int64_t>(ms[3]) != a.S || (a.mask_batch != 1 && a.mask_batch != a.B) ||
+            (a.mask_rows != 1 && a.mask_rows != a.Sq))
+            return false;
+        outputs[0].set_shape(qs);
+        if (a.B == 0 || a.Sq == 0) return true;
+        if (a.S == 0) return false;  // softmax over no keys
+        a.q = inputs[0].data();
+        a.k = inputs[1].data();
+        a.v = inputs[2].data();
+        a.mask = inputs[3].data();
+        a.out = outputs[0].data();
+        a.bf16 = type == ov::element::bf16;
+        a.mask_bf16 = inputs[3].get_element_type() == ov::element::bf16;
+        a.scale = m_scale;
+        attention(a);
+        return true;
+    }
+
+private:
+    int64_t m_head_size = 64;
+    float m_scale = 1.0f;
+};
+
 }  // namespace holoserve
 
 namespace holoserve {
@@ -593,10 +968,19 @@ static ov::OutputVector convert(const ov::frontend::NodeContext& ctx) {
         return std::make_shared<Op>(x, weights, x_scale)->outputs();
 }
 
+// q, k, v and the mask are graph values
+static ov::OutputVector convert_attention(const ov::frontend::NodeContext& ctx) {
+    const ov::OutputVector args{ctx.get_input(0), ctx.get_input(1), ctx.get_input(2), ctx.get_input(3)};
+    return std::make_shared<Attention>(args, ctx.get_attribute<int64_t>("head_size"),
+                                       ctx.get_attribute<float>("scale"))->outputs();
+}
+
 }  // namespace holoserve
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>(
     {std::make_shared<ov::frontend::onnx::ConversionExtension>("Sparse24Gemm", "holoserve",
                                                                holoserve::convert<holoserve::Sparse24Gemm>),
      std::make_shared<ov::frontend::onnx::ConversionExtension>("Sparse24Ffn", "holoserve",
-                                                               holoserve::convert<holoserve::Sparse24Ffn>)}));
+                                                               holoserve::convert<holoserve::Sparse24Ffn>),
+     std::make_shared<ov::frontend::onnx::ConversionExtension>("Attention", "holoserve",
+                                                               holoserve::convert_attention)}));

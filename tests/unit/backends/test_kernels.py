@@ -164,6 +164,86 @@ def test_ffn_matches_linear_activation_quantize_linear(library, activation):
     assert np.mean(~close) < 0.01, np.mean(~close)
 
 
+def attention_model(B, Sq, S, H, D, mask_rows, scale_op="Mul", k_transposes=2):
+    """The exporter's attention block on graph inputs q [B, Sq, H * D], k and v [B, S, H * D] and an additive
+    mask [B, 1, mask_rows, S]: per-head views (Reshape to D, Transposes), MatMul(q, k^T), scaled by a constant,
+    mask added, Softmax, MatMul with v, heads merged back."""
+    shape = numpy_helper.from_array(np.array([0, 0, -1, D], np.int64), "heads_shape")
+    merged = numpy_helper.from_array(np.array([0, 0, H * D], np.int64), "merged_shape")
+    factor = numpy_helper.from_array(np.array(D ** -0.5 if scale_op == "Mul" else D ** 0.5, np.float32), "factor")
+    nodes = []
+    for t in "qkv":
+        nodes.append(helper.make_node("Reshape", [t, "heads_shape"], [f"{t}4"]))
+    nodes.append(helper.make_node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]))
+    nodes.append(helper.make_node("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3]))
+    if k_transposes == 2:
+        nodes += [helper.make_node("Transpose", ["k4"], ["kh"], perm=[0, 2, 1, 3]),
+                  helper.make_node("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2])]
+    else:
+        nodes.append(helper.make_node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]))
+    nodes += [helper.make_node("MatMul", ["qh", "kt"], ["qk"]),
+              helper.make_node(scale_op, ["qk", "factor"], ["scaled"]),
+              helper.make_node("Add", ["scaled", "mask"], ["scores"]),
+              helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
+              helper.make_node("MatMul", ["probs", "vh"], ["ctx"]),
+              helper.make_node("Transpose", ["ctx"], ["ctx2"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["ctx2", "merged_shape"], ["y"])]
+    inputs = [helper.make_tensor_value_info("q", TensorProto.FLOAT, [B, Sq, H * D]),
+              helper.make_tensor_value_info("k", TensorProto.FLOAT, [B, S, H * D]),
+              helper.make_tensor_value_info("v", TensorProto.FLOAT, [B, S, H * D]),
+              helper.make_tensor_value_info("mask", TensorProto.FLOAT, [B, 1, mask_rows, S])]
+    graph = helper.make_graph(nodes, "attention", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [shape, merged, factor])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def attention_inputs(rng, B, Sq, S, H, D, mask_rows):
+    """Random q, k, v and a mask like the exporter's: 0 where a key is attended, float32's lowest where padded."""
+    q, k, v = (rng.normal(0, 2, (B, n, H * D)).astype(np.float32) for n in (Sq, S, S))
+    mask = np.zeros((B, 1, mask_rows, S), np.float32)
+    for b in range(B):
+        mask[b, :, :, rng.integers(1, S + 1):] = np.finfo(np.float32).min
+    return {"q": q, "k": k, "v": v, "mask": mask}
+
+
+def attention_ref(f, D):
+    B, Sq, HD = f["q"].shape
+    H = HD // D
+    heads = [f[t].astype(np.float64).reshape(B, -1, H, D).transpose(0, 2, 1, 3) for t in "qkv"]
+    s = heads[0] @ heads[1].transpose(0, 1, 3, 2) / math.sqrt(D) + f["mask"].astype(np.float64)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return (p @ heads[2]).transpose(0, 2, 1, 3).reshape(B, Sq, H * D)
+
+
+# (B, Sq, S, H, D, mask rows, scale op, k's transposes): a key tail (21, 37), the [CLS]-row query (Sq 1),
+# head sizes 16 to 64, a mask per query row, the scale as Div, k^T in one Transpose
+ATTENTION_CASES = [(2, 21, 21, 3, 32, 1, "Mul", 2), (3, 1, 37, 2, 64, 1, "Mul", 2),
+                   (1, 16, 16, 4, 16, 16, "Div", 1), (2, 5, 5, 2, 48, 5, "Mul", 1)]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "x".join(map(str, c[:5])) + f"-{c[6]}")
+def test_attention_matches_softmax_attention(library, case):
+    B, Sq, S, H, D, rows, op, kt = case
+    model, counts = rewrite(attention_model(B, Sq, S, H, D, rows, op, kt))
+    assert counts.get("Attention") == 1 and [n.op_type for n in model.graph.node] == ["Attention"], counts
+    feed = attention_inputs(np.random.default_rng(D + S), B, Sq, S, H, D, rows)
+    out = compile_onnx(library, model).create_infer_request().infer(feed)
+    y = np.asarray(next(iter(out.values())))
+    assert y.shape == (B, Sq, H * D)
+    np.testing.assert_allclose(y, attention_ref(feed, D), rtol=1e-5, atol=2e-6)
+
+
+def test_rewrite_leaves_attention_it_cannot_take():
+    """A head size the kernel does not take (not a multiple of 16), and a score read elsewhere, stay as they are."""
+    _, counts = rewrite(attention_model(1, 8, 8, 2, 24, 1))
+    assert not counts.get("Attention")
+    model = attention_model(1, 8, 8, 2, 32, 1)
+    model.graph.output.append(helper.make_tensor_value_info("scores", TensorProto.FLOAT, None))
+    out, counts = rewrite(model)
+    assert not counts.get("Attention") and "Softmax" in [n.op_type for n in out.graph.node]
+
+
 def bf16(x: np.ndarray) -> np.ndarray:
     """float32 rounded to bfloat16 (to nearest, ties to even), as float32."""
     bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
@@ -198,7 +278,9 @@ def test_rewrite_puts_every_2_4_linear_on_the_kernels(checkpoints):
         assert "Erf" not in ops and "QuantizeLinear" in ops  # the GELU went into the FFN nodes
         wrapped, _ = rewrite(onnx.load(str(ckpt / "model.ov.onnx")), bf16=True)
         casts = [n for n in wrapped.graph.node if n.op_type == "Cast" and n.name.endswith("to_bf16")]
-        assert len(casts) == counts["Sparse24Ffn"] + counts["Sparse24Gemm"]
+        assert len(casts) == counts["Sparse24Ffn"] + counts["Sparse24Gemm"] + counts["Attention"]
+        # each layer's attention, the last one's [CLS]-row query included
+        assert counts["Attention"] == ops.count("Attention") == 2 and "Softmax" not in ops, counts
 
 
 def test_rewrite_leaves_a_linear_that_is_not_2_4_alone(checkpoints):
@@ -364,6 +446,20 @@ def test_the_avx512_build_equals_the_reference_bit_for_bit(kernel_build, kernel_
         reference = run_node(Built(kernel_reference_build[1], kernels.REFERENCE), nodes, inits, x, outs)
         for o, a, b in zip(outs, served, reference):
             np.testing.assert_array_equal(a, b, err_msg=f"{name} {o}")
+
+
+def test_the_avx512_attention_equals_the_reference_bit_for_bit(kernel_build, kernel_reference_build):
+    """Attention in both builds, f32 and bf16 in and out, every case above: the same outputs, bit for bit."""
+    skip_without_avx512()
+    for case in ATTENTION_CASES:
+        B, Sq, S, H, D, rows, op, kt = case
+        feed = attention_inputs(np.random.default_rng(S), B, Sq, S, H, D, rows)
+        for bf16_io in (False, True):
+            model, _ = rewrite(attention_model(B, Sq, S, H, D, rows, op, kt), bf16=bf16_io)
+            served, reference = (
+                np.asarray(next(iter(compile_onnx(built, model).create_infer_request().infer(feed).values())))
+                for built in (Built(kernel_build[1], "on"), Built(kernel_reference_build[1], kernels.REFERENCE)))
+            np.testing.assert_array_equal(served, reference, err_msg=f"{case} bf16={bf16_io}")
 
 
 def test_eval_scores_the_graph_the_kernels_serve(checkpoints, library, tmp_path):
