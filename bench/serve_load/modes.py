@@ -147,6 +147,21 @@ def profile_pins(ckpt: Path | None) -> dict[str, str]:
     return env
 
 
+def env_settings(text: str) -> dict[str, str] | None:
+    """{HOLOSERVE_X: V} from "HOLOSERVE_X=V[,HOLOSERVE_Y=W]" (a value may hold commas:
+    HOLOSERVE_OPENVINO_SHAPES=1x64,8x64); None where a name is not a HoloServe setting or a value is empty."""
+    pairs: list[list[str]] = []
+    for piece in text.split(","):
+        if "=" not in piece and pairs:
+            pairs[-1][1] += "," + piece
+        else:
+            key, _, value = piece.partition("=")
+            pairs.append([key, value])
+    if pairs and all(k.startswith("HOLOSERVE_") and v for k, v in pairs):
+        return {k: v for k, v in pairs}
+    return None
+
+
 def versus_variant(versus: str, image: str, ckpt: Path | None = None) -> tuple[str, str, dict[str, str]]:
     """(name, image, environment) of the container `docker run`'s defaults are held against: the same image
     forced to ONNX Runtime; the same image given the thread count the runtimes pick by themselves (one per
@@ -166,15 +181,9 @@ def versus_variant(versus: str, image: str, ckpt: Path | None = None) -> tuple[s
     if versus.startswith("image:") and versus[len("image:"):]:
         return versus[len("image:"):], versus[len("image:"):], {}
     if versus.startswith("env:"):
-        pairs: list[list[str]] = []
-        for piece in versus[len("env:"):].split(","):
-            if "=" not in piece and pairs:  # a value with commas in it (HOLOSERVE_OPENVINO_SHAPES=1x64,8x64)
-                pairs[-1][1] += "," + piece
-            else:
-                key, _, value = piece.partition("=")
-                pairs.append([key, value])
-        if pairs and all(k.startswith("HOLOSERVE_") and v for k, v in pairs):
-            return "env", image, {k: v for k, v in pairs}
+        settings = env_settings(versus[len("env:"):])
+        if settings:
+            return "env", image, settings
     raise SystemExit(f"--versus {versus!r}: use onnxruntime, runtime-threads, one-instance, image:NAME or "
                      "env:HOLOSERVE_X=V[,HOLOSERVE_Y=W] (the same image with those settings)")
 
@@ -218,7 +227,12 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
     second: which of two identical containers starts first moved their throughput by a few per cent."""
     levels = [int(x) for x in args.clients.split(",")]
     other, other_image, other_env = versus_variant(args.versus, args.docker, ckpt)
-    variants = {"default": (args.docker, {}), other: (other_image, other_env)}
+    both = {}
+    if getattr(args, "env", None):
+        both = env_settings(args.env)
+        if both is None:
+            raise SystemExit(f"--env {args.env!r}: use HOLOSERVE_X=V[,HOLOSERVE_Y=W] (settings for both containers)")
+    variants = {"default": (args.docker, dict(both)), other: (other_image, {**both, **other_env})}
     size = int(run_docker("image", "inspect", "-f", "{{.Size}}", args.docker))
     legs = [list(variants), list(variants)[::-1]] if args.rounds >= 2 else [list(variants)]
     res: dict = {"benchmark": "serve_load_docker", "date": _now(), "machine": machine(), "image": args.docker,
@@ -226,6 +240,7 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
                  "image_mb": round(size / 1e6), "checkpoint": ckpt.name, "texts": text_source,
                  "duration_s": args.duration, "rounds": args.rounds, "start_orders": legs,
                  "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop", "variants": {}}
+    res["env_both"] = both
     options = docker_options(args.cpus, args.deny_amx, out_dir)
     turns: dict[str, dict[int, list]] = {n: {c: [] for c in levels} for n in variants}
     for leg, order in enumerate(legs):

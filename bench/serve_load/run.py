@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "serving profile decides), image:NAME (another image, "
                          "e.g. an earlier build, with its defaults) or env:HOLOSERVE_X=V[,...] (the same image with "
                          "those settings)")
+    ap.add_argument("--env", default=None, metavar="HOLOSERVE_X=V[,...]",
+                    help="with --docker: settings given to both containers (the default one too), e.g. to hold two "
+                         "images (--versus image:NAME) to the same pinned backend")
     ap.add_argument("--cpus", type=float, default=None,
                     help="with --docker: run both containers under a CPU quota (docker run --cpus)")
     ap.add_argument("--deny-amx", action="store_true",

@@ -137,3 +137,14 @@ def test_the_plot_draws_each_measured_row_against_its_target(tmp_path):
     assert "![each ratio against its target](targets.png)" in targets.markdown({
         **res, "cpu_class": "a CPU", "checkpoint": "a", "pairs_checkpoint": "b", "rounds": 4, "duration_s": 20,
         "command": "python -m bench.serve_load.targets", "runs": []})
+
+
+def test_env_settings_read_values_with_commas_and_refuse_other_names():
+    from bench.serve_load.modes import env_settings, versus_variant
+
+    assert env_settings("HOLOSERVE_BACKEND=openvino,HOLOSERVE_OPENVINO_SHAPES=1x64,8x64") == {
+        "HOLOSERVE_BACKEND": "openvino", "HOLOSERVE_OPENVINO_SHAPES": "1x64,8x64"}
+    assert env_settings("PATH=/bin") is None and env_settings("HOLOSERVE_BACKEND=") is None
+    assert versus_variant("env:HOLOSERVE_INSTANCES=1", "img") == ("env", "img", {"HOLOSERVE_INSTANCES": "1"})
+    with pytest.raises(SystemExit, match="env:HOLOSERVE_X=V"):
+        versus_variant("env:OTHER=1", "img")
