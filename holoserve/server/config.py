@@ -111,8 +111,9 @@ class ServerConfig:
                                            "(CPUs with AMX only; see docs/results/2026-11-24-openvino.md)")
     openvino_kernels: str = option(
         OPENVINO_KERNELS_DEFAULT, "openvino backend: run the 2:4 INT8 Linears on HoloServe's own kernels, which "
-        "skip the zeros (AVX-512 VNNI + VBMI, no AMX; `python -m holoserve.kernels build` builds them ahead of "
-        "time); auto = where this machine can, falling back to OpenVINO's GEMMs, on = fail where they cannot run, "
+        "skip the zeros, and each attention block as one f32 op (AVX-512 VNNI + VBMI, no AMX; "
+        "`python -m holoserve.kernels build` builds them ahead of time); auto = where this machine can, falling "
+        "back to OpenVINO's GEMMs, on = fail where they cannot run, "
         "off = OpenVINO's GEMMs, reference = their portable scalar build on any x86-64 CPU (the same numbers, many "
         "times slower: for checking predictions, not for speed)", choices=OPENVINO_KERNELS)
     # fp16: the GPU baseline bench/serve_load compares torch-cuda with.
