@@ -574,11 +574,12 @@ private:
 // ---- Attention: softmax(q k^T * scale + mask) v per head, the heads side by side in the last dimension ----
 //
 // q: [B, Sq, H * D], k and v: [B, S, H * D] (f32 or bf16, one type; Sq is S, or 1 for a [CLS]-row query), mask:
-// additive, [B or 1, 1, Sq or 1, S] (f32 or bf16), out: q's type and shape. Scores, softmax and the weighted sum run in f32. Per head, K is staged transposed ([D][S], f32,
-// zero-padded to a multiple of 16 keys) and V as [S][D] f32; queries run in blocks of kQueries. The sums of a row
-// and the exponentials take one fixed order in both builds, so the reference build equals this one bit for bit.
+// additive, [B or 1, 1, Sq or 1, S] (f32 or bf16), out: q's type and shape. Scores, softmax and the weighted sum
+// run in f32. Per head, K is staged transposed ([D][S], f32, zero-padded to a multiple of 16 keys) and V as [S][D]
+// f32; queries run in blocks of kQueries. The sums of a row and the exponentials take one fixed order in both
+// builds, so the reference build equals this one bit for bit.
 constexpr int kQueries = 4;       // queries per block: 4 x (keys / 16) score registers, 4 x (D / 16) outputs
-constexpr float kExpFloor = -80.0f;  // exp below it is taken as 0 (masked keys); above it the result is a normal float
+constexpr float kExpFloor = -80.0f;  // exp below it is 0 (masked keys); above it the result is a normal float
 
 struct AttentionArgs {
     const void *q, *k, *v, *mask;
