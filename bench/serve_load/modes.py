@@ -239,8 +239,8 @@ def docker_main(args, ckpt: Path, texts: list[str], text_source: str, out_dir: P
                  "cpus": args.cpus, "deny_amx": args.deny_amx, "versus": other,
                  "image_mb": round(size / 1e6), "checkpoint": ckpt.name, "texts": text_source,
                  "duration_s": args.duration, "rounds": args.rounds, "start_orders": legs,
-                 "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop", "variants": {}}
-    res["env_both"] = both
+                 "client": "asyncio HTTP/1.1 keep-alive, one process, closed loop", "env_both": both,
+                 "variants": {}}
     options = docker_options(args.cpus, args.deny_amx, out_dir)
     turns: dict[str, dict[int, list]] = {n: {c: [] for c in levels} for n in variants}
     for leg, order in enumerate(legs):

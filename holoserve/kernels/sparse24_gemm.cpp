@@ -575,9 +575,9 @@ private:
 //
 // q: [B, Sq, H * D], k and v: [B, S, H * D] (f32 or bf16, one type; Sq is S, or 1 for a [CLS]-row query), mask:
 // additive, [B or 1, 1, Sq or 1, S] (f32 or bf16), out: q's type and shape. Scores, softmax and the weighted sum
-// run in f32. Per head, K is staged transposed ([D][S], f32, zero-padded to a multiple of 16 keys) and V as [S][D]
-// f32; queries run in blocks of kQueries. The sums of a row and the exponentials take one fixed order in both
-// builds, so the reference build equals this one bit for bit.
+// run in f32. Per head, K is staged transposed ([D][S], f32, padded to a multiple of 16 keys whose scores are
+// masked) and V as [S][D] f32; queries run in blocks of kQueries. The sums of a row and the exponentials take one
+// fixed order in both builds, so the reference build equals this one bit for bit.
 constexpr int kQueries = 4;       // queries per block: 4 x (keys / 16) score registers, 4 x (D / 16) outputs
 constexpr float kExpFloor = -80.0f;  // exp below it is 0 (masked keys); above it the result is a normal float
 
@@ -595,7 +595,7 @@ struct AttentionArgs {
 struct AttentionScratch {
     std::vector<float> kt, v, q, p;  // [D][Sp], [S][D], [kQueries][D], [kQueries][Sp]
     void size(int64_t S, int64_t Sp, int64_t D) {
-        kt.assign(static_cast<size_t>(D * Sp), 0.0f);  // the padding keys stay 0
+        kt.resize(static_cast<size_t>(D * Sp));  // padding keys hold whatever was there: their scores are masked
         v.resize(static_cast<size_t>(S * D));
         q.resize(static_cast<size_t>(kQueries * D));
         p.resize(static_cast<size_t>(kQueries * Sp));
@@ -606,14 +606,6 @@ struct AttentionScratch {
 __attribute__((noinline)) static AttentionScratch& attention_scratch() {
     thread_local AttentionScratch s;
     return s;
-}
-
-static inline float scalar_at(const void* p, bool bf16, int64_t i) {
-    if (!bf16) return static_cast<const float*>(p)[i];
-    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
 }
 
 #ifndef HOLOSERVE_REFERENCE
@@ -713,7 +705,7 @@ static inline void weighted_sum(const AttentionScratch& s, int64_t S, int64_t Sp
 }
 
 template <int ND>
-static void attention_head(const AttentionArgs& a, AttentionScratch& s, int64_t b, int64_t h) {
+static void attention_head_d(const AttentionArgs& a, AttentionScratch& s, int64_t b, int64_t h) {
     const int64_t S = a.S, Sq = a.Sq, D = 16 * ND, HD = a.H * D, Sp = (S + 15) / 16 * 16, nv = Sp / 16;
     const int64_t base = b * S * HD + h * D, qbase = b * Sq * HD + h * D;
     float* kt = s.kt.data();
@@ -785,21 +777,24 @@ static void attention_head(const AttentionArgs& a, AttentionScratch& s, int64_t 
     }
 }
 
-static void attention(const AttentionArgs& a) {
-    ov::parallel_for(a.B * a.H, [&](int64_t bh) {
-        AttentionScratch& s = attention_scratch();
-        s.size(a.S, (a.S + 15) / 16 * 16, a.D);
-        const int64_t b = bh / a.H, h = bh % a.H;
-        switch (a.D / 16) {
-            case 1: attention_head<1>(a, s, b, h); break;
-            case 2: attention_head<2>(a, s, b, h); break;
-            case 3: attention_head<3>(a, s, b, h); break;
-            default: attention_head<4>(a, s, b, h); break;
-        }
-    });
+static void attention_head(const AttentionArgs& a, AttentionScratch& s, int64_t b, int64_t h) {
+    switch (a.D / 16) {
+        case 1: attention_head_d<1>(a, s, b, h); break;
+        case 2: attention_head_d<2>(a, s, b, h); break;
+        case 3: attention_head_d<3>(a, s, b, h); break;
+        default: attention_head_d<4>(a, s, b, h); break;
+    }
 }
 
 #else  // HOLOSERVE_REFERENCE: the steps above lane by lane
+
+static inline float scalar_at(const void* p, bool bf16, int64_t i) {
+    if (!bf16) return static_cast<const float*>(p)[i];
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
 
 static inline float exp_scalar(float x) {
     const bool keep = x >= kExpFloor;
@@ -862,6 +857,8 @@ static void attention_head(const AttentionArgs& a, AttentionScratch& s, int64_t 
     }
 }
 
+#endif  // HOLOSERVE_REFERENCE
+
 static void attention(const AttentionArgs& a) {
     ov::parallel_for(a.B * a.H, [&](int64_t bh) {
         AttentionScratch& s = attention_scratch();
@@ -869,8 +866,6 @@ static void attention(const AttentionArgs& a) {
         attention_head(a, s, bh / a.H, bh % a.H);
     });
 }
-
-#endif  // HOLOSERVE_REFERENCE
 
 class Attention : public ov::op::Op {
 public:
