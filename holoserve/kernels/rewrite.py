@@ -319,6 +319,8 @@ def rewrite(model: onnx.ModelProto, bf16: bool = False) -> tuple[onnx.ModelProto
             nodes.extend(emit[id(n)])
         elif id(n) not in removed:
             nodes.append(n)
+    if bf16:
+        nodes = _skip_round_trips(nodes)
     del G.g.node[:]
     G.g.node.extend(nodes)
     G.g.initializer.extend(new_inits)
@@ -346,6 +348,31 @@ def _cast_around(node: onnx.NodeProto, inputs: int = 1) -> list[onnx.NodeProto]:
         after.append(helper.make_node("Cast", [node.output[i]], [out], name=f"{node.name}/out{i}_to_f32",
                                       to=onnx.TensorProto.FLOAT))
     return [*before, node, *after]
+
+
+def _skip_round_trips(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """`nodes` with each Cast to bf16 of a kernel's bf16 output cast to float32 dropped, its readers reading the
+    bf16 output itself (exact: bf16 -> float32 -> bf16 is the identity). Kernel to kernel (Q, K and V into
+    the attention op, its output into the next Linear) then runs without the two conversions OpenVINO would
+    otherwise execute."""
+    producer = {o: n for n in nodes for o in n.output}
+
+    def kernel_bf16(name: str) -> str | None:
+        cast = producer.get(name)
+        if cast is None or cast.op_type != "Cast" or cast.input[0] not in producer:
+            return None
+        return cast.input[0] if producer[cast.input[0]].domain == DOMAIN else None
+
+    alias = {}
+    for n in nodes:
+        if n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.BFLOAT16 and \
+                (src := kernel_bf16(n.input[0])) is not None:
+            alias[n.output[0]] = src
+    for n in nodes:
+        for i, name in enumerate(n.input):
+            if name in alias:
+                n.input[i] = alias[name]
+    return [n for n in nodes if not (n.output and n.output[0] in alias)]
 
 
 def _position(G: _Graph, node: onnx.NodeProto) -> int:
