@@ -173,7 +173,9 @@ def measure(args, out_dir: Path, texts: str, versus: str) -> dict:
     ckpt = args.pairs_checkpoint if texts == "pairs" else args.checkpoint
     argv = ["--checkpoint", str(ckpt), "--docker", args.image, "--versus", other, "--texts", texts,
             "--clients", "32" if versus == "baseline" else "1,32", "--duration", str(args.duration),
-            "--rounds", str(args.rounds), "--out", str(out_dir), "--name", name]
+            "--rounds", str(args.rounds), "--out", str(out_dir), "--name", name,
+            # the duration ends each level, not run's cap on answers (reached from 500 req/s at 40 s)
+            "--max-requests", str(int(args.duration * 5000))]
     if args.data_dir:
         argv += ["--data-dir", str(args.data_dir)]
     if args.cpus:

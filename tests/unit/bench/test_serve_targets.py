@@ -148,3 +148,23 @@ def test_env_settings_read_values_with_commas_and_refuse_other_names():
     assert versus_variant("env:HOLOSERVE_INSTANCES=1", "img") == ("env", "img", {"HOLOSERVE_INSTANCES": "1"})
     with pytest.raises(SystemExit, match="env:HOLOSERVE_X=V"):
         versus_variant("env:OTHER=1", "img")
+
+
+def test_each_comparison_runs_for_its_duration_not_to_the_answer_cap(tmp_path, monkeypatch):
+    """measure() hands run a cap on answers no level reaches at the duration asked (run's own default, 20,000
+    answers over 4 rounds, ended 40 s levels early from 500 req/s)."""
+    import json
+
+    seen = []
+
+    def fake_main(argv):
+        seen.append(argv)
+        (tmp_path / f"{argv[argv.index('--name') + 1]}_docker.json").write_text(json.dumps({"ok": 1}))
+
+    monkeypatch.setattr(targets.serve_load, "main", fake_main)
+    args = SimpleNamespace(image="holoserve:new", baseline_image=None, checkpoint="ck", pairs_checkpoint="pk",
+                           duration=40.0, rounds=4, data_dir=None, cpus=None, deny_amx=False)
+    assert targets.measure(args, tmp_path, "long", "onnxruntime") == {"ok": 1}
+    argv = seen[0]
+    cap = int(argv[argv.index("--max-requests") + 1])
+    assert cap >= 2000 * args.duration  # 2,000 req/s, several times what two cores serve here
