@@ -357,16 +357,18 @@ def _skip_round_trips(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     otherwise execute."""
     producer = {o: n for n in nodes for o in n.output}
 
-    def kernel_bf16(name: str) -> str | None:
+    def cast_to(n: onnx.NodeProto | None) -> int | None:
+        return next((a.i for a in n.attribute if a.name == "to"), None) if n and n.op_type == "Cast" else None
+
+    def kernel_bf16(name: str) -> str | None:  # the kernel output that `name` is a float32 copy of
         cast = producer.get(name)
-        if cast is None or cast.op_type != "Cast" or cast.input[0] not in producer:
+        if cast_to(cast) != onnx.TensorProto.FLOAT or cast.input[0] not in producer:
             return None
         return cast.input[0] if producer[cast.input[0]].domain == DOMAIN else None
 
     alias = {}
     for n in nodes:
-        if n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.BFLOAT16 and \
-                (src := kernel_bf16(n.input[0])) is not None:
+        if cast_to(n) == onnx.TensorProto.BFLOAT16 and (src := kernel_bf16(n.input[0])) is not None:
             alias[n.output[0]] = src
     for n in nodes:
         for i, name in enumerate(n.input):
