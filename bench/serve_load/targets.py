@@ -232,7 +232,7 @@ def rows(records: dict[tuple[str, str], dict], targets: tuple) -> list[dict]:
         if value is not None and (same or one_row):
             measured = SAME if same else SAME_ONE_ROW
         out.append({"texts": texts, "versus": versus, "what": WHAT[key], "ratio": value,
-                    "target": f"{op} {target}" if op else "—", "verdict": measured,
+                    "target": f"{op} {target}" if op else "—", "target_value": target, "verdict": measured,
                     "default_backend": default.get("backend"), "kernels": default.get("kernels")})
     return out
 
@@ -249,8 +249,8 @@ def plot(res: dict, path: Path) -> None:
             color = {"met": "tab:green", "not met": "tab:red"}.get(r["verdict"], "tab:gray")
             ax.barh(i, r["ratio"], color=color, alpha=0.8)
             ax.text(r["ratio"], i, f" {r['ratio']:.3f}", va="center", fontsize=8)
-            if r["target"] != "—":
-                ax.plot([float(r["target"].split()[1])] * 2, [i - 0.4, i + 0.4], color="black", lw=2)
+            if r["target_value"] is not None:
+                ax.plot([r["target_value"]] * 2, [i - 0.4, i + 0.4], color="black", lw=2)
         ax.set_yticks(range(len(rows_)), [
             f"{SHORT_TEXTS[r['texts']]}: {r['what']}" + ("" if r["versus"] == "onnxruntime" else
                                                          f" vs {res['baseline_image']}") for r in rows_])

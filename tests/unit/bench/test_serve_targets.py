@@ -125,6 +125,7 @@ def test_the_plot_draws_each_measured_row_against_its_target(tmp_path):
     """targets.png: every row with a ratio (a missing run and a row with no target included), written whole."""
     got = targets.rows({("long", "onnxruntime"): record(1.3, 0.9), ("short", "onnxruntime"): record(0.99, 1.01)},
                        targets.TARGETS)
+    assert [r["target_value"] for r in got] == [t[4] for t in targets.TARGETS]  # the tick is the target itself
     assert any(r["ratio"] is None for r in got) and any(r["target"] == "—" for r in targets.rows(
         {("short", "baseline"): record(1.5, 1.0)}, targets.AMX_TARGETS))
     res = {"rows": got + [r for r in targets.rows({("short", "baseline"): record(1.5, 1.0)}, targets.AMX_TARGETS)
