@@ -26,6 +26,12 @@ class Linear:
     weights: np.ndarray       # int8 [K, N]
     w_scale: np.ndarray       # [N]
     bias: np.ndarray          # [N]
+    slice: onnx.NodeProto | None = None  # a Slice of the dequantized input before the MatMul (the [CLS] row)
+
+    @property
+    def source(self) -> tuple[str, str | None]:
+        """What the Linear reads: its quantizer's output, and the Slice of it where there is one."""
+        return self.quantize.output[0], self.slice.output[0] if self.slice is not None else None
 
 
 class _Graph:
@@ -64,8 +70,12 @@ class _Graph:
 
 
 def _linear(G: _Graph, mm: onnx.NodeProto) -> Linear | None:
-    """The 2:4 INT8 Linear ending at this MatMul, or None when the graph is not exactly that."""
+    """The 2:4 INT8 Linear ending at this MatMul, or None when the graph is not exactly that. Its input may be
+    sliced after dequantizing (the last layer's [CLS]-row query): the same as quantizing the sliced input."""
     dqx, dqw = G.producer.get(mm.input[0]), G.producer.get(mm.input[1])
+    cut = None
+    if dqx is not None and dqx.op_type == "Slice" and G.only_consumer(dqx.output[0]) is mm:
+        cut, dqx = dqx, G.producer.get(dqx.input[0])
     if not (dqx and dqw and dqx.op_type == "DequantizeLinear" and dqw.op_type == "DequantizeLinear"):
         return None
     q = G.producer.get(dqx.input[0])
@@ -94,7 +104,7 @@ def _linear(G: _Graph, mm: onnx.NodeProto) -> Linear | None:
     if bias is None or bias.shape != (N,):
         return None
     return Linear(q, mm, add, q.input[0], float(sx), w, np.broadcast_to(sw, (N,)).astype(np.float32),
-                  bias.astype(np.float32))
+                  bias.astype(np.float32), cut)
 
 
 def _activation_between(G: _Graph, src: str, dst: str) -> tuple[str, list[onnx.NodeProto]] | None:
@@ -243,10 +253,11 @@ def rewrite(model: onnx.ModelProto, bf16: bool = False) -> tuple[onnx.ModelProto
     model = onnx.ModelProto.FromString(model.SerializeToString())
     G = _Graph(model)
     linears = [lin for mm in G.g.node if mm.op_type == "MatMul" and (lin := _linear(G, mm)) is not None]
-    by_input: dict[str, list[Linear]] = {}
+    by_input: dict[tuple[str, str | None], list[Linear]] = {}
     for lin in linears:
-        by_input.setdefault(lin.quantize.output[0], []).append(lin)
+        by_input.setdefault(lin.source, []).append(lin)
     replaced: dict[int, onnx.NodeProto] = {}  # id(first removed node) -> new node
+    before: dict[int, list[onnx.NodeProto]] = {}  # id(first removed node) -> nodes the new one reads
     removed: set[int] = set()
     new_inits: list[onnx.TensorProto] = []
     counts: Counter = Counter()
@@ -254,10 +265,10 @@ def rewrite(model: onnx.ModelProto, bf16: bool = False) -> tuple[onnx.ModelProto
 
     # FFNs: a lone Linear whose output runs through an activation into the next Linear's quantizer
     for up in linears:
-        if len(by_input[up.quantize.output[0]]) != 1:
+        if len(by_input[up.source]) != 1 or up.slice is not None:
             continue
         for down in linears:
-            if id(down) in taken or id(up) in taken or len(by_input[down.quantize.output[0]]) != 1:
+            if id(down) in taken or id(up) in taken or len(by_input[down.source]) != 1 or down.slice is not None:
                 continue
             if G.only_consumer(down.quantize.output[0]) is None or down.weights.shape[0] != up.weights.shape[1]:
                 continue
@@ -287,6 +298,12 @@ def rewrite(model: onnx.ModelProto, bf16: bool = False) -> tuple[onnx.ModelProto
             continue
         base = group[0].matmul.name.strip("/").replace("/", ".") + ".sparse24"
         inputs = [group[0].x]
+        ahead = []
+        if group[0].slice is not None:  # the same Slice, of the float input the kernel quantizes itself
+            cut = group[0].slice
+            ahead.append(helper.make_node("Slice", [group[0].x, *cut.input[1:]], [f"{base}.input"],
+                                          name=f"{base}/slice"))
+            inputs = [ahead[0].output[0]]
         for i, lin in enumerate(group):
             names, inits = _inits(f"{base}.{i}", lin)
             inputs += names
@@ -295,6 +312,7 @@ def rewrite(model: onnx.ModelProto, bf16: bool = False) -> tuple[onnx.ModelProto
                                 domain=DOMAIN, x_scale=group[0].x_scale)
         first = min(group, key=lambda lin: _position(G, lin.matmul))
         replaced[id(first.matmul)] = node
+        before[id(first.matmul)] = ahead
         removed.update(id(n) for lin in group for n in (lin.matmul, lin.add))
         counts["Sparse24Gemm"] += 1
         counts["linears"] += len(group)
@@ -311,7 +329,8 @@ def rewrite(model: onnx.ModelProto, bf16: bool = False) -> tuple[onnx.ModelProto
         removed.update(id(n) for n in att.nodes if n is not att.last)
         counts["Attention"] += 1
 
-    emit = {key: (_cast_around(node, 3 if node.op_type == "Attention" else 1) if bf16 else [node])
+    emit = {key: before.get(key, []) + (_cast_around(node, 3 if node.op_type == "Attention" else 1) if bf16
+                                         else [node])
             for key, node in replaced.items()}
     nodes = []
     for n in G.g.node:

@@ -271,11 +271,19 @@ def test_rewrite_puts_every_2_4_linear_on_the_kernels(checkpoints):
         model, counts = rewrite(onnx.load(str(ckpt / "model.ov.onnx")))
         ops = [n.op_type for n in model.graph.node]
         assert counts["Sparse24Ffn"] == ops.count("Sparse24Ffn") == 2, (act, counts)
-        # per layer Q, K, V as one node and the attention output; the last layer's [CLS]-row query stays
-        assert counts["linears"] + counts["linears_kept"] == 12 and counts["linears_kept"] <= 1, counts
+        # per layer Q, K, V as one node and the attention output; the last layer's [CLS]-row query, which reads
+        # its row sliced from the dequantized input, as a node of its own on that row of the float input
+        assert counts["linears"] == 12 and counts["linears_kept"] == 0, counts
+        assert counts["Sparse24Gemm"] == ops.count("Sparse24Gemm") == 5, counts
+        producer = {o: n for n in model.graph.node for o in n.output}
+        sliced = [n for n in model.graph.node
+                  if n.op_type == "Sparse24Gemm" and producer[n.input[0]].op_type == "Slice"]
+        assert len(sliced) == 1 and len(sliced[0].output) == 1, [n.name for n in sliced]
+        assert producer[producer[sliced[0].input[0]].input[0]].op_type == "LayerNormalization"
         ffn = next(n for n in model.graph.node if n.op_type == "Sparse24Ffn")
         assert helper.get_attribute_value(next(a for a in ffn.attribute if a.name == "activation")).decode() == act
-        assert "Erf" not in ops and "QuantizeLinear" in ops  # the GELU went into the FFN nodes
+        # the GELU went into the FFN nodes, every quantizer into a kernel
+        assert "Erf" not in ops and "QuantizeLinear" not in ops and "DequantizeLinear" not in ops
         wrapped, _ = rewrite(onnx.load(str(ckpt / "model.ov.onnx")), bf16=True)
         producer = {o: n for n in wrapped.graph.node for o in n.output}
         for node in (n for n in wrapped.graph.node if n.domain == "holoserve"):
