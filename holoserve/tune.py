@@ -199,8 +199,8 @@ def _choose_kernels(artifact, options: dict[str, Any], opts: TuneOptions, items,
     own = load_backend("openvino", artifact, **gemms)
     sizes = profile.batch_sizes(opts.max_batch_size)
     seconds = opts.duration * KERNELS_SHARE
-    print(f"openvino: timing the 2:4 kernels against OpenVINO's own GEMMs for about {seconds:.0f} s (they serve "
-          f"only where they are {profile.MARGIN:.0%} faster)", file=out, flush=True)
+    print(f"openvino: timing the 2:4 kernels against OpenVINO's own GEMMs for about {seconds:.0f} s (OpenVINO "
+          f"runs on them only where they are {profile.MARGIN:.0%} faster)", file=out, flush=True)
     timings = profile.time_backends({KERNELS: with_kernels, GEMMS: own}, items, sizes,
                                     profile.Plan(min_rounds=opts.min_rounds, seconds=seconds),
                                     profile.pad_id(artifact))
@@ -221,8 +221,9 @@ def kernels_verdict(medians: dict[str, dict[int, float]], sizes: list[int],
     kept = ratio <= 1 - margin
     what = (f"the 2:4 kernels took {ratio:.2f}x the time of OpenVINO's own GEMMs (geometric mean over batch sizes "
             f"{sizes[0]} to {sizes[-1]}): ")
-    what += ("they serve" if kept else f"OpenVINO's own GEMMs serve (the kernels serve only where they are "
-                                        f"{margin:.0%} faster)")
+    # said of OpenVINO alone: the decision may still serve ONNX Runtime, which these timings do not touch
+    what += ("OpenVINO runs on them" if kept else f"OpenVINO keeps its own GEMMs (it runs on the kernels only where "
+                                                  f"they are {margin:.0%} faster)")
     return {"kept": kept, "ratio": round(ratio, 4), "reason": what,
             "median_ms": {("on" if n == KERNELS else "off"): {str(b): round(t, 4) for b, t in by.items()}
                           for n, by in medians.items()}}

@@ -36,9 +36,9 @@ def test_the_kernels_stay_only_where_they_are_faster_by_the_margin():
 
     kept = verdict(0.85, 0.9, 0.88)
     assert kept["kept"] is True and kept["ratio"] == round((0.85 * 0.9 * 0.88) ** (1 / 3), 4), kept
-    assert "they serve" in kept["reason"] and kept["median_ms"]["off"] == {"1": 2.0, "8": 10.0, "32": 40.0}
+    assert "OpenVINO runs on them" in kept["reason"] and kept["median_ms"]["off"] == {"1": 2.0, "8": 10.0, "32": 40.0}
     tie = verdict(0.97, 0.96, 0.98)  # faster, but within the margin: the simpler path stays
-    assert tie["kept"] is False and "OpenVINO's own GEMMs serve" in tie["reason"], tie
+    assert tie["kept"] is False and "OpenVINO keeps its own GEMMs" in tie["reason"], tie
     assert verdict(1.2, 1.0, 1.03)["kept"] is False
     # each batch size counts alike: a large win at one row does not outvote losses at the others
     assert verdict(0.5, 1.2, 1.2)["kept"] is True and verdict(0.7, 1.2, 1.2)["kept"] is False
@@ -792,7 +792,7 @@ def test_tune_and_serve_with_the_kernels_on_any_cpu(both, tmp_path, monkeypatch,
     phase = prof["timings"]["kernels"]
     assert phase["kept"] is False and phase["ratio"] > 1 and set(phase["median_ms"]) == {"on", "off"}, phase
     assert prof["decision"]["openvino_kernels"] == "off", prof["decision"]
-    assert "the 2:4 kernels took" in prof["decision"]["reason"] and "OpenVINO's own GEMMs serve" in \
+    assert "the 2:4 kernels took" in prof["decision"]["reason"] and "OpenVINO keeps its own GEMMs" in \
         prof["decision"]["reason"], prof["decision"]
     assert prof["settings"]["openvino_kernels_status"].startswith("off: the 2:4 kernels took"), prof["settings"]
     assert "openvino" in prof["timings"]["median_ms"] and prof["key"]["kernels_build"] is None
